@@ -1,0 +1,24 @@
+"""User-facing errors.
+
+Every error a user can cause (a bad config, a corrupt dataset file, an
+impossible request) is a :class:`BettyError`. The CLI catches it once and prints
+its message as one line; the Python API lets it propagate.
+"""
+
+from __future__ import annotations
+
+
+class BettyError(Exception):
+    """Base class of errors caused by user input; the message names the input and the fix."""
+
+
+class ConfigError(BettyError):
+    """A configuration file or override is malformed or names an unknown key or bad value."""
+
+
+class DatasetError(BettyError):
+    """A dataset is unknown, missing, truncated, tampered with or fails its checksum."""
+
+
+class TrainingError(BettyError):
+    """Training cannot continue (e.g. the loss became NaN, or a checkpoint is unusable)."""

@@ -1,0 +1,27 @@
+"""Built-in models operating on blocks, and node-keyed dropout.
+
+Any ``torch.nn.Module`` with ``forward(blocks: list[Block], x: Tensor) -> Tensor``
+(logits of ``blocks[-1]``'s dst nodes) trains with betty-trainer; these are the
+built-in ones.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from betty_trainer.graph import Graph
+from betty_trainer.models.dropout import NodeDropout, keyed_uniform, set_dropout_key
+from betty_trainer.models.gcn import GCN, GCNConv
+from betty_trainer.models.sage import GraphSAGE, SAGEConv
+
+
+def build_model(config, graph: Graph) -> nn.Module:
+    """The built-in model a :class:`~betty_trainer.config.ModelConfig` describes, sized for ``graph``."""
+    if config.arch == "sage":
+        return GraphSAGE(graph.num_features, config.hidden, graph.num_classes, config.num_layers,
+                         config.aggregator, config.dropout)
+    return GCN(graph.num_features, config.hidden, graph.num_classes, graph.in_degrees(),
+               config.num_layers, config.dropout)
+
+
+__all__ = ["GCN", "GCNConv", "GraphSAGE", "NodeDropout", "SAGEConv", "build_model", "keyed_uniform", "set_dropout_key"]

@@ -1,0 +1,87 @@
+"""Dropout keyed by node: masks from a counter-based hash, identical for a node in every micro-batch.
+
+Betty §4.2 argues micro-batch training equals full-batch training; with ordinary
+dropout it does not (a node seen by two micro-batches gets two masks, and the RNG
+stream depends on the split). Here the mask of element ``(node, feature)`` in
+layer ``l`` at step ``t`` is a pure function of ``(seed, t, l, node, feature)``,
+so any split of a batch into micro-batches computes exactly the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor | int) -> Tensor | int:
+    """MurmurHash3's 32-bit finaliser on values in ``[0, 2³²)`` held in int64 (tensor or int)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keyed_uniform(seed: int, step: int, layer: int, node_ids: Tensor, num_features: int) -> Tensor:
+    """Uniform ``[0, 1)`` numbers that depend only on ``(seed, step, layer, node, feature)``.
+
+    Args:
+        seed, step, layer: non-negative integers keying the stream.
+        node_ids: ``(N,)`` int64 global node ids (rows).
+        num_features: ``F`` (columns).
+
+    Returns:
+        ``(N, F)`` float32 on ``node_ids.device``, multiples of 2⁻²⁴.
+    """
+    key = _mix32((seed & _MASK32) ^ 0x3C6EF372)
+    for part in (seed >> 32, step & _MASK32, step >> 32, layer):
+        key = _mix32(key ^ (part & _MASK32))
+        key = (key + 0x9E3779B9) & _MASK32
+    nodes = node_ids.long()
+    row = _mix32(_mix32((nodes & _MASK32) ^ key) ^ ((nodes >> 32) & _MASK32))
+    col = _mix32((torch.arange(num_features, device=nodes.device) * 0x9E3779B1 + key + 1) & _MASK32)
+    bits = _mix32(row[:, None] ^ col[None, :])
+    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+class NodeDropout(nn.Module):
+    """Inverted dropout whose mask is keyed by global node id (see module docstring).
+
+    Args:
+        p: drop probability in ``[0, 1)``. Default ``0.5``.
+
+    Shapes:
+        ``h``: ``(N, F)``; ``node_ids``: ``(N,)`` int64 → ``(N, F)``.
+
+    The key ``(seed, step)`` is set for the whole model with :func:`set_dropout_key`;
+    in eval mode or with ``p == 0`` the module is the identity.
+
+    Raises:
+        ValueError: if ``p`` is outside ``[0, 1)``.
+    """
+
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.seed = 0
+        self.step = 0
+
+    def forward(self, h: Tensor, node_ids: Tensor, layer: int) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return h
+        keep = keyed_uniform(self.seed, self.step, layer, node_ids, h.shape[1]) >= self.p
+        return h * keep.to(h.dtype) / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def set_dropout_key(model: nn.Module, seed: int, step: int) -> None:
+    """Set the ``(seed, step)`` key of every :class:`NodeDropout` in ``model``; call once per batch."""
+    for module in model.modules():
+        if isinstance(module, NodeDropout):
+            module.seed, module.step = seed, step

@@ -1,0 +1,73 @@
+"""GCN (Kipf & Welling, ICLR 2017) on blocks, normalised by the whole graph's degrees."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from betty_trainer.block import Block
+from betty_trainer.models.aggregate import sum_neighbours
+from betty_trainer.models.stack import LayerStack, layer_widths
+
+
+class GCNConv(nn.Module):
+    """One GCN layer: h'_d = Σ_{s∈N(d)∪{d}} W·h_s / sqrt(d̃_s·d̃_d) + b (Kipf & Welling 2017, Eq. 2).
+
+    ``d̃ = in-degree + 1`` comes from the **whole graph** (a per-node vector given to
+    the model), not from the block: a block's src out-degrees change when a batch
+    is split into micro-batches, and the graph's do not, so the layer computes the
+    same function on any micro-batch.
+
+    Args:
+        in_feats: ``F_in``.
+        out_feats: ``F_out``.
+
+    Shapes:
+        ``h_src`` ``(num_src, F_in)``, ``inv_sqrt_degree`` ``(num_src,)`` → ``(num_dst, F_out)``.
+    """
+
+    def __init__(self, in_feats: int, out_feats: int):
+        super().__init__()
+        self.in_feats, self.out_feats = in_feats, out_feats
+        self.linear = nn.Linear(in_feats, out_feats, bias=False)
+        self.bias = nn.Parameter(torch.empty(out_feats))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.linear.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, block: Block, h_src: Tensor, inv_sqrt_degree: Tensor) -> Tensor:
+        project_first = self.in_feats > self.out_feats
+        h = self.linear(h_src) if project_first else h_src
+        h = h * inv_sqrt_degree.unsqueeze(1).to(h.dtype)
+        out = sum_neighbours(block, h, block.edge_weight) + h[: block.num_dst]
+        out = out * inv_sqrt_degree[: block.num_dst].unsqueeze(1).to(h.dtype)
+        return (out if project_first else self.linear(out)) + self.bias
+
+    def __repr__(self) -> str:
+        return f"GCNConv({self.in_feats}, {self.out_feats})"
+
+
+class GCN(LayerStack):
+    """GCN: a :class:`~betty_trainer.models.stack.LayerStack` of :class:`GCNConv` layers.
+
+    Args:
+        in_feats: ``F``.
+        hidden: hidden width.
+        out_feats: ``C``.
+        in_degrees: ``(N,)`` int64 in-degrees of the whole graph (``Graph.in_degrees()``).
+        num_layers: ``L ≥ 1``.
+        dropout: drop probability. Default ``0.5``.
+
+    Shapes:
+        ``x`` ``(blocks[0].num_src, F)`` → ``(blocks[-1].num_dst, C)``.
+    """
+
+    def __init__(self, in_feats: int, hidden: int, out_feats: int, in_degrees: Tensor,
+                 num_layers: int = 2, dropout: float = 0.5):
+        super().__init__(layer_widths(in_feats, hidden, out_feats, num_layers), GCNConv, dropout)
+        self.register_buffer("inv_sqrt_degree", (in_degrees.float() + 1).rsqrt())
+
+    def apply_layer(self, layer: nn.Module, block: Block, h: Tensor) -> Tensor:
+        return layer(block, h, self.inv_sqrt_degree[block.src_nodes])

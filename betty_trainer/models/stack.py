@@ -1,0 +1,54 @@
+"""The layer stack every built-in model shares: layer → ReLU → node-keyed dropout, block by block."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from betty_trainer.block import Block
+from betty_trainer.models.dropout import NodeDropout
+
+
+class LayerStack(nn.Module):
+    """``L`` graph layers applied to ``L`` blocks, input layer first.
+
+    Dropout is applied to the input features and to every hidden representation
+    (as DGL's GraphSAGE example does), keyed by each block's src node ids, and ReLU
+    follows every layer but the last.
+
+    Args:
+        widths: ``[F, hidden, …, C]``, ``L + 1`` widths.
+        make_layer: ``(in_feats, out_feats) -> nn.Module`` with ``forward(block, h_src)``.
+        dropout: drop probability.
+
+    Shapes:
+        ``x`` ``(blocks[0].num_src, F)`` → ``(blocks[-1].num_dst, C)`` logits.
+    """
+
+    def __init__(self, widths: list[int], make_layer: Callable[[int, int], nn.Module], dropout: float):
+        super().__init__()
+        if len(widths) < 2:
+            raise ValueError("a model needs at least one layer")
+        self.layers = nn.ModuleList(make_layer(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.dropout = NodeDropout(dropout)
+
+    def apply_layer(self, layer: nn.Module, block: Block, h: Tensor) -> Tensor:
+        """Run one layer; subclasses pass extra per-node inputs here."""
+        return layer(block, h)
+
+    def forward(self, blocks: list[Block], x: Tensor) -> Tensor:
+        if len(blocks) != len(self.layers):
+            raise ValueError(f"model has {len(self.layers)} layers but the batch has {len(blocks)} blocks")
+        h = x
+        for index, (layer, block) in enumerate(zip(self.layers, blocks)):
+            h = self.apply_layer(layer, block, self.dropout(h, block.src_nodes, index))
+            if index < len(self.layers) - 1:
+                h = F.relu(h)
+        return h
+
+
+def layer_widths(in_feats: int, hidden: int, out_feats: int, num_layers: int) -> list[int]:
+    """``[in_feats, hidden × (num_layers − 1), out_feats]``."""
+    return [in_feats] + [hidden] * (num_layers - 1) + [out_feats]

@@ -1,0 +1,290 @@
+"""The training loop: sample → partition into micro-batches → accumulate gradients → step (Betty §4.2).
+
+Reads top to bottom (see :func:`train`). One optimizer step per batch; micro-batch
+``k`` contributes ``Σ_{i∈V_k} loss_i / |V|``, so the accumulated gradient is the
+full batch's gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from betty_trainer.block import Batch
+from betty_trainer.checkpoint import load_checkpoint, save_checkpoint
+from betty_trainer.config import Config
+from betty_trainer.datasets import load_dataset
+from betty_trainer.errors import ConfigError, TrainingError
+from betty_trainer.graph import Graph
+from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.sampling import sample_batch
+from partition import partition_outputs, redundancy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochMetrics:
+    """One line of ``metrics.jsonl``. Accuracies are fractions in ``[0, 1]``; ``seconds`` is wall time."""
+
+    epoch: int
+    loss: float
+    train_acc: float
+    val_acc: float | None
+    test_acc: float | None
+    micro_batches: int
+    input_redundancy: float
+    seconds: float
+
+
+@dataclass
+class TrainResult:
+    """Summary of a run: the epoch with the best validation accuracy and its test accuracy."""
+
+    run_dir: Path
+    best_epoch: int
+    best_val_acc: float
+    test_acc: float
+    last: EpochMetrics
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (numpy ``SeedSequence``), e.g. ``(seed, epoch)``."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def split_seeds(train_idx: Tensor, batch_size: int | None, generator: torch.Generator) -> list[Tensor]:
+    """The batches of one epoch: the full batch (``batch_size=None``) or shuffled mini-batches."""
+    if batch_size is None or batch_size >= train_idx.numel():
+        return [train_idx]
+    return list(train_idx[torch.randperm(train_idx.numel(), generator=generator)].split(batch_size))
+
+
+def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, seed: int) -> list[Batch]:
+    """Split ``batch`` into at most ``num_micro_batches`` micro-batches with ``partitioner``.
+
+    ``K`` is capped at the number of output nodes (a mini-batch smaller than ``K``).
+    """
+    k = min(num_micro_batches, batch.output_nodes.numel())
+    if k == 1:
+        return [batch]
+    return batch.split(partition_outputs(batch.blocks[-1], k, partitioner, seed))
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    micro_batches: Sequence[Batch],
+    features: Tensor,
+    labels: Tensor,
+    device: torch.device,
+) -> tuple[float, int]:
+    """Forward and backward every micro-batch, accumulating ``∇ mean_{i∈V} loss_i`` in ``.grad``.
+
+    Micro-batch ``k`` contributes ``Σ_{i∈V_k} CE_i / |V|`` with ``|V|`` the batch's
+    output count (Betty §4.2.3), so the sum equals the full-batch gradient.
+
+    Args:
+        model: ``forward(blocks, x)`` returning ``(num_outputs, C)`` logits.
+        micro_batches: disjoint micro-batches of one batch.
+        features: ``(N, F)`` node features (any device; rows are gathered then moved).
+        labels: ``(N,)`` int64 labels.
+        device: where the model runs.
+
+    Returns:
+        The batch's mean loss and the number of correctly classified outputs.
+
+    Raises:
+        TrainingError: if a loss is NaN or infinite (no gradient of that batch is applied).
+    """
+    total = sum(mb.output_nodes.numel() for mb in micro_batches)
+    loss_sum, correct = 0.0, 0
+    for index, micro_batch in enumerate(micro_batches):
+        x = features[micro_batch.input_nodes].to(device, non_blocking=True)
+        y = labels[micro_batch.output_nodes].to(device, non_blocking=True)
+        logits = model(micro_batch.to(device).blocks, x)
+        loss = F.cross_entropy(logits, y, reduction="sum") / total
+        if not torch.isfinite(loss):
+            raise TrainingError(f"loss is {loss.item()} in micro-batch {index}; try a lower optim.lr")
+        loss.backward()
+        loss_sum += loss.item()
+        correct += int((logits.argmax(1) == y).sum())
+    return loss_sum, correct
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, graph: Graph, nodes: Tensor, num_layers: int, device: torch.device,
+             batch_size: int = 8192) -> float:
+    """Accuracy on ``nodes`` with full neighbourhoods, in eval mode (no dropout).
+
+    Returns:
+        Fraction of ``nodes`` whose argmax logit equals the label; ``nan`` if ``nodes`` is empty.
+    """
+    if nodes.numel() == 0:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for chunk in nodes.split(batch_size):
+        batch = sample_batch(graph, chunk, [None] * num_layers).to(device)
+        logits = model(batch.blocks, graph.x[batch.input_nodes].to(device))
+        correct += int((logits.argmax(1).cpu() == graph.y[chunk]).sum())
+    model.train(was_training)
+    return correct / nodes.numel()
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → ``cuda`` when available, else ``cpu``.
+
+    Raises:
+        ConfigError: for an unknown device or CUDA requested without a GPU.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"invalid config value for 'train.device' ({name!r}): use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device is cuda but no CUDA GPU is available; use train.device=cpu")
+    return device
+
+
+def new_run_dir(config: Config) -> Path:
+    """``config.train.run_dir``, or ``runs/<name>-<timestamp>`` (never an existing folder)."""
+    if config.train.run_dir is not None:
+        return config.train.run_dir
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    candidate, n = Path("runs") / f"{config.name}-{stamp}", 1
+    while candidate.exists():
+        candidate, n = Path("runs") / f"{config.name}-{stamp}-{n}", n + 1
+    return candidate
+
+
+def train(
+    config: Config,
+    *,
+    model: nn.Module | None = None,
+    graph: Graph | None = None,
+    run_dir: Path | None = None,
+    resume: bool = False,
+) -> TrainResult:
+    """Train a model with micro-batch gradient accumulation, writing a run directory.
+
+    The run directory holds ``config.yaml`` (resolved config), ``metrics.jsonl``
+    (one :class:`EpochMetrics` per epoch) and ``checkpoint.pt`` (replaced atomically
+    after every epoch). ``resume=True`` continues from that checkpoint and gives
+    the same parameters as an uninterrupted run (sampling and dropout are keyed by
+    ``(seed, epoch, step)``, not by RNG state).
+
+    Args:
+        config: the run configuration.
+        model: a custom ``nn.Module`` with ``forward(blocks, x)``; default: built from ``config.model``.
+        graph: a graph to train on; default: loaded from ``config.dataset``.
+        run_dir: overrides ``config.train.run_dir``.
+        resume: continue the run in ``run_dir``.
+
+    Returns:
+        A :class:`TrainResult` (model chosen on validation accuracy).
+
+    Raises:
+        BettyError: bad dataset or config, NaN loss (:class:`TrainingError`), unusable checkpoint.
+    """
+    device = resolve_device(config.train.device)
+    graph = graph if graph is not None else load_dataset(config.dataset)
+    if graph.train_idx.numel() == 0:
+        raise ConfigError(f"dataset {graph.name!r} has no training nodes")
+    model = (model if model is not None else build_model(config.model, graph)).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    fanouts = config.sampling.fanouts or [None] * config.model.num_layers
+    features = graph.x.pin_memory() if device.type == "cuda" else graph.x
+
+    run_dir = run_dir or new_run_dir(config)
+    metrics_path = run_dir / "metrics.jsonl"
+    start_epoch, best = 0, {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")}
+    if resume:
+        state = load_checkpoint(run_dir)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, best = state["epoch"] + 1, state["best"]
+        _truncate_metrics(metrics_path, state["epoch"])
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config.to_yaml())
+        metrics_path.write_text("")
+
+    last = None
+    model.train()
+    with _progress(config.train.progress) as progress:
+        task = progress.add_task(f"{graph.name} · {config.micro_batch.partitioner}", total=config.optim.epochs,
+                                 completed=start_epoch, status="")
+        for epoch in range(start_epoch, config.optim.epochs):
+            started = time.perf_counter()
+            epoch_seed = derive_seed(config.seed, epoch)
+            generator = torch.Generator().manual_seed(epoch_seed)
+            seed_batches = split_seeds(graph.train_idx, config.sampling.batch_size, generator)
+            loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
+            for index, seeds in enumerate(seed_batches):
+                batch = sample_batch(graph, seeds, fanouts, generator)
+                micro_batches = plan_micro_batches(
+                    batch, config.micro_batch.num_micro_batches, config.micro_batch.partitioner, epoch_seed % 2**31
+                )
+                set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
+                optimizer.zero_grad(set_to_none=True)
+                try:
+                    batch_loss, batch_correct = accumulate_gradients(model, micro_batches, features, graph.y, device)
+                except TrainingError as error:
+                    raise TrainingError(f"epoch {epoch}, batch {index}: {error}; last checkpoint: {run_dir}") from None
+                optimizer.step()
+                loss_sum += batch_loss * seeds.numel()
+                correct += batch_correct
+                k_used = max(k_used, len(micro_batches))
+                input_redundancy = max(input_redundancy, redundancy(batch.blocks, [mb.blocks for mb in micro_batches])[0])
+
+            evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
+            val_acc = evaluate(model, graph, graph.val_idx, len(fanouts), device) if evaluate_now else None
+            test_acc = evaluate(model, graph, graph.test_idx, len(fanouts), device) if evaluate_now else None
+            if val_acc is not None and val_acc > best["val_acc"]:
+                best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
+            last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),
+                                val_acc, test_acc, k_used, input_redundancy, time.perf_counter() - started)
+            with metrics_path.open("a") as handle:
+                handle.write(json.dumps(asdict(last)) + "\n")
+            save_checkpoint(run_dir, {"epoch": epoch, "model": model.state_dict(),
+                                      "optimizer": optimizer.state_dict(), "best": best})
+            progress.update(task, advance=1, status=_status(last, best))
+
+    if last is None:
+        raise TrainingError(f"run in {run_dir} already finished {config.optim.epochs} epochs; raise optim.epochs to continue")
+    return TrainResult(run_dir, best["epoch"], best["val_acc"], best["test_acc"], last)
+
+
+def _status(metrics: EpochMetrics, best: dict) -> str:
+    val = "-" if metrics.val_acc is None else f"{metrics.val_acc:.3f}"
+    return f"loss {metrics.loss:.4f} · val {val} · best val {best['val_acc']:.3f} (test {best['test_acc']:.3f})"
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
+        TimeElapsedColumn(), TextColumn("{task.fields[status]}"), disable=not enabled,
+    )
+
+
+def _truncate_metrics(path: Path, last_epoch: int) -> None:
+    """Drop metric lines written after the checkpoint's epoch (a crash between the two writes)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["epoch"] <= last_epoch]
+    path.write_text("".join(line + "\n" for line in kept))
