@@ -12,12 +12,12 @@ from betty_trainer.errors import BettyError, ConfigError, DatasetError, Training
 from betty_trainer.graph import Graph
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
 from betty_trainer.sampling import sample_batch
-from betty_trainer.trainer import TrainResult, accumulate_gradients, evaluate, plan_micro_batches, train
+from betty_trainer.trainer import TrainResult, accumulate_gradients, evaluate, full_neighbourhood_batches, plan_micro_batches, train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "Config", "ConfigError", "DatasetError", "Graph",
     "GraphSAGE", "NodeDropout", "TrainResult", "TrainingError", "accumulate_gradients", "build_model",
-    "evaluate", "load_config", "load_dataset", "make_sbm", "plan_micro_batches", "sample_batch", "train",
+    "evaluate", "full_neighbourhood_batches", "load_config", "load_dataset", "make_sbm", "plan_micro_batches", "sample_batch", "train",
 ]

@@ -8,7 +8,6 @@ full batch's gradient.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -31,7 +30,7 @@ from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.sampling import sample_batch
 from partition import partition_outputs, redundancy
 
-logger = logging.getLogger(__name__)
+_INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
 
 
 @dataclass
@@ -122,25 +121,34 @@ def accumulate_gradients(
     return loss_sum, correct
 
 
+def full_neighbourhood_batches(graph: Graph, nodes: Tensor, num_layers: int, batch_size: int = 8192) -> list[Batch]:
+    """Full-neighbourhood batches over ``nodes`` in chunks of ``batch_size`` seeds (for evaluation)."""
+    return [sample_batch(graph, chunk, [None] * num_layers) for chunk in nodes.split(batch_size)]
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, graph: Graph, nodes: Tensor, num_layers: int, device: torch.device,
-             batch_size: int = 8192) -> float:
-    """Accuracy on ``nodes`` with full neighbourhoods, in eval mode (no dropout).
+def evaluate(model: nn.Module, batches: Sequence[Batch], features: Tensor, labels: Tensor, device: torch.device) -> float:
+    """Accuracy over the output nodes of ``batches``, in eval mode (no dropout).
+
+    Args:
+        model: the model.
+        batches: e.g. from :func:`full_neighbourhood_batches`.
+        features: ``(N, F)`` node features.
+        labels: ``(N,)`` int64 labels.
+        device: where the model runs.
 
     Returns:
-        Fraction of ``nodes`` whose argmax logit equals the label; ``nan`` if ``nodes`` is empty.
+        Fraction in ``[0, 1]`` of outputs whose argmax logit is the label; ``nan`` with no outputs.
     """
-    if nodes.numel() == 0:
-        return float("nan")
     was_training = model.training
     model.eval()
-    correct = 0
-    for chunk in nodes.split(batch_size):
-        batch = sample_batch(graph, chunk, [None] * num_layers).to(device)
-        logits = model(batch.blocks, graph.x[batch.input_nodes].to(device))
-        correct += int((logits.argmax(1).cpu() == graph.y[chunk]).sum())
+    correct, total = 0, 0
+    for batch in batches:
+        logits = model(batch.to(device).blocks, features[batch.input_nodes].to(device))
+        correct += int((logits.argmax(1).cpu() == labels[batch.output_nodes]).sum())
+        total += batch.output_nodes.numel()
     model.train(was_training)
-    return correct / nodes.numel()
+    return correct / total if total else float("nan")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -204,10 +212,17 @@ def train(
     graph = graph if graph is not None else load_dataset(config.dataset)
     if graph.train_idx.numel() == 0:
         raise ConfigError(f"dataset {graph.name!r} has no training nodes")
-    model = (model if model is not None else build_model(config.model, graph)).to(device)
+    if model is None:
+        with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
+            torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))
+            model = build_model(config.model, graph)
+    model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
     fanouts = config.sampling.fanouts or [None] * config.model.num_layers
     features = graph.x.pin_memory() if device.type == "cuda" else graph.x
+
+    eval_batches = {split: full_neighbourhood_batches(graph, nodes, len(fanouts))
+                    for split, nodes in (("val", graph.val_idx), ("test", graph.test_idx))}
 
     run_dir = run_dir or new_run_dir(config)
     metrics_path = run_dir / "metrics.jsonl"
@@ -252,8 +267,8 @@ def train(
                 input_redundancy = max(input_redundancy, redundancy(batch.blocks, [mb.blocks for mb in micro_batches])[0])
 
             evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
-            val_acc = evaluate(model, graph, graph.val_idx, len(fanouts), device) if evaluate_now else None
-            test_acc = evaluate(model, graph, graph.test_idx, len(fanouts), device) if evaluate_now else None
+            val_acc = evaluate(model, eval_batches["val"], features, graph.y, device) if evaluate_now else None
+            test_acc = evaluate(model, eval_batches["test"], features, graph.y, device) if evaluate_now else None
             if val_acc is not None and val_acc > best["val_acc"]:
                 best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
             last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),

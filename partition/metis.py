@@ -34,8 +34,7 @@ def metis_kway(adjacency: sp.csr_matrix, k: int, seed: int = 0, vertex_weights: 
     options = pymetis.Options(seed=seed)
     _, parts = pymetis.part_graph(
         k,
-        xadj=adjacency.indptr.astype(np.int64),
-        adjncy=adjacency.indices.astype(np.int64),
+        pymetis.CSRAdjacency(adjacency.indptr.astype(np.int64), adjacency.indices.astype(np.int64)),
         eweights=weights.astype(np.int64) if weights.size else None,
         vweights=None if vertex_weights is None else np.asarray(vertex_weights, dtype=np.int64),
         options=options,

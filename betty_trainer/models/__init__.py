@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from betty_trainer.graph import Graph
-from betty_trainer.models.dropout import NodeDropout, keyed_uniform, set_dropout_key
+from betty_trainer.models.dropout import NodeDropout, keyed_bits, keyed_uniform, set_dropout_key
 from betty_trainer.models.gcn import GCN, GCNConv
 from betty_trainer.models.sage import GraphSAGE, SAGEConv
 
@@ -24,4 +24,4 @@ def build_model(config, graph: Graph) -> nn.Module:
                config.num_layers, config.dropout)
 
 
-__all__ = ["GCN", "GCNConv", "GraphSAGE", "NodeDropout", "SAGEConv", "build_model", "keyed_uniform", "set_dropout_key"]
+__all__ = ["GCN", "GCNConv", "GraphSAGE", "NodeDropout", "SAGEConv", "build_model", "keyed_bits", "keyed_uniform", "set_dropout_key"]

@@ -24,8 +24,12 @@ def _mix32(x: Tensor | int) -> Tensor | int:
     return x ^ (x >> 16)
 
 
-def keyed_uniform(seed: int, step: int, layer: int, node_ids: Tensor, num_features: int) -> Tensor:
-    """Uniform ``[0, 1)`` numbers that depend only on ``(seed, step, layer, node, feature)``.
+def keyed_bits(seed: int, step: int, layer: int, node_ids: Tensor, num_features: int) -> Tensor:
+    """24 random bits per ``(node, feature)`` that depend only on ``(seed, step, layer, node, feature)``.
+
+    The key is mixed into one 32-bit hash per node row and one per feature column
+    (MurmurHash3 finaliser), and every element is the finaliser of ``row ⊕ column``,
+    computed in place so the ``(N, F)`` work is a handful of passes.
 
     Args:
         seed, step, layer: non-negative integers keying the stream.
@@ -33,7 +37,7 @@ def keyed_uniform(seed: int, step: int, layer: int, node_ids: Tensor, num_featur
         num_features: ``F`` (columns).
 
     Returns:
-        ``(N, F)`` float32 on ``node_ids.device``, multiples of 2⁻²⁴.
+        ``(N, F)`` int64 on ``node_ids.device``, uniform on ``[0, 2²⁴)``.
     """
     key = _mix32((seed & _MASK32) ^ 0x3C6EF372)
     for part in (seed >> 32, step & _MASK32, step >> 32, layer):
@@ -42,8 +46,18 @@ def keyed_uniform(seed: int, step: int, layer: int, node_ids: Tensor, num_featur
     nodes = node_ids.long()
     row = _mix32(_mix32((nodes & _MASK32) ^ key) ^ ((nodes >> 32) & _MASK32))
     col = _mix32((torch.arange(num_features, device=nodes.device) * 0x9E3779B1 + key + 1) & _MASK32)
-    bits = _mix32(row[:, None] ^ col[None, :])
-    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    bits = row[:, None] ^ col[None, :]
+    bits.bitwise_xor_(bits >> 16)
+    bits.mul_(0x85EBCA6B).bitwise_and_(_MASK32)
+    bits.bitwise_xor_(bits >> 13)
+    bits.mul_(0xC2B2AE35).bitwise_and_(_MASK32)
+    bits.bitwise_xor_(bits >> 16)
+    return bits.bitwise_right_shift_(8)
+
+
+def keyed_uniform(seed: int, step: int, layer: int, node_ids: Tensor, num_features: int) -> Tensor:
+    """:func:`keyed_bits` as ``(N, F)`` float32 uniform numbers in ``[0, 1)`` (multiples of 2⁻²⁴)."""
+    return keyed_bits(seed, step, layer, node_ids, num_features).to(torch.float32) * (1.0 / (1 << 24))
 
 
 class NodeDropout(nn.Module):
@@ -73,7 +87,7 @@ class NodeDropout(nn.Module):
     def forward(self, h: Tensor, node_ids: Tensor, layer: int) -> Tensor:
         if not self.training or self.p == 0.0:
             return h
-        keep = keyed_uniform(self.seed, self.step, layer, node_ids, h.shape[1]) >= self.p
+        keep = keyed_bits(self.seed, self.step, layer, node_ids, h.shape[1]) >= round(self.p * (1 << 24))
         return h * keep.to(h.dtype) / (1.0 - self.p)
 
     def extra_repr(self) -> str:

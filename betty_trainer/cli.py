@@ -1,0 +1,117 @@
+"""The ``betty-train`` command line: ``train``, ``validate``, ``datasets``.
+
+Every :class:`~betty_trainer.errors.BettyError` is caught here once and printed as
+one line (``error: …``) with exit status 2; no traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from betty_trainer.config import Config, load_config
+from betty_trainer.datasets import DATASETS, cache_dir
+from betty_trainer.errors import BettyError, ConfigError
+
+EXIT_USER_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="betty-train",
+        description="Train GNNs with memory-fitting micro-batches (REG partitioning, Betty).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_config_args(sub: argparse.ArgumentParser, required: bool) -> None:
+        sub.add_argument("--config", type=Path, required=required, help="YAML config file (see configs/)")
+        sub.add_argument("overrides", nargs="*", metavar="key.path=value", help="override config keys, e.g. optim.lr=0.005")
+        sub.add_argument("--data-dir", type=Path, help="folder holding the dataset's raw files (sets dataset.data_dir)")
+        sub.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+
+    train = commands.add_parser("train", help="train a model")
+    add_config_args(train, required=False)
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    validate = commands.add_parser("validate", help="check a config and say whether it is well-formed")
+    add_config_args(validate, required=True)
+    commands.add_parser("datasets", help="list known datasets and where their files are")
+    return parser
+
+
+def _resolve(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    if args.data_dir is not None:
+        overrides.append(f"dataset.data_dir={args.data_dir}")
+    if getattr(args, "resume", None) is not None:
+        if args.config is not None:
+            raise ConfigError("--resume reads the run's own config.yaml; pass overrides, not --config")
+        saved = args.resume / "config.yaml"
+        if not saved.is_file():
+            raise ConfigError(f"{args.resume} is not a run directory (no config.yaml)")
+        return load_config(saved, overrides)
+    if args.config is None:
+        raise ConfigError("train needs --config FILE (try configs/quickstart.yaml) or --resume RUN_DIR")
+    return load_config(args.config, overrides)
+
+
+def _train(args: argparse.Namespace, console: Console) -> None:
+    from betty_trainer.trainer import train  # heavy imports only when training
+
+    config = _resolve(args)
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return
+    result = train(config, run_dir=args.resume, resume=args.resume is not None)
+    console.print(
+        f"final test accuracy {result.test_acc:.4f} (model chosen on validation: epoch {result.best_epoch}, "
+        f"val {result.best_val_acc:.4f}); last epoch test {result.last.test_acc:.4f}; run dir {result.run_dir}",
+        highlight=False,
+    )
+
+
+def _validate(args: argparse.Namespace, console: Console) -> None:
+    config = _resolve(args)
+    if args.print_config:
+        print(config.to_yaml(), end="")
+    else:
+        console.print(f"{args.config}: well-formed", highlight=False)
+
+
+def _datasets(args: argparse.Namespace, console: Console) -> None:
+    table = Table(title="datasets")
+    for column in ("name", "description", "files", "cached in " + str(cache_dir())):
+        table.add_column(column)
+    for spec in DATASETS.values():
+        if not spec.files:
+            cached = "generated, no files"
+        else:
+            present = sum((cache_dir() / spec.name / name).is_file() for name in spec.files)
+            cached = f"{present}/{len(spec.files)} files"
+        table.add_row(spec.name, spec.description, str(len(spec.files)), cached)
+    console.print(table)
+    console.print("Files are read from --data-dir, else $BETTY_DATA_DIR, else the cache (downloaded when online).")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``betty-train``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    console = Console()
+    command = {"train": _train, "validate": _validate, "datasets": _datasets}[args.command]
+    try:
+        command(args, console)
+    except BettyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted; continue with: betty-train train --resume RUN_DIR", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Shared fixtures. Real datasets come from ../shared/datasets (or $BETTY_TEST_DATA).
+
+Outside CI a missing data folder skips the tests that need it; in CI (``CI`` set)
+it fails them, so CI always exercises the real files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from betty_trainer.config import DatasetConfig
+from betty_trainer.datasets import load_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+DATASETS = Path(os.environ.get("BETTY_TEST_DATA", REPO.parent / "shared" / "datasets"))
+
+
+@pytest.fixture(scope="session")
+def planetoid_dir() -> Path:
+    folder = DATASETS / "planetoid"
+    if not (folder / "ind.cora.x").is_file():
+        message = f"Planetoid files not found in {folder} (set BETTY_TEST_DATA to the shared datasets folder)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cora(planetoid_dir):
+    return load_dataset(DatasetConfig(name="cora", data_dir=planetoid_dir))
+
+
+@pytest.fixture(scope="session")
+def citeseer(planetoid_dir):
+    return load_dataset(DatasetConfig(name="citeseer", data_dir=planetoid_dir))

@@ -1,0 +1,46 @@
+"""Node-keyed dropout: the right keep rate, and one mask per (seed, step, layer, node, feature)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from betty_trainer.models import NodeDropout, keyed_uniform, set_dropout_key
+
+
+def test_keyed_uniform_is_uniform():
+    u = keyed_uniform(seed=1, step=2, layer=0, node_ids=torch.arange(1000), num_features=500)
+    n = u.numel()
+    # mean of U(0,1) has std 1/sqrt(12 n); 5 sigma
+    assert abs(u.mean().item() - 0.5) <= 5 / math.sqrt(12 * n)
+    # each decile holds 10% ± 5 binomial sigma
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    sigma = math.sqrt(n * 0.1 * 0.9)
+    assert (counts - n * 0.1).abs().max() <= 5 * sigma
+    # neighbouring rows and columns are uncorrelated (|r| ≤ 5/sqrt(n))
+    centred = u - 0.5
+    for a, b in ((centred[:-1], centred[1:]), (centred[:, :-1], centred[:, 1:])):
+        r = (a * b).mean() / (centred.var())
+        assert abs(r.item()) <= 5 / math.sqrt(a.numel())
+
+
+def test_mask_depends_on_node_not_on_batch_composition():
+    nodes = torch.tensor([5, 17, 2**40 + 3, 99])
+    full = keyed_uniform(0, 3, 1, nodes, 64)
+    part = keyed_uniform(0, 3, 1, nodes[[2, 0]], 64)
+    assert torch.equal(part, full[[2, 0]])
+    for other in ((1, 3, 1), (0, 4, 1), (0, 3, 0)):
+        assert not torch.equal(keyed_uniform(*other, nodes, 64), full)
+
+
+def test_node_dropout_keep_rate_scaling_and_eval():
+    layer = NodeDropout(0.3)
+    set_dropout_key(layer, seed=4, step=0)
+    h = torch.ones(2000, 100)
+    out = layer(h, torch.arange(2000), layer=0)
+    kept = (out > 0).float().mean().item()
+    assert abs(kept - 0.7) <= 5 * math.sqrt(0.7 * 0.3 / h.numel())
+    assert torch.allclose(out[out > 0], torch.full_like(out[out > 0], 1 / 0.7))
+    layer.eval()
+    assert torch.equal(layer(h, torch.arange(2000), layer=0), h)
