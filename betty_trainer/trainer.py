@@ -235,8 +235,8 @@ def train(
         _truncate_metrics(metrics_path, state["epoch"])
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config.to_yaml())
         metrics_path.write_text("")
+    (run_dir / "config.yaml").write_text(config.to_yaml())
 
     last = None
     model.train()

@@ -45,18 +45,22 @@ _ALLOWED = {
 }
 
 
+class ForbiddenGlobal(pickle.UnpicklingError):
+    """A pickle asked for a global outside the allow-list."""
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that resolves only the globals Planetoid files use (numpy arrays and
     dtypes, scipy CSR matrices, ``defaultdict`` and ``list``); any other global is refused.
 
     Raises:
-        pickle.UnpicklingError: naming the refused ``module.name``.
+        ForbiddenGlobal: naming the refused ``module.name``.
     """
 
     def find_class(self, module: str, name: str):
         factory = _ALLOWED.get((module, name))
         if factory is None:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not a numpy/scipy/builtin data type)")
+            raise ForbiddenGlobal(f"refusing to load {module}.{name} (not a numpy/scipy/builtin data type)")
         return factory()
 
 
@@ -68,9 +72,9 @@ def restricted_load(data: bytes, source: str = "<bytes>"):
     """
     try:
         return RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
-    except pickle.UnpicklingError as error:
+    except ForbiddenGlobal as error:
         raise DatasetError(f"{source}: {error}") from None
-    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as error:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as error:
         raise DatasetError(f"{source} is truncated or corrupt ({type(error).__name__}: {error})") from None
 
 

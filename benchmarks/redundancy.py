@@ -1,0 +1,128 @@
+"""Input-node redundancy of micro-batch partitioners on real datasets, with partitioning time.
+
+Source: Betty (ASPLOS '23) §4.3, Fig. 16 and Table 6. The full training batch is split
+into K micro-batches by each partitioner (REG, unweighted REG, METIS on the induced
+output graph, range, random); redundancy of layer l is Σ_k |src nodes of layer l in
+micro-batch k| / |src nodes of layer l in the full batch|, so 1.0 means no node is
+gathered twice. Layer 0 (input nodes) is what the paper plots. Times are wall-clock
+milliseconds on the CPU: partitioning (``partition_outputs`` only, median of
+``--repeats`` runs) and slicing (``Batch.split``, median as well).
+
+Run:
+    python benchmarks/redundancy.py --data-dir ../shared/datasets/planetoid
+    python benchmarks/redundancy.py --fanouts 10,25 --ks 2,4,8 --json redundancy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from betty_trainer.block import Batch
+from betty_trainer.config import DatasetConfig
+from betty_trainer.datasets import load_dataset
+from betty_trainer.errors import BettyError
+from betty_trainer.sampling import sample_batch
+from partition import PARTITIONERS, partition_outputs, redundancy
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+METHODS = list(PARTITIONERS)  # reg, reg_unweighted, metis, range, random
+
+
+def default_data_dir() -> Path:
+    """``$BETTY_DATA_DIR``, else ``../shared/datasets/planetoid`` next to the repository."""
+    env = os.environ.get("BETTY_DATA_DIR")
+    return Path(env) if env else REPO_ROOT.parent / "shared" / "datasets" / "planetoid"
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def measure(batch: Batch, k: int, method: str, seed: int, repeats: int) -> dict[str, Any]:
+    """Partition ``batch`` into ``k`` micro-batches with ``method``; times in milliseconds."""
+    partition_ms, slice_ms = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        groups = partition_outputs(batch.blocks[-1], k, method, seed)
+        partition_ms.append((time.perf_counter() - start) * 1e3)
+        start = time.perf_counter()
+        micro_batches = batch.split(groups)
+        slice_ms.append((time.perf_counter() - start) * 1e3)
+    layers = redundancy(batch.blocks, [mb.blocks for mb in micro_batches])
+    return {
+        "k": k,
+        "method": method,
+        "num_micro_batches": len(groups),
+        "partition_ms": statistics.median(partition_ms),
+        "partition_ms_runs": partition_ms,
+        "slice_ms": statistics.median(slice_ms),
+        "input_redundancy": layers[0],
+        "layer_redundancy": layers,
+    }
+
+
+def summary(name: str, rows: list[dict[str, Any]], k: int = 8) -> str:
+    """One line comparing REG's input redundancy at ``k`` with the baselines."""
+    at_k = {row["method"]: row["input_redundancy"] for row in rows if row["k"] == k}
+    if not {"reg", "reg_unweighted", "range", "random"} <= at_k.keys():
+        return f"{name}: no K={k} row with reg, reg_unweighted, range and random; no summary"
+    reg = at_k["reg"]
+    return (
+        f"{name}, K={k}: REG input redundancy {reg:.3f} = {reg / at_k['range']:.2f}× range's, "
+        f"{reg / at_k['random']:.2f}× random's; weighted / unweighted REG = {reg / at_k['reg_unweighted']:.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="folder of the Planetoid raw files")
+    parser.add_argument("--datasets", type=lambda s: s.split(","), default=["cora", "citeseer"], help="e.g. cora,citeseer")
+    parser.add_argument("--ks", type=int_list, default=[2, 4, 8, 16], help="numbers of micro-batches, e.g. 2,4,8,16")
+    parser.add_argument("--fanouts", type=int_list, default=[-1, -1], help="input layer first; -1 = full neighbourhood")
+    parser.add_argument("--seed", type=int, default=0, help="seed of sampling and partitioners")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median reported)")
+    parser.add_argument("--json", type=Path, default=None, help="write all raw numbers to this file")
+    args = parser.parse_args()
+
+    console = Console()
+    fanouts = [None if f == -1 else f for f in args.fanouts]
+    results: dict[str, Any] = {"config": {**vars(args), "data_dir": str(args.data_dir), "json": None}, "datasets": {}}
+    for name in args.datasets:
+        try:
+            graph = load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
+        except BettyError as error:
+            parser.error(str(error))
+        batch = sample_batch(graph, graph.train_idx, fanouts, torch.Generator().manual_seed(args.seed))
+        rows = [measure(batch, k, method, args.seed, args.repeats) for k in args.ks for method in METHODS]
+        results["datasets"][name] = {"batch_layer_sizes": [b.num_src for b in batch.blocks] + [batch.blocks[-1].num_dst],
+                                     "rows": rows}
+
+        sizes = " → ".join(map(str, results["datasets"][name]["batch_layer_sizes"]))
+        table = Table(title=f"{name}: input-node redundancy (partitioning time, ms)",
+                      caption=f"full batch, nodes per layer {sizes}; fanouts {args.fanouts}")
+        table.add_column("K", justify="right")
+        for method in METHODS:
+            table.add_column(method, justify="right", no_wrap=True)
+        for k in args.ks:
+            cells = {r["method"]: f"{r['input_redundancy']:.3f} ({r['partition_ms']:.1f})" for r in rows if r["k"] == k}
+            table.add_row(str(k), *(cells[m] for m in METHODS))
+        console.print(table)
+        console.print(summary(name, rows), soft_wrap=True)
+
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+        console.print(f"raw numbers written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

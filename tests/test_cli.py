@@ -1,0 +1,169 @@
+"""The ``betty-train`` command: configs, overrides, bad input as one-line errors, resume."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from betty_trainer.checkpoint import load_checkpoint
+from betty_trainer.cli import main
+from betty_trainer.config import load_config
+from betty_trainer.errors import ConfigError, TrainingError
+from betty_trainer.trainer import train
+
+from tests.conftest import REPO
+from tests.test_datasets import Evil
+
+QUICK = ["optim.epochs=2", "train.progress=false", "dataset.synthetic.num_nodes=600",
+         "dataset.synthetic.num_val=100", "dataset.synthetic.num_test=100"]
+
+
+def betty(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "betty_trainer.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def betty_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """Run ``main()`` in this process (fast); same exit status and streams as the console script."""
+    status = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, captured.out, captured.err)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_quickstart_trains_and_writes_a_run_directory(tmp_path):
+    result = betty("train", "--config", str(REPO / "configs/quickstart.yaml"), *QUICK, f"train.run_dir={tmp_path / 'run'}",
+                   cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "final test accuracy" in result.stdout
+    run = tmp_path / "run"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["optim"]["epochs"] == 2 and saved["name"] == "quickstart"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert load_checkpoint(run)["epoch"] == 1
+
+
+def test_validate_and_print_config(tmp_path):
+    ok = betty("validate", "--config", str(REPO / "configs/cora-sage.yaml"), cwd=tmp_path)
+    assert ok.returncode == 0 and "well-formed" in ok.stdout
+    printed = betty("validate", "--config", str(REPO / "configs/cora-sage.yaml"), "--print-config",
+                    "sampling.fanouts=10,25", "train.progress=no", "--data-dir", "some/dir", cwd=tmp_path)
+    resolved = yaml.safe_load(printed.stdout)
+    assert resolved["sampling"]["fanouts"] == [10, 25]
+    assert resolved["train"]["progress"] is False
+    assert resolved["dataset"]["data_dir"] == "some/dir"
+
+
+def test_overrides_parse_as_users_expect():
+    config = load_config(None, ["sampling.fanouts=[5, -1]", "train.progress=false", "optim.lr=1e-3",
+                                "train.run_dir=runs/x", "sampling.batch_size=null"])
+    assert config.sampling.fanouts == [5, -1] and config.train.progress is False
+    assert config.optim.lr == 0.001 and config.train.run_dir == Path("runs/x") and config.sampling.batch_size is None
+
+
+@pytest.mark.parametrize(
+    "content, overrides, fragments",
+    [
+        ("model:\n  hiden: 64\n", [], ["unknown config key 'model.hiden'", "hidden"]),
+        ("model:\n  aggregator: max\n", [], ["'model.aggregator'", "'mean' or 'gcn'"]),
+        ("optim:\n  lr: -1\n", [], ["'optim.lr'", "greater than 0"]),
+        ("model: [1, 2\n", [], ["not valid YAML", "line"]),
+        ("", ["micro_batch.num_micro_batches=zero"], ["'micro_batch.num_micro_batches'", "integer"]),
+        ("", ["sampling.fanouts=10,25,5"], ["sampling.fanouts has 3 entries", "num_layers is 2"]),
+        ("", ["seed"], ["must look like key.path=value"]),
+    ],
+)
+def test_bad_config_is_a_one_line_error(tmp_path, capsys, content, overrides, fragments):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    for command in ("train", "validate"):
+        assert_one_line_error(betty_in_process(capsys, command, "--config", str(path), *overrides), *fragments)
+
+
+def test_bad_config_through_the_console_script(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  hiden: 64\n")
+    assert_one_line_error(betty("train", "--config", str(path), cwd=tmp_path), "unknown config key 'model.hiden'")
+
+
+def test_missing_config_file(tmp_path):
+    assert_one_line_error(betty("train", "--config", str(tmp_path / "nope.yaml"), cwd=tmp_path), "cannot read config")
+
+
+@pytest.mark.parametrize("damage, verify, fragments", [
+    ("truncate", True, ["ind.cora.allx fails its sha256 check"]),
+    ("tamper", True, ["ind.cora.y fails its sha256 check"]),
+    ("truncate", False, ["ind.cora.allx is truncated or corrupt"]),
+    ("evil", False, ["refusing to load shutil.rmtree"]),
+])
+def test_bad_dataset_file_is_a_one_line_error(planetoid_dir, tmp_path, damage, verify, fragments):
+    data = tmp_path / "data"
+    data.mkdir()
+    for path in planetoid_dir.glob("ind.cora.*"):
+        shutil.copy(path, data / path.name)
+    if damage == "truncate":
+        (data / "ind.cora.allx").write_bytes((data / "ind.cora.allx").read_bytes()[:5000])
+    elif damage == "tamper":
+        raw = bytearray((data / "ind.cora.y").read_bytes())
+        raw[-40] ^= 1
+        (data / "ind.cora.y").write_bytes(bytes(raw))
+    else:
+        (data / "ind.cora.graph").write_bytes(pickle.dumps(Evil(), protocol=2))
+    result = betty("train", "--config", str(REPO / "configs/cora-sage.yaml"), "--data-dir", str(data),
+                   f"dataset.verify_checksums={str(verify).lower()}", *QUICK[:2], cwd=tmp_path)
+    assert_one_line_error(result, *fragments)
+
+
+def test_resume_continues_exactly(tmp_path):
+    overrides = QUICK[1:] + ["micro_batch.num_micro_batches=3", "sampling.fanouts=5,5", "sampling.batch_size=40"]
+    straight = load_config(None, overrides + ["optim.epochs=4"])
+    train(straight, run_dir=tmp_path / "straight")
+    train(load_config(None, overrides + ["optim.epochs=2"]), run_dir=tmp_path / "resumed")
+    result = betty("train", "--resume", str(tmp_path / "resumed"), "optim.epochs=4", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    one, two = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
+    assert two["epoch"] == 3
+    for name, tensor in one["model"].items():
+        assert torch.equal(tensor, two["model"][name]), name
+    assert len((tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()) == 4
+    finished = betty("train", "--resume", str(tmp_path / "resumed"), cwd=tmp_path)
+    assert_one_line_error(finished, "already finished 4 epochs")
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(tmp_path):
+    class Exploding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(32, 5))
+            self.calls = 0
+
+        def forward(self, blocks, x):
+            self.calls += 1
+            out = x[: blocks[-1].num_dst] @ self.weight
+            return out * float("nan") if self.calls > 12 else out
+
+    config = load_config(None, QUICK[1:] + ["optim.epochs=5", "model.num_layers=2"])
+    with pytest.raises(TrainingError, match="loss is nan"):
+        train(config, model=Exploding(), run_dir=tmp_path)
+    assert load_checkpoint(tmp_path)["epoch"] >= 0
+
+
+def test_resume_needs_a_run_directory(tmp_path):
+    assert_one_line_error(betty("train", "--resume", str(tmp_path), cwd=tmp_path), "not a run directory")
+    with pytest.raises(ConfigError):
+        load_config(None, ["train.device=tpu"]) and train(load_config(None, ["train.device=tpu"]))
