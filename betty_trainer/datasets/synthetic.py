@@ -16,8 +16,8 @@ def make_sbm(
     num_classes: int = 5,
     num_features: int = 32,
     avg_degree: float = 10.0,
-    homophily: float = 0.8,
-    feature_signal: float = 0.5,
+    homophily: float = 0.7,
+    feature_signal: float = 0.2,
     train_per_class: int = 20,
     num_val: int = 500,
     num_test: int = 1000,
@@ -28,7 +28,7 @@ def make_sbm(
     Each node gets a uniform class. ``num_nodes · avg_degree / 2`` edges are drawn:
     a uniform endpoint ``u``, and with probability ``homophily`` a uniform node of
     ``u``'s class, else a uniform node. Features are ``N(μ_c, I)`` with class means
-    ``μ_c`` of norm ``feature_signal · sqrt(num_features)`` scaled random directions.
+    ``μ_c`` whose coordinates are i.i.d. ``N(0, feature_signal²)``.
     Split: ``train_per_class`` per class, then ``num_val`` and ``num_test`` nodes at random.
 
     Returns:
