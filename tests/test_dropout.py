@@ -44,3 +44,16 @@ def test_node_dropout_keep_rate_scaling_and_eval():
     assert torch.allclose(out[out > 0], torch.full_like(out[out > 0], 1 / 0.7))
     layer.eval()
     assert torch.equal(layer(h, torch.arange(2000), layer=0), h)
+
+
+def test_chunked_mask_equals_whole_mask(monkeypatch):
+    from betty_trainer.models import dropout
+
+    layer = NodeDropout(0.5)
+    set_dropout_key(layer, seed=1, step=5)
+    h, nodes = torch.randn(300, 70), torch.randperm(1000)[:300]
+    whole = layer(h, nodes, layer=1)
+    monkeypatch.setattr(dropout, "MASK_CHUNK_ELEMENTS", 1000)  # 14 rows per chunk, ragged last chunk
+    assert torch.equal(layer(h, nodes, layer=1), whole)
+    expected = h * (keyed_uniform(1, 5, 1, nodes, 70) >= 0.5) / 0.5
+    assert torch.allclose(whole, expected)

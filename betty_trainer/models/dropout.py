@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 _MASK32 = 0xFFFFFFFF
+MASK_CHUNK_ELEMENTS = 1 << 18  # elements hashed at once by NodeDropout (4 MiB of int64 transients)
 
 
 def _mix32(x: Tensor | int) -> Tensor | int:
@@ -87,8 +88,15 @@ class NodeDropout(nn.Module):
     def forward(self, h: Tensor, node_ids: Tensor, layer: int) -> Tensor:
         if not self.training or self.p == 0.0:
             return h
-        keep = keyed_bits(self.seed, self.step, layer, node_ids, h.shape[1]) >= round(self.p * (1 << 24))
-        return h * keep.to(h.dtype) / (1.0 - self.p)
+        # The int64 hash needs 16 bytes per element while it is computed; doing it in row
+        # chunks bounds that transient to 16 · MASK_CHUNK_ELEMENTS bytes, whatever h's size.
+        scale = torch.empty_like(h)
+        threshold = round(self.p * (1 << 24))
+        rows = max(1, MASK_CHUNK_ELEMENTS // max(h.shape[1], 1))
+        for start in range(0, h.shape[0], rows):
+            chunk = slice(start, start + rows)
+            scale[chunk] = keyed_bits(self.seed, self.step, layer, node_ids[chunk], h.shape[1]) >= threshold
+        return h * scale.mul_(1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
