@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 _MASK32 = 0xFFFFFFFF
-MASK_CHUNK_ELEMENTS = 1 << 18  # elements hashed at once by NodeDropout (4 MiB of int64 transients)
+MASK_CHUNK_ELEMENTS = 1 << 16  # elements hashed at once by NodeDropout (1 MiB of int64 transients)
 
 
 def _mix32(x: Tensor | int) -> Tensor | int:

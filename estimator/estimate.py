@@ -1,0 +1,419 @@
+"""Closed-form memory estimate of one micro-batch training step (Betty §4.4.3, Table 3, Eq. 5).
+
+The estimate follows the tensors the built-in models allocate, op by op, as a
+function of the micro-batch's counts (Betty Table 3: N_in, H_in, N_out, E, h, L_i,
+B_i) and the model's widths: each op's output, what autograd saves for backward,
+the op's own temporaries, and in backward each gradient as it is made and freed.
+Replaying those allocations and frees in order gives the peak (DESIGN.md: static +
+max(forward-live, backward-live)) and what is live at that moment, by component.
+No tensor is allocated; the cost is O(layers + distinct in-degrees).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from estimator.counts import LayerCounts
+from estimator.spec import OPTIMIZER_STATES, ModelSpec
+
+COMPONENTS = (
+    "parameters",
+    "optimizer_state",
+    "block_structure",
+    "input_features",
+    "labels",
+    "hidden_outputs",
+    "dropout_masks",
+    "aggregator_intermediates",
+    "gradients",
+    "framework_overheads",
+)
+
+INDEX_BYTES = 8  # int64 node ids and CSC pointers
+MASK_CHUNK_ELEMENTS = 1 << 16  # must equal betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """An itemised estimate in bytes.
+
+    Attributes:
+        peak_bytes: estimated peak of live bytes during the step (resident included).
+        at_peak: bytes per component (:data:`COMPONENTS`) live at the peak; sums to ``peak_bytes``.
+        totals: bytes per component allocated at some point in the step (not simultaneously).
+        forward_peak_bytes, backward_peak_bytes: the peak within each phase.
+        resident_bytes: bytes live before the step (parameters, optimizer state, blocks).
+    """
+
+    peak_bytes: int
+    at_peak: dict[str, int]
+    totals: dict[str, int]
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    resident_bytes: int
+
+
+class _Replay:
+    """Live-byte bookkeeping with reference counts: a tensor is freed when its last holder
+    (a Python variable, or autograd keeping it for backward) lets go; tracks the peak."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list] = {}  # handle → [bytes, component, references]
+        self.by_component: dict[str, int] = defaultdict(int)
+        self.totals: dict[str, int] = defaultdict(int)
+        self.current = self.peak = 0
+        self.at_peak: dict[str, int] = {}
+        self.phase_peak: dict[str, int] = defaultdict(int)
+        self.phase = "resident"
+        self._next = 0
+
+    def alloc(self, nbytes: float, component: str) -> int:
+        """A new tensor held by one reference."""
+        nbytes = int(nbytes)
+        handle, self._next = self._next, self._next + 1
+        self.live[handle] = [nbytes, component, 1]
+        self.by_component[component] += nbytes
+        self.totals[component] += nbytes
+        self.current += nbytes
+        self.phase_peak[self.phase] = max(self.phase_peak[self.phase], self.current)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.at_peak = dict(self.by_component)
+        return handle
+
+    def keep(self, *handles: int | None) -> None:
+        """One more holder (e.g. autograd saving the tensor for backward)."""
+        for handle in handles:
+            if handle is not None:
+                self.live[handle][2] += 1
+
+    def drop(self, *handles: int | None) -> None:
+        """One holder fewer; frees the tensor when none is left."""
+        for handle in handles:
+            if handle is None:
+                continue
+            entry = self.live[handle]
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self.live[handle]
+                self.by_component[entry[1]] -= entry[0]
+                self.current -= entry[0]
+
+    def transient(self, nbytes: float, component: str) -> None:
+        """An op's temporary: allocated and freed within the op."""
+        self.drop(self.alloc(nbytes, component))
+
+
+_AGG = "aggregator_intermediates"
+_HID = "hidden_outputs"
+_GRAD = "gradients"
+_DROP = "dropout_masks"
+_OVER = "framework_overheads"
+
+
+class _Step:
+    """Emits the allocations of one training step of a built-in model into a :class:`_Replay`.
+
+    Each ``*_forward`` mirrors the model's code op by op: ``alloc`` for an op's output,
+    ``keep`` where autograd saves a tensor for backward, ``drop`` when a Python variable
+    goes out of scope. It returns the output and a closure emitting that piece's backward,
+    which receives the output's gradient and returns the input's (or ``None``).
+    """
+
+    def __init__(self, replay: _Replay, model: ModelSpec):
+        self.r, self.model, self.f = replay, model, model.dtype_bytes
+
+    def param_grad(self, numel: int) -> None:
+        self.r.alloc(numel * self.f, _GRAD)  # held by .grad to the end of the step
+
+    def accumulate(self, first: int | None, second: int | None) -> int | None:
+        """Autograd summing two gradients of one tensor in place: the second is freed."""
+        if first is None or second is None:
+            return first if second is None else second
+        self.r.drop(second)
+        return first
+
+    # ----- Block.edge_dst() and the gather–scatter of sum_neighbours ---------------------------
+    def edge_dst(self, c: LayerCounts) -> int:
+        r, d, e = self.r, c.num_dst, c.num_edges
+        arange, degrees = r.alloc(d * INDEX_BYTES, _OVER), r.alloc(d * INDEX_BYTES, _OVER)
+        cumsum = r.alloc(d * INDEX_BYTES, _OVER)
+        buffer = r.alloc(e * INDEX_BYTES, _OVER)
+        r.drop(cumsum)
+        result = r.alloc(e * INDEX_BYTES, _AGG)
+        r.drop(buffer, arange, degrees)
+        return result
+
+    def sum_neighbours(self, c: LayerCounts, width: int, record: bool = True):
+        """messages = h[indices] (E × w), zeros (D × w), index_add_. Returns (sum, backward).
+
+        ``record``: whether ``h`` requires grad (else autograd saves nothing).
+        """
+        r = self.r
+        messages = r.alloc(c.num_edges * width * self.f, _AGG)
+        total = r.alloc(c.num_dst * width * self.f, _AGG)
+        edge_dst = self.edge_dst(c)
+        if record:
+            r.keep(messages, edge_dst)  # IndexAddBackward saves index and source
+        r.drop(messages, edge_dst)
+
+        def backward(grad: int) -> int:
+            grad_messages = r.alloc(c.num_edges * width * self.f, _GRAD)  # grad.index_select(edge_dst)
+            r.drop(grad, edge_dst, messages)
+            grad_src = r.alloc(c.num_src * width * self.f, _GRAD)  # zeros(S, w).index_put_(…, accumulate)
+            r.drop(grad_messages)
+            return grad_src
+
+        return total, backward
+
+    # ----- NodeDropout ---------------------------------------------------------------------------
+    def dropout(self, h: int, rows: int, width: int, requires_grad: bool):
+        r = self.r
+        scale = r.alloc(rows * width * self.f, _DROP)
+        chunk_rows = min(rows, max(1, MASK_CHUNK_ELEMENTS // max(width, 1)))
+        node_hash = [r.alloc(chunk_rows * INDEX_BYTES, _OVER) for _ in range(2)]
+        columns = r.alloc(width * INDEX_BYTES, _OVER)
+        bits = r.alloc(chunk_rows * width * INDEX_BYTES, _DROP)
+        r.transient(chunk_rows * width * INDEX_BYTES, _DROP)  # each `bits >> k`
+        keep = r.alloc(chunk_rows * width, _DROP)  # bool
+        r.drop(bits, keep, columns, *node_hash)
+        out = r.alloc(rows * width * self.f, _HID)
+        if requires_grad:
+            r.keep(scale)  # MulBackward saves the mask
+        r.drop(scale)
+
+        def backward(grad: int) -> int:
+            grad_h = r.alloc(rows * width * self.f, _GRAD)
+            r.drop(grad, scale)
+            return grad_h
+
+        return out, backward
+
+    # ----- Linear without bias (F.linear → mm) ---------------------------------------------------
+    def linear(self, x: int, rows: int, a: int, b: int, x_grad: bool, component: str = _HID):
+        r = self.r
+        out = r.alloc(rows * b * self.f, component)
+        r.keep(x)  # MmBackward saves the input (for the weight's gradient)
+
+        def backward(grad: int, free_grad: bool = True, x_grad: bool = x_grad) -> int | None:
+            self.param_grad(a * b)
+            grad_x = r.alloc(rows * a * self.f, _GRAD) if x_grad else None
+            r.drop(x)
+            if free_grad:
+                r.drop(grad)
+            return grad_x
+
+        return out, backward
+
+    # ----- GraphSAGE (mean, gcn) -------------------------------------------------------------------
+    def sage_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+        r, f = self.r, self.f
+        s, d = c.num_src, c.num_dst
+        project_first = a > b
+        w = b if project_first else a
+        record = project_first or hd_grad  # does the aggregation need a gradient?
+        if project_first:
+            h, lin_neigh_bwd = self.linear(hd, s, a, b, hd_grad, _AGG)
+        else:
+            h, lin_neigh_bwd = hd, None
+            r.keep(h)
+        if self.model.aggregator == "mean":
+            degrees = r.alloc(d * INDEX_BYTES, _OVER)
+            total, sum_bwd = self.sum_neighbours(c, w, record)
+            positive, ones = r.alloc(d, _OVER), r.alloc(d * INDEX_BYTES, _OVER)
+            chosen = r.alloc(d * INDEX_BYTES, _OVER)
+            r.drop(positive, ones, degrees)
+            norm = r.alloc(d * f, _AGG)
+            r.drop(chosen)
+            neigh = r.alloc(d * w * f, _AGG)
+            if record:
+                r.keep(norm)  # DivBackward saves the divisor
+            r.drop(total, norm)
+            slice_grad = False
+        else:
+            degrees = r.alloc(d * INDEX_BYTES, _OVER)
+            degrees_float = r.alloc(d * f, _OVER)
+            r.drop(degrees)
+            total, sum_bwd = self.sum_neighbours(c, w, record)
+            numerator = r.alloc(d * w * f, _AGG)
+            r.drop(total)
+            norm = r.alloc(d * f, _AGG)
+            neigh = r.alloc(d * w * f, _AGG)
+            if record:
+                r.keep(norm)
+            r.drop(numerator, norm, degrees_float)
+            slice_grad = True  # h[:num_dst] joins the numerator
+        if project_first:
+            out, lin_out_bwd = neigh, None
+        else:
+            out, lin_out_bwd = self.linear(neigh, d, a, b, True)
+            r.drop(neigh)
+        self_bwd = None
+        if self.model.aggregator == "mean":
+            self_out, self_bwd = self.linear(hd, d, a, b, hd_grad)
+            summed = r.alloc(d * b * f, _HID)
+            r.drop(out, self_out)
+            out = summed
+        result = r.alloc(d * b * f, _HID)  # + bias
+        r.drop(out, h)
+
+        def backward(grad: int) -> int | None:
+            self.param_grad(b)  # bias
+            grad_hd = None
+            if self_bwd is not None:
+                grad_self = self_bwd(grad, free_grad=False)
+                if grad_self is not None:  # SliceBackward: zeros(S, a) then copy
+                    grad_hd = r.alloc(s * a * f, _GRAD)
+                    r.drop(grad_self)
+            if lin_out_bwd is not None:
+                grad_neigh = lin_out_bwd(grad, True, record)
+            else:
+                grad_neigh = grad
+            if not record:
+                return grad_hd
+            grad_numerator = r.alloc(d * w * f, _GRAD)  # DivBackward
+            r.drop(grad_neigh, norm)
+            grad_h = None
+            if slice_grad:  # AddBackward: the numerator's gradient also flows to h[:num_dst]
+                grad_h = r.alloc(s * w * f, _GRAD)
+                r.keep(grad_numerator)
+                r.drop(grad_numerator)
+            grad_h = self.accumulate(grad_h, sum_bwd(grad_numerator))
+            if lin_neigh_bwd is not None:
+                grad_h_in = lin_neigh_bwd(grad_h)
+            else:
+                grad_h_in = grad_h if hd_grad else r.drop(grad_h)
+            return self.accumulate(grad_hd, grad_h_in)
+
+        return result, backward
+
+    # ----- the whole step ----------------------------------------------------------------------
+    def layer_forward(self, c: LayerCounts, h: int, a: int, b: int, h_grad: bool):
+        if self.model.arch == "sage" and self.model.aggregator in ("mean", "gcn"):
+            return self.sage_forward(c, h, a, b, h_grad)
+        raise NotImplementedError(self.model)
+
+    def relu(self, x: int, rows: int, width: int):
+        out = self.r.alloc(rows * width * self.f, _HID)
+        self.r.keep(out)  # ReluBackward saves its result
+        self.r.drop(x)
+
+        def backward(grad: int) -> int:
+            grad_x = self.r.alloc(rows * width * self.f, _GRAD)
+            self.r.drop(grad, out)
+            return grad_x
+
+        return out, backward
+
+    def cross_entropy(self, rows: int, classes: int, labels: int):
+        r = self.r
+        log_probs = r.alloc(rows * classes * self.f, _HID)
+        r.keep(log_probs, labels)  # LogSoftmaxBackward saves its result; NLLLoss saves both
+        r.keep(log_probs)
+        r.drop(log_probs)
+
+        def backward() -> int:
+            grad_nll = r.alloc(rows * classes * self.f, _GRAD)
+            r.drop(log_probs, labels)
+            grad_logits = r.alloc(rows * classes * self.f, _GRAD)
+            r.drop(grad_nll, log_probs)
+            return grad_logits
+
+        return backward
+
+    def optimizer_step(self) -> None:
+        """Adam/AdamW, single-tensor path, parameter by parameter: ``denom = sqrt(v) / c`` is
+        made (sqrt, then div) while the previous parameter's ``denom`` is still referenced."""
+        if OPTIMIZER_STATES[self.model.optimizer] == 0:
+            return
+        previous = None
+        for layer in range(self.model.num_layers):
+            for numel in self.model.parameter_shapes(layer):
+                root = self.r.alloc(numel * self.f, _OVER)
+                denom = self.r.alloc(numel * self.f, _OVER)
+                self.r.drop(root, previous)
+                previous = denom
+        self.r.drop(previous)
+
+
+def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> MemoryEstimate:
+    """Estimate the memory of one training step of a micro-batch, itemised (Betty §4.4.3).
+
+    The step is the one :func:`betty_trainer.memory.measure_training_step` measures:
+    gather input features and labels, forward, cross-entropy, backward (parameter
+    gradients allocated as they are computed), optimizer step. Resident before it:
+    parameters, optimizer state (Adam: 2 × parameters + a step counter per tensor)
+    and the blocks' structure.
+
+    Args:
+        layers: the micro-batch's :class:`LayerCounts`, input layer first (one per model layer).
+        model: the model (:class:`ModelSpec`).
+
+    Returns:
+        A :class:`MemoryEstimate` (bytes).
+
+    Raises:
+        ValueError: if the number of layers differs from the model's.
+    """
+    if len(layers) != model.num_layers:
+        raise ValueError(f"the micro-batch has {len(layers)} layers but the model has {model.num_layers}")
+    replay = _Replay()
+    step = _Step(replay, model)
+    f = model.dtype_bytes
+    states = OPTIMIZER_STATES[model.optimizer]
+    for layer in range(model.num_layers):
+        for numel in model.parameter_shapes(layer):
+            replay.alloc(numel * f, "parameters")
+            for _ in range(states):
+                replay.alloc(numel * f, "optimizer_state")
+            if states:
+                replay.alloc(4, "optimizer_state")  # the step counter tensor
+    for counts in layers:
+        replay.alloc((counts.num_src + counts.num_dst + 1 + counts.num_edges) * INDEX_BYTES, "block_structure")
+    resident = replay.current
+
+    replay.phase = "forward"
+    x = replay.alloc(layers[0].num_src * model.widths[0] * f, "input_features")
+    labels = replay.alloc(layers[-1].num_dst * INDEX_BYTES, "labels")
+    h, h_grad, backwards = x, False, []
+    for index, counts in enumerate(layers):
+        a, b = model.layer_dims(index)
+        if model.dropout > 0:
+            hd, dropout_bwd = step.dropout(h, counts.num_src, a, h_grad)
+            if h is not x:
+                replay.drop(h)
+        else:
+            hd, dropout_bwd = h, None
+            if h is x:
+                replay.keep(x)
+        out, layer_bwd = step.layer_forward(counts, hd, a, b, h_grad)
+        replay.drop(hd)
+        relu_bwd = None
+        if index < model.num_layers - 1:
+            out, relu_bwd = step.relu(out, counts.num_dst, b)
+        backwards.append((dropout_bwd if h_grad else None, layer_bwd, relu_bwd))
+        h, h_grad = out, True
+    logits = h
+    loss_bwd = step.cross_entropy(layers[-1].num_dst, model.widths[-1], labels)
+
+    replay.phase = "backward"
+    grad = loss_bwd()
+    for dropout_bwd, layer_bwd, relu_bwd in reversed(backwards):
+        if relu_bwd is not None:
+            grad = relu_bwd(grad)
+        grad = layer_bwd(grad)
+        if grad is not None and dropout_bwd is not None:
+            grad = dropout_bwd(grad)
+    replay.drop(grad, x, labels, logits)  # the micro-batch's tensors die before the optimizer step
+    replay.phase = "optimizer"
+    step.optimizer_step()
+    return MemoryEstimate(
+        peak_bytes=replay.peak,
+        at_peak={name: replay.at_peak.get(name, 0) for name in COMPONENTS},
+        totals={name: replay.totals.get(name, 0) for name in COMPONENTS},
+        forward_peak_bytes=replay.phase_peak["forward"],
+        backward_peak_bytes=replay.phase_peak["backward"],
+        resident_bytes=resident,
+    )

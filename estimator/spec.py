@@ -1,0 +1,74 @@
+"""What the estimator needs to know about a model: its kind, widths, dtype and optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCHS = ("sage", "gcn", "gat")
+SAGE_AGGREGATORS = ("mean", "gcn", "pool", "lstm")
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A built-in model, described for the estimator (Betty Table 3: h, n, NP_GNN, NP_Agg).
+
+    Attributes:
+        arch: ``sage``, ``gcn`` or ``gat``.
+        widths: ``(F_in, hidden, …, C)``: ``L + 1`` widths for ``L`` layers.
+        aggregator: SAGE aggregator (``mean``, ``gcn``, ``pool``, ``lstm``).
+        heads: GAT attention heads (hidden layers concatenate them, the last averages).
+        dropout: drop probability (``0`` allocates no masks).
+        dtype_bytes: bytes per feature element (4 for float32).
+        optimizer: ``adam``, ``adamw`` or ``sgd`` (plain SGD, no momentum).
+
+    Raises:
+        ValueError: for an unknown arch, aggregator or optimizer, or fewer than 2 widths.
+    """
+
+    arch: str
+    widths: tuple[int, ...]
+    aggregator: str = "mean"
+    heads: int = 1
+    dropout: float = 0.0
+    dtype_bytes: int = 4
+    optimizer: str = "adam"
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"the estimator knows no model arch {self.arch!r}; built-in: {ARCHS}")
+        if self.arch == "sage" and self.aggregator not in SAGE_AGGREGATORS:
+            raise ValueError(f"unknown SAGE aggregator {self.aggregator!r}; built-in: {SAGE_AGGREGATORS}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"the estimator knows no optimizer {self.optimizer!r}; known: {tuple(OPTIMIZER_STATES)}")
+        if len(self.widths) < 2:
+            raise ValueError("a model needs at least one layer (two widths)")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.widths) - 1
+
+    def layer_dims(self, layer: int) -> tuple[int, int]:
+        """``(input width, output width)`` of a layer, heads included (GAT hidden layers concatenate)."""
+        a, b = self.widths[layer], self.widths[layer + 1]
+        if self.arch == "gat" and layer > 0:
+            a *= self.heads
+        if self.arch == "gat" and layer < self.num_layers - 1:
+            b *= self.heads
+        return a, b
+
+    def parameter_shapes(self, layer: int) -> list[int]:
+        """Element counts of the layer's parameter tensors, in registration order."""
+        a, b = self.widths[layer], self.widths[layer + 1]
+        if self.arch == "gcn":
+            return [b * a, b]
+        if self.arch == "gat":
+            a = self.layer_dims(layer)[0]
+            return [self.heads * b * a, self.heads * b, self.heads * b, self.heads * b]
+        neigh_self = [b * a] if self.aggregator == "gcn" else [b * a, b * a]
+        extra = {"pool": [a * a, a], "lstm": [4 * a * a, 4 * a * a, 4 * a, 4 * a]}.get(self.aggregator, [])
+        return extra + neigh_self + [b]
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(sum(self.parameter_shapes(layer)) for layer in range(self.num_layers))
