@@ -289,10 +289,61 @@ class _Step:
 
         return result, backward
 
+    # ----- GCN ------------------------------------------------------------------------------------
+    def gcn_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+        r, f = self.r, self.f
+        s, d = c.num_src, c.num_dst
+        project_first = a > b
+        w = b if project_first else a
+        record = project_first or hd_grad
+        norm = r.alloc(s * f, _AGG)  # inv_sqrt_degree[src_nodes]
+        if project_first:
+            h, lin_in_bwd = self.linear(hd, s, a, b, hd_grad, _AGG)
+        else:
+            h, lin_in_bwd = hd, None
+            r.keep(h)
+        scaled = r.alloc(s * w * f, _AGG)  # h * norm
+        if record:
+            r.keep(norm, norm)  # both MulBackwards save the (src and dst) norms
+        r.drop(h)
+        total, sum_bwd = self.sum_neighbours(c, w, record)
+        summed = r.alloc(d * w * f, _AGG)  # + h[:num_dst]
+        r.drop(total)
+        out = r.alloc(d * w * f, _AGG)  # * norm[:num_dst]
+        r.drop(summed)
+        if project_first:
+            lin_out_bwd = None
+        else:
+            lin_out, lin_out_bwd = self.linear(out, d, a, b, True)
+            r.drop(out)
+            out = lin_out
+        result = r.alloc(d * b * f, _HID)  # + bias
+        r.drop(out, scaled, norm)
+
+        def backward(grad: int) -> int | None:
+            self.param_grad(b)
+            if lin_out_bwd is not None:
+                grad = lin_out_bwd(grad, True, record)
+            if not record:
+                return None
+            grad_summed = r.alloc(d * w * f, _GRAD)  # MulBackward (dst norm)
+            r.drop(grad, norm)
+            grad_scaled = r.alloc(s * w * f, _GRAD)  # SliceBackward of h[:num_dst]
+            grad_scaled = self.accumulate(grad_scaled, sum_bwd(grad_summed))
+            grad_h = r.alloc(s * w * f, _GRAD)  # MulBackward (src norm)
+            r.drop(grad_scaled, norm)
+            if lin_in_bwd is not None:
+                return lin_in_bwd(grad_h)
+            return grad_h if hd_grad else r.drop(grad_h)
+
+        return result, backward
+
     # ----- the whole step ----------------------------------------------------------------------
     def layer_forward(self, c: LayerCounts, h: int, a: int, b: int, h_grad: bool):
         if self.model.arch == "sage" and self.model.aggregator in ("mean", "gcn"):
             return self.sage_forward(c, h, a, b, h_grad)
+        if self.model.arch == "gcn":
+            return self.gcn_forward(c, h, a, b, h_grad)
         raise NotImplementedError(self.model)
 
     def relu(self, x: int, rows: int, width: int):
@@ -370,6 +421,7 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
                 replay.alloc(numel * f, "optimizer_state")
             if states:
                 replay.alloc(4, "optimizer_state")  # the step counter tensor
+    replay.alloc(model.buffer_bytes, "parameters")
     for counts in layers:
         replay.alloc((counts.num_src + counts.num_dst + 1 + counts.num_edges) * INDEX_BYTES, "block_structure")
     resident = replay.current

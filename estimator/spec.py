@@ -21,6 +21,7 @@ class ModelSpec:
         dropout: drop probability (``0`` allocates no masks).
         dtype_bytes: bytes per feature element (4 for float32).
         optimizer: ``adam``, ``adamw`` or ``sgd`` (plain SGD, no momentum).
+        num_nodes: nodes of the whole graph (GCN keeps a ``(N,)`` float32 degree buffer).
 
     Raises:
         ValueError: for an unknown arch, aggregator or optimizer, or fewer than 2 widths.
@@ -33,6 +34,7 @@ class ModelSpec:
     dropout: float = 0.0
     dtype_bytes: int = 4
     optimizer: str = "adam"
+    num_nodes: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -68,6 +70,11 @@ class ModelSpec:
         neigh_self = [b * a] if self.aggregator == "gcn" else [b * a, b * a]
         extra = {"pool": [a * a, a], "lstm": [4 * a * a, 4 * a * a, 4 * a, 4 * a]}.get(self.aggregator, [])
         return extra + neigh_self + [b]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of non-parameter model state (GCN's per-node degree normalisation)."""
+        return 4 * self.num_nodes if self.arch == "gcn" else 0
 
     @property
     def num_parameters(self) -> int:
