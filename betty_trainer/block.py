@@ -122,7 +122,10 @@ class Batch:
         Args:
             output_index: ``(m,)`` int64 positions among ``output_nodes``.
         """
-        layers = slice_layers(self.blocks, output_index)
+        return self.restrict(slice_layers(self.blocks, output_index))
+
+    def restrict(self, layers: Sequence[LayerSlice]) -> "Batch":
+        """The sub-batch described by one :class:`LayerSlice` per block (see :func:`partition.slice_layers`)."""
         return Batch([block.restrict(layer) for block, layer in zip(self.blocks, layers)])
 
     def split(self, groups: Sequence[Tensor]) -> list["Batch"]:

@@ -1,4 +1,4 @@
-"""The ``betty-train`` command line: ``train``, ``validate``, ``datasets``.
+"""The ``betty-train`` command line: ``train``, ``plan``, ``validate``, ``datasets``.
 
 Every :class:`~betty_trainer.errors.BettyError` is caught here once and printed as
 one line (``error: …``) with exit status 2; no traceback reaches the user.
@@ -7,6 +7,7 @@ one line (``error: …``) with exit status 2; no traceback reaches the user.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -37,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model")
     add_config_args(train, required=False)
     train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    plan = commands.add_parser("plan", help="plan the first batch's micro-batches and their memory; no training")
+    add_config_args(plan, required=True)
+    plan.add_argument("--measure", action="store_true", help="also run one step per micro-batch and measure its peak")
+    plan.add_argument("--output", type=Path, default=Path("plan.json"), help="where to write the plan (default plan.json)")
     validate = commands.add_parser("validate", help="check a config and say whether it is well-formed")
     add_config_args(validate, required=True)
     commands.add_parser("datasets", help="list known datasets and where their files are")
@@ -74,6 +79,50 @@ def _train(args: argparse.Namespace, console: Console) -> None:
     )
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
+def _plan(args: argparse.Namespace, console: Console) -> None:
+    from betty_trainer.dry_run import dry_run
+
+    config = _resolve(args)
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return
+    report = dry_run(config, measure=args.measure)
+    args.output.write_text(json.dumps(report, indent=2))
+    budget = report["budget_bytes"]
+    table = Table(title=f"plan: {report['dataset']}, {report['num_micro_batches']} micro-batches "
+                        f"({report['partitioner']}), sizes in MiB")
+    columns = ["#", "outputs", "src nodes/layer", "edges/layer", "features", "hidden", "dropout",
+               "aggr.", "grads", "params+opt", "other", "est. peak", "budget"]
+    if args.measure:
+        columns += ["measured", "error"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in report["micro_batches"]:
+        at_peak, peak = row["estimate"]["at_peak"], row["estimate"]["peak_bytes"]
+        shown = ("input_features", "hidden_outputs", "dropout_masks", "aggregator_intermediates", "gradients")
+        state = at_peak["parameters"] + at_peak["optimizer_state"]
+        other = peak - state - sum(at_peak[name] for name in shown)
+        cells = [str(row["micro_batch"]), str(row["outputs"]),
+                 " / ".join(str(layer["src_nodes"]) for layer in row["layers"]),
+                 " / ".join(str(layer["edges"]) for layer in row["layers"]),
+                 *(_mib(at_peak[name]) for name in shown), _mib(state), _mib(other), _mib(peak),
+                 f"{peak / budget:.0%}" if budget else "-"]
+        if args.measure:
+            cells += [_mib(row["measured_peak_bytes"]), f"{row['error']:+.1%}"]
+        table.add_row(*cells)
+    Console(width=max(console.width, 160)).print(table)
+    redundancy = " / ".join(f"{r:.3f}" for r in report["redundancy_per_layer"])
+    budget_text = f"{_mib(budget)} MiB" if budget else "none (micro_batch.num_micro_batches)"
+    console.print(f"budget {budget_text}; full batch estimate {_mib(report['full_batch']['estimate_peak_bytes'])} MiB; "
+                  f"K = {report['num_micro_batches']} (tried {[t['k'] for t in report['tried']]}); "
+                  f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s; "
+                  f"written to {args.output}", highlight=False, soft_wrap=True)
+
+
 def _validate(args: argparse.Namespace, console: Console) -> None:
     config = _resolve(args)
     if args.print_config:
@@ -101,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``betty-train``; returns the exit status."""
     args = _parser().parse_args(argv)
     console = Console()
-    command = {"train": _train, "validate": _validate, "datasets": _datasets}[args.command]
+    command = {"train": _train, "plan": _plan, "validate": _validate, "datasets": _datasets}[args.command]
     try:
         command(args, console)
     except BettyError as error:

@@ -7,6 +7,7 @@ dotted key and what is allowed.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -44,9 +45,10 @@ class DatasetConfig(_Section):
 
 
 class ModelConfig(_Section):
-    arch: Literal["sage", "gcn"] = "sage"
-    aggregator: Literal["mean", "gcn"] = Field("mean", description="GraphSAGE aggregator")
+    arch: Literal["sage", "gcn", "gat"] = "sage"
+    aggregator: Literal["mean", "gcn", "pool", "lstm"] = Field("mean", description="GraphSAGE aggregator")
     hidden: int = Field(64, ge=1)
+    heads: int = Field(4, ge=1, description="attention heads (gat)")
     num_layers: int = Field(2, ge=1)
     dropout: float = Field(0.5, ge=0, lt=1)
 
@@ -72,9 +74,51 @@ class SamplingConfig(_Section):
         return value
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any) -> int:
+    """A memory size: an integer number of bytes or a string such as ``"6GiB"``, ``"512 MB"``.
+
+    Raises:
+        ValueError: not a size, or not positive.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a size in bytes such as 8000000000 or '6GiB'")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = _SIZE.match(str(value))
+        if not match:
+            raise ValueError(f"expected a size in bytes such as 8000000000 or '6GiB', got {value!r}")
+        number = float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()]
+    if number <= 0:
+        raise ValueError(f"a memory size must be positive, got {value!r}")
+    return int(number)
+
+
 class MicroBatchConfig(_Section):
     partitioner: Literal["reg", "reg_unweighted", "metis", "range", "random"] = "reg"
-    num_micro_batches: int = Field(4, ge=1, description="K micro-batches per batch")
+    num_micro_batches: int = Field(4, ge=1, description="K micro-batches per batch when budget is null")
+    budget: int | Literal["auto"] | None = Field(
+        None, description="memory budget per micro-batch: bytes ('6GiB' works), 'auto' (GPU free memory "
+                          "minus safety_margin), or null to use num_micro_batches")
+    safety_margin: int = Field(512 * 2**20, description="bytes kept free under an 'auto' budget")
+    balance: bool = Field(True, description="METIS balances each output's receptive-field size, not output counts")
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget_size(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None if value is None else "auto"
+        return parse_bytes(value)
+
+    @field_validator("safety_margin", mode="before")
+    @classmethod
+    def _margin_size(cls, value: Any) -> Any:
+        return 0 if value in (0, "0") else parse_bytes(value)
 
 
 class OptimConfig(_Section):

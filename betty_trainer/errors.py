@@ -22,3 +22,7 @@ class DatasetError(BettyError):
 
 class TrainingError(BettyError):
     """Training cannot continue (e.g. the loss became NaN, or a checkpoint is unusable)."""
+
+
+class PlanningError(BettyError):
+    """No split of a batch fits the memory budget (the message gives the numbers)."""

@@ -8,6 +8,7 @@ full batch's gradient.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -27,9 +28,11 @@ from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.graph import Graph
 from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.planning import MicroBatchPlanner, model_spec
 from betty_trainer.sampling import sample_batch
-from partition import partition_outputs, redundancy
+from partition import make_plan, redundancy
 
+logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
 
 
@@ -70,15 +73,15 @@ def split_seeds(train_idx: Tensor, batch_size: int | None, generator: torch.Gene
     return list(train_idx[torch.randperm(train_idx.numel(), generator=generator)].split(batch_size))
 
 
-def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, seed: int) -> list[Batch]:
-    """Split ``batch`` into at most ``num_micro_batches`` micro-batches with ``partitioner``.
+def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, seed: int,
+                       balance: bool = True) -> list[Batch]:
+    """Split ``batch`` into ``num_micro_batches`` micro-batches with ``partitioner`` (no budget).
 
     ``K`` is capped at the number of output nodes (a mini-batch smaller than ``K``).
     """
-    k = min(num_micro_batches, batch.output_nodes.numel())
-    if k == 1:
-        return [batch]
-    return batch.split(partition_outputs(batch.blocks[-1], k, partitioner, seed))
+    plan = make_plan(batch.blocks, k=min(num_micro_batches, batch.output_nodes.numel()),
+                     partitioner=partitioner, seed=seed, balance=balance)
+    return [batch.restrict(layers) for layers in plan.layers]
 
 
 def accumulate_gradients(
@@ -212,6 +215,7 @@ def train(
     graph = graph if graph is not None else load_dataset(config.dataset)
     if graph.train_idx.numel() == 0:
         raise ConfigError(f"dataset {graph.name!r} has no training nodes")
+    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph) if model is None else None, device)
     if model is None:
         with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
             torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))
@@ -251,20 +255,15 @@ def train(
             loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
             for index, seeds in enumerate(seed_batches):
                 batch = sample_batch(graph, seeds, fanouts, generator)
-                micro_batches = plan_micro_batches(
-                    batch, config.micro_batch.num_micro_batches, config.micro_batch.partitioner, epoch_seed % 2**31
-                )
                 set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
-                optimizer.zero_grad(set_to_none=True)
-                try:
-                    batch_loss, batch_correct = accumulate_gradients(model, micro_batches, features, graph.y, device)
-                except TrainingError as error:
-                    raise TrainingError(f"epoch {epoch}, batch {index}: {error}; last checkpoint: {run_dir}") from None
+                outcome = _train_batch(model, optimizer, planner, batch, features, graph.y, device,
+                                       epoch_seed % 2**31, where=f"epoch {epoch}, batch {index}", run_dir=run_dir)
                 optimizer.step()
-                loss_sum += batch_loss * seeds.numel()
-                correct += batch_correct
-                k_used = max(k_used, len(micro_batches))
-                input_redundancy = max(input_redundancy, redundancy(batch.blocks, [mb.blocks for mb in micro_batches])[0])
+                loss_sum += outcome.loss * seeds.numel()
+                correct += outcome.correct
+                k_used = max(k_used, len(outcome.batches))
+                input_redundancy = max(input_redundancy,
+                                       redundancy(batch.blocks, [mb.blocks for mb in outcome.batches])[0])
 
             evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
             val_acc = evaluate(model, eval_batches["val"], features, graph.y, device) if evaluate_now else None
@@ -282,6 +281,41 @@ def train(
     if last is None:
         raise TrainingError(f"run in {run_dir} already finished {config.optim.epochs} epochs; raise optim.epochs to continue")
     return TrainResult(run_dir, best["epoch"], best["val_acc"], best["test_acc"], last)
+
+
+@dataclass
+class _BatchOutcome:
+    batches: list[Batch]
+    loss: float
+    correct: int
+
+
+def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: MicroBatchPlanner, batch: Batch,
+                 features: Tensor, labels: Tensor, device: torch.device, seed: int, where: str,
+                 run_dir: Path) -> _BatchOutcome:
+    """Plan, accumulate gradients over the micro-batches (no optimizer step).
+
+    A CUDA out-of-memory error in a micro-batch discards that batch's partial
+    gradients, re-plans with more micro-batches and redoes the batch (Betty §4.4.3),
+    so the step still happens once, with the gradient of the whole batch.
+    """
+    min_k = 1
+    while True:
+        micro_batches, plan = planner.plan(batch, seed, min_k)
+        optimizer.zero_grad(set_to_none=True)
+        try:
+            loss, correct = accumulate_gradients(model, micro_batches, features, labels, device)
+            return _BatchOutcome(micro_batches, loss, correct)
+        except torch.cuda.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if plan.k >= batch.output_nodes.numel():
+                raise TrainingError(f"{where}: out of memory even with one output node per micro-batch") from None
+            min_k = plan.k + 1
+            logger.warning("%s: out of memory with K=%d micro-batches; re-planning with K ≥ %d", where, plan.k, min_k)
+        except TrainingError as error:
+            raise TrainingError(f"{where}: {error}; last checkpoint: {run_dir}") from None
 
 
 def _status(metrics: EpochMetrics, best: dict) -> str:

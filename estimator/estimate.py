@@ -389,6 +389,17 @@ class _Step:
         self.r.drop(previous)
 
 
+def model_state_bytes(model: ModelSpec) -> dict[str, int]:
+    """Bytes live before any micro-batch: ``parameters`` (buffers included) and ``optimizer_state``
+    (Adam: two moments per parameter plus a 4-byte step counter per parameter tensor)."""
+    shapes = [numel for layer in range(model.num_layers) for numel in model.parameter_shapes(layer)]
+    states = OPTIMIZER_STATES[model.optimizer]
+    return {
+        "parameters": sum(shapes) * model.dtype_bytes + model.buffer_bytes,
+        "optimizer_state": (states * sum(shapes) * model.dtype_bytes + 4 * len(shapes)) if states else 0,
+    }
+
+
 def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> MemoryEstimate:
     """Estimate the memory of one training step of a micro-batch, itemised (Betty §4.4.3).
 
@@ -413,15 +424,8 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
     replay = _Replay()
     step = _Step(replay, model)
     f = model.dtype_bytes
-    states = OPTIMIZER_STATES[model.optimizer]
-    for layer in range(model.num_layers):
-        for numel in model.parameter_shapes(layer):
-            replay.alloc(numel * f, "parameters")
-            for _ in range(states):
-                replay.alloc(numel * f, "optimizer_state")
-            if states:
-                replay.alloc(4, "optimizer_state")  # the step counter tensor
-    replay.alloc(model.buffer_bytes, "parameters")
+    replay.alloc(model_state_bytes(model)["parameters"], "parameters")
+    replay.alloc(model_state_bytes(model)["optimizer_state"], "optimizer_state")
     for counts in layers:
         replay.alloc((counts.num_src + counts.num_dst + 1 + counts.num_edges) * INDEX_BYTES, "block_structure")
     resident = replay.current

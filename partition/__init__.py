@@ -6,12 +6,16 @@ imports the trainer.
 """
 
 from partition.partitioners import PARTITIONERS, partition_outputs
+from partition.planner import BudgetError, Plan, make_plan
 from partition.redundancy import redundancy
 from partition.reg import build_reg
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
 __all__ = [
     "PARTITIONERS",
+    "BudgetError",
+    "Plan",
+    "make_plan",
     "BlockStructure",
     "LayerSlice",
     "build_reg",

@@ -1,7 +1,9 @@
 """Partitioners that split a batch's output nodes into K micro-batches (Betty §4.3, Fig. 16 baselines).
 
-Every partitioner has the signature ``(output_block, k, seed) -> (num_dst,) int64
-part ids``; :data:`PARTITIONERS` maps names to them.
+Every partitioner has the signature ``(output_block, k, seed, vertex_weights) ->
+(num_dst,) int64 part ids``; :data:`PARTITIONERS` maps names to them. ``vertex_weights``
+(``(num_dst,)`` positive int64 or ``None``) is what METIS balances; range and random
+balance output counts.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from partition.metis import metis_kway
 from partition.reg import build_reg, output_adjacency
 from partition.slicing import BlockStructure
 
-Partitioner = Callable[[BlockStructure, int, int], np.ndarray]
+Partitioner = Callable[[BlockStructure, int, int, "np.ndarray | None"], np.ndarray]
 
 
-def range_partition(block: BlockStructure, k: int, seed: int) -> np.ndarray:
+def range_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
     """Contiguous ranges of the outputs in batch order (Betty's "range" baseline)."""
     return (np.arange(block.num_dst) * k) // max(block.num_dst, 1)
 
 
-def random_partition(block: BlockStructure, k: int, seed: int) -> np.ndarray:
+def random_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
     """A uniformly random balanced assignment, deterministic from ``seed`` ("random" baseline)."""
     generator = torch.Generator().manual_seed(seed)
     parts = np.empty(block.num_dst, dtype=np.int64)
@@ -33,7 +35,7 @@ def random_partition(block: BlockStructure, k: int, seed: int) -> np.ndarray:
     return parts
 
 
-def induced_metis_partition(block: BlockStructure, k: int, seed: int) -> np.ndarray:
+def induced_metis_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
     """METIS on the graph the output block's edges induce on the outputs ("metis" baseline).
 
     With full neighbourhoods this is the original graph induced on the outputs.
@@ -42,17 +44,17 @@ def induced_metis_partition(block: BlockStructure, k: int, seed: int) -> np.ndar
     induced = ((at + at.T) > 0).astype(np.int64).tocsr()
     induced.setdiag(0)
     induced.eliminate_zeros()
-    return metis_kway(induced, k, seed)
+    return metis_kway(induced, k, seed, vertex_weights)
 
 
-def reg_partition(block: BlockStructure, k: int, seed: int) -> np.ndarray:
+def reg_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
     """METIS on the weighted REG (Betty Algorithm 1, with the shared-neighbour counts as edge weights)."""
-    return metis_kway(build_reg(block, weighted=True), k, seed)
+    return metis_kway(build_reg(block, weighted=True), k, seed, vertex_weights)
 
 
-def unweighted_reg_partition(block: BlockStructure, k: int, seed: int) -> np.ndarray:
+def unweighted_reg_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
     """METIS on the REG with all weights 1 (what the paper's artifact ran; for comparison)."""
-    return metis_kway(build_reg(block, weighted=False), k, seed)
+    return metis_kway(build_reg(block, weighted=False), k, seed, vertex_weights)
 
 
 PARTITIONERS: dict[str, Partitioner] = {
@@ -64,7 +66,8 @@ PARTITIONERS: dict[str, Partitioner] = {
 }
 
 
-def partition_outputs(output_block: BlockStructure, k: int, method: str = "reg", seed: int = 0) -> list[Tensor]:
+def partition_outputs(output_block: BlockStructure, k: int, method: str = "reg", seed: int = 0,
+                      vertex_weights: np.ndarray | None = None) -> list[Tensor]:
     """Split the output nodes of a batch into ``k`` groups.
 
     Args:
@@ -72,6 +75,7 @@ def partition_outputs(output_block: BlockStructure, k: int, method: str = "reg",
         k: number of micro-batches, ``1 ≤ k ≤ num_dst``.
         method: a key of :data:`PARTITIONERS`.
         seed: seed of the partitioner's randomness.
+        vertex_weights: optional ``(num_dst,)`` positive int64 costs METIS balances.
 
     Returns:
         Non-empty, sorted ``int64`` tensors of output positions, disjoint and covering
@@ -85,7 +89,7 @@ def partition_outputs(output_block: BlockStructure, k: int, method: str = "reg",
     n = output_block.num_dst
     if not 1 <= k <= n:
         raise ValueError(f"cannot split {n} output nodes into {k} micro-batches")
-    parts = torch.from_numpy(np.ascontiguousarray(PARTITIONERS[method](output_block, k, seed)))
+    parts = torch.from_numpy(np.ascontiguousarray(PARTITIONERS[method](output_block, k, seed, vertex_weights)))
     order = torch.argsort(parts, stable=True)
     counts = torch.bincount(parts, minlength=k)
     return [group for group in torch.split(order, counts.tolist()) if group.numel()]

@@ -46,6 +46,10 @@ class LayerSlice:
     indices: Tensor
     edge_ids: Tensor
 
+    @property
+    def num_src(self) -> int:
+        return self.src_index.numel()
+
 
 def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list[LayerSlice]:
     """Slice the sub-batch that computes the chosen output nodes, output layer to input layer.

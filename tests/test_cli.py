@@ -80,7 +80,7 @@ def test_overrides_parse_as_users_expect():
     "content, overrides, fragments",
     [
         ("model:\n  hiden: 64\n", [], ["unknown config key 'model.hiden'", "hidden"]),
-        ("model:\n  aggregator: max\n", [], ["'model.aggregator'", "'mean' or 'gcn'"]),
+        ("model:\n  aggregator: max\n", [], ["'model.aggregator'", "'mean', 'gcn', 'pool' or 'lstm'"]),
         ("optim:\n  lr: -1\n", [], ["'optim.lr'", "greater than 0"]),
         ("model: [1, 2\n", [], ["not valid YAML", "line"]),
         ("", ["micro_batch.num_micro_batches=zero"], ["'micro_batch.num_micro_batches'", "integer"]),

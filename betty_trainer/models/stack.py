@@ -22,16 +22,20 @@ class LayerStack(nn.Module):
         widths: ``[F, hidden, …, C]``, ``L + 1`` widths.
         make_layer: ``(in_feats, out_feats) -> nn.Module`` with ``forward(block, h_src)``.
         dropout: drop probability.
+        make_output_layer: builds the last layer instead of ``make_layer`` when given
+            (e.g. GAT, whose output layer averages its heads). Default ``None``.
 
     Shapes:
         ``x`` ``(blocks[0].num_src, F)`` → ``(blocks[-1].num_dst, C)`` logits.
     """
 
-    def __init__(self, widths: list[int], make_layer: Callable[[int, int], nn.Module], dropout: float):
+    def __init__(self, widths: list[int], make_layer: Callable[[int, int], nn.Module], dropout: float,
+                 make_output_layer: Callable[[int, int], nn.Module] | None = None):
         super().__init__()
         if len(widths) < 2:
             raise ValueError("a model needs at least one layer")
-        self.layers = nn.ModuleList(make_layer(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        hidden = [make_layer(a, b) for a, b in zip(widths[:-2], widths[1:-1])]
+        self.layers = nn.ModuleList(hidden + [(make_output_layer or make_layer)(widths[-2], widths[-1])])
         self.dropout = NodeDropout(dropout)
 
     def apply_layer(self, layer: nn.Module, block: Block, h: Tensor) -> Tensor:

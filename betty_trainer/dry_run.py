@@ -1,0 +1,53 @@
+"""``betty-train plan``: plan the first batch as training would, without training (optionally measure it)."""
+
+from __future__ import annotations
+
+import torch
+
+from betty_trainer.config import Config
+from betty_trainer.datasets import load_dataset
+from betty_trainer.memory import measure_training_step
+from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.planning import MicroBatchPlanner, model_spec, plan_report
+from betty_trainer.sampling import sample_batch
+from betty_trainer.trainer import _INIT_STREAM, derive_seed, resolve_device, split_seeds
+
+
+def dry_run(config: Config, measure: bool = False) -> dict:
+    """Sample epoch 0's first batch exactly as :func:`~betty_trainer.trainer.train` does, plan it,
+    and report (see :func:`~betty_trainer.planning.plan_report`).
+
+    With ``measure``, one real training step per micro-batch runs on copies of the model
+    and a fresh Adam (stepped once first, so its state is resident as in training), and
+    each row gets ``measured_peak_bytes`` and ``error`` = (estimate − measured) / measured.
+
+    Returns:
+        The report dict (what ``plan.json`` holds).
+
+    Raises:
+        BettyError: bad config or dataset, impossible budget.
+    """
+    device = resolve_device(config.train.device)
+    graph = load_dataset(config.dataset)
+    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph), device)
+    epoch_seed = derive_seed(config.seed, 0)
+    generator = torch.Generator().manual_seed(epoch_seed)
+    seeds = split_seeds(graph.train_idx, config.sampling.batch_size, generator)[0]
+    fanouts = config.sampling.fanouts or [None] * config.model.num_layers
+    batch = sample_batch(graph, seeds, fanouts, generator)
+    micro_batches, plan = planner.plan(batch, epoch_seed % 2**31)
+    report = plan_report(planner, batch, micro_batches, plan)
+    report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
+    if measure:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))
+            model = build_model(config.model, graph).to(device)
+        set_dropout_key(model, config.seed, 0)
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+        measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, device)  # Adam state exists
+        for row, micro_batch in zip(report["micro_batches"], micro_batches):
+            measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, device,
+                                             num_outputs=batch.output_nodes.numel())
+            row["measured_peak_bytes"] = measured.peak_bytes
+            row["error"] = (row["estimate"]["peak_bytes"] - measured.peak_bytes) / measured.peak_bytes
+    return report

@@ -1,0 +1,88 @@
+"""The measured memory peak of one real training step of one micro-batch (the estimator's ground truth).
+
+The step is the one :func:`~betty_trainer.trainer.accumulate_gradients` runs for a
+micro-batch, followed by the optimizer step; :func:`estimator.measure.measure_peak`
+measures it (``torch.cuda.max_memory_allocated`` on a GPU, the profiler's allocation
+records on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from betty_trainer.block import Batch
+from estimator.measure import MeasuredPeak, measure_peak
+
+
+def measure_training_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batch: Batch,
+    features: Tensor,
+    labels: Tensor,
+    device: torch.device | str,
+    num_outputs: int | None = None,
+) -> MeasuredPeak:
+    """Run one training step on ``micro_batch`` and return its measured memory peak (bytes).
+
+    The measured step: gather ``features[micro_batch.input_nodes]`` and the output
+    nodes' labels and move them to ``device``, move the blocks to ``device``, forward
+    ``model(blocks, x)``, loss ``Σ CE / num_outputs``, backward, then — with the
+    micro-batch's inputs, logits and loss released, as in training — ``optimizer.step()``.
+    It runs in the model's current mode (``model.train()`` for dropout).
+
+    This is a real step: it **updates the model and the optimizer state**. Callers who
+    want no update pass deep copies (``copy.deepcopy`` of the model and an optimizer
+    built on the copy). Before the step the gradients of ``model`` and ``optimizer`` are
+    set to ``None`` (``zero_grad(set_to_none=True)``), so the gradients are allocated
+    inside the step and count in the peak, as in training; nothing else is changed or
+    restored.
+
+    ``resident`` (CPU; see :func:`~estimator.measure.measure_peak`) is the model's
+    parameters and buffers, every tensor in ``optimizer.state`` and the micro-batch's
+    block structure (on a GPU the blocks are copied inside the step and counted there). A fresh Adam creates
+    its state (2 × parameter bytes) inside its first ``step()``, after backward has freed
+    the activations; for the steady-state peak of later steps, measure a step after the
+    optimizer has stepped once.
+
+    Args:
+        model: ``forward(blocks, x)`` returning ``(num_outputs, C)`` logits, on ``device``.
+        optimizer: an optimizer over ``model``'s parameters.
+        micro_batch: the micro-batch (blocks on the CPU or on ``device``).
+        features: ``(N, F)`` node features, on the CPU or on ``device``.
+        labels: ``(N,)`` int64 labels.
+        device: where the model runs: ``cpu``, ``cuda`` or ``cuda:N``.
+        num_outputs: the loss divisor ``|V|`` (the whole batch's output count when the
+            micro-batch is one of several); default: ``micro_batch``'s own output count.
+
+    Returns:
+        The :class:`~estimator.measure.MeasuredPeak` of the step.
+
+    Raises:
+        ValueError: for a device other than CPU or CUDA, or, on CPU, a parameter, buffer
+            or optimizer state tensor not on the CPU.
+        RuntimeError: if a torch profiler is already running (CPU), or from the model.
+    """
+    device = torch.device(device)
+    divisor = micro_batch.output_nodes.numel() if num_outputs is None else num_outputs
+    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    resident = [*model.parameters(), *model.buffers()]
+    resident += [value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)]
+    if device.type == "cpu":  # on CPU the blocks are not copied inside the step but are live during it
+        resident += [t for block in micro_batch.blocks for t in (block.src_nodes, block.indptr, block.indices)]
+
+    def forward_backward() -> None:
+        x = features[micro_batch.input_nodes].to(device)
+        y = labels[micro_batch.output_nodes].to(device)
+        logits = model(micro_batch.to(device).blocks, x)
+        loss = F.cross_entropy(logits, y, reduction="sum") / divisor
+        loss.backward()
+
+    def step() -> None:
+        forward_backward()  # its inputs and logits are freed before the optimizer steps, as in training
+        optimizer.step()
+
+    return measure_peak(step, device, resident)

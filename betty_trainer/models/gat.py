@@ -1,0 +1,113 @@
+"""GAT (Veličković et al., ICLR 2018) on blocks."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from betty_trainer.block import Block
+from betty_trainer.models.aggregate import edge_softmax
+from betty_trainer.models.stack import LayerStack, layer_widths
+
+
+class GATConv(nn.Module):
+    """One graph attention layer (Veličković et al. 2018, §2.1, Eq. 1–6) on a block.
+
+    With ``z_s = W·h_s`` split into ``heads`` vectors ``z_s^k`` of width ``F_out``:
+
+    e_sd^k = LeakyReLU(a_src^k·z_s^k + a_dst^k·z_d^k)   (Eq. 3, ``a = [a_src ‖ a_dst]``)
+    α_sd^k = softmax over s ∈ N(d) ∪ {d} of e_sd^k      (Eq. 2–3)
+    h'_d   = ‖_k Σ_s α_sd^k z_s^k + b  (``concat``, Eq. 5)  or  mean_k Σ_s α_sd^k z_s^k + b  (Eq. 6)
+
+    Every dst node attends to itself (the dst ``d`` is src position ``d``, the
+    dst-first convention): the layer appends one self edge per dst node to the
+    block's edges, and leaves out any self edge the block already has, so an
+    isolated node attends only to itself. The block is not modified. Edge weights
+    are not used, and there is no dropout on the attention coefficients
+    (feature dropout is the model's node-keyed dropout).
+
+    Args:
+        in_feats: input width ``F_in``.
+        out_feats: width per head ``F_out``.
+        heads: attention heads ``H``. Default ``1``.
+        concat: concatenate the heads (output width ``H·F_out``, hidden layers) if ``True``
+            (default), else average them (output width ``F_out``, the output layer).
+        negative_slope: LeakyReLU slope. Default ``0.2``.
+
+    Shapes:
+        ``h_src`` ``(num_src, F_in)`` → ``(num_dst, H·F_out)`` if ``concat`` else ``(num_dst, F_out)``.
+        With ``return_attention_weights=True`` also ``(edge_index, alpha)``: ``edge_index``
+        ``(2, E')`` int64 ``[src_local; dst_local]`` of the attended edges (the block's
+        non-self edges in CSC order, then one self edge per dst node), ``alpha`` ``(E', H)``.
+
+    Raises:
+        ValueError: if ``heads < 1``.
+    """
+
+    def __init__(self, in_feats: int, out_feats: int, heads: int = 1, concat: bool = True,
+                 negative_slope: float = 0.2):
+        super().__init__()
+        if heads < 1:
+            raise ValueError(f"heads must be at least 1, got {heads}")
+        self.in_feats, self.out_feats, self.heads = in_feats, out_feats, heads
+        self.concat, self.negative_slope = concat, negative_slope
+        self.linear = nn.Linear(in_feats, heads * out_feats, bias=False)
+        self.att_src = nn.Parameter(torch.empty(heads, out_feats))
+        self.att_dst = nn.Parameter(torch.empty(heads, out_feats))
+        self.bias = nn.Parameter(torch.empty(heads * out_feats if concat else out_feats))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.linear.weight)
+        nn.init.xavier_uniform_(self.att_src)
+        nn.init.xavier_uniform_(self.att_dst)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, block: Block, h_src: Tensor,
+                return_attention_weights: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+        z = self.linear(h_src).view(-1, self.heads, self.out_feats)
+        edge_src, edge_dst = block.indices, block.edge_dst()
+        keep = edge_src != edge_dst
+        loops = torch.arange(block.num_dst, device=edge_src.device)
+        edge_src, edge_dst = torch.cat([edge_src[keep], loops]), torch.cat([edge_dst[keep], loops])
+        score_src = (z * self.att_src).sum(-1)
+        score_dst = (z[: block.num_dst] * self.att_dst).sum(-1)
+        scores = F.leaky_relu(score_src[edge_src] + score_dst[edge_dst], self.negative_slope)
+        alpha = edge_softmax(scores, edge_dst, block.num_dst)
+        out = z.new_zeros(block.num_dst, self.heads, self.out_feats)
+        out.index_add_(0, edge_dst, alpha.unsqueeze(-1) * z[edge_src])
+        out = out.flatten(1) if self.concat else out.mean(1)
+        out = out + self.bias
+        if return_attention_weights:
+            return out, (torch.stack([edge_src, edge_dst]), alpha)
+        return out
+
+    def __repr__(self) -> str:
+        return f"GATConv({self.in_feats}, {self.out_feats}, heads={self.heads}, concat={self.concat})"
+
+
+class GAT(LayerStack):
+    """GAT: a :class:`~betty_trainer.models.stack.LayerStack` of :class:`GATConv` layers (Veličković et al. 2018).
+
+    Hidden layers concatenate their heads (width ``hidden·heads``); the output
+    layer averages them (width ``out_feats``), the paper's Eq. 5 and Eq. 6. Layers
+    are separated by the stack's ReLU (the paper uses ELU).
+
+    Args:
+        in_feats: feature width ``F``.
+        hidden: hidden width per head.
+        out_feats: number of classes ``C``.
+        num_layers: ``L ≥ 1``. Default ``2``.
+        heads: attention heads in every layer. Default ``4``.
+        dropout: drop probability. Default ``0.5``.
+
+    Shapes:
+        ``x`` ``(blocks[0].num_src, F)`` → ``(blocks[-1].num_dst, C)`` logits.
+    """
+
+    def __init__(self, in_feats: int, hidden: int, out_feats: int, num_layers: int = 2, heads: int = 4,
+                 dropout: float = 0.5):
+        super().__init__(layer_widths(in_feats, hidden * heads, out_feats, num_layers),
+                         lambda a, _: GATConv(a, hidden, heads), dropout,
+                         make_output_layer=lambda a, b: GATConv(a, b, heads, concat=False))

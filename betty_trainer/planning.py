@@ -1,0 +1,132 @@
+"""Micro-batch planning for training: the estimator and the partitioner composed (Betty §4.4.3).
+
+``MicroBatchPlanner.plan(batch)`` returns the micro-batches to run: ``K`` from the
+config, or, with ``micro_batch.budget``, the smallest ``K`` whose largest estimated
+micro-batch fits the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from betty_trainer.block import Batch
+from betty_trainer.config import Config, MicroBatchConfig
+from betty_trainer.errors import ConfigError, PlanningError
+from betty_trainer.graph import Graph
+from estimator.counts import LayerCounts
+from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
+from estimator.spec import ModelSpec
+from partition import BudgetError, Plan, make_plan, redundancy
+from partition.slicing import BlockStructure
+
+
+def model_spec(config: Config, graph: Graph) -> ModelSpec:
+    """The estimator's description of the built-in model ``config.model`` on ``graph`` (Adam, float32)."""
+    m = config.model
+    widths = (graph.num_features,) + (m.hidden,) * (m.num_layers - 1) + (graph.num_classes,)
+    return ModelSpec(m.arch, widths, m.aggregator, m.heads, m.dropout, graph.x.element_size(), "adam", graph.num_nodes)
+
+
+def resolve_budget(config: MicroBatchConfig, device: torch.device) -> int | None:
+    """The budget in bytes: as configured, or for ``auto`` the GPU's free memory (NVML) minus
+    ``safety_margin``; ``None`` without a budget.
+
+    Raises:
+        ConfigError: ``auto`` without a CUDA device, or a margin that leaves nothing.
+    """
+    if config.budget != "auto":
+        return config.budget
+    if device.type != "cuda":
+        raise ConfigError("micro_batch.budget=auto reads free GPU memory and needs a CUDA device; "
+                          "on CPU give a size, e.g. micro_batch.budget=4GiB")
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free
+    finally:
+        pynvml.nvmlShutdown()
+    if free <= config.safety_margin:
+        raise ConfigError(f"the GPU has {free} bytes free, not more than micro_batch.safety_margin "
+                          f"({config.safety_margin}); lower the margin or free GPU memory")
+    return free - config.safety_margin
+
+
+def counts_of(structures: Sequence[BlockStructure]) -> list[LayerCounts]:
+    """:class:`LayerCounts` of each block (or layer slice)."""
+    return [LayerCounts.from_csc(s.indptr, s.num_src) for s in structures]
+
+
+class MicroBatchPlanner:
+    """Plans the micro-batches of each batch.
+
+    Args:
+        config: the ``micro_batch`` section.
+        spec: the model for the estimator, or ``None`` for a model it does not know
+            (then only a fixed ``K`` is possible).
+        device: where training runs (for ``budget: auto``).
+
+    Raises:
+        ConfigError: a budget with a model the estimator cannot describe, or ``auto`` on CPU.
+    """
+
+    def __init__(self, config: MicroBatchConfig, spec: ModelSpec | None, device: torch.device):
+        self.config, self.spec = config, spec
+        self.budget = resolve_budget(config, device)
+        if self.budget is not None and spec is None:
+            raise ConfigError("micro_batch.budget needs a model the memory estimator knows (a built-in model); "
+                              "for a custom model set micro_batch.num_micro_batches instead")
+        self.resident = sum(model_state_bytes(spec).values()) if spec is not None else 0
+
+    def estimate(self, structures: Sequence[BlockStructure]) -> MemoryEstimate:
+        """Itemised estimate of one micro-batch's training step."""
+        return estimate_micro_batch(counts_of(structures), self.spec)
+
+    def plan(self, batch: Batch, seed: int, min_k: int = 1) -> tuple[list[Batch], Plan]:
+        """Micro-batches of ``batch``; at least ``min_k`` of them (after an out-of-memory error).
+
+        Raises:
+            PlanningError: no split fits the budget (with the numbers).
+        """
+        estimate = (lambda structures: self.estimate(structures).peak_bytes) if self.spec is not None else None
+        fixed_k = None if self.budget is not None else min(self.config.num_micro_batches, batch.output_nodes.numel())
+        try:
+            plan = make_plan(
+                batch.blocks, estimate, budget=self.budget, k=fixed_k, resident_bytes=self.resident,
+                min_k=min_k, partitioner=self.config.partitioner, seed=seed, balance=self.config.balance,
+            )
+        except BudgetError as error:
+            raise PlanningError(str(error)) from None
+        return [batch.restrict(layers) for layers in plan.layers], plan
+
+
+def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequence[Batch], plan: Plan) -> dict:
+    """A JSON-ready description of a plan: per micro-batch sizes per layer, itemised estimate
+    (bytes live at the peak, by component), redundancy per layer, K, budget, planning time."""
+    rows = []
+    for index, micro_batch in enumerate(micro_batches):
+        row = {
+            "micro_batch": index,
+            "outputs": micro_batch.output_nodes.numel(),
+            "layers": [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges}
+                       for b in micro_batch.blocks],
+        }
+        if planner.spec is not None:
+            estimate = planner.estimate(micro_batch.blocks)
+            row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
+        rows.append(row)
+    return {
+        "num_micro_batches": plan.k,
+        "budget_bytes": plan.budget,
+        "partitioner": planner.config.partitioner,
+        "full_batch": {"outputs": batch.output_nodes.numel(), "estimate_peak_bytes": plan.full_batch_estimate or None,
+                       "layers": [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges}
+                                  for b in batch.blocks]},
+        "redundancy_per_layer": redundancy(batch.blocks, [mb.blocks for mb in micro_batches]),
+        "tried": [{"k": k, "largest_estimate_bytes": largest} for k, largest in plan.tried],
+        "planning_seconds": plan.seconds,
+        "micro_batches": rows,
+    }

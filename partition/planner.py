@@ -1,0 +1,180 @@
+"""Memory-aware planning: the smallest K whose largest micro-batch fits a budget (Betty §4.4.3).
+
+The planner knows nothing of models: it takes an ``estimate`` callable mapping a
+micro-batch's block structures to estimated peak bytes (the estimator, composed by
+the trainer) and searches K.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch import Tensor
+
+from partition.partitioners import partition_outputs
+from partition.reg import output_adjacency
+from partition.slicing import BlockStructure, LayerSlice, slice_layers
+
+Estimate = Callable[[Sequence[BlockStructure]], int]
+
+
+class BudgetError(ValueError):
+    """No split of the batch fits the budget; the message gives the numbers."""
+
+
+@dataclass
+class Plan:
+    """K micro-batches of one batch and their estimated peaks.
+
+    Attributes:
+        groups: per micro-batch, sorted int64 positions among the batch's output nodes.
+        layers: per micro-batch, its :class:`LayerSlice` per layer (input layer first).
+        estimates: per micro-batch, estimated peak bytes.
+        budget: the budget in bytes (``None``: K was given, not searched).
+        full_batch_estimate: estimated peak of the unsplit batch, bytes.
+        tried: ``(K, largest estimate)`` for every K evaluated, in order.
+        seconds: wall time of planning.
+    """
+
+    groups: list[Tensor]
+    layers: list[list[LayerSlice]]
+    estimates: list[int]
+    budget: int | None
+    full_batch_estimate: int
+    tried: list[tuple[int, int]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def k(self) -> int:
+        return len(self.groups)
+
+
+def output_costs(blocks: Sequence[BlockStructure]) -> np.ndarray:
+    """Per output node, the edges of its receptive field counted with multiplicity.
+
+    ``v_0 = deg_0``, ``v_l = deg_l + A_l · v_{l−1}``, cost = ``v_{L−1}``: one sparse
+    mat-vec per layer (the ``A_l`` are the blocks' dst × src adjacencies). Used as METIS
+    vertex weights so micro-batches get similar work, not just similar output counts
+    (Betty §4.4.1).
+
+    Returns:
+        ``(num_outputs,)`` float64.
+    """
+    value = np.zeros(0)
+    for block in blocks:
+        degrees = np.diff(block.indptr.cpu().numpy()).astype(np.float64)
+        if value.size:
+            value = degrees + output_adjacency(block).astype(np.float64) @ value
+        else:
+            value = degrees
+    return value
+
+
+def integer_weights(costs: np.ndarray, total: float = 1e8) -> np.ndarray:
+    """Positive int64 METIS weights proportional to ``costs`` with a sum near ``total`` at most."""
+    scale = max(1.0, float(costs.sum()) / total)
+    return np.maximum(1, np.ceil(costs / scale)).astype(np.int64)
+
+
+def make_plan(
+    blocks: Sequence[BlockStructure],
+    estimate: Estimate | None = None,
+    *,
+    budget: int | None = None,
+    k: int | None = None,
+    resident_bytes: int = 0,
+    min_k: int = 1,
+    partitioner: str = "reg",
+    seed: int = 0,
+    balance: bool = True,
+) -> Plan:
+    """Split a batch into micro-batches: K given, or the smallest K that fits ``budget``.
+
+    With a budget the search starts at a K no valid split can beat: for ``K`` parts
+    the largest part's dynamic memory is at least the mean, and the parts' dynamic
+    memory sums to at least the full batch's (every edge and output is in one part,
+    every node in at least one), so ``K ≥ ⌈(full − resident) / (budget − resident)⌉``;
+    from there K grows until the largest estimate fits.
+
+    Args:
+        blocks: the batch's blocks, input layer first.
+        estimate: micro-batch block structures → estimated peak bytes; may be ``None``
+            with ``k`` (then ``estimates`` are empty and ``full_batch_estimate`` is 0).
+        budget: bytes; ``None`` to use ``k``.
+        k: number of micro-batches when there is no budget.
+        resident_bytes: bytes every micro-batch's estimate includes before its own data
+            (parameters, optimizer state, buffers).
+        min_k: never fewer micro-batches (used to re-plan after an out-of-memory error).
+        partitioner: a name in :data:`partition.PARTITIONERS`.
+        seed: partitioner seed.
+        balance: weight METIS vertices by :func:`output_costs`.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        BudgetError: the budget is below the resident bytes, or even one output node's
+            micro-batch exceeds it (with the numbers).
+        ValueError: neither or both of ``budget`` and ``k``; K out of range.
+    """
+    started = time.perf_counter()
+    if (budget is None) == (k is None):
+        raise ValueError("give exactly one of budget and k")
+    if estimate is None and budget is not None:
+        raise ValueError("planning for a budget needs an estimate")
+    num_outputs = blocks[-1].num_dst
+    full = estimate(blocks) if estimate is not None else 0
+    weights = integer_weights(output_costs(blocks)) if balance and partitioner in ("reg", "reg_unweighted", "metis") else None
+    tried: list[tuple[int, int]] = []
+
+    def split(parts: int) -> tuple[list[Tensor], list[list[LayerSlice]], list[int]]:
+        if parts == 1:
+            groups = [torch.arange(num_outputs)]
+        else:
+            groups = partition_outputs(blocks[-1], parts, partitioner, seed, vertex_weights=weights)
+        layers = [slice_layers(blocks, group) for group in groups]
+        estimates = [estimate(layer) for layer in layers] if estimate is not None else []
+        tried.append((parts, max(estimates, default=0)))
+        return groups, layers, estimates
+
+    if budget is None:
+        groups, layers, estimates = split(min(max(k, min_k), num_outputs))
+        return Plan(groups, layers, estimates, None, full, tried, time.perf_counter() - started)
+
+    if budget <= 0:
+        raise BudgetError(f"memory budget must be positive, got {budget} bytes")
+    resident = resident_bytes
+    if full <= budget and min_k <= 1:
+        groups, layers, estimates = split(1)
+        return Plan(groups, layers, estimates, budget, full, tried, time.perf_counter() - started)
+    if budget <= resident:
+        raise BudgetError(
+            f"memory budget {_mib(budget)} is below what training holds before any micro-batch "
+            f"({_mib(resident)}: parameters, optimizer state, model buffers)"
+        )
+    hungriest = int(np.argmax(output_costs(blocks)))
+    alone = estimate(slice_layers(blocks, torch.tensor([hungriest])))
+    if alone > budget:
+        raise BudgetError(
+            f"memory budget {_mib(budget)} is impossible: output node {hungriest} of the batch alone needs "
+            f"{_mib(alone)} (its receptive field); raise the budget or use smaller fanouts"
+        )
+    start = max(min_k, 2, math.ceil((full - resident) / (budget - resident)))
+    for parts in range(min(start, num_outputs), num_outputs + 1):
+        groups, layers, estimates = split(parts)
+        if max(estimates) <= budget:
+            return Plan(groups, layers, estimates, budget, full, tried, time.perf_counter() - started)
+    raise BudgetError(
+        f"memory budget {_mib(budget)} is impossible: even {num_outputs} micro-batches of one output node "
+        f"each need up to {_mib(max(estimates))}"
+    )
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB ({int(nbytes)} bytes)"

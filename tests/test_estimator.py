@@ -1,0 +1,67 @@
+"""The closed-form estimator against measured peaks (Betty §4.4.3, Table 7), and memory-aware planning."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from betty_trainer import plan_micro_batches, sample_batch
+from betty_trainer.config import load_config
+from betty_trainer.memory import measure_training_step
+from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.planning import MicroBatchPlanner, counts_of, model_spec
+from estimator.estimate import COMPONENTS, estimate_micro_batch
+
+
+def estimate_and_measure(graph, overrides, k, fanouts=None):
+    """(estimate, measured) peak bytes per micro-batch of the full training batch, steady-state Adam."""
+    config = load_config(None, overrides)
+    torch.manual_seed(0)
+    model = build_model(config.model, graph)
+    set_dropout_key(model, 0, 0)
+    optimizer = torch.optim.Adam(model.parameters())
+    batch = sample_batch(graph, graph.train_idx, fanouts or [None] * config.model.num_layers,
+                         torch.Generator().manual_seed(0))
+    micro_batches = plan_micro_batches(batch, k, "reg", 0)
+    measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, "cpu")  # Adam state exists
+    spec = model_spec(config, graph)
+    pairs = []
+    for micro_batch in micro_batches:
+        estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec)
+        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu")
+        assert sum(estimate.at_peak.values()) == estimate.peak_bytes
+        pairs.append((estimate.peak_bytes, measured.peak_bytes))
+    return pairs
+
+
+CASES = [
+    ("cora", ["model.arch=sage", "model.aggregator=mean", "model.hidden=64"], 1, None),
+    ("cora", ["model.arch=sage", "model.aggregator=mean", "model.hidden=256"], 8, None),
+    ("cora", ["model.arch=sage", "model.aggregator=gcn", "model.hidden=64", "model.num_layers=3"], 4, [5, 10, 15]),
+    ("citeseer", ["model.arch=sage", "model.aggregator=gcn", "model.hidden=256"], 4, None),
+    ("citeseer", ["model.arch=gcn", "model.hidden=64"], 8, None),
+    ("cora", ["model.arch=gcn", "model.hidden=256", "model.num_layers=3", "model.dropout=0"], 4, None),
+]
+
+
+@pytest.mark.parametrize("dataset, overrides, k, fanouts", CASES)
+def test_estimate_within_5_percent_of_measured_peak(request, dataset, overrides, k, fanouts):
+    graph = request.getfixturevalue(dataset)
+    for estimate, measured in estimate_and_measure(graph, overrides, k, fanouts):
+        error = (estimate - measured) / measured
+        assert -0.05 <= error <= 0.05, (estimate, measured, f"{error:+.2%}")
+
+
+def test_estimate_is_itemised(cora):
+    config = load_config(None, [])
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    estimate = estimate_micro_batch(counts_of(batch.blocks), model_spec(config, cora))
+    assert set(estimate.at_peak) == set(COMPONENTS)
+    assert estimate.totals["input_features"] == batch.input_nodes.numel() * cora.num_features * 4
+    assert estimate.totals["labels"] == cora.train_idx.numel() * 8
+    params = sum(p.numel() for p in build_model(config.model, cora).parameters()) * 4
+    assert estimate.at_peak["parameters"] == params
+    assert estimate.resident_bytes >= 3 * params  # parameters + two Adam moments
+    assert estimate.peak_bytes >= max(estimate.forward_peak_bytes, estimate.backward_peak_bytes)
