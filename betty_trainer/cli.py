@@ -102,22 +102,27 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     for column in columns:
         table.add_column(column, justify="right")
     for row in report["micro_batches"]:
-        at_peak, peak = row["estimate"]["at_peak"], row["estimate"]["peak_bytes"]
-        shown = ("input_features", "hidden_outputs", "dropout_masks", "aggregator_intermediates", "gradients")
-        state = at_peak["parameters"] + at_peak["optimizer_state"]
-        other = peak - state - sum(at_peak[name] for name in shown)
-        cells = [str(row["micro_batch"]), str(row["outputs"]),
+        sizes = [str(row["micro_batch"]), str(row["outputs"]),
                  " / ".join(str(layer["src_nodes"]) for layer in row["layers"]),
-                 " / ".join(str(layer["edges"]) for layer in row["layers"]),
-                 *(_mib(at_peak[name]) for name in shown), _mib(state), _mib(other), _mib(peak),
-                 f"{peak / budget:.0%}" if budget else "-"]
+                 " / ".join(str(layer["edges"]) for layer in row["layers"])]
+        if "estimate" in row:
+            at_peak, peak = row["estimate"]["at_peak"], row["estimate"]["peak_bytes"]
+            shown = ("input_features", "hidden_outputs", "dropout_masks", "aggregator_intermediates", "gradients")
+            state = at_peak["parameters"] + at_peak["optimizer_state"]
+            other = peak - state - sum(at_peak[name] for name in shown)
+            memory = [*(_mib(at_peak[name]) for name in shown), _mib(state), _mib(other), _mib(peak),
+                      f"{peak / budget:.0%}" if budget else "-"]
+        else:
+            memory = ["-"] * 9
+        cells = sizes + memory
         if args.measure:
-            cells += [_mib(row["measured_peak_bytes"]), f"{row['error']:+.1%}"]
+            cells += [_mib(row["measured_peak_bytes"]), f"{row['error']:+.1%}" if "error" in row else "-"]
         table.add_row(*cells)
     Console(width=max(console.width, 160)).print(table)
     redundancy = " / ".join(f"{r:.3f}" for r in report["redundancy_per_layer"])
     budget_text = f"{_mib(budget)} MiB" if budget else "none (micro_batch.num_micro_batches)"
-    console.print(f"budget {budget_text}; full batch estimate {_mib(report['full_batch']['estimate_peak_bytes'])} MiB; "
+    full = report["full_batch"]["estimate_peak_bytes"]
+    console.print(f"budget {budget_text}; full batch estimate {_mib(full) + ' MiB' if full else 'none (no closed form)'}; "
                   f"K = {report['num_micro_batches']} (tried {[t['k'] for t in report['tried']]}); "
                   f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s; "
                   f"written to {args.output}", highlight=False, soft_wrap=True)

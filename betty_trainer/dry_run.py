@@ -49,5 +49,6 @@ def dry_run(config: Config, measure: bool = False) -> dict:
             measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, device,
                                              num_outputs=batch.output_nodes.numel())
             row["measured_peak_bytes"] = measured.peak_bytes
-            row["error"] = (row["estimate"]["peak_bytes"] - measured.peak_bytes) / measured.peak_bytes
+            if "estimate" in row:
+                row["error"] = (row["estimate"]["peak_bytes"] - measured.peak_bytes) / measured.peak_bytes
     return report

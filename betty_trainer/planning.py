@@ -65,8 +65,8 @@ class MicroBatchPlanner:
 
     Args:
         config: the ``micro_batch`` section.
-        spec: the model for the estimator, or ``None`` for a model it does not know
-            (then only a fixed ``K`` is possible).
+        spec: the model for the estimator, or ``None`` for a custom model; without a
+            closed-form estimate for it only a fixed ``K`` is possible.
         device: where training runs (for ``budget: auto``).
 
     Raises:
@@ -74,12 +74,14 @@ class MicroBatchPlanner:
     """
 
     def __init__(self, config: MicroBatchConfig, spec: ModelSpec | None, device: torch.device):
-        self.config, self.spec = config, spec
+        self.config = config
+        self.spec = spec if spec is not None and spec.has_closed_form else None
         self.budget = resolve_budget(config, device)
-        if self.budget is not None and spec is None:
-            raise ConfigError("micro_batch.budget needs a model the memory estimator knows (a built-in model); "
-                              "for a custom model set micro_batch.num_micro_batches instead")
-        self.resident = sum(model_state_bytes(spec).values()) if spec is not None else 0
+        if self.budget is not None and self.spec is None:
+            what = "a custom model" if spec is None else f"{spec.arch} ({spec.aggregator})" if spec.arch == "sage" else spec.arch
+            raise ConfigError(f"micro_batch.budget needs a memory estimate, and the estimator has none for {what} "
+                              "yet (it covers sage mean/gcn and gcn); set micro_batch.num_micro_batches instead")
+        self.resident = sum(model_state_bytes(self.spec).values()) if self.spec is not None else 0
 
     def estimate(self, structures: Sequence[BlockStructure]) -> MemoryEstimate:
         """Itemised estimate of one micro-batch's training step."""

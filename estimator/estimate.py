@@ -344,7 +344,7 @@ class _Step:
             return self.sage_forward(c, h, a, b, h_grad)
         if self.model.arch == "gcn":
             return self.gcn_forward(c, h, a, b, h_grad)
-        raise NotImplementedError(self.model)
+        raise ValueError(f"no closed-form memory estimate for {self.model.arch} ({self.model.aggregator})")
 
     def relu(self, x: int, rows: int, width: int):
         out = self.r.alloc(rows * width * self.f, _HID)
@@ -417,8 +417,11 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
         A :class:`MemoryEstimate` (bytes).
 
     Raises:
-        ValueError: if the number of layers differs from the model's.
+        ValueError: if the number of layers differs from the model's, or the model has no
+            closed form yet (``model.has_closed_form``).
     """
+    if not model.has_closed_form:
+        raise ValueError(f"no closed-form memory estimate for {model.arch} ({model.aggregator}) yet")
     if len(layers) != model.num_layers:
         raise ValueError(f"the micro-batch has {len(layers)} layers but the model has {model.num_layers}")
     replay = _Replay()

@@ -72,6 +72,11 @@ class ModelSpec:
         return extra + neigh_self + [b]
 
     @property
+    def has_closed_form(self) -> bool:
+        """Whether :func:`estimator.estimate.estimate_micro_batch` covers this model (SAGE mean/gcn, GCN)."""
+        return self.arch == "gcn" or (self.arch == "sage" and self.aggregator in ("mean", "gcn"))
+
+    @property
     def buffer_bytes(self) -> int:
         """Bytes of non-parameter model state (GCN's per-node degree normalisation)."""
         return 4 * self.num_nodes if self.arch == "gcn" else 0

@@ -23,7 +23,7 @@ def sum_neighbours(block: Block, h_src: Tensor, edge_weight: Tensor | None = Non
     Returns:
         ``(num_dst, F)``, dtype of ``h_src``.
     """
-    messages = h_src[block.indices]
+    messages = h_src.index_select(0, block.indices)
     if edge_weight is not None:
         messages = messages * edge_weight.unsqueeze(1).to(messages.dtype)
     out = torch.zeros(block.num_dst, h_src.shape[1], dtype=h_src.dtype, device=h_src.device)
@@ -56,7 +56,7 @@ def max_neighbours(block: Block, h_src: Tensor) -> Tensor:
     Shapes:
         ``(num_src, F)`` → ``(num_dst, F)``.
     """
-    messages = h_src[block.indices]
+    messages = h_src.index_select(0, block.indices)
     index = block.edge_dst().unsqueeze(1).expand_as(messages)
     out = torch.zeros(block.num_dst, h_src.shape[1], dtype=h_src.dtype, device=h_src.device)
     return out.scatter_reduce_(0, index, messages, "amax", include_self=False)

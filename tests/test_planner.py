@@ -1,0 +1,123 @@
+"""Memory-aware planning (Betty §4.4.3): the smallest K under a budget, measured to fit; OOM re-planning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from betty_trainer import make_sbm, sample_batch
+from betty_trainer import trainer as trainer_module
+from betty_trainer.checkpoint import load_checkpoint
+from betty_trainer.cli import main
+from betty_trainer.config import load_config
+from betty_trainer.errors import ConfigError, PlanningError
+from betty_trainer.memory import measure_training_step
+from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.planning import MicroBatchPlanner, model_spec
+from betty_trainer.trainer import train
+from partition import make_plan
+from tests.conftest import REPO
+
+GRAPH = dict(num_nodes=2000, num_features=200, avg_degree=8, train_per_class=40, num_val=100, num_test=100)
+OVERRIDES = ["model.hidden=16", "train.progress=false"] + [f"dataset.synthetic.{k}={v}" for k, v in GRAPH.items()]
+
+
+@pytest.fixture(scope="module")
+def setting():
+    graph = make_sbm(**GRAPH)
+    config = load_config(None, OVERRIDES)
+    batch = sample_batch(graph, graph.train_idx, [None, None])
+    torch.manual_seed(0)
+    model = build_model(config.model, graph)
+    set_dropout_key(model, 0, 0)
+    optimizer = torch.optim.Adam(model.parameters())
+    measure_training_step(model, optimizer, batch, graph.x, graph.y, "cpu")  # Adam state exists
+    full_peak = measure_training_step(model, optimizer, batch, graph.x, graph.y, "cpu").peak_bytes
+    return graph, config, batch, model, optimizer, full_peak
+
+
+@pytest.mark.parametrize("fraction", [2.0, 1.0, 0.5, 0.25])
+def test_planned_micro_batches_fit_the_budget_with_the_smallest_k(setting, fraction):
+    graph, config, batch, model, optimizer, full_peak = setting
+    budget = int(full_peak * fraction)
+    overrides = OVERRIDES + [f"micro_batch.budget={budget}"]
+    planner = MicroBatchPlanner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
+    micro_batches, plan = planner.plan(batch, seed=0)
+    for micro_batch in micro_batches:
+        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu")
+        assert measured.peak_bytes <= budget, (plan.k, measured.peak_bytes, budget)
+    estimate = lambda structures: planner.estimate(structures).peak_bytes  # noqa: E731
+    brute_force = next(k for k in range(1, plan.k + 1)
+                       if max(make_plan(batch.blocks, estimate, k=k, seed=0).estimates) <= budget)
+    assert plan.k == brute_force
+    if fraction >= 1.0:
+        assert plan.k == 1
+    else:
+        assert plan.tried[0][0] > 1, "the search starts from the ratio of estimates, not from K = 1"
+
+
+def test_balanced_weights_keep_the_largest_micro_batch_near_the_mean(setting):
+    graph, config, batch, *_ = setting
+    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph), torch.device("cpu"))
+    _, plan = planner.plan(batch, seed=0)
+    dynamic = [e - planner.resident for e in plan.estimates]
+    assert max(dynamic) <= 1.25 * sum(dynamic) / len(dynamic)
+
+
+def test_impossible_and_malformed_budgets_name_the_cause(setting, capsys, tmp_path):
+    graph, config, batch, *_ = setting
+    spec = model_spec(config, graph)
+    tiny = load_config(None, OVERRIDES + ["micro_batch.budget=1000"]).micro_batch
+    with pytest.raises(PlanningError, match="below what training holds"):
+        MicroBatchPlanner(tiny, spec, torch.device("cpu")).plan(batch, 0)
+    small = load_config(None, OVERRIDES + ["micro_batch.budget=250000"]).micro_batch
+    with pytest.raises(PlanningError, match=r"impossible: output node \d+ of the batch alone needs"):
+        MicroBatchPlanner(small, spec, torch.device("cpu")).plan(batch, 0)
+    for bad, message in (("-5", "must be positive"), ("lots", "expected a size in bytes")):
+        assert main(["plan", "--config", str(REPO / "configs/quickstart.yaml"), f"micro_batch.budget={bad}"]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        MicroBatchPlanner(load_config(None, ["micro_batch.budget=auto"]).micro_batch, spec, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="custom model"):
+        train(load_config(None, OVERRIDES + ["micro_batch.budget=1GB"]), model=torch.nn.Linear(1, 1),
+              graph=graph, run_dir=tmp_path)
+
+
+def test_out_of_memory_replans_and_equals_planning_the_larger_k(tmp_path, monkeypatch):
+    original = trainer_module.accumulate_gradients
+    failures = []
+
+    def flaky(model, micro_batches, *args):
+        if len(micro_batches) < 3:  # as if the GPU ran out of memory with K = 2
+            failures.append(len(micro_batches))
+            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+        return original(model, micro_batches, *args)
+
+    overrides = OVERRIDES + ["optim.epochs=2"]
+    train(load_config(None, overrides + ["micro_batch.num_micro_batches=3"]), run_dir=tmp_path / "planned")
+    monkeypatch.setattr(trainer_module, "accumulate_gradients", flaky)
+    train(load_config(None, overrides + ["micro_batch.num_micro_batches=2"]), run_dir=tmp_path / "replanned")
+    assert failures == [2, 2], "each batch failed once with K = 2, then ran with K = 3"
+    planned, replanned = load_checkpoint(tmp_path / "planned"), load_checkpoint(tmp_path / "replanned")
+    for name, tensor in planned["model"].items():
+        assert torch.equal(tensor, replanned["model"][name]), name
+    assert planned["optimizer"]["state"][0]["step"] == replanned["optimizer"]["state"][0]["step"] == 2
+
+
+def test_plan_command_table_matches_plan_json(tmp_path, capsys):
+    output = tmp_path / "plan.json"
+    status = main(["plan", "--config", str(REPO / "configs/quickstart.yaml"), *OVERRIDES, "micro_batch.budget=4MiB",
+                   "--measure", "--output", str(output)])
+    printed = capsys.readouterr().out
+    assert status == 0
+    report = json.loads(output.read_text())
+    assert report["budget_bytes"] == 4 * 2**20 and report["num_micro_batches"] == len(report["micro_batches"])
+    for row in report["micro_batches"]:
+        assert row["measured_peak_bytes"] <= report["budget_bytes"]
+        assert abs(row["error"]) <= 0.05
+        line = next(line for line in printed.splitlines()
+                    if line.startswith("│") and line.split("│")[1].strip() == str(row["micro_batch"]))
+        assert f"{row['estimate']['peak_bytes'] / 2**20:.2f}" in line and f"{row['measured_peak_bytes'] / 2**20:.2f}" in line
+    assert f"K = {report['num_micro_batches']}" in printed
