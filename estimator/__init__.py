@@ -1,11 +1,18 @@
-"""Analytic memory estimator (Betty §4.4.3): per-micro-batch bytes by component and the peak.
+"""Memory estimator (Betty §4.4.3): per-micro-batch bytes by component and the peak, and the measured
+peak every estimate is checked against.
 
-Not implemented yet: it is the subject of the memory-estimator issue. Until then
-the trainer takes the number of micro-batches ``K`` from the config
-(``micro_batch.num_micro_batches``) and nothing in the project reports a memory estimate.
-The ground truth estimates will be checked against is :func:`measure_peak`.
+- :func:`estimate_micro_batch`: closed-form, op-by-op estimate of one training step of a
+  built-in model (GraphSAGE mean/gcn, GCN) from a micro-batch's :class:`LayerCounts`.
+- :func:`measure_peak`: the real peak (``torch.cuda.max_memory_allocated`` or the CPU
+  profiler's allocation records).
+
+This package never imports ``betty_trainer``.
 """
 
+from estimator.counts import LayerCounts
+from estimator.estimate import COMPONENTS, MemoryEstimate, estimate_micro_batch, model_state_bytes
 from estimator.measure import MeasuredPeak, measure_peak
+from estimator.spec import ModelSpec
 
-__all__ = ["MeasuredPeak", "measure_peak"]
+__all__ = ["COMPONENTS", "LayerCounts", "MeasuredPeak", "MemoryEstimate", "ModelSpec", "estimate_micro_batch",
+           "measure_peak", "model_state_bytes"]

@@ -31,10 +31,3 @@ class LayerCounts:
         degrees = indptr[1:] - indptr[:-1]
         values, counts = torch.unique(degrees[degrees > 0], return_counts=True)
         return cls(num_src, indptr.numel() - 1, int(indptr[-1]), tuple(zip(values.tolist(), counts.tolist())))
-
-    def __add__(self, other: "LayerCounts") -> "LayerCounts":
-        histogram: dict[int, int] = dict(self.degree_histogram)
-        for degree, count in other.degree_histogram:
-            histogram[degree] = histogram.get(degree, 0) + count
-        return LayerCounts(self.num_src + other.num_src, self.num_dst + other.num_dst,
-                           self.num_edges + other.num_edges, tuple(sorted(histogram.items())))

@@ -207,13 +207,19 @@ class _Step:
 
         return out, backward
 
+    @staticmethod
+    def aggregation_width(a: int, b: int, hd_grad: bool) -> tuple[bool, int, bool]:
+        """``(project_first, width aggregated, record)``: layers apply their linear map before
+        aggregating when ``a > b``; the aggregation is recorded by autograd when its input
+        requires grad (projected, or a hidden layer's input)."""
+        project_first = a > b
+        return project_first, (b if project_first else a), project_first or hd_grad
+
     # ----- GraphSAGE (mean, gcn) -------------------------------------------------------------------
     def sage_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
         r, f = self.r, self.f
         s, d = c.num_src, c.num_dst
-        project_first = a > b
-        w = b if project_first else a
-        record = project_first or hd_grad  # does the aggregation need a gradient?
+        project_first, w, record = self.aggregation_width(a, b, hd_grad)
         if project_first:
             h, lin_neigh_bwd = self.linear(hd, s, a, b, hd_grad, _AGG)
         else:
@@ -293,9 +299,7 @@ class _Step:
     def gcn_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
         r, f = self.r, self.f
         s, d = c.num_src, c.num_dst
-        project_first = a > b
-        w = b if project_first else a
-        record = project_first or hd_grad
+        project_first, w, record = self.aggregation_width(a, b, hd_grad)
         norm = r.alloc(s * f, _AGG)  # inv_sqrt_degree[src_nodes]
         if project_first:
             h, lin_in_bwd = self.linear(hd, s, a, b, hd_grad, _AGG)
@@ -427,8 +431,8 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
     replay = _Replay()
     step = _Step(replay, model)
     f = model.dtype_bytes
-    replay.alloc(model_state_bytes(model)["parameters"], "parameters")
-    replay.alloc(model_state_bytes(model)["optimizer_state"], "optimizer_state")
+    for component, nbytes in model_state_bytes(model).items():
+        replay.alloc(nbytes, component)
     for counts in layers:
         replay.alloc((counts.num_src + counts.num_dst + 1 + counts.num_edges) * INDEX_BYTES, "block_structure")
     resident = replay.current

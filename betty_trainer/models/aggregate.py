@@ -99,7 +99,8 @@ def lstm_neighbours(block: Block, h_src: Tensor, lstm: nn.LSTM) -> Tensor:
         if length == 0:
             continue
         edges = block.indptr[dst].unsqueeze(1) + torch.arange(length, device=dst.device)
-        _, (hidden, _) = lstm(h_src[block.indices[edges]])
+        sequences = h_src.index_select(0, block.indices[edges].flatten()).view(len(dst), length, -1)
+        _, (hidden, _) = lstm(sequences)
         rows.append(dst)
         finals.append(hidden[-1])
     if not rows:
@@ -124,6 +125,6 @@ def edge_softmax(scores: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
     index = edge_dst.unsqueeze(1).expand_as(scores)
     peak = torch.zeros(num_dst, scores.shape[1], dtype=scores.dtype, device=scores.device)
     peak.scatter_reduce_(0, index, scores.detach(), "amax", include_self=False)
-    weights = torch.exp(scores - peak[edge_dst])
+    weights = torch.exp(scores - peak.index_select(0, edge_dst))
     total = torch.zeros_like(peak).index_add_(0, edge_dst, weights)
-    return weights / total[edge_dst]
+    return weights / total.index_select(0, edge_dst)

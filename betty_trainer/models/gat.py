@@ -16,7 +16,7 @@ class GATConv(nn.Module):
 
     With ``z_s = W·h_s`` split into ``heads`` vectors ``z_s^k`` of width ``F_out``:
 
-    e_sd^k = LeakyReLU(a_src^k·z_s^k + a_dst^k·z_d^k)   (Eq. 3, ``a = [a_src ‖ a_dst]``)
+    e_sd^k = LeakyReLU(a_src^k·z_s^k + a_dst^k·z_d^k)   (Eq. 3, ``a = [a_dst ‖ a_src]``)
     α_sd^k = softmax over s ∈ N(d) ∪ {d} of e_sd^k      (Eq. 2–3)
     h'_d   = ‖_k Σ_s α_sd^k z_s^k + b  (``concat``, Eq. 5)  or  mean_k Σ_s α_sd^k z_s^k + b  (Eq. 6)
 
@@ -73,10 +73,11 @@ class GATConv(nn.Module):
         edge_src, edge_dst = torch.cat([edge_src[keep], loops]), torch.cat([edge_dst[keep], loops])
         score_src = (z * self.att_src).sum(-1)
         score_dst = (z[: block.num_dst] * self.att_dst).sum(-1)
-        scores = F.leaky_relu(score_src[edge_src] + score_dst[edge_dst], self.negative_slope)
+        scores = score_src.index_select(0, edge_src) + score_dst.index_select(0, edge_dst)
+        scores = F.leaky_relu(scores, self.negative_slope)
         alpha = edge_softmax(scores, edge_dst, block.num_dst)
         out = z.new_zeros(block.num_dst, self.heads, self.out_feats)
-        out.index_add_(0, edge_dst, alpha.unsqueeze(-1) * z[edge_src])
+        out.index_add_(0, edge_dst, alpha.unsqueeze(-1) * z.index_select(0, edge_src))
         out = out.flatten(1) if self.concat else out.mean(1)
         out = out + self.bias
         if return_attention_weights:
