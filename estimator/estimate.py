@@ -295,6 +295,83 @@ class _Step:
 
         return result, backward
 
+    # ----- GraphSAGE pool ---------------------------------------------------------------------------
+    def segment_max(self, c: LayerCounts, width: int):
+        """max_neighbours: gather (E × w), edge_dst, zeros (D × w), scatter_reduce_("amax") with its
+        saved clone. Returns (out, backward); backward gives the gathered messages' gradient's
+        source gradient (S × w)."""
+        r, f = self.r, self.f
+        e, d = c.num_edges, c.num_dst
+        messages = r.alloc(e * width * f, _AGG)
+        edge_dst = self.edge_dst(c)
+        out = r.alloc(d * width * f, _AGG)
+        original = r.alloc(d * width * f, _AGG)  # scatter_reduce_ keeps a clone of self for backward
+        r.keep(messages, edge_dst, out)  # ScatterReduceBackward saves src, index and result
+        r.drop(messages, edge_dst)
+
+        def backward(grad: int) -> int:
+            def mask(rows: int, product: bool = False) -> int:  # (a == b).to(dtype) [* x]
+                flag = r.alloc(rows * width, _GRAD)  # bool
+                as_float = r.alloc(rows * width * f, _GRAD)
+                if product:
+                    r.transient(rows * width * f, _GRAD)  # the product replaces its operand
+                r.drop(flag)
+                return as_float
+
+            value = r.alloc(e * width * f, _GRAD)  # result.gather(index)
+            self_is_result, src_is_result = mask(d), mask(e)
+            count = r.alloc(d * width * f, _GRAD)  # scatter_add
+            share = r.alloc(d * width * f, _GRAD)  # grad / count
+            self_share = mask(d, product=True)
+            gathered = r.alloc(e * width * f, _GRAD)
+            grad_messages = mask(e, product=True)
+            r.drop(gathered, count, share, src_is_result, self_is_result, value)
+            scattered = r.alloc(d * width * f, _GRAD)  # the (unused) gradient of self
+            r.drop(scattered, self_share)
+            r.drop(original, edge_dst, grad, messages, out)
+            grad_src = r.alloc(c.num_src * width * f, _GRAD)  # IndexSelectBackward: zeros + index_add_
+            r.drop(grad_messages)
+            return grad_src
+
+        return out, backward
+
+    def sage_pool_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+        r, f = self.r, self.f
+        s, d = c.num_src, c.num_dst
+        pooled = r.alloc(s * a * f, _AGG)  # fc_pool (addmm)
+        r.keep(hd)
+        activated = r.alloc(s * a * f, _AGG)  # relu, saved
+        r.keep(activated)
+        r.drop(pooled)
+        neigh, max_bwd = self.segment_max(c, a)
+        r.drop(activated)
+        neigh_out, neigh_bwd = self.linear(neigh, d, a, b, True)
+        r.drop(neigh)
+        self_out, self_bwd = self.linear(hd, d, a, b, hd_grad)
+        summed = r.alloc(d * b * f, _HID)
+        r.drop(neigh_out, self_out)
+        result = r.alloc(d * b * f, _HID)  # + bias
+        r.drop(summed)
+
+        def backward(grad: int) -> int | None:
+            self.param_grad(b)
+            grad_hd = self_bwd(grad, free_grad=False)
+            if grad_hd is not None:  # SliceBackward
+                sliced = r.alloc(s * a * f, _GRAD)
+                r.drop(grad_hd)
+                grad_hd = sliced
+            grad_neigh = neigh_bwd(grad)
+            grad_activated = max_bwd(grad_neigh)
+            grad_pooled = r.alloc(s * a * f, _GRAD)  # ReluBackward
+            r.drop(grad_activated, activated)
+            grad_in = r.alloc(s * a * f, _GRAD) if hd_grad else None  # AddmmBackward
+            self.param_grad(a * a)
+            self.param_grad(a)
+            r.drop(grad_pooled, hd)
+            return self.accumulate(grad_hd, grad_in)
+
+        return result, backward
+
     # ----- GCN ------------------------------------------------------------------------------------
     def gcn_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
         r, f = self.r, self.f
@@ -348,6 +425,8 @@ class _Step:
             return self.sage_forward(c, h, a, b, h_grad)
         if self.model.arch == "gcn":
             return self.gcn_forward(c, h, a, b, h_grad)
+        if self.model.arch == "sage" and self.model.aggregator == "pool":
+            return self.sage_pool_forward(c, h, a, b, h_grad)
         raise ValueError(f"no closed-form memory estimate for {self.model.arch} ({self.model.aggregator})")
 
     def relu(self, x: int, rows: int, width: int):

@@ -69,12 +69,12 @@ class ModelSpec:
             return [self.heads * b * a, self.heads * b, self.heads * b, self.heads * b]
         neigh_self = [b * a] if self.aggregator == "gcn" else [b * a, b * a]
         extra = {"pool": [a * a, a], "lstm": [4 * a * a, 4 * a * a, 4 * a, 4 * a]}.get(self.aggregator, [])
-        return extra + neigh_self + [b]
+        return extra + neigh_self + [b]  # registration order: fc_pool / lstm, fc_neigh, fc_self, bias
 
     @property
     def has_closed_form(self) -> bool:
         """Whether :func:`estimator.estimate.estimate_micro_batch` covers this model (SAGE mean/gcn, GCN)."""
-        return self.arch == "gcn" or (self.arch == "sage" and self.aggregator in ("mean", "gcn"))
+        return self.arch == "gcn" or (self.arch == "sage" and self.aggregator in ("mean", "gcn", "pool"))
 
     @property
     def buffer_bytes(self) -> int:
