@@ -372,6 +372,115 @@ class _Step:
 
         return result, backward
 
+    # ----- GAT ------------------------------------------------------------------------------------
+    def gat_forward(self, c: LayerCounts, hd: int, a: int, heads: int, width: int, concat: bool, hd_grad: bool):
+        """GATConv: z = W h, per-edge scores, edge softmax, Σ α z. Blocks are assumed free of self
+        edges (betty_trainer drops self loops when it builds a graph), so the layer attends over
+        E + D edges: the block's and one self edge per dst node."""
+        r, f = self.r, self.f
+        s, d, e = c.num_src, c.num_dst, c.num_edges
+        e2, hf = e + d, heads * width
+        z, linear_bwd = self.linear(hd, s, a, hf, hd_grad, _AGG)
+        edge_dst = self.edge_dst(c)
+        not_self, loops = r.alloc(e, _OVER), r.alloc(d * INDEX_BYTES, _OVER)
+        ends = []
+        for _ in range(2):  # torch.cat([ids[not_self], loops]) for src and for dst
+            nonzero = r.alloc(e * INDEX_BYTES, _OVER)
+            kept = r.alloc(e * INDEX_BYTES, _OVER)
+            r.drop(nonzero)
+            ends.append(r.alloc(e2 * INDEX_BYTES, _AGG))
+            r.drop(kept)
+        edge_src2, edge_dst2 = ends
+        r.drop(edge_dst)
+        product = r.alloc(s * hf * f, _AGG)  # z * att_src
+        score_src = r.alloc(s * heads * f, _AGG)
+        r.keep(z, z)  # both score products save z (the dst one a view of it)
+        r.drop(product)
+        product = r.alloc(d * hf * f, _AGG)  # z[:D] * att_dst
+        score_dst = r.alloc(d * heads * f, _AGG)
+        r.drop(product)
+        gathered = [r.alloc(e2 * heads * f, _AGG) for _ in range(2)]
+        scores = r.alloc(e2 * heads * f, _AGG)
+        r.keep(edge_src2, edge_dst2)  # the two IndexSelectBackwards
+        r.drop(*gathered)
+        activated = r.alloc(e2 * heads * f, _AGG)  # leaky_relu saves its input
+        r.keep(scores)
+        r.drop(scores)
+        peak = r.alloc(d * heads * f, _AGG)
+        peak_gathered = r.alloc(e2 * heads * f, _AGG)
+        shifted = r.alloc(e2 * heads * f, _AGG)
+        r.drop(peak_gathered)
+        weights = r.alloc(e2 * heads * f, _AGG)  # exp, saved (its result)
+        r.keep(weights, weights, edge_dst2)  # ExpBackward; IndexAddBackward of the sum (source, index)
+        r.drop(shifted)
+        total = r.alloc(d * heads * f, _AGG)
+        total_gathered = r.alloc(e2 * heads * f, _AGG)
+        r.keep(edge_dst2)
+        alpha = r.alloc(e2 * heads * f, _AGG)  # weights / total_gathered, both saved
+        r.keep(weights)
+        r.drop(weights, total, peak)
+        out = r.alloc(d * hf * f, _AGG)  # new_zeros
+        z_gathered = r.alloc(e2 * hf * f, _AGG)
+        r.keep(edge_src2)
+        messages = r.alloc(e2 * hf * f, _AGG)  # alpha * z_gathered, both saved
+        r.keep(edge_dst2, messages)  # index_add_ saves index and source
+        r.drop(messages, edge_dst2, edge_src2)
+        if concat:
+            result = r.alloc(d * hf * f, _HID)  # + bias
+        else:
+            averaged = r.alloc(d * width * f, _HID)
+            result = r.alloc(d * width * f, _HID)
+            r.drop(averaged)
+        r.drop(out, not_self, loops, score_src, score_dst, activated)
+
+        def backward(grad: int) -> int | None:
+            self.param_grad(hf if concat else width)  # bias
+            if not concat:  # MeanBackward materialises the expanded gradient
+                expanded = r.alloc(d * hf * f, _GRAD)
+                r.drop(grad)
+                grad = expanded
+            grad_messages = r.alloc(e2 * hf * f, _GRAD)  # IndexAddBackward: grad.index_select
+            r.drop(grad, messages, edge_dst2)
+            grad_z_gathered = r.alloc(e2 * hf * f, _GRAD)  # MulBackward
+            grad_alpha_full = r.alloc(e2 * hf * f, _GRAD)
+            grad_alpha = r.alloc(e2 * heads * f, _GRAD)  # summed over the head width
+            r.drop(grad_alpha_full, grad_messages, z_gathered, alpha)
+            grad_z = r.alloc(s * hf * f, _GRAD)  # IndexSelectBackward of z_gathered
+            r.drop(grad_z_gathered, edge_src2)
+            grad_weights = r.alloc(e2 * heads * f, _GRAD)  # DivBackward: grad / other, and -grad·self/other²
+            temporaries = [r.alloc(e2 * heads * f, _GRAD) for _ in range(3)]
+            r.drop(temporaries[0], temporaries[1], grad_alpha)
+            grad_total_gathered = r.alloc(e2 * heads * f, _GRAD)
+            r.drop(temporaries[2], total_gathered, weights)
+            grad_total = r.alloc(d * heads * f, _GRAD)  # IndexSelectBackward of total_gathered
+            r.drop(grad_total_gathered, edge_dst2)
+            grad_weights = self.accumulate(grad_weights, r.alloc(e2 * heads * f, _GRAD))  # IndexAddBackward
+            r.drop(grad_total, weights, edge_dst2)
+            grad_shifted = r.alloc(e2 * heads * f, _GRAD)  # ExpBackward: grad · result
+            r.drop(grad_weights, weights)
+            grad_scores = r.alloc(e2 * heads * f, _GRAD)  # LeakyReluBackward
+            r.drop(grad_shifted, scores)
+            grad_score_dst = r.alloc(d * heads * f, _GRAD)
+            r.drop(edge_dst2)
+            grad_score_src = r.alloc(s * heads * f, _GRAD)
+            r.drop(grad_scores, edge_src2)
+            grad_z_dst = r.alloc(d * hf * f, _GRAD)  # (z[:D] * att_dst).sum backward
+            r.transient(d * hf * f, _GRAD)
+            self.param_grad(hf)
+            r.drop(grad_score_dst)
+            sliced = r.alloc(s * hf * f, _GRAD)  # SliceBackward
+            r.drop(grad_z_dst)
+            grad_z = self.accumulate(grad_z, sliced)
+            grad_z_src = r.alloc(s * hf * f, _GRAD)  # (z * att_src).sum backward
+            r.transient(s * hf * f, _GRAD)
+            self.param_grad(hf)
+            r.drop(grad_score_src)
+            grad_z = self.accumulate(grad_z, grad_z_src)
+            r.drop(z, z)
+            return linear_bwd(grad_z)
+
+        return result, backward
+
     # ----- GCN ------------------------------------------------------------------------------------
     def gcn_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
         r, f = self.r, self.f
@@ -420,13 +529,16 @@ class _Step:
         return result, backward
 
     # ----- the whole step ----------------------------------------------------------------------
-    def layer_forward(self, c: LayerCounts, h: int, a: int, b: int, h_grad: bool):
+    def layer_forward(self, index: int, c: LayerCounts, h: int, a: int, b: int, h_grad: bool):
         if self.model.arch == "sage" and self.model.aggregator in ("mean", "gcn"):
             return self.sage_forward(c, h, a, b, h_grad)
         if self.model.arch == "gcn":
             return self.gcn_forward(c, h, a, b, h_grad)
         if self.model.arch == "sage" and self.model.aggregator == "pool":
             return self.sage_pool_forward(c, h, a, b, h_grad)
+        if self.model.arch == "gat":
+            concat = index < self.model.num_layers - 1
+            return self.gat_forward(c, h, a, self.model.heads, self.model.widths[index + 1], concat, h_grad)
         raise ValueError(f"no closed-form memory estimate for {self.model.arch} ({self.model.aggregator})")
 
     def relu(self, x: int, rows: int, width: int):
@@ -530,7 +642,7 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
             hd, dropout_bwd = h, None
             if h is x:
                 replay.keep(x)
-        out, layer_bwd = step.layer_forward(counts, hd, a, b, h_grad)
+        out, layer_bwd = step.layer_forward(index, counts, hd, a, b, h_grad)
         replay.drop(hd)
         relu_bwd = None
         if index < model.num_layers - 1:

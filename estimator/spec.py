@@ -64,17 +64,18 @@ class ModelSpec:
         a, b = self.widths[layer], self.widths[layer + 1]
         if self.arch == "gcn":
             return [b * a, b]
-        if self.arch == "gat":
+        if self.arch == "gat":  # linear, att_src, att_dst, bias (heads concatenated except in the last layer)
             a = self.layer_dims(layer)[0]
-            return [self.heads * b * a, self.heads * b, self.heads * b, self.heads * b]
+            last = layer == self.num_layers - 1
+            return [self.heads * b * a, self.heads * b, self.heads * b, b if last else self.heads * b]
         neigh_self = [b * a] if self.aggregator == "gcn" else [b * a, b * a]
         extra = {"pool": [a * a, a], "lstm": [4 * a * a, 4 * a * a, 4 * a, 4 * a]}.get(self.aggregator, [])
         return extra + neigh_self + [b]  # registration order: fc_pool / lstm, fc_neigh, fc_self, bias
 
     @property
     def has_closed_form(self) -> bool:
-        """Whether :func:`estimator.estimate.estimate_micro_batch` covers this model (SAGE mean/gcn, GCN)."""
-        return self.arch == "gcn" or (self.arch == "sage" and self.aggregator in ("mean", "gcn", "pool"))
+        """Whether :func:`estimator.estimate.estimate_micro_batch` covers this model (all but SAGE-lstm)."""
+        return self.arch in ("gcn", "gat") or (self.arch == "sage" and self.aggregator in ("mean", "gcn", "pool"))
 
     @property
     def buffer_bytes(self) -> int:
