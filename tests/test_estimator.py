@@ -43,7 +43,18 @@ CASES = [
     ("citeseer", ["model.arch=sage", "model.aggregator=gcn", "model.hidden=256"], 4, None),
     ("citeseer", ["model.arch=gcn", "model.hidden=64"], 8, None),
     ("cora", ["model.arch=gcn", "model.hidden=256", "model.num_layers=3", "model.dropout=0"], 4, None),
+    ("cora", ["model.arch=sage", "model.aggregator=pool", "model.hidden=64", "model.num_layers=3"], 4, [5, 10, 15]),
+    ("citeseer", ["model.arch=sage", "model.aggregator=pool", "model.hidden=256"], 8, None),
+    ("cora", ["model.arch=gat", "model.hidden=64", "model.heads=2"], 8, None),
+    ("citeseer", ["model.arch=gat", "model.hidden=16", "model.heads=4", "model.num_layers=3"], 4, [5, 10, 15]),
 ]
+
+
+def test_lstm_has_no_closed_form_yet(cora):
+    spec = model_spec(load_config(None, ["model.aggregator=lstm"]), cora)
+    assert not spec.has_closed_form
+    with pytest.raises(ValueError, match="no closed-form memory estimate"):
+        estimate_micro_batch(counts_of(sample_batch(cora, cora.train_idx, [None, None]).blocks), spec)
 
 
 @pytest.mark.parametrize("dataset, overrides, k, fanouts", CASES)
