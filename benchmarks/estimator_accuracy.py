@@ -1,0 +1,300 @@
+"""Accuracy of the closed-form memory estimator against measured CPU peaks, per micro-batch.
+
+Source: Betty (ASPLOS '23) §4.4.3, Table 7. For each dataset, model, number of
+layers, hidden width and K, the full training batch (full neighbourhood unless
+``--fanouts``/``--fanouts3`` are given) is split into K micro-batches with REG
+(``plan_micro_batches(batch, K, "reg", seed)``). The model is built with a fixed
+seed, Adam is warmed by one measured step (so its two moments exist, as in steady
+state), then every micro-batch is estimated (``estimate_micro_batch``) and run for
+real (``measure_training_step`` on the CPU: peak of the profiler's allocation
+records). The error of a micro-batch is ``(estimate − measured) / measured``;
+a row reports the largest |error|, the worst (most negative) error, the mean
+error, the number of micro-batches, the largest measured peak (MiB), the wall time
+of the row's measured steps (the Adam warm-up step and the profiler included) and
+the estimator's own time for all the row's micro-batches. Models the estimator has
+no closed form for (``not model_spec(...).has_closed_form``) show "no closed form"
+and are not run; they are picked up as soon as the estimator covers them.
+
+sage-lstm on full neighbourhoods is very slow on CPU, so its synthetic-100k rows
+are skipped unless ``--include-slow``. ``synthetic-100k`` is
+``make_sbm(num_nodes=100_000, num_features=64, avg_degree=10, train_per_class=200,
+num_val=1000, num_test=1000)``.
+
+Run:
+    python benchmarks/estimator_accuracy.py --quick
+    python benchmarks/estimator_accuracy.py --datasets cora,citeseer --layers 2 --hidden 64,256 --ks 1,4,8
+    python benchmarks/estimator_accuracy.py --fanouts 10,25 --fanouts3 5,10,15 --json estimator.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+# Kineto logs two "USDT … profiler_start/stop" lines per measured step on stderr; level 6
+# silences them (set KINETO_LOG_LEVEL yourself to see kineto's messages).
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from betty_trainer import plan_micro_batches, sample_batch  # noqa: E402
+from betty_trainer.block import Batch  # noqa: E402
+from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
+from betty_trainer.datasets import DATASETS, load_dataset, make_sbm  # noqa: E402
+from betty_trainer.errors import BettyError  # noqa: E402
+from betty_trainer.graph import Graph  # noqa: E402
+from betty_trainer.memory import measure_training_step  # noqa: E402
+from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
+from betty_trainer.planning import counts_of, model_spec  # noqa: E402
+from estimator.estimate import estimate_micro_batch  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+TOLERANCE = 0.05
+
+MODELS: dict[str, list[str]] = {
+    "sage-mean": ["model.arch=sage", "model.aggregator=mean"],
+    "sage-gcn": ["model.arch=sage", "model.aggregator=gcn"],
+    "sage-pool": ["model.arch=sage", "model.aggregator=pool"],
+    "sage-lstm": ["model.arch=sage", "model.aggregator=lstm"],
+    "gcn": ["model.arch=gcn"],
+    "gat": ["model.arch=gat"],
+}
+SYNTHETIC = {"synthetic-100k": dict(num_nodes=100_000, num_features=64, avg_degree=10, train_per_class=200,
+                                    num_val=1000, num_test=1000)}
+SLOW = {("synthetic-100k", "sage-lstm")}  # full-neighbourhood LSTM steps take minutes on CPU
+
+DEFAULTS = dict(datasets=["cora", "citeseer", "synthetic-100k"], layers=[2, 3], hidden=[64, 256], ks=[1, 4, 8])
+QUICK = dict(datasets=["cora"], layers=[2], hidden=[64], ks=[1, 4])
+
+
+def default_data_dir() -> Path:
+    """``$BETTY_DATA_DIR``, else ``../shared/datasets/planetoid`` next to the repository."""
+    env = os.environ.get("BETTY_DATA_DIR")
+    return Path(env) if env else REPO_ROOT.parent / "shared" / "datasets" / "planetoid"
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def load_graph(name: str, data_dir: Path) -> Graph:
+    """A Planetoid (or other registered) dataset, or one of :data:`SYNTHETIC`."""
+    if name in SYNTHETIC:
+        return make_sbm(**SYNTHETIC[name])
+    return load_dataset(DatasetConfig(name=name, data_dir=data_dir))
+
+
+def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[Batch], seed: int) -> dict[str, Any]:
+    """Estimate and measure every micro-batch of one (model, layers, hidden, K) cell.
+
+    Returns the row's record: ``status`` ``"ok"`` with the per-micro-batch numbers and
+    aggregates, or ``"no closed form"`` (nothing run).
+    """
+    config = load_config(None, overrides)
+    spec = model_spec(config, graph)
+    if not spec.has_closed_form:
+        return {"status": "no closed form"}
+    torch.manual_seed(seed)
+    model = build_model(config.model, graph)
+    set_dropout_key(model, seed, 0)
+    optimizer = torch.optim.Adam(model.parameters())
+    start = time.perf_counter()
+    measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, "cpu")  # Adam state exists
+    warm_s = time.perf_counter() - start
+    per_mb, estimate_s = [], 0.0
+    for index, micro_batch in enumerate(micro_batches):
+        t0 = time.perf_counter()
+        try:
+            estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec)
+        except ValueError as error:  # has_closed_form claims coverage the replay lacks
+            return {"status": f"estimator error: {error}"}
+        estimate_s += time.perf_counter() - t0
+        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu")
+        per_mb.append({
+            "micro_batch": index,
+            "outputs": micro_batch.output_nodes.numel(),
+            "input_nodes": micro_batch.input_nodes.numel(),
+            "estimate_bytes": estimate.peak_bytes,
+            "measured_bytes": measured.peak_bytes,
+            "error": (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes,
+            "estimate_at_peak": estimate.at_peak,
+        })
+    errors = [mb["error"] for mb in per_mb]
+    return {
+        "status": "ok",
+        "num_micro_batches": len(per_mb),
+        "max_abs_error": max(abs(e) for e in errors),
+        "worst_error": min(errors),
+        "mean_error": sum(errors) / len(errors),
+        "max_measured_bytes": max(mb["measured_bytes"] for mb in per_mb),
+        "seconds": time.perf_counter() - start,
+        "warm_seconds": warm_s,
+        "estimate_ms": estimate_s * 1e3,
+        "micro_batches": per_mb,
+    }
+
+
+def fanouts_for(num_layers: int, args: argparse.Namespace) -> list[int | None]:
+    """``--fanouts`` for 2-layer rows, ``--fanouts3`` for 3-layer rows, else the full neighbourhood."""
+    given = {2: args.fanouts, 3: args.fanouts3}.get(num_layers)
+    return [None if f == -1 else f for f in given] if given else [None] * num_layers
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """One line over every row with numbers: max |error|, worst under-estimate, the 5% verdict."""
+    done = [r for r in rows if r["status"] == "ok"]
+    if not done:
+        return "summary: no row has numbers (no closed form for any model selected)"
+
+    def where(r: dict[str, Any]) -> str:
+        return f"{r['dataset']} {r['model']} L={r['layers']} h={r['hidden']} K={r['k']}"
+
+    largest = max(done, key=lambda r: r["max_abs_error"])
+    worst = min(done, key=lambda r: r["worst_error"])
+    within = all(r["max_abs_error"] <= TOLERANCE for r in done)
+    never_below = all(r["worst_error"] >= -TOLERANCE for r in done)
+    low = min(worst["micro_batches"], key=lambda mb: mb["error"])
+    under = (f"worst under-estimate {worst['worst_error']:+.3%} = {low['estimate_bytes'] - low['measured_bytes']:+,} "
+             f"bytes ({where(worst)})" if worst["worst_error"] < 0
+             else f"no under-estimate (smallest error {worst['worst_error']:+.3%}, {where(worst)})")
+    count = sum(r["num_micro_batches"] for r in done)
+    return (f"summary over {len(done)} rows, {count} micro-batches: max |error| {largest['max_abs_error']:.3%} "
+            f"({where(largest)}); {under}; every estimate within ±{TOLERANCE:.0%}: {'yes' if within else 'NO'}; "
+            f"never more than {TOLERANCE:.0%} below the measurement: {'yes' if never_below else 'NO'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="folder of the Planetoid raw files")
+    parser.add_argument("--datasets", type=name_list, default=None,
+                        help=f"e.g. cora,citeseer (default {','.join(DEFAULTS['datasets'])}); "
+                             f"synthetic: {', '.join(SYNTHETIC)}")
+    parser.add_argument("--models", type=name_list, default=list(MODELS), help=f"from {','.join(MODELS)}")
+    parser.add_argument("--layers", type=int_list, default=None, help="numbers of layers (default 2,3)")
+    parser.add_argument("--hidden", type=int_list, default=None, help="hidden widths (default 64,256)")
+    parser.add_argument("--ks", type=int_list, default=None, help="numbers of micro-batches (default 1,4,8)")
+    parser.add_argument("--fanouts", type=int_list, default=None,
+                        help="fanouts of 2-layer rows, input layer first, e.g. 10,25 (-1 = full); default full")
+    parser.add_argument("--fanouts3", type=int_list, default=None,
+                        help="fanouts of 3-layer rows, input layer first, e.g. 5,10,15 (-1 = full); default full")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for every model, e.g. model.dropout=0 (repeatable)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, sampling, REG and dropout")
+    parser.add_argument("--include-slow", action="store_true",
+                        help="also run sage-lstm on synthetic-100k (minutes per step on CPU)")
+    parser.add_argument("--quick", action="store_true",
+                        help="cora only, hidden 64, 2 layers, K 1,4 (options given explicitly still win)")
+    parser.add_argument("--json", type=Path, default=None, help="write all raw numbers to this file")
+    args = parser.parse_args()
+
+    base = QUICK if args.quick else DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    unknown = [d for d in args.datasets if d not in DATASETS and d not in SYNTHETIC]
+    if unknown:
+        parser.error(f"unknown dataset(s) {', '.join(unknown)}; known: {', '.join([*DATASETS, *SYNTHETIC])}")
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    for option, fanouts, length in (("--fanouts", args.fanouts, 2), ("--fanouts3", args.fanouts3, 3)):
+        if fanouts is not None and len(fanouts) != length:
+            parser.error(f"{option} needs {length} values (one per layer, input layer first), got {fanouts}")
+        if fanouts is not None and any(f == 0 or f < -1 for f in fanouts):
+            parser.error(f"{option}: each fanout must be positive, or -1 for the full neighbourhood")
+    if any(n < 1 for n in args.layers) or any(h < 1 for h in args.hidden) or any(k < 1 for k in args.ks):
+        parser.error("--layers, --hidden and --ks take positive integers")
+    try:
+        for overrides in [MODELS[m] + args.overrides for m in args.models]:
+            load_config(None, overrides)
+    except BettyError as error:
+        parser.error(str(error))
+
+    # rich assumes 80 columns when piped, too narrow for the table: use 120 unless COLUMNS says otherwise
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 120)
+    all_rows: list[dict[str, Any]] = []
+    skipped_slow: list[str] = []
+    results: dict[str, Any] = {"config": {**vars(args), "data_dir": str(args.data_dir),
+                                          "json": None if args.json is None else str(args.json)},
+                               "datasets": {}}
+    total_start = time.perf_counter()
+    for name in args.datasets:
+        try:
+            graph = load_graph(name, args.data_dir)
+        except BettyError as error:
+            parser.error(str(error))
+        batches: dict[int, Batch] = {}
+        for num_layers in args.layers:
+            batches[num_layers] = sample_batch(graph, graph.train_idx, fanouts_for(num_layers, args),
+                                               torch.Generator().manual_seed(args.seed))
+        splits: dict[tuple[int, int], list[Batch]] = {}
+        rows: list[dict[str, Any]] = []
+        for model_name in args.models:
+            for num_layers in args.layers:
+                for hidden in args.hidden:
+                    for k in args.ks:
+                        overrides = MODELS[model_name] + [f"model.num_layers={num_layers}", f"model.hidden={hidden}"]
+                        overrides += args.overrides
+                        row: dict[str, Any] = {"dataset": name, "model": model_name, "layers": num_layers,
+                                               "hidden": hidden, "k": k, "overrides": overrides}
+                        has_form = model_spec(load_config(None, overrides), graph).has_closed_form
+                        if has_form and (name, model_name) in SLOW and not args.include_slow:
+                            row["status"] = "skipped: slow on CPU"
+                            skipped_slow.append(f"{model_name} L={num_layers} h={hidden} K={k}")
+                        else:
+                            if (num_layers, k) not in splits:
+                                splits[(num_layers, k)] = plan_micro_batches(batches[num_layers], k, "reg", args.seed)
+                            row.update(measure_row(graph, overrides, splits[(num_layers, k)], args.seed))
+                        rows.append(row)
+                        all_rows.append(row)
+        sizes = {n: [b.num_src for b in batch.blocks] + [batch.blocks[-1].num_dst] for n, batch in batches.items()}
+        results["datasets"][name] = {"num_nodes": graph.num_nodes, "batch_layer_sizes": sizes,
+                                     "fanouts": {n: fanouts_for(n, args) for n in args.layers}, "rows": rows}
+
+        def describe(n: int) -> str:
+            fanouts = fanouts_for(n, args)
+            what = "full neighbourhood" if all(f is None for f in fanouts) else f"fanouts {fanouts}"
+            return f"{n} layers: {' → '.join(map(str, sizes[n]))} nodes ({what})"
+
+        table = Table(title=f"{name}: estimated vs measured peak per micro-batch (CPU); error = (est − meas) / meas",
+                      caption="full batch, " + "; ".join(describe(n) for n in args.layers))
+        for column in ("model", "L", "hidden", "K"):
+            table.add_column(column, justify="left" if column == "model" else "right", no_wrap=True)
+        for column in ("#mb", "max |err|", "worst err", "mean err", "peak MiB", "time s", "est ms"):
+            table.add_column(column, justify="right", no_wrap=True)
+        for row in rows:
+            head = (row["model"], str(row["layers"]), str(row["hidden"]), str(row["k"]))
+            if row["status"] == "ok":
+                table.add_row(*head, str(row["num_micro_batches"]), f"{row['max_abs_error']:.2%}",
+                              f"{row['worst_error']:+.2%}", f"{row['mean_error']:+.2%}",
+                              f"{row['max_measured_bytes'] / MIB:.1f}", f"{row['seconds']:.1f}",
+                              f"{row['estimate_ms']:.1f}")
+            else:
+                table.add_row(*head, row["status"], *[""] * 6)
+        console.print(table)
+
+    if skipped_slow:
+        console.print(f"note: {len(skipped_slow)} sage-lstm row(s) on synthetic-100k skipped (LSTM aggregation is "
+                      "very slow on CPU); pass --include-slow to run them", soft_wrap=True)
+    console.print(summary(all_rows), soft_wrap=True)
+    console.print(f"total time {time.perf_counter() - total_start:.1f} s", soft_wrap=True)
+    results["summary"] = summary(all_rows)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+        console.print(f"raw numbers written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
