@@ -6,9 +6,10 @@ Public API::
 """
 
 from betty_trainer.block import Batch, Block
+from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import Config, load_config
 from betty_trainer.datasets import DATASETS, load_dataset, make_sbm
-from betty_trainer.errors import BettyError, ConfigError, DatasetError, TrainingError
+from betty_trainer.errors import BettyError, CalibrationError, ConfigError, DatasetError, TrainingError
 from betty_trainer.graph import Graph
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
 from betty_trainer.sampling import sample_batch
@@ -17,7 +18,8 @@ from betty_trainer.trainer import TrainResult, accumulate_gradients, evaluate, f
 __version__ = "0.1.0"
 
 __all__ = [
-    "DATASETS", "GCN", "Batch", "BettyError", "Block", "Config", "ConfigError", "DatasetError", "Graph",
-    "GraphSAGE", "NodeDropout", "TrainResult", "TrainingError", "accumulate_gradients", "build_model",
-    "evaluate", "full_neighbourhood_batches", "load_config", "load_dataset", "make_sbm", "plan_micro_batches", "sample_batch", "train",
+    "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",
+    "Graph", "GraphSAGE", "NodeDropout", "TrainResult", "TrainingError", "accumulate_gradients", "build_model",
+    "calibrate_model", "evaluate", "full_neighbourhood_batches", "load_config", "load_dataset", "make_sbm",
+    "plan_micro_batches", "sample_batch", "train",
 ]

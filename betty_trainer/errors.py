@@ -26,3 +26,7 @@ class TrainingError(BettyError):
 
 class PlanningError(BettyError):
     """No split of a batch fits the memory budget (the message gives the numbers)."""
+
+
+class CalibrationError(BettyError):
+    """A custom model's memory cannot be calibrated (its step fails, or its peak does not follow the counts)."""

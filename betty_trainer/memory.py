@@ -16,6 +16,13 @@ from betty_trainer.block import Batch
 from estimator.measure import MeasuredPeak, measure_peak
 
 
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The tensors live between training steps: ``model``'s parameters and buffers and every
+    tensor in ``optimizer.state`` (Adam: two moments and a step counter per parameter)."""
+    state = [value for values in optimizer.state.values() for value in values.values() if isinstance(value, Tensor)]
+    return [*model.parameters(), *model.buffers(), *state]
+
+
 def measure_training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -69,8 +76,7 @@ def measure_training_step(
     divisor = micro_batch.output_nodes.numel() if num_outputs is None else num_outputs
     model.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)
-    resident = [*model.parameters(), *model.buffers()]
-    resident += [value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)]
+    resident = training_state(model, optimizer)
     if device.type == "cpu":  # on CPU the blocks are not copied inside the step but are live during it
         resident += [t for block in micro_batch.blocks for t in (block.src_nodes, block.indptr, block.indices)]
 

@@ -2,24 +2,32 @@
 
 ``MicroBatchPlanner.plan(batch)`` returns the micro-batches to run: ``K`` from the
 config, or, with ``micro_batch.budget``, the smallest ``K`` whose largest estimated
-micro-batch fits the budget.
+micro-batch fits the budget. The estimate is the closed form for a built-in model and
+a calibrated fit for a custom one (:func:`make_planner`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Sequence
 
 import torch
+from torch import nn
 
 from betty_trainer.block import Batch
+from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import Config, MicroBatchConfig
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.graph import Graph
+from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
 from estimator.spec import ModelSpec
 from partition import BudgetError, Plan, make_plan, redundancy
 from partition.slicing import BlockStructure
+
+logger = logging.getLogger(__name__)
 
 
 def model_spec(config: Config, graph: Graph) -> ModelSpec:
@@ -65,27 +73,43 @@ class MicroBatchPlanner:
 
     Args:
         config: the ``micro_batch`` section.
-        spec: the model for the estimator, or ``None`` for a custom model; without a
-            closed-form estimate for it only a fixed ``K`` is possible.
+        spec: the built-in model for the closed-form estimator, a custom model's
+            :class:`~estimator.calibrate.CalibratedModel` (see :func:`make_planner`), or
+            ``None`` for an uncalibrated custom model; without an estimate only a fixed
+            ``K`` is possible.
         device: where training runs (for ``budget: auto``).
 
     Raises:
         ConfigError: a budget with a model the estimator cannot describe, or ``auto`` on CPU.
     """
 
-    def __init__(self, config: MicroBatchConfig, spec: ModelSpec | None, device: torch.device):
+    def __init__(self, config: MicroBatchConfig, spec: ModelSpec | CalibratedModel | None, device: torch.device):
         self.config = config
-        self.spec = spec if spec is not None and spec.has_closed_form else None
+        self.spec = spec if isinstance(spec, ModelSpec) and spec.has_closed_form else None
+        self.calibrated = spec if isinstance(spec, CalibratedModel) else None
         self.budget = resolve_budget(config, device)
-        if self.budget is not None and self.spec is None:
-            what = "a custom model" if spec is None else f"{spec.arch} ({spec.aggregator})" if spec.arch == "sage" else spec.arch
+        if self.budget is not None and self.spec is None and self.calibrated is None:
+            if spec is None:
+                raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "
+                                  "betty_trainer.calibration.calibrate_model (train() does), or set "
+                                  "micro_batch.num_micro_batches instead")
+            what = f"{spec.arch} ({spec.aggregator})" if spec.arch == "sage" else spec.arch
             raise ConfigError(f"micro_batch.budget needs a memory estimate, and the estimator has none for {what} "
-                              "yet (it covers sage mean/gcn and gcn); set micro_batch.num_micro_batches instead")
-        self.resident = sum(model_state_bytes(self.spec).values()) if self.spec is not None else 0
+                              "yet (it covers every built-in model but sage lstm); set micro_batch.num_micro_batches instead")
+        if self.spec is not None:
+            self.resident = sum(model_state_bytes(self.spec).values())
+        else:
+            self.resident = self.calibrated.resident_bytes if self.calibrated is not None else 0
 
     def estimate(self, structures: Sequence[BlockStructure]) -> MemoryEstimate:
-        """Itemised estimate of one micro-batch's training step."""
+        """Itemised estimate of one micro-batch's training step (built-in models with a closed form)."""
         return estimate_micro_batch(counts_of(structures), self.spec)
+
+    def peak_bytes(self, structures: Sequence[BlockStructure]) -> int:
+        """Estimated peak bytes of one micro-batch's training step: closed form or calibrated fit."""
+        if self.calibrated is not None:
+            return self.calibrated.estimate(counts_of(structures))
+        return self.estimate(structures).peak_bytes
 
     def plan(self, batch: Batch, seed: int, min_k: int = 1) -> tuple[list[Batch], Plan]:
         """Micro-batches of ``batch``; at least ``min_k`` of them (after an out-of-memory error).
@@ -93,7 +117,7 @@ class MicroBatchPlanner:
         Raises:
             PlanningError: no split fits the budget (with the numbers).
         """
-        estimate = (lambda structures: self.estimate(structures).peak_bytes) if self.spec is not None else None
+        estimate = self.peak_bytes if self.spec is not None or self.calibrated is not None else None
         fixed_k = None if self.budget is not None else min(self.config.num_micro_batches, batch.output_nodes.numel())
         try:
             plan = make_plan(
@@ -103,6 +127,31 @@ class MicroBatchPlanner:
         except BudgetError as error:
             raise PlanningError(str(error)) from None
         return [batch.restrict(layers) for layers in plan.layers], plan
+
+
+def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: torch.device) -> MicroBatchPlanner:
+    """The planner of a training run on ``graph``: the closed form for the built-in model
+    (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is calibrated first,
+    once (:func:`~betty_trainer.calibration.calibrate_model` with the run's Adam settings and
+    ``config.model.num_layers`` layers), and the time it took is logged at INFO level.
+
+    Raises:
+        ConfigError: see :class:`MicroBatchPlanner`.
+        CalibrationError: the custom model cannot be calibrated (the message names the cause).
+    """
+    if model is None:
+        return MicroBatchPlanner(config.micro_batch, model_spec(config, graph), device)
+    if config.micro_batch.budget is None:
+        return MicroBatchPlanner(config.micro_batch, None, device)
+    resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
+    started = time.perf_counter()
+    optim = config.optim
+    calibrated = calibrate_model(
+        model, graph, config.model.num_layers,
+        lambda params: torch.optim.Adam(params, lr=optim.lr, weight_decay=optim.weight_decay), device)
+    logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
+                type(model).__name__, time.perf_counter() - started, 100 * calibrated.max_relative_error)
+    return MicroBatchPlanner(config.micro_batch, calibrated, device)
 
 
 def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequence[Batch], plan: Plan) -> dict:

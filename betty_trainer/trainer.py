@@ -28,7 +28,7 @@ from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.graph import Graph
 from betty_trainer.models import build_model, set_dropout_key
-from betty_trainer.planning import MicroBatchPlanner, model_spec
+from betty_trainer.planning import MicroBatchPlanner, make_planner
 from betty_trainer.sampling import sample_batch
 from partition import make_plan, redundancy
 
@@ -215,7 +215,7 @@ def train(
     graph = graph if graph is not None else load_dataset(config.dataset)
     if graph.train_idx.numel() == 0:
         raise ConfigError(f"dataset {graph.name!r} has no training nodes")
-    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph) if model is None else None, device)
+    planner = make_planner(config, graph, model, device)
     if model is None:
         with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
             torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))

@@ -2,14 +2,16 @@
 
 A training step's memory is live tensors whose sizes are linear in the
 micro-batch's counts (rows of src nodes, dst nodes or edges times fixed widths),
-so the bytes a step adds above the model's state are, for one model,
+so the bytes a step adds above the model's state are, for one model, approximately
 
     step(x) = max(floor, c0 + Σ_l (α_l·S_l + β_l·D_l + γ_l·E_l))
 
 with ``S_l, D_l, E_l`` layer ``l``'s src nodes, dst nodes and edges. The first
 term is the optimizer step (parameter gradients and the optimizer's temporaries,
-the same for every micro-batch), the second the forward/backward peak. The peak
-of a step is then
+the same for every micro-batch), the second the forward/backward peak. That peak
+is exactly a maximum of linear functions (what is live at each moment of the
+step; which moment wins depends on the sizes), approximated here by one; the fit's
+residual and a held-out sample bound the error. The peak of a step is then
 
     peak = resident + block_structure + step(x),    block_structure = 8·Σ_l (S_l + D_l + 1 + E_l)
 
@@ -37,6 +39,10 @@ FLOOR_MARGIN = 0.02  # a sample within this fraction of the floor may be the opt
 
 class CalibrationError(ValueError):
     """The measured peaks do not follow the model ``peak = resident + blocks + step(counts)`` (see the module)."""
+
+
+class SamplesTooSmallError(CalibrationError):
+    """Too few samples rise above the optimizer step's floor to fit the coefficients: larger micro-batches are needed."""
 
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:
@@ -104,8 +110,9 @@ def fit(
 ) -> CalibratedModel:
     """Fit a :class:`CalibratedModel` to measured training steps.
 
-    ``floor`` is the smallest measured step; the samples more than :data:`FLOOR_MARGIN`
-    above it are on the forward/backward line, whose coefficients are the non-negative
+    ``floor`` is the smallest measured step (if even that sample is above the optimizer
+    step's peak, micro-batches smaller than it are overestimated); the samples more than
+    :data:`FLOOR_MARGIN` above it are on the forward/backward line, whose coefficients are the non-negative
     least-squares solution (``scipy.optimize.nnls``) of the relative residuals. A count
     that is a linear combination of others in every sample (``D_l = S_{l+1}``, or a
     count constant across samples) is not identifiable and gets coefficient 0.
@@ -121,9 +128,9 @@ def fit(
 
     Raises:
         ValueError: no samples, or samples with different numbers of layers.
-        CalibrationError: a peak below ``resident_bytes`` plus the block structure, too few
-            samples above the floor to over-determine the fit, or a fitted peak off by
-            more than ``tolerance`` (the message names the sample and the numbers).
+        CalibrationError: a peak below ``resident_bytes`` plus the block structure, or a
+            fitted peak off by more than ``tolerance`` (the message names the sample and the numbers).
+        SamplesTooSmallError: too few samples above the floor to over-determine the fit.
     """
     if not samples:
         raise ValueError("fit needs at least one measured sample")
@@ -143,9 +150,9 @@ def fit(
     on_line = steps > floor * (1 + FLOOR_MARGIN)
     columns = _independent_columns(design[on_line]) if on_line.any() else [0]
     if on_line.sum() <= len(columns):
-        raise CalibrationError(f"{int(on_line.sum())} of {len(samples)} samples lie above the optimizer-step floor "
-                               f"({int(floor)} bytes), too few to fit and check {len(columns)} coefficients; "
-                               "calibrate with larger micro-batches")
+        raise SamplesTooSmallError(f"{int(on_line.sum())} of {len(samples)} samples lie above the optimizer step's "
+                                   f"floor ({int(floor)} bytes), too few to fit and check {len(columns)} coefficients; "
+                                   "calibrate with larger micro-batches")
     chosen = design[on_line][:, columns]
     scale = np.abs(chosen).max(axis=0)
     weights = 1.0 / steps[on_line]  # relative residuals: small samples count as much as large ones

@@ -12,7 +12,7 @@ from betty_trainer import trainer as trainer_module
 from betty_trainer.checkpoint import load_checkpoint
 from betty_trainer.cli import main
 from betty_trainer.config import load_config
-from betty_trainer.errors import ConfigError, PlanningError
+from betty_trainer.errors import CalibrationError, ConfigError, PlanningError
 from betty_trainer.memory import measure_training_step
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.planning import MicroBatchPlanner, model_spec
@@ -80,9 +80,11 @@ def test_impossible_and_malformed_budgets_name_the_cause(setting, capsys, tmp_pa
         assert message in capsys.readouterr().err
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         MicroBatchPlanner(load_config(None, ["micro_batch.budget=auto"]).micro_batch, spec, torch.device("cpu"))
-    with pytest.raises(ConfigError, match="custom model"):
-        train(load_config(None, OVERRIDES + ["micro_batch.budget=1GB"]), model=torch.nn.Linear(1, 1),
-              graph=graph, run_dir=tmp_path)
+    with_budget = load_config(None, OVERRIDES + ["micro_batch.budget=1GB"])
+    with pytest.raises(ConfigError, match="custom model: calibrate it"):
+        MicroBatchPlanner(with_budget.micro_batch, None, torch.device("cpu"))
+    with pytest.raises(CalibrationError, match=r"cannot calibrate Linear: its forward failed .*\(TypeError: "):
+        train(with_budget, model=torch.nn.Linear(1, 1), graph=graph, run_dir=tmp_path)
 
 
 def test_out_of_memory_replans_and_equals_planning_the_larger_k(tmp_path, monkeypatch):
