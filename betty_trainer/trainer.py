@@ -28,9 +28,9 @@ from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.graph import Graph
 from betty_trainer.models import build_model, set_dropout_key
-from betty_trainer.planning import MicroBatchPlanner, make_planner
+from betty_trainer.planning import MicroBatchPlanner, make_planner, plan_report
 from betty_trainer.sampling import sample_batch
-from partition import make_plan, redundancy
+from partition import Plan, make_plan, redundancy
 
 logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
@@ -193,9 +193,9 @@ def train(
     """Train a model with micro-batch gradient accumulation, writing a run directory.
 
     The run directory holds ``config.yaml`` (resolved config), ``metrics.jsonl``
-    (one :class:`EpochMetrics` per epoch) and ``checkpoint.pt`` (replaced atomically
-    after every epoch). ``resume=True`` continues from that checkpoint and gives
-    the same parameters as an uninterrupted run (sampling and dropout are keyed by
+    (one :class:`EpochMetrics` per epoch), ``plan.json`` (the first batch's micro-batch
+    plan) and ``checkpoint.pt`` (replaced atomically after every epoch). ``resume=True``
+    continues from that checkpoint and gives the same parameters as an uninterrupted run (sampling and dropout are keyed by
     ``(seed, epoch, step)``, not by RNG state).
 
     Args:
@@ -259,6 +259,9 @@ def train(
                 outcome = _train_batch(model, optimizer, planner, batch, features, graph.y, device,
                                        epoch_seed % 2**31, where=f"epoch {epoch}, batch {index}", run_dir=run_dir)
                 optimizer.step()
+                if epoch == 0 and index == 0:  # the plan of the first batch, as `betty-train plan` prints it
+                    report = plan_report(planner, batch, outcome.batches, outcome.plan)
+                    (run_dir / "plan.json").write_text(json.dumps(report, indent=2))
                 loss_sum += outcome.loss * seeds.numel()
                 correct += outcome.correct
                 k_used = max(k_used, len(outcome.batches))
@@ -286,6 +289,7 @@ def train(
 @dataclass
 class _BatchOutcome:
     batches: list[Batch]
+    plan: Plan
     loss: float
     correct: int
 
@@ -305,7 +309,7 @@ def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: Mi
         optimizer.zero_grad(set_to_none=True)
         try:
             loss, correct = accumulate_gradients(model, micro_batches, features, labels, device)
-            return _BatchOutcome(micro_batches, loss, correct)
+            return _BatchOutcome(micro_batches, plan, loss, correct)
         except torch.cuda.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
