@@ -195,8 +195,8 @@ def train(
     The run directory holds ``config.yaml`` (resolved config), ``metrics.jsonl``
     (one :class:`EpochMetrics` per epoch), ``plan.json`` (the first batch's micro-batch
     plan) and ``checkpoint.pt`` (replaced atomically after every epoch). ``resume=True``
-    continues from that checkpoint and gives the same parameters as an uninterrupted run (sampling and dropout are keyed by
-    ``(seed, epoch, step)``, not by RNG state).
+    continues from that checkpoint and gives the same parameters as an uninterrupted run
+    (sampling and dropout are keyed by ``(seed, epoch, step)``, not by RNG state).
 
     Args:
         config: the run configuration.
