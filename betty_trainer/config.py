@@ -37,6 +37,8 @@ class SyntheticConfig(_Section):
 
 
 class DatasetConfig(_Section):
+    """``dataset``: which graph, where its raw files are, and how they are checked and preprocessed."""
+
     name: str = Field("synthetic", description="a name listed by `betty-train datasets`")
     data_dir: Path | None = Field(None, description="folder holding the raw files (else BETTY_DATA_DIR, else the download cache)")
     verify_checksums: bool = Field(True, description="check every raw file's sha256 before parsing it")
@@ -45,6 +47,8 @@ class DatasetConfig(_Section):
 
 
 class ModelConfig(_Section):
+    """``model``: the built-in model (GraphSAGE, GCN or GAT) and its widths; ignored for a custom model."""
+
     arch: Literal["sage", "gcn", "gat"] = "sage"
     aggregator: Literal["mean", "gcn", "pool", "lstm"] = Field("mean", description="GraphSAGE aggregator")
     hidden: int = Field(64, ge=1)
@@ -54,6 +58,8 @@ class ModelConfig(_Section):
 
 
 class SamplingConfig(_Section):
+    """``sampling``: per-layer fanouts (input layer first) and the seed nodes per batch."""
+
     fanouts: list[int] | None = Field(None, description="per layer, input layer first; null or -1 = full neighbourhood")
     batch_size: int | None = Field(None, ge=1, description="seed nodes per mini-batch; null = the full batch")
 
@@ -100,6 +106,8 @@ def parse_bytes(value: Any) -> int:
 
 
 class MicroBatchConfig(_Section):
+    """``micro_batch``: how each batch is split: partitioner, K or a memory budget (bytes)."""
+
     partitioner: Literal["reg", "reg_unweighted", "metis", "range", "random"] = "reg"
     num_micro_batches: int = Field(4, ge=1, description="K micro-batches per batch when budget is null")
     budget: int | Literal["auto"] | None = Field(
@@ -122,12 +130,16 @@ class MicroBatchConfig(_Section):
 
 
 class OptimConfig(_Section):
+    """``optim``: Adam's learning rate and weight decay, and the number of epochs."""
+
     lr: float = Field(0.01, gt=0)
     weight_decay: float = Field(5e-4, ge=0)
     epochs: int = Field(200, ge=1)
 
 
 class TrainConfig(_Section):
+    """``train``: run directory, device, evaluation frequency and progress bars."""
+
     run_dir: Path | None = Field(None, description="run directory; null = runs/<config name>-<timestamp>")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     eval_every: int = Field(1, ge=1, description="evaluate every this many epochs")
