@@ -52,7 +52,8 @@ from betty_trainer.errors import BettyError  # noqa: E402
 from betty_trainer.graph import Graph  # noqa: E402
 from betty_trainer.memory import measure_training_step  # noqa: E402
 from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
-from betty_trainer.planning import counts_of, model_spec  # noqa: E402
+from betty_trainer.planning import model_spec  # noqa: E402
+from estimator.counts import counts_of  # noqa: E402
 from estimator.estimate import estimate_micro_batch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

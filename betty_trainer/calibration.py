@@ -23,10 +23,10 @@ from betty_trainer.errors import CalibrationError
 from betty_trainer.graph import Graph
 from betty_trainer.memory import measure_training_step, training_state
 from betty_trainer.sampling import sample_batch
-from estimator.calibrate import CalibratedModel, block_structure_bytes, fit
+from estimator.calibrate import CalibratedModel, fit
 from estimator.calibrate import CalibrationError as FitError
 from estimator.calibrate import SamplesTooSmallError
-from estimator.counts import LayerCounts
+from estimator.counts import LayerCounts, block_structure_bytes, counts_of
 from estimator.measure import storage_bytes
 
 HOLDOUT_TOLERANCE = 0.10  # largest relative error allowed on the held-out micro-batch's peak
@@ -203,6 +203,6 @@ def _measure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, g
     except Exception as error:  # noqa: BLE001
         raise CalibrationError(f"cannot calibrate {name}: a training step failed on {_describe(batch)} "
                                f"({type(error).__name__}: {error})") from error
-    layers = [LayerCounts.from_csc(block.indptr, block.num_src) for block in batch.blocks]
+    layers = counts_of(batch.blocks)
     blocks = block_structure_bytes(layers) if device.type == "cpu" else 0
     return layers, resident + blocks + measured.peak_bytes - measured.resident_bytes

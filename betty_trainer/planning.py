@@ -21,7 +21,7 @@ from betty_trainer.config import Config, MicroBatchConfig
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.graph import Graph
 from estimator.calibrate import CalibratedModel
-from estimator.counts import LayerCounts
+from estimator.counts import counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
 from estimator.spec import ModelSpec
 from partition import BudgetError, Plan, make_plan, redundancy
@@ -61,11 +61,6 @@ def resolve_budget(config: MicroBatchConfig, device: torch.device) -> int | None
         raise ConfigError(f"the GPU has {free} bytes free, not more than micro_batch.safety_margin "
                           f"({config.safety_margin}); lower the margin or free GPU memory")
     return free - config.safety_margin
-
-
-def counts_of(structures: Sequence[BlockStructure]) -> list[LayerCounts]:
-    """:class:`LayerCounts` of each block (or layer slice)."""
-    return [LayerCounts.from_csc(s.indptr, s.num_src) for s in structures]
 
 
 class MicroBatchPlanner:
@@ -162,8 +157,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
         row = {
             "micro_batch": index,
             "outputs": micro_batch.output_nodes.numel(),
-            "layers": [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges}
-                       for b in micro_batch.blocks],
+            "layers": _layer_sizes(micro_batch),
         }
         if planner.spec is not None:
             estimate = planner.estimate(micro_batch.blocks)
@@ -174,10 +168,13 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
         "budget_bytes": plan.budget,
         "partitioner": planner.config.partitioner,
         "full_batch": {"outputs": batch.output_nodes.numel(), "estimate_peak_bytes": plan.full_batch_estimate or None,
-                       "layers": [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges}
-                                  for b in batch.blocks]},
+                       "layers": _layer_sizes(batch)},
         "redundancy_per_layer": redundancy(batch.blocks, [mb.blocks for mb in micro_batches]),
         "tried": [{"k": k, "largest_estimate_bytes": largest} for k, largest in plan.tried],
         "planning_seconds": plan.seconds,
         "micro_batches": rows,
     }
+
+
+def _layer_sizes(batch: Batch) -> list[dict[str, int]]:
+    return [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges} for b in batch.blocks]

@@ -30,8 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from estimator.counts import LayerCounts
-from estimator.estimate import INDEX_BYTES
+from estimator.counts import LayerCounts, block_structure_bytes
 
 FIT_TOLERANCE = 0.05  # largest relative error of the fitted peak on a calibration sample
 FLOOR_MARGIN = 0.02  # a sample within this fraction of the floor may be the optimizer step's peak
@@ -43,11 +42,6 @@ class CalibrationError(ValueError):
 
 class SamplesTooSmallError(CalibrationError):
     """Too few samples rise above the optimizer step's floor to fit the coefficients: larger micro-batches are needed."""
-
-
-def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:
-    """Bytes of the blocks' int64 src ids, CSC pointers and indices: ``8·Σ_l (S_l + D_l + 1 + E_l)``."""
-    return sum((c.num_src + c.num_dst + 1 + c.num_edges) * INDEX_BYTES for c in layers)
 
 
 @dataclass(frozen=True)

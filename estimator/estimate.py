@@ -12,10 +12,10 @@ No tensor is allocated; the cost is O(layers + distinct in-degrees).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
-from estimator.counts import LayerCounts
+from estimator.counts import INDEX_BYTES, LayerCounts, block_structure_bytes
 from estimator.spec import OPTIMIZER_STATES, ModelSpec
 
 COMPONENTS = (
@@ -31,7 +31,6 @@ COMPONENTS = (
     "framework_overheads",
 )
 
-INDEX_BYTES = 8  # int64 node ids and CSC pointers
 MASK_CHUNK_ELEMENTS = 1 << 16  # must equal betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS
 
 
@@ -624,8 +623,7 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
     f = model.dtype_bytes
     for component, nbytes in model_state_bytes(model).items():
         replay.alloc(nbytes, component)
-    for counts in layers:
-        replay.alloc((counts.num_src + counts.num_dst + 1 + counts.num_edges) * INDEX_BYTES, "block_structure")
+    replay.alloc(block_structure_bytes(layers), "block_structure")
     resident = replay.current
 
     replay.phase = "forward"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 from torch import Tensor
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -11,7 +9,8 @@ from betty_trainer import plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
 from betty_trainer.memory import measure_training_step
 from betty_trainer.models import build_model, set_dropout_key
-from betty_trainer.planning import MicroBatchPlanner, counts_of, model_spec
+from betty_trainer.planning import model_spec
+from estimator.counts import counts_of
 from estimator.estimate import COMPONENTS, estimate_micro_batch
 
 
