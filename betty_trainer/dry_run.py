@@ -7,10 +7,10 @@ import torch
 from betty_trainer.config import Config
 from betty_trainer.datasets import load_dataset
 from betty_trainer.memory import measure_training_step
-from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.models import set_dropout_key
 from betty_trainer.planning import MicroBatchPlanner, model_spec, plan_report
 from betty_trainer.sampling import sample_batch
-from betty_trainer.trainer import _INIT_STREAM, derive_seed, resolve_device, split_seeds
+from betty_trainer.trainer import derive_seed, init_model, resolve_device, split_seeds
 
 
 def dry_run(config: Config, measure: bool = False) -> dict:
@@ -39,9 +39,7 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     report = plan_report(planner, batch, micro_batches, plan)
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
     if measure:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))
-            model = build_model(config.model, graph).to(device)
+        model = init_model(config, graph).to(device)
         set_dropout_key(model, config.seed, 0)
         optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
         measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, device)  # Adam state exists

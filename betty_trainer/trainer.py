@@ -66,6 +66,14 @@ def derive_seed(*keys: int) -> int:
     return int(np.random.SeedSequence(list(keys)).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
 
 
+def init_model(config: Config, graph: Graph) -> nn.Module:
+    """The built-in model of ``config.model``, initialised from ``config.seed`` alone
+    (the caller's global RNG state is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))
+        return build_model(config.model, graph)
+
+
 def split_seeds(train_idx: Tensor, batch_size: int | None, generator: torch.Generator) -> list[Tensor]:
     """The batches of one epoch: the full batch (``batch_size=None``) or shuffled mini-batches."""
     if batch_size is None or batch_size >= train_idx.numel():
@@ -216,11 +224,7 @@ def train(
     if graph.train_idx.numel() == 0:
         raise ConfigError(f"dataset {graph.name!r} has no training nodes")
     planner = make_planner(config, graph, model, device)
-    if model is None:
-        with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
-            torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))
-            model = build_model(config.model, graph)
-    model = model.to(device)
+    model = (model if model is not None else init_model(config, graph)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
     fanouts = config.sampling.fanouts or [None] * config.model.num_layers
     features = graph.x.pin_memory() if device.type == "cuda" else graph.x
