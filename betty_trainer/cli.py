@@ -122,7 +122,7 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     redundancy = " / ".join(f"{r:.3f}" for r in report["redundancy_per_layer"])
     budget_text = f"{_mib(budget)} MiB" if budget else "none (micro_batch.num_micro_batches)"
     full = report["full_batch"]["estimate_peak_bytes"]
-    console.print(f"budget {budget_text}; full batch estimate {_mib(full) + ' MiB' if full else 'none (no closed form)'}; "
+    console.print(f"budget {budget_text}; full batch estimate {_mib(full) + ' MiB' if full else 'not computed (fixed K)'}; "
                   f"K = {report['num_micro_batches']} (tried {[t['k'] for t in report['tried']]}); "
                   f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s; "
                   f"written to {args.output}", highlight=False, soft_wrap=True)

@@ -75,29 +75,25 @@ class MicroBatchPlanner:
         device: where training runs (for ``budget: auto``).
 
     Raises:
-        ConfigError: a budget with a model the estimator cannot describe, or ``auto`` on CPU.
+        ConfigError: a budget with an uncalibrated custom model, or ``auto`` on CPU.
     """
 
     def __init__(self, config: MicroBatchConfig, spec: ModelSpec | CalibratedModel | None, device: torch.device):
         self.config = config
-        self.spec = spec if isinstance(spec, ModelSpec) and spec.has_closed_form else None
+        self.spec = spec if isinstance(spec, ModelSpec) else None
         self.calibrated = spec if isinstance(spec, CalibratedModel) else None
         self.budget = resolve_budget(config, device)
-        if self.budget is not None and self.spec is None and self.calibrated is None:
-            if spec is None:
-                raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "
-                                  "betty_trainer.calibration.calibrate_model (train() does), or set "
-                                  "micro_batch.num_micro_batches instead")
-            what = f"{spec.arch} ({spec.aggregator})" if spec.arch == "sage" else spec.arch
-            raise ConfigError(f"micro_batch.budget needs a memory estimate, and the estimator has none for {what} "
-                              "yet (it covers every built-in model but sage lstm); set micro_batch.num_micro_batches instead")
+        if self.budget is not None and spec is None:
+            raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "
+                              "betty_trainer.calibration.calibrate_model (train() does), or set "
+                              "micro_batch.num_micro_batches instead")
         if self.spec is not None:
             self.resident = sum(model_state_bytes(self.spec).values())
         else:
             self.resident = self.calibrated.resident_bytes if self.calibrated is not None else 0
 
     def estimate(self, structures: Sequence[BlockStructure]) -> MemoryEstimate:
-        """Itemised estimate of one micro-batch's training step (built-in models with a closed form)."""
+        """Itemised estimate of one micro-batch's training step (built-in models: the closed form)."""
         return estimate_micro_batch(counts_of(structures), self.spec)
 
     def peak_bytes(self, structures: Sequence[BlockStructure]) -> int:

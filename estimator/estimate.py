@@ -6,7 +6,8 @@ B_i) and the model's widths: each op's output, what autograd saves for backward,
 the op's own temporaries, and in backward each gradient as it is made and freed.
 Replaying those allocations and frees in order gives the peak (DESIGN.md: static +
 max(forward-live, backward-live)) and what is live at that moment, by component.
-No tensor is allocated; the cost is O(layers + distinct in-degrees).
+No tensor is allocated; the cost is O(layers), or for the LSTM aggregator O(Σ of the
+distinct in-degrees), one replayed step per LSTM step.
 """
 
 from __future__ import annotations
@@ -334,16 +335,11 @@ class _Step:
 
         return out, backward
 
-    def sage_pool_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+    def sage_combine(self, c: LayerCounts, hd: int, neigh: int, a: int, b: int, hd_grad: bool):
+        """``fc_neigh(neigh) + fc_self(h[:num_dst]) + bias`` (SAGE pool and lstm). Returns (result,
+        backward); backward gives (the gradient of ``h`` from the self term or ``None``, that of ``neigh``)."""
         r, f = self.r, self.f
         s, d = c.num_src, c.num_dst
-        pooled = r.alloc(s * a * f, _AGG)  # fc_pool (addmm)
-        r.keep(hd)
-        activated = r.alloc(s * a * f, _AGG)  # relu, saved
-        r.keep(activated)
-        r.drop(pooled)
-        neigh, max_bwd = self.segment_max(c, a)
-        r.drop(activated)
         neigh_out, neigh_bwd = self.linear(neigh, d, a, b, True)
         r.drop(neigh)
         self_out, self_bwd = self.linear(hd, d, a, b, hd_grad)
@@ -352,14 +348,31 @@ class _Step:
         result = r.alloc(d * b * f, _HID)  # + bias
         r.drop(summed)
 
-        def backward(grad: int) -> int | None:
+        def backward(grad: int) -> tuple[int | None, int]:
             self.param_grad(b)
             grad_hd = self_bwd(grad, free_grad=False)
             if grad_hd is not None:  # SliceBackward
                 sliced = r.alloc(s * a * f, _GRAD)
                 r.drop(grad_hd)
                 grad_hd = sliced
-            grad_neigh = neigh_bwd(grad)
+            return grad_hd, neigh_bwd(grad)
+
+        return result, backward
+
+    def sage_pool_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+        r, f = self.r, self.f
+        s = c.num_src
+        pooled = r.alloc(s * a * f, _AGG)  # fc_pool (addmm)
+        r.keep(hd)
+        activated = r.alloc(s * a * f, _AGG)  # relu, saved
+        r.keep(activated)
+        r.drop(pooled)
+        neigh, max_bwd = self.segment_max(c, a)
+        r.drop(activated)
+        result, combine_bwd = self.sage_combine(c, hd, neigh, a, b, hd_grad)
+
+        def backward(grad: int) -> int | None:
+            grad_hd, grad_neigh = combine_bwd(grad)
             grad_activated = max_bwd(grad_neigh)
             grad_pooled = r.alloc(s * a * f, _GRAD)  # ReluBackward
             r.drop(grad_activated, activated)
@@ -368,6 +381,176 @@ class _Step:
             self.param_grad(a)
             r.drop(grad_pooled, hd)
             return self.accumulate(grad_hd, grad_in)
+
+        return result, backward
+
+    # ----- GraphSAGE lstm ---------------------------------------------------------------------------
+    def in_degree_groups(self, c: LayerCounts) -> int:
+        """in_degree_groups: degrees, a stable argsort (kept: the groups are views of it), the sorted
+        degrees and unique_consecutive's two outputs. Returns the argsort's handle."""
+        r, d = self.r, c.num_dst
+        degrees = r.alloc(d * INDEX_BYTES, _OVER)
+        values, indices, order = (r.alloc(d * INDEX_BYTES, _OVER) for _ in range(3))
+        r.drop(values, indices)
+        scratch = [r.alloc(d * INDEX_BYTES, _OVER) for _ in range(3)]  # degrees[order], lengths, counts
+        r.drop(degrees, *scratch)
+        return order
+
+    def lstm(self, seq: int, rows: int, length: int, a: int, hidden: int, grads: dict):
+        """One in-degree group through :class:`~betty_trainer.models.lstm.LSTM`: ``length`` steps on
+        ``rows`` sequences (``seq``: their gathered ``(B, L, a)`` inputs). Per step autograd keeps
+        the step's input view, the activated gates, the cell state, ``tanh(c)`` and ``h``. Returns
+        (final hidden state, backward); backward takes the final state's gradient, whether the
+        input gradient is needed and whether to free the final state's gradient once used, and
+        returns the per-step input gradients (none without ``x_grad``);
+        ``grads`` holds the parameter gradient buffers (``W_ih``, ``W_hh``, ``b``), made by the
+        first step to reach them and summed into in place after."""
+        r, f = self.r, self.f
+        u, g4 = rows * hidden * f, 4 * rows * hidden * f
+        saved = []  # per step: (i, g, o, f_sigmoid, tanh_c, c_prev, h_prev)
+        gates = h = c = None
+        for t in range(length):
+            first = r.alloc(g4, _AGG)  # x_t W_ih + b
+            r.keep(seq)  # AddmmBackward keeps x_t, a view of seq
+            if t > 0:
+                second = r.alloc(g4, _AGG)  # + h W_hh, keeps h
+                r.drop(first, gates)  # the previous gates die when f is rebound to a view of these
+                first = second
+            gates = first
+            i, g, o = (r.alloc(u, _AGG) for _ in range(3))
+            if t == 0:
+                c_new, f_sig = r.alloc(u, _AGG), None
+            else:
+                product = r.alloc(u, _AGG)  # i * g
+                f_sig = r.alloc(u, _AGG)
+                c_new = r.alloc(u, _AGG)  # addcmul keeps f_sigmoid and the previous c
+                r.drop(product)
+            tanh_c = r.alloc(u, _AGG)
+            h_new = r.alloc(u, _AGG)
+            saved.append((i, g, o, f_sig, tanh_c, c, h))
+            h, c = h_new, c_new
+        r.drop(c, gates)  # the last cell state and gates die with the function
+
+        def backward(grad_h: int, x_grad: bool, free_grad_h: bool) -> list[int]:
+            grad_x, grad_c = [], None
+            for t in reversed(range(length)):
+                i, g, o, f_sig, tanh_c, c_prev, h_prev = saved[t]
+                grad_o, grad_tanh = r.alloc(u, _GRAD), r.alloc(u, _GRAD)  # MulBackward of o · tanh(c)
+                if t < length - 1 or free_grad_h:
+                    r.drop(grad_h)
+                from_tanh = r.alloc(u, _GRAD)  # TanhBackward
+                r.drop(grad_tanh, tanh_c)
+                if grad_c is None:
+                    grad_c = from_tanh
+                else:  # summed in place into the gradient the next step sent
+                    r.drop(from_tanh)
+                grad_f_pre = None
+                if t > 0:  # AddcmulBackward: (grad · 1) · other, for f_sigmoid and for c_prev
+                    scaled = r.alloc(u, _GRAD)
+                    grad_f = r.alloc(u, _GRAD)
+                    r.drop(scaled)
+                    scaled = r.alloc(u, _GRAD)
+                    grad_c_prev = r.alloc(u, _GRAD)
+                    r.drop(scaled, c_prev)
+                    grad_f_pre = r.alloc(u, _GRAD)  # SigmoidBackward of f
+                    r.drop(grad_f, f_sig)
+                grad_i, grad_g = r.alloc(u, _GRAD), r.alloc(u, _GRAD)  # MulBackward of i · g
+                r.drop(grad_c)
+                grad_o_pre = r.alloc(u, _GRAD)
+                r.drop(grad_o, o)
+                grad_g_pre = r.alloc(u, _GRAD)
+                r.drop(grad_g, g)
+                grad_i_pre = r.alloc(u, _GRAD)
+                r.drop(grad_i, i)
+                if grad_f_pre is None:  # SplitBackward fills the unused forget gate's gradient with zeros
+                    grad_f_pre = r.alloc(u, _GRAD)
+                grad_gates = r.alloc(g4, _GRAD)  # SplitBackward: cat
+                r.drop(grad_i_pre, grad_f_pre, grad_g_pre, grad_o_pre)
+                if t > 0:  # AddmmBackward of + h W_hh
+                    grad_h = r.alloc(u, _GRAD)
+                    made = r.alloc(hidden * 4 * hidden * f, _GRAD)
+                    r.drop(h_prev)
+                    self.sum_into(grads, "W_hh", made)
+                if x_grad:  # AddmmBackward of x_t W_ih + b
+                    grad_x.append(r.alloc(rows * a * f, _GRAD))
+                made = r.alloc(a * 4 * hidden * f, _GRAD)
+                bias = r.alloc(4 * hidden * f, _GRAD)
+                r.drop(grad_gates)
+                if grads.get("b_uses") == 1:  # the bias's second gradient is added out of place, later ones in place
+                    total = r.alloc(4 * hidden * f, _GRAD)
+                    r.drop(grads["b"], bias)
+                    grads["b"] = total
+                else:
+                    self.sum_into(grads, "b", bias)
+                grads["b_uses"] = grads.get("b_uses", 0) + 1
+                self.sum_into(grads, "W_ih", made)
+                r.drop(seq)
+                grad_c = grad_c_prev if t > 0 else None
+            return grad_x
+
+        return h, backward
+
+    def sum_into(self, grads: dict, name: str, made: int) -> None:
+        """A parameter's gradient from one more use (``made``): the first becomes the buffer, later
+        ones are added to it in place and freed."""
+        if name in grads:
+            self.r.drop(made)
+        else:
+            grads[name] = made
+
+    def lstm_neighbours(self, c: LayerCounts, hd: int, a: int, hd_grad: bool):
+        """lstm_neighbours: per in-degree group, gather the ``(B, L, a)`` sequences and run the LSTM;
+        then ``index_copy_`` the final states into a zero ``(D, a)``. Returns (out, backward)."""
+        r, f = self.r, self.f
+        d = c.num_dst
+        active = sum(rows for _, rows in c.degree_histogram)
+        out = r.alloc(d * a * f, _AGG)  # zeros, filled in place
+        order = self.in_degree_groups(c)
+        groups, finals, edges, grads = [], [], None, {}
+        for length, rows in c.degree_histogram:
+            starts, steps = r.alloc(rows * INDEX_BYTES, _OVER), r.alloc(length * INDEX_BYTES, _OVER)
+            new_edges = r.alloc(rows * length * INDEX_BYTES, _OVER)
+            r.drop(starts, steps, edges)
+            edges = new_edges
+            index = r.alloc(rows * length * INDEX_BYTES, _AGG)  # indices[edges]
+            seq = r.alloc(rows * length * a * f, _AGG)
+            if hd_grad:
+                r.keep(index)  # IndexSelectBackward keeps the index
+            r.drop(index)
+            final, lstm_bwd = self.lstm(seq, rows, length, a, a, grads)
+            r.drop(seq)
+            groups.append((rows, length, index, lstm_bwd))
+            finals.append(final)
+        rows_cat, finals_cat = r.alloc(active * INDEX_BYTES, _AGG), r.alloc(active * a * f, _AGG)
+        r.keep(rows_cat, finals_cat)  # IndexCopyBackward keeps the index and the source
+        r.drop(rows_cat, finals_cat, *finals, order, edges)
+
+        def backward(grad: int) -> int | None:
+            source = r.alloc(active * a * f, _GRAD)  # IndexCopyBackward: grad.index_select
+            r.drop(grad, rows_cat, finals_cat)
+            grad_h = None
+            for position, (rows, length, index, lstm_bwd) in reversed(list(enumerate(groups))):
+                # each group's final state's gradient is a view of it; the last group processed frees it
+                grad_x = lstm_bwd(source, hd_grad, position == 0)
+                if not hd_grad:
+                    continue
+                stacked = r.alloc(rows * length * a * f, _GRAD)  # UnbindBackward: stack
+                r.drop(*grad_x)
+                grad_h = self.accumulate(grad_h, r.alloc(c.num_src * a * f, _GRAD))  # IndexSelectBackward
+                r.drop(stacked, index)
+            if not groups:
+                r.drop(source)
+            return grad_h
+
+        return out, backward
+
+    def sage_lstm_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+        neigh, lstm_bwd = self.lstm_neighbours(c, hd, a, hd_grad)
+        result, combine_bwd = self.sage_combine(c, hd, neigh, a, b, hd_grad)
+
+        def backward(grad: int) -> int | None:
+            grad_hd, grad_neigh = combine_bwd(grad)
+            return self.accumulate(grad_hd, lstm_bwd(grad_neigh))
 
         return result, backward
 
@@ -529,16 +712,14 @@ class _Step:
 
     # ----- the whole step ----------------------------------------------------------------------
     def layer_forward(self, index: int, c: LayerCounts, h: int, a: int, b: int, h_grad: bool):
-        if self.model.arch == "sage" and self.model.aggregator in ("mean", "gcn"):
-            return self.sage_forward(c, h, a, b, h_grad)
         if self.model.arch == "gcn":
             return self.gcn_forward(c, h, a, b, h_grad)
-        if self.model.arch == "sage" and self.model.aggregator == "pool":
-            return self.sage_pool_forward(c, h, a, b, h_grad)
         if self.model.arch == "gat":
             concat = index < self.model.num_layers - 1
             return self.gat_forward(c, h, a, self.model.heads, self.model.widths[index + 1], concat, h_grad)
-        raise ValueError(f"no closed-form memory estimate for {self.model.arch} ({self.model.aggregator})")
+        sage = {"pool": self.sage_pool_forward, "lstm": self.sage_lstm_forward}.get(self.model.aggregator,
+                                                                                  self.sage_forward)
+        return sage(c, h, a, b, h_grad)
 
     def relu(self, x: int, rows: int, width: int):
         out = self.r.alloc(rows * width * self.f, _HID)
@@ -611,11 +792,8 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
         A :class:`MemoryEstimate` (bytes).
 
     Raises:
-        ValueError: if the number of layers differs from the model's, or the model has no
-            closed form yet (``model.has_closed_form``).
+        ValueError: if the number of layers differs from the model's.
     """
-    if not model.has_closed_form:
-        raise ValueError(f"no closed-form memory estimate for {model.arch} ({model.aggregator}) yet")
     if len(layers) != model.num_layers:
         raise ValueError(f"the micro-batch has {len(layers)} layers but the model has {model.num_layers}")
     replay = _Replay()

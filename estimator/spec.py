@@ -60,22 +60,18 @@ class ModelSpec:
         return a, b
 
     def parameter_shapes(self, layer: int) -> list[int]:
-        """Element counts of the layer's parameter tensors, in registration order."""
+        """Element counts of the layer's parameter tensors in ``model.parameters()`` order: a layer's
+        own parameters (bias; GAT's attention vectors) before those of its submodules."""
         a, b = self.widths[layer], self.widths[layer + 1]
-        if self.arch == "gcn":
-            return [b * a, b]
-        if self.arch == "gat":  # linear, att_src, att_dst, bias (heads concatenated except in the last layer)
+        if self.arch == "gcn":  # bias, linear
+            return [b, b * a]
+        if self.arch == "gat":  # att_src, att_dst, bias, linear (heads concatenated except in the last layer)
             a = self.layer_dims(layer)[0]
             last = layer == self.num_layers - 1
-            return [self.heads * b * a, self.heads * b, self.heads * b, b if last else self.heads * b]
+            return [self.heads * b, self.heads * b, b if last else self.heads * b, self.heads * b * a]
         neigh_self = [b * a] if self.aggregator == "gcn" else [b * a, b * a]
-        extra = {"pool": [a * a, a], "lstm": [4 * a * a, 4 * a * a, 4 * a, 4 * a]}.get(self.aggregator, [])
-        return extra + neigh_self + [b]  # registration order: fc_pool / lstm, fc_neigh, fc_self, bias
-
-    @property
-    def has_closed_form(self) -> bool:
-        """Whether :func:`estimator.estimate.estimate_micro_batch` covers this model (all but SAGE-lstm)."""
-        return self.arch in ("gcn", "gat") or (self.arch == "sage" and self.aggregator in ("mean", "gcn", "pool"))
+        extra = {"pool": [a * a, a], "lstm": [4 * a * a, 4 * a * a, 4 * a]}.get(self.aggregator, [])
+        return [b] + extra + neigh_self  # bias, fc_pool / lstm, fc_neigh, fc_self
 
     @property
     def buffer_bytes(self) -> int:

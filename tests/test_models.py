@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch.nn import functional as F
@@ -11,6 +9,7 @@ from torch.nn import functional as F
 from betty_trainer import Block, load_config, plan_micro_batches, sample_batch
 from betty_trainer.errors import ConfigError
 from betty_trainer.models import GAT, GCN, GATConv, GraphSAGE, SAGEConv, build_model, set_dropout_key
+from betty_trainer.models.lstm import LSTM
 from tests.test_exactness import assert_same_gradients, gradients
 
 # 6 src nodes, 4 dst nodes (the first 4 src). dst 0 and 1 share in-degree 3 (one LSTM group of two),
@@ -42,6 +41,8 @@ def test_sage_aggregator_matches_a_per_node_loop(aggregator):
     out = layer(tiny_block(), h)
 
     h_ref = h.detach().clone().requires_grad_(True)
+    if aggregator == "lstm":  # PyTorch's fused LSTM, loaded with the layer's weights, is the reference
+        reference_lstm = torch_lstm(layer.lstm)
     rows = []
     for d, neighbours in enumerate(NEIGHBOURS):
         if not neighbours:
@@ -49,7 +50,7 @@ def test_sage_aggregator_matches_a_per_node_loop(aggregator):
         elif aggregator == "pool":
             h_neigh = F.relu(layer.fc_pool(h_ref[neighbours])).max(0).values
         else:
-            _, (hidden, _) = layer.lstm(h_ref[neighbours].unsqueeze(0))
+            _, (hidden, _) = reference_lstm(h_ref[neighbours].unsqueeze(0))
             h_neigh = hidden[-1, 0]
         rows.append(layer.fc_self(h_ref[d]) + layer.fc_neigh(h_neigh) + layer.bias)
     reference = torch.stack(rows)
@@ -59,6 +60,43 @@ def test_sage_aggregator_matches_a_per_node_loop(aggregator):
     (out * weights).sum().backward()
     (reference * weights).sum().backward()
     torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def torch_lstm(lstm: LSTM) -> torch.nn.LSTM:
+    """torch.nn.LSTM with ``lstm``'s weights (transposed; the bias split into bias_ih and bias_hh)."""
+    reference = torch.nn.LSTM(lstm.input_size, lstm.hidden_size, batch_first=True)
+    with torch.no_grad():
+        reference.weight_ih_l0.copy_(lstm.weight_ih.t())
+        reference.weight_hh_l0.copy_(lstm.weight_hh.t())
+        reference.bias_ih_l0.copy_(lstm.bias - 0.25)
+        reference.bias_hh_l0.fill_(0.25)
+    return reference
+
+
+@pytest.mark.parametrize("batch, length, width, hidden", [(1, 1, 3, 4), (7, 5, 6, 4), (3, 12, 8, 8)])
+def test_unrolled_lstm_equals_torch_lstm(batch, length, width, hidden):
+    """The aggregator's unrolled LSTM computes torch.nn.LSTM: same final hidden state, same
+    gradients for the input and every parameter."""
+    torch.manual_seed(0)
+    ours = LSTM(width, hidden)
+    reference = torch_lstm(ours)
+    x = torch.randn(batch, length, width, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out = ours(x.unbind(1))
+    _, (expected, _) = reference(x_ref)
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6)
+    weights = torch.randn(batch, hidden)
+    (out * weights).sum().backward()
+    (expected[0] * weights).sum().backward()
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, **close)
+    torch.testing.assert_close(ours.weight_ih.grad, reference.weight_ih_l0.grad.t(), **close)
+    torch.testing.assert_close(ours.bias.grad, reference.bias_ih_l0.grad, **close)
+    torch.testing.assert_close(ours.bias.grad, reference.bias_hh_l0.grad, **close)
+    if length == 1:  # one step never reads W_hh (h_0 = 0): no gradient where torch's LSTM gives zeros
+        assert ours.weight_hh.grad is None and not reference.weight_hh_l0.grad.any()
+    else:
+        torch.testing.assert_close(ours.weight_hh.grad, reference.weight_hh_l0.grad.t(), **close)
 
 
 def test_lstm_aggregator_reads_neighbours_in_csc_order():
@@ -107,12 +145,12 @@ def test_gat_matches_a_per_node_loop(concat):
 
 
 @pytest.mark.parametrize("arch", ["sage-pool", "sage-lstm", "gat"])
-def test_micro_batches_equal_full_batch(cora, arch):
-    # The LSTM over Cora's 1433-wide features costs ~33 MFLOP per edge, and it runs one step per distinct
-    # in-degree per layer (~900 small sequential steps for a full neighbourhood), so that model reads only
-    # the first 64 feature columns of a batch sampled with fanout 5 (in-degrees 1–5: five groups per layer).
+def test_micro_batches_equal_full_batch(request, arch):
+    # The LSTM runs one step per in-degree up to the largest (~1000 small sequential steps per layer for
+    # a full neighbourhood), so that model reads Cora's first 64 feature columns (the cora64 fixture)
+    # of a batch sampled with fanout 5 (in-degrees 1–5: five groups per layer).
     lstm = arch == "sage-lstm"
-    graph = dataclasses.replace(cora, x=cora.x[:, :64].contiguous()) if lstm else cora
+    graph = request.getfixturevalue("cora64" if lstm else "cora")
     torch.manual_seed(0)
     if arch == "gat":
         model = GAT(graph.num_features, 8, graph.num_classes, 2, heads=4, dropout=0.5)

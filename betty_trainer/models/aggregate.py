@@ -4,9 +4,10 @@ sum, mean, max, LSTM over in-degree groups, and edge softmax."""
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from betty_trainer.block import Block
+from betty_trainer.models.lstm import LSTM
 
 
 def sum_neighbours(block: Block, h_src: Tensor, edge_weight: Tensor | None = None) -> Tensor:
@@ -78,7 +79,7 @@ def in_degree_groups(block: Block) -> list[tuple[int, Tensor]]:
     return list(zip(lengths.tolist(), order.split(counts.tolist())))
 
 
-def lstm_neighbours(block: Block, h_src: Tensor, lstm: nn.LSTM) -> Tensor:
+def lstm_neighbours(block: Block, h_src: Tensor, lstm: LSTM) -> Tensor:
     """Final hidden state of ``lstm`` run over each dst node's in-neighbour features in CSC edge order.
 
     Dst nodes are grouped by in-degree (:func:`in_degree_groups`) so the LSTM runs
@@ -88,10 +89,10 @@ def lstm_neighbours(block: Block, h_src: Tensor, lstm: nn.LSTM) -> Tensor:
     Args:
         block: the block.
         h_src: ``(num_src, F)`` src features.
-        lstm: a ``batch_first`` LSTM with input size ``F``.
+        lstm: an :class:`~betty_trainer.models.lstm.LSTM` with input size ``F``.
 
     Returns:
-        ``(num_dst, lstm.hidden_size)``, the last layer's final hidden state per dst node.
+        ``(num_dst, lstm.hidden_size)``, the final hidden state per dst node.
     """
     out = torch.zeros(block.num_dst, lstm.hidden_size, dtype=h_src.dtype, device=h_src.device)
     rows, finals = [], []
@@ -100,9 +101,8 @@ def lstm_neighbours(block: Block, h_src: Tensor, lstm: nn.LSTM) -> Tensor:
             continue
         edges = block.indptr[dst].unsqueeze(1) + torch.arange(length, device=dst.device)
         sequences = h_src.index_select(0, block.indices[edges].flatten()).view(len(dst), length, -1)
-        _, (hidden, _) = lstm(sequences)
         rows.append(dst)
-        finals.append(hidden[-1])
+        finals.append(lstm(sequences.unbind(1)))
     if not rows:
         return out
     return out.index_copy_(0, torch.cat(rows), torch.cat(finals))

@@ -9,6 +9,7 @@ from torch.nn import functional as F
 
 from betty_trainer.block import Block
 from betty_trainer.models.aggregate import lstm_neighbours, max_neighbours, mean_neighbours, sum_neighbours
+from betty_trainer.models.lstm import LSTM
 from betty_trainer.models.stack import LayerStack, layer_widths
 
 AGGREGATORS = ("mean", "gcn", "pool", "lstm")
@@ -25,7 +26,8 @@ class SAGEConv(nn.Module):
 
     ``pool`` takes the element-wise max; the ``lstm`` aggregator's LSTM has hidden
     size ``F_in`` and its final hidden state is the neighbourhood vector, computed
-    per group of equal in-degree (Betty §4.4.3, Eq. 5). Both follow DGL's
+    per group of equal in-degree (Betty §4.4.3, Eq. 5), unrolled in plain ops
+    (:class:`~betty_trainer.models.lstm.LSTM`) so its memory is known. Both follow DGL's
     ``SAGEConv``; an isolated dst node's neighbourhood vector is zero, and both
     ignore edge weights (those make the mean unbiased; a max or an LSTM has no such form).
     For ``mean``/``gcn`` with ``in_feats > out_feats`` the linear map is applied
@@ -50,7 +52,7 @@ class SAGEConv(nn.Module):
             raise ValueError(f"unknown SAGE aggregator {aggregator!r}; choose one of {AGGREGATORS}")
         self.in_feats, self.out_feats, self.aggregator = in_feats, out_feats, aggregator
         self.fc_pool = nn.Linear(in_feats, in_feats) if aggregator == "pool" else None
-        self.lstm = nn.LSTM(in_feats, in_feats, batch_first=True) if aggregator == "lstm" else None
+        self.lstm = LSTM(in_feats, in_feats) if aggregator == "lstm" else None
         self.fc_neigh = nn.Linear(in_feats, out_feats, bias=False)
         self.fc_self = nn.Linear(in_feats, out_feats, bias=False) if aggregator != "gcn" else None
         self.bias = nn.Parameter(torch.empty(out_feats))
