@@ -7,7 +7,8 @@ layers, hidden width and K, the full training batch (full neighbourhood unless
 seed, Adam is warmed by one measured step (so its two moments exist, as in steady
 state), then every micro-batch is estimated (``estimate_micro_batch``) and run for
 real (``measure_training_step`` on the CPU: peak of the profiler's allocation
-records). The error of a micro-batch is ``(estimate − measured) / measured``;
+records), as training runs it: the micro-batches after the first accumulate into
+the earlier ones' gradients (``accumulate=True`` for both). The error of a micro-batch is ``(estimate − measured) / measured``;
 a row reports the largest |error|, the worst (most negative) error, the mean
 error, the number of micro-batches, the largest measured peak (MiB), the wall time
 of the row's measured steps (the Adam warm-up step and the profiler included) and
@@ -110,11 +111,13 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
     measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, "cpu")  # Adam state exists
     warm_s = time.perf_counter() - start
     per_mb, estimate_s = [], 0.0
+    total = sum(micro_batch.output_nodes.numel() for micro_batch in micro_batches)
     for index, micro_batch in enumerate(micro_batches):
         t0 = time.perf_counter()
-        estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec)
+        estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0)
         estimate_s += time.perf_counter() - t0
-        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu")
+        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu",
+                                         num_outputs=total, accumulate=index > 0)
         per_mb.append({
             "micro_batch": index,
             "outputs": micro_batch.output_nodes.numel(),

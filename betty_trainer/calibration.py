@@ -94,9 +94,11 @@ def calibrate_model(
     when the CPU is busy).
 
     The measured steps gather ``graph.x`` and ``graph.y``; peaks are those of
-    :func:`~betty_trainer.memory.measure_training_step`, expressed with the model state
-    (parameters, buffers, optimizer state) as the resident bytes and the blocks' structure
-    counted in the step on every device.
+    :func:`~betty_trainer.memory.measure_training_step` with ``accumulate=True`` (a batch's
+    micro-batches after the first, which hold the gradients of the earlier ones: the
+    costlier case, so the fit covers every micro-batch), expressed with the model state
+    (parameters, their gradients, buffers, optimizer state) as the resident bytes and
+    the blocks' structure counted in the step on every device.
 
     Args:
         model: ``forward(blocks, x)`` returning ``(num_outputs, graph.num_classes)`` logits.
@@ -138,7 +140,8 @@ def _calibrate(model: nn.Module, graph: Graph, num_layers: int, optimizer_factor
     optimizer = optimizer_factory(parameters)
     batches = synthetic_batches(graph, num_layers)
     _warm_up(trained, optimizer, batches[0], graph, device, name)
-    resident = storage_bytes(training_state(trained, optimizer))
+    # measured steps accumulate (a batch's later micro-batches, the costlier case): gradients are resident
+    resident = storage_bytes(training_state(trained, optimizer)) + storage_bytes(trained.parameters())
     samples, scale = [], 1
     while True:
         *fitted, holdout = batches
@@ -199,7 +202,7 @@ def _measure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, g
     """``(counts, peak bytes)`` of one measured step, with ``resident`` bytes live before it and the
     block structure allocated in the step (on CPU it is already resident; counted here instead)."""
     try:
-        measured = measure_training_step(model, optimizer, batch, graph.x, graph.y, device)
+        measured = measure_training_step(model, optimizer, batch, graph.x, graph.y, device, accumulate=True)
     except Exception as error:  # noqa: BLE001
         raise CalibrationError(f"cannot calibrate {name}: a training step failed on {_describe(batch)} "
                                f"({type(error).__name__}: {error})") from error

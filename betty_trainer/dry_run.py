@@ -18,8 +18,10 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     and report (see :func:`~betty_trainer.planning.plan_report`).
 
     With ``measure``, one real training step per micro-batch runs on copies of the model
-    and a fresh Adam (stepped once first, so its state is resident as in training), and
-    each row gets ``measured_peak_bytes`` and ``error`` = (estimate − measured) / measured.
+    and a fresh Adam (stepped once first, so its state is resident as in training), the
+    micro-batches after the first with the earlier ones' gradients resident as in
+    training, and each row gets ``measured_peak_bytes`` and ``error`` =
+    (estimate − measured) / measured.
 
     Returns:
         The report dict (what ``plan.json`` holds).
@@ -43,9 +45,9 @@ def dry_run(config: Config, measure: bool = False) -> dict:
         set_dropout_key(model, config.seed, 0)
         optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
         measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, device)  # Adam state exists
-        for row, micro_batch in zip(report["micro_batches"], micro_batches):
+        for index, (row, micro_batch) in enumerate(zip(report["micro_batches"], micro_batches)):
             measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, device,
-                                             num_outputs=batch.output_nodes.numel())
+                                             num_outputs=batch.output_nodes.numel(), accumulate=index > 0)
             row["measured_peak_bytes"] = measured.peak_bytes
             if "estimate" in row:
                 row["error"] = (row["estimate"]["peak_bytes"] - measured.peak_bytes) / measured.peak_bytes

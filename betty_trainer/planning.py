@@ -92,15 +92,17 @@ class MicroBatchPlanner:
         else:
             self.resident = self.calibrated.resident_bytes if self.calibrated is not None else 0
 
-    def estimate(self, structures: Sequence[BlockStructure]) -> MemoryEstimate:
-        """Itemised estimate of one micro-batch's training step (built-in models: the closed form)."""
-        return estimate_micro_batch(counts_of(structures), self.spec)
+    def estimate(self, structures: Sequence[BlockStructure], accumulate: bool = False) -> MemoryEstimate:
+        """Itemised estimate of one micro-batch's training step (built-in models: the closed form);
+        ``accumulate``: an earlier micro-batch of the batch ran before it."""
+        return estimate_micro_batch(counts_of(structures), self.spec, accumulate)
 
-    def peak_bytes(self, structures: Sequence[BlockStructure]) -> int:
-        """Estimated peak bytes of one micro-batch's training step: closed form or calibrated fit."""
+    def peak_bytes(self, structures: Sequence[BlockStructure], accumulate: bool = False) -> int:
+        """Estimated peak bytes of one micro-batch's training step: closed form, or the calibrated
+        fit (which is of an accumulating step, so it covers both)."""
         if self.calibrated is not None:
             return self.calibrated.estimate(counts_of(structures))
-        return self.estimate(structures).peak_bytes
+        return self.estimate(structures, accumulate).peak_bytes
 
     def plan(self, batch: Batch, seed: int, min_k: int = 1) -> tuple[list[Batch], Plan]:
         """Micro-batches of ``batch``; at least ``min_k`` of them (after an out-of-memory error).
@@ -156,7 +158,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
             "layers": _layer_sizes(micro_batch),
         }
         if planner.spec is not None:
-            estimate = planner.estimate(micro_batch.blocks)
+            estimate = planner.estimate(micro_batch.blocks, accumulate=index > 0)
             row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
         rows.append(row)
     return {

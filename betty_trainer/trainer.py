@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from betty_trainer.block import Batch
 from betty_trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -30,6 +29,7 @@ from betty_trainer.graph import Graph
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.planning import MicroBatchPlanner, make_planner, plan_report
 from betty_trainer.sampling import sample_batch
+from betty_trainer.step import micro_batch_backward
 from partition import Plan, make_plan, redundancy
 
 logger = logging.getLogger(__name__)
@@ -120,15 +120,12 @@ def accumulate_gradients(
     total = sum(mb.output_nodes.numel() for mb in micro_batches)
     loss_sum, correct = 0.0, 0
     for index, micro_batch in enumerate(micro_batches):
-        x = features[micro_batch.input_nodes].to(device, non_blocking=True)
-        y = labels[micro_batch.output_nodes].to(device, non_blocking=True)
-        logits = model(micro_batch.to(device).blocks, x)
-        loss = F.cross_entropy(logits, y, reduction="sum") / total
-        if not torch.isfinite(loss):
-            raise TrainingError(f"loss is {loss.item()} in micro-batch {index}; try a lower optim.lr")
-        loss.backward()
-        loss_sum += loss.item()
-        correct += int((logits.argmax(1) == y).sum())
+        try:
+            loss, right = micro_batch_backward(model, micro_batch, features, labels, device, total)
+        except TrainingError as error:
+            raise TrainingError(f"{error} in micro-batch {index}; try a lower optim.lr") from None
+        loss_sum += loss
+        correct += right
     return loss_sum, correct
 
 

@@ -7,8 +7,8 @@ so the bytes a step adds above the model's state are, for one model, approximate
     step(x) = max(floor, c0 + Σ_l (α_l·S_l + β_l·D_l + γ_l·E_l))
 
 with ``S_l, D_l, E_l`` layer ``l``'s src nodes, dst nodes and edges. The first
-term is the optimizer step (parameter gradients and the optimizer's temporaries,
-the same for every micro-batch), the second the forward/backward peak. That peak
+term is the optimizer step (the optimizer's temporaries, the same for every
+micro-batch), the second the forward/backward peak. That peak
 is exactly a maximum of linear functions (what is live at each moment of the
 step; which moment wins depends on the sizes), approximated here by one; the fit's
 residual and a held-out sample bound the error. The peak of a step is then
@@ -49,9 +49,10 @@ class CalibratedModel:
     """Fitted per-layer memory coefficients of one model and optimizer (see the module for the formula).
 
     Attributes:
-        resident_bytes: bytes live before a step: parameters, buffers, optimizer state.
-        floor_bytes: bytes a step adds at the least (the optimizer step: parameter gradients
-            and the optimizer's temporaries), block structure excluded.
+        resident_bytes: bytes live before a step: parameters, buffers, optimizer state and,
+            as the fitted steps accumulate, the parameter gradients.
+        floor_bytes: bytes a step adds at the least (the optimizer step's temporaries),
+            block structure excluded.
         intercept_bytes: ``c0``, bytes of the forward/backward peak independent of the counts.
         src_bytes: ``α_l``, bytes per src node of layer ``l`` (input layer first).
         dst_bytes: ``β_l``, bytes per dst node. Where ``D_l`` equals ``S_{l+1}`` in every

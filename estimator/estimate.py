@@ -106,6 +106,33 @@ class _Replay:
         self.drop(self.alloc(nbytes, component))
 
 
+class _SharedGradient:
+    """The gradient of a parameter used many times in one backward (the LSTM's weights, once per
+    step): autograd sums the contributions in a buffer (the first one made; later ones are
+    added in place and freed, except that the ``out_of_place_at``-th is added out of place)
+    and, after the last one, hands it to ``.grad``, or when accumulating adds it into
+    ``.grad`` and frees it."""
+
+    def __init__(self, replay: _Replay, uses: int, accumulating: bool, out_of_place_at: int = 0):
+        self.r, self.remaining, self.accumulating, self.out_of_place_at = replay, uses, accumulating, out_of_place_at
+        self.buffer: int | None = None
+        self.count = 0
+
+    def add(self, made: int, nbytes: int) -> None:
+        self.count += 1
+        if self.buffer is None:
+            self.buffer = made
+        elif self.count == self.out_of_place_at:
+            total = self.r.alloc(nbytes, _GRAD)
+            self.r.drop(self.buffer, made)
+            self.buffer = total
+        else:
+            self.r.drop(made)
+        self.remaining -= 1
+        if self.remaining == 0 and self.accumulating:
+            self.r.drop(self.buffer)
+
+
 _AGG = "aggregator_intermediates"
 _HID = "hidden_outputs"
 _GRAD = "gradients"
@@ -122,11 +149,23 @@ class _Step:
     which receives the output's gradient and returns the input's (or ``None``).
     """
 
-    def __init__(self, replay: _Replay, model: ModelSpec):
-        self.r, self.model, self.f = replay, model, model.dtype_bytes
+    def __init__(self, replay: _Replay, model: ModelSpec, accumulate: bool):
+        self.r, self.model, self.f, self.accumulating = replay, model, model.dtype_bytes, accumulate
+        self.pending: list[int] = []
 
-    def param_grad(self, numel: int) -> None:
-        self.r.alloc(numel * self.f, _GRAD)  # held by .grad to the end of the step
+    def param_grad(self, numel: int) -> int:
+        """A parameter's gradient, made by a backward node. It becomes ``.grad`` and lives to the end
+        of the step, or, when accumulating, is added into the resident ``.grad`` once the node that
+        made it is done (:meth:`settle`)."""
+        made = self.r.alloc(numel * self.f, _GRAD)
+        if self.accumulating:
+            self.pending.append(made)
+        return made
+
+    def settle(self) -> None:
+        """The end of a backward node: accumulating, the gradients it made are added into ``.grad`` and freed."""
+        self.r.drop(*self.pending)
+        self.pending.clear()
 
     def accumulate(self, first: int | None, second: int | None) -> int | None:
         """Autograd summing two gradients of one tensor in place: the second is freed."""
@@ -200,6 +239,7 @@ class _Step:
         def backward(grad: int, free_grad: bool = True, x_grad: bool = x_grad) -> int | None:
             self.param_grad(a * b)
             grad_x = r.alloc(rows * a * self.f, _GRAD) if x_grad else None
+            self.settle()
             r.drop(x)
             if free_grad:
                 r.drop(grad)
@@ -267,6 +307,7 @@ class _Step:
 
         def backward(grad: int) -> int | None:
             self.param_grad(b)  # bias
+            self.settle()
             grad_hd = None
             if self_bwd is not None:
                 grad_self = self_bwd(grad, free_grad=False)
@@ -350,6 +391,7 @@ class _Step:
 
         def backward(grad: int) -> tuple[int | None, int]:
             self.param_grad(b)
+            self.settle()
             grad_hd = self_bwd(grad, free_grad=False)
             if grad_hd is not None:  # SliceBackward
                 sliced = r.alloc(s * a * f, _GRAD)
@@ -379,6 +421,7 @@ class _Step:
             grad_in = r.alloc(s * a * f, _GRAD) if hd_grad else None  # AddmmBackward
             self.param_grad(a * a)
             self.param_grad(a)
+            self.settle()
             r.drop(grad_pooled, hd)
             return self.accumulate(grad_hd, grad_in)
 
@@ -396,15 +439,14 @@ class _Step:
         r.drop(degrees, *scratch)
         return order
 
-    def lstm(self, seq: int, rows: int, length: int, a: int, hidden: int, grads: dict):
+    def lstm(self, seq: int, rows: int, length: int, a: int, hidden: int, grads: dict[str, _SharedGradient]):
         """One in-degree group through :class:`~betty_trainer.models.lstm.LSTM`: ``length`` steps on
         ``rows`` sequences (``seq``: their gathered ``(B, L, a)`` inputs). Per step autograd keeps
         the step's input view, the activated gates, the cell state, ``tanh(c)`` and ``h``. Returns
         (final hidden state, backward); backward takes the final state's gradient, whether the
         input gradient is needed and whether to free the final state's gradient once used, and
         returns the per-step input gradients (none without ``x_grad``);
-        ``grads`` holds the parameter gradient buffers (``W_ih``, ``W_hh``, ``b``), made by the
-        first step to reach them and summed into in place after."""
+        ``grads`` holds the :class:`_SharedGradient` of ``W_ih``, ``W_hh`` and ``b``."""
         r, f = self.r, self.f
         u, g4 = rows * hidden * f, 4 * rows * hidden * f
         saved = []  # per step: (i, g, o, f_sigmoid, tanh_c, c_prev, h_prev)
@@ -470,33 +512,19 @@ class _Step:
                     grad_h = r.alloc(u, _GRAD)
                     made = r.alloc(hidden * 4 * hidden * f, _GRAD)
                     r.drop(h_prev)
-                    self.sum_into(grads, "W_hh", made)
+                    grads["W_hh"].add(made, hidden * 4 * hidden * f)
                 if x_grad:  # AddmmBackward of x_t W_ih + b
                     grad_x.append(r.alloc(rows * a * f, _GRAD))
                 made = r.alloc(a * 4 * hidden * f, _GRAD)
                 bias = r.alloc(4 * hidden * f, _GRAD)
                 r.drop(grad_gates)
-                if grads.get("b_uses") == 1:  # the bias's second gradient is added out of place, later ones in place
-                    total = r.alloc(4 * hidden * f, _GRAD)
-                    r.drop(grads["b"], bias)
-                    grads["b"] = total
-                else:
-                    self.sum_into(grads, "b", bias)
-                grads["b_uses"] = grads.get("b_uses", 0) + 1
-                self.sum_into(grads, "W_ih", made)
+                grads["b"].add(bias, 4 * hidden * f)
+                grads["W_ih"].add(made, a * 4 * hidden * f)
                 r.drop(seq)
                 grad_c = grad_c_prev if t > 0 else None
             return grad_x
 
         return h, backward
-
-    def sum_into(self, grads: dict, name: str, made: int) -> None:
-        """A parameter's gradient from one more use (``made``): the first becomes the buffer, later
-        ones are added to it in place and freed."""
-        if name in grads:
-            self.r.drop(made)
-        else:
-            grads[name] = made
 
     def lstm_neighbours(self, c: LayerCounts, hd: int, a: int, hd_grad: bool):
         """lstm_neighbours: per in-degree group, gather the ``(B, L, a)`` sequences and run the LSTM;
@@ -506,7 +534,11 @@ class _Step:
         active = sum(rows for _, rows in c.degree_histogram)
         out = r.alloc(d * a * f, _AGG)  # zeros, filled in place
         order = self.in_degree_groups(c)
-        groups, finals, edges, grads = [], [], None, {}
+        steps = sum(length for length, _ in c.degree_histogram)  # each LSTM step uses W_ih and b once
+        grads = {"W_ih": _SharedGradient(r, steps, self.accumulating),
+                 "W_hh": _SharedGradient(r, steps - len(c.degree_histogram), self.accumulating),
+                 "b": _SharedGradient(r, steps, self.accumulating, out_of_place_at=2)}  # as the profiler shows
+        groups, finals, edges = [], [], None
         for length, rows in c.degree_histogram:
             starts, steps = r.alloc(rows * INDEX_BYTES, _OVER), r.alloc(length * INDEX_BYTES, _OVER)
             new_edges = r.alloc(rows * length * INDEX_BYTES, _OVER)
@@ -617,6 +649,7 @@ class _Step:
 
         def backward(grad: int) -> int | None:
             self.param_grad(hf if concat else width)  # bias
+            self.settle()
             if not concat:  # MeanBackward materialises the expanded gradient
                 expanded = r.alloc(d * hf * f, _GRAD)
                 r.drop(grad)
@@ -649,6 +682,7 @@ class _Step:
             grad_z_dst = r.alloc(d * hf * f, _GRAD)  # (z[:D] * att_dst).sum backward
             r.transient(d * hf * f, _GRAD)
             self.param_grad(hf)
+            self.settle()
             r.drop(grad_score_dst)
             sliced = r.alloc(s * hf * f, _GRAD)  # SliceBackward
             r.drop(grad_z_dst)
@@ -656,6 +690,7 @@ class _Step:
             grad_z_src = r.alloc(s * hf * f, _GRAD)  # (z * att_src).sum backward
             r.transient(s * hf * f, _GRAD)
             self.param_grad(hf)
+            self.settle()
             r.drop(grad_score_src)
             grad_z = self.accumulate(grad_z, grad_z_src)
             r.drop(z, z)
@@ -694,6 +729,7 @@ class _Step:
 
         def backward(grad: int) -> int | None:
             self.param_grad(b)
+            self.settle()
             if lin_out_bwd is not None:
                 grad = lin_out_bwd(grad, True, record)
             if not record:
@@ -775,18 +811,21 @@ def model_state_bytes(model: ModelSpec) -> dict[str, int]:
     }
 
 
-def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> MemoryEstimate:
+def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumulate: bool = False) -> MemoryEstimate:
     """Estimate the memory of one training step of a micro-batch, itemised (Betty §4.4.3).
 
     The step is the one :func:`betty_trainer.memory.measure_training_step` measures:
-    gather input features and labels, forward, cross-entropy, backward (parameter
-    gradients allocated as they are computed), optimizer step. Resident before it:
-    parameters, optimizer state (Adam: 2 × parameters + a step counter per tensor)
-    and the blocks' structure.
+    gather input features and labels, forward, cross-entropy, backward, the accuracy
+    count, optimizer step. Resident before it: parameters, optimizer state (Adam:
+    2 × parameters + a step counter per tensor) and the blocks' structure. A batch's
+    first micro-batch allocates the parameter gradients as backward computes them
+    (``accumulate=False``); the later ones (``accumulate=True``) start with them resident
+    and add each new gradient into them, which costs more.
 
     Args:
         layers: the micro-batch's :class:`LayerCounts`, input layer first (one per model layer).
         model: the model (:class:`ModelSpec`).
+        accumulate: estimate a micro-batch after the first of its batch.
 
     Returns:
         A :class:`MemoryEstimate` (bytes).
@@ -797,10 +836,12 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
     if len(layers) != model.num_layers:
         raise ValueError(f"the micro-batch has {len(layers)} layers but the model has {model.num_layers}")
     replay = _Replay()
-    step = _Step(replay, model)
+    step = _Step(replay, model, accumulate)
     f = model.dtype_bytes
     for component, nbytes in model_state_bytes(model).items():
         replay.alloc(nbytes, component)
+    if accumulate:  # the earlier micro-batches' gradients
+        replay.alloc(model.num_parameters * f, _GRAD)
     replay.alloc(block_structure_bytes(layers), "block_structure")
     resident = replay.current
 
@@ -836,6 +877,9 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec) -> Mem
         grad = layer_bwd(grad)
         if grad is not None and dropout_bwd is not None:
             grad = dropout_bwd(grad)
+    predictions = replay.alloc(layers[-1].num_dst * INDEX_BYTES, _OVER)  # (logits.argmax(1) == y).sum()
+    hits = replay.alloc(layers[-1].num_dst, _OVER)
+    replay.drop(predictions, hits)
     replay.drop(grad, x, labels, logits)  # the micro-batch's tensors die before the optimizer step
     replay.phase = "optimizer"
     step.optimizer_step()

@@ -2,7 +2,9 @@
 
 The planner knows nothing of models: it takes an ``estimate`` callable mapping a
 micro-batch's block structures to estimated peak bytes (the estimator, composed by
-the trainer) and searches K.
+the trainer) and searches K. Micro-batches run in plan order and accumulate their
+gradients, so the estimate is asked whether earlier micro-batches of the batch ran
+before (their gradients are then resident, which costs more).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from partition.partitioners import partition_outputs
 from partition.reg import output_adjacency
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
-Estimate = Callable[[Sequence[BlockStructure]], int]
+Estimate = Callable[[Sequence[BlockStructure], bool], int]  # (micro-batch, accumulating) → peak bytes
 
 
 class BudgetError(ValueError):
@@ -103,7 +105,8 @@ def make_plan(
 
     Args:
         blocks: the batch's blocks, input layer first.
-        estimate: micro-batch block structures → estimated peak bytes; may be ``None``
+        estimate: ``(micro-batch block structures, accumulating)`` → estimated peak bytes,
+            with ``accumulating`` true for every micro-batch after the first; may be ``None``
             with ``k`` (then ``estimates`` are empty and ``full_batch_estimate`` is 0).
         budget: bytes; ``None`` to use ``k``.
         k: number of micro-batches when there is no budget.
@@ -128,7 +131,7 @@ def make_plan(
     if estimate is None and budget is not None:
         raise ValueError("planning for a budget needs an estimate")
     num_outputs = blocks[-1].num_dst
-    full = estimate(blocks) if estimate is not None else 0
+    full = estimate(blocks, False) if estimate is not None else 0
     weights = integer_weights(output_costs(blocks)) if balance and partitioner in ("reg", "reg_unweighted", "metis") else None
     tried: list[tuple[int, int]] = []
 
@@ -138,7 +141,7 @@ def make_plan(
         else:
             groups = partition_outputs(blocks[-1], parts, partitioner, seed, vertex_weights=weights)
         layers = [slice_layers(blocks, group) for group in groups]
-        estimates = [estimate(layer) for layer in layers] if estimate is not None else []
+        estimates = [estimate(layer, index > 0) for index, layer in enumerate(layers)] if estimate is not None else []
         tried.append((parts, max(estimates, default=0)))
         return groups, layers, estimates
 
@@ -158,7 +161,7 @@ def make_plan(
             f"({_mib(resident)}: parameters, optimizer state, model buffers)"
         )
     hungriest = int(np.argmax(output_costs(blocks)))
-    alone = estimate(slice_layers(blocks, torch.tensor([hungriest])))
+    alone = estimate(slice_layers(blocks, torch.tensor([hungriest])), True)
     if alone > budget:
         raise BudgetError(
             f"memory budget {_mib(budget)} is impossible: output node {hungriest} of the batch alone needs "

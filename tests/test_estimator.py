@@ -15,7 +15,8 @@ from estimator.estimate import COMPONENTS, estimate_micro_batch
 
 
 def estimate_and_measure(graph, overrides, k, fanouts=None):
-    """(estimate, measured) peak bytes per micro-batch of the full training batch, steady-state Adam."""
+    """(estimate, measured) peak bytes per micro-batch of the full training batch, steady-state Adam; the
+    micro-batches after the first accumulate into the earlier ones' gradients, as in training."""
     config = load_config(None, overrides)
     torch.manual_seed(0)
     model = build_model(config.model, graph)
@@ -27,9 +28,10 @@ def estimate_and_measure(graph, overrides, k, fanouts=None):
     measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, "cpu")  # Adam state exists
     spec = model_spec(config, graph)
     pairs = []
-    for micro_batch in micro_batches:
-        estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec)
-        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu")
+    for index, micro_batch in enumerate(micro_batches):
+        estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0)
+        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu",
+                                         num_outputs=batch.output_nodes.numel(), accumulate=index > 0)
         assert sum(estimate.at_peak.values()) == estimate.peak_bytes
         pairs.append((estimate.peak_bytes, measured.peak_bytes))
     return pairs

@@ -195,6 +195,11 @@ def test_training_step_peak(sbm_setup):
     assert second.resident_bytes == param_bytes + block_bytes + state_bytes
     assert second.peak_bytes > second.resident_bytes + input_bytes
 
+    # a later micro-batch of a batch: the earlier ones' gradients are resident and the new ones are added to them
+    third = measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU, accumulate=True)
+    assert third.resident_bytes == second.resident_bytes + param_bytes
+    assert third.peak_bytes > second.peak_bytes
+
 
 def test_training_step_loss_divisor(sbm_setup):
     graph, batch, template = sbm_setup
