@@ -208,9 +208,10 @@ class _Step:
         return total, backward
 
     # ----- NodeDropout ---------------------------------------------------------------------------
-    def dropout(self, h: int, rows: int, width: int, requires_grad: bool):
+    def keyed_mask(self, rows: int, width: int) -> None:
+        """apply_keyed_mask's transients: one row chunk's hash (per-node hashes, per-feature
+        hashes, the int64 bits and a shifted copy of them) and its boolean mask."""
         r = self.r
-        scale = r.alloc(rows * width * self.f, _DROP)
         chunk_rows = min(rows, max(1, MASK_CHUNK_ELEMENTS // max(width, 1)))
         node_hash = [r.alloc(chunk_rows * INDEX_BYTES, _OVER) for _ in range(2)]
         columns = r.alloc(width * INDEX_BYTES, _OVER)
@@ -218,14 +219,17 @@ class _Step:
         r.transient(chunk_rows * width * INDEX_BYTES, _DROP)  # each `bits >> k`
         keep = r.alloc(chunk_rows * width, _DROP)  # bool
         r.drop(bits, keep, columns, *node_hash)
+
+    def dropout(self, h: int, rows: int, width: int, requires_grad: bool):
+        """NodeDropout: its output, made chunk by chunk; backward remakes the mask (nothing is saved)."""
+        r = self.r
         out = r.alloc(rows * width * self.f, _HID)
-        if requires_grad:
-            r.keep(scale)  # MulBackward saves the mask
-        r.drop(scale)
+        self.keyed_mask(rows, width)
 
         def backward(grad: int) -> int:
             grad_h = r.alloc(rows * width * self.f, _GRAD)
-            r.drop(grad, scale)
+            self.keyed_mask(rows, width)
+            r.drop(grad)
             return grad_h
 
         return out, backward

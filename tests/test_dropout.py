@@ -57,3 +57,21 @@ def test_chunked_mask_equals_whole_mask(monkeypatch):
     assert torch.equal(layer(h, nodes, layer=1), whole)
     expected = h * (keyed_uniform(1, 5, 1, nodes, 70) >= 0.5) / 0.5
     assert torch.allclose(whole, expected)
+
+
+def test_backward_applies_the_same_mask_and_keeps_no_mask():
+    """The gradient is the forward's mask applied to the incoming gradient, and what autograd keeps for
+    it is the node ids alone: the mask is remade from the key in backward, never stored."""
+    layer = NodeDropout(0.4)
+    set_dropout_key(layer, seed=3, step=7)
+    h = torch.randn(500, 90, requires_grad=True)
+    nodes = torch.randperm(5000)[:500]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(h, nodes, layer=2)
+    assert len(saved) == 1 and saved[0] is nodes
+    weights = torch.randn(500, 90)
+    (out * weights).sum().backward()
+    keep = (keyed_uniform(3, 7, 2, nodes, 90) >= 0.4).float()
+    torch.testing.assert_close(out, h.detach() * keep / 0.6)
+    torch.testing.assert_close(h.grad, weights * keep / 0.6)

@@ -61,8 +61,51 @@ def keyed_uniform(seed: int, step: int, layer: int, node_ids: Tensor, num_featur
     return keyed_bits(seed, step, layer, node_ids, num_features).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer: int, p: float) -> Tensor:
+    """``src ⊙ keep / (1 − p)`` with ``keep = keyed_uniform(…) ≥ p`` (as 24-bit integers), made
+    in row chunks of :data:`MASK_CHUNK_ELEMENTS` elements.
+
+    The int64 hash needs 16 bytes per element while it is computed; hashing one chunk
+    at a time bounds that transient, and the mask itself never exists whole: beyond
+    the result, the memory used is one chunk's hash.
+
+    Shapes:
+        ``src``: ``(N, F)`` float; ``node_ids``: ``(N,)`` int64 → ``(N, F)`` like ``src``.
+    """
+    out = torch.empty_like(src)
+    threshold = round(p * (1 << 24))
+    rows = max(1, MASK_CHUNK_ELEMENTS // max(src.shape[1], 1))
+    for start in range(0, src.shape[0], rows):
+        chunk = slice(start, start + rows)
+        # the chunk's boolean mask is a temporary of this statement: it dies before the next chunk's hash
+        torch.mul(src[chunk], keyed_bits(seed, step, layer, node_ids[chunk], src.shape[1]) >= threshold,
+                  out=out[chunk])
+        out[chunk].mul_(1.0 / (1.0 - p))
+    return out
+
+
+class _KeyedDropout(torch.autograd.Function):
+    """Keyed dropout whose backward recomputes the mask from the key instead of keeping it:
+    the gradient is the same mask applied to the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, node_ids: Tensor, seed: int, step: int, layer: int, p: float) -> Tensor:
+        ctx.save_for_backward(node_ids)
+        ctx.key = (seed, step, layer, p)
+        return apply_keyed_mask(h, node_ids, seed, step, layer, p)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (node_ids,) = ctx.saved_tensors
+        return apply_keyed_mask(grad, node_ids, *ctx.key), None, None, None, None, None
+
+
 class NodeDropout(nn.Module):
     """Inverted dropout whose mask is keyed by global node id (see module docstring).
+
+    The mask is never stored: forward makes it chunk by chunk, and backward makes it
+    again from the key, so dropout keeps no ``(N, F)`` mask for backward and its
+    forward needs only its output beyond the input.
 
     Args:
         p: drop probability in ``[0, 1)``. Default ``0.5``.
@@ -88,15 +131,7 @@ class NodeDropout(nn.Module):
     def forward(self, h: Tensor, node_ids: Tensor, layer: int) -> Tensor:
         if not self.training or self.p == 0.0:
             return h
-        # The int64 hash needs 16 bytes per element while it is computed; doing it in row
-        # chunks bounds that transient to 16 · MASK_CHUNK_ELEMENTS bytes, whatever h's size.
-        scale = torch.empty_like(h)
-        threshold = round(self.p * (1 << 24))
-        rows = max(1, MASK_CHUNK_ELEMENTS // max(h.shape[1], 1))
-        for start in range(0, h.shape[0], rows):
-            chunk = slice(start, start + rows)
-            scale[chunk] = keyed_bits(self.seed, self.step, layer, node_ids[chunk], h.shape[1]) >= threshold
-        return h * scale.mul_(1.0 / (1.0 - self.p))
+        return _KeyedDropout.apply(h, node_ids, self.seed, self.step, layer, self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
