@@ -23,7 +23,8 @@ minutes; ``--models`` without ``sage-lstm`` runs the rest quickly.
 Run:
     python benchmarks/estimator_accuracy.py --quick
     python benchmarks/estimator_accuracy.py --datasets cora,citeseer --layers 2 --hidden 64,256 --ks 1,4,8
-    python benchmarks/estimator_accuracy.py --fanouts 10,25 --fanouts3 5,10,15 --json estimator.json
+    python benchmarks/estimator_accuracy.py --models sage-mean,sage-gcn,sage-pool,gcn,gat --json estimator.json
+    python benchmarks/estimator_accuracy.py --models sage-lstm --fanouts 10,25 --fanouts3 5,10,15
 """
 
 from __future__ import annotations

@@ -561,10 +561,11 @@ class _Step:
         r.keep(rows_cat, finals_cat)  # IndexCopyBackward keeps the index and the source
         r.drop(rows_cat, finals_cat, *finals, order, edges)
 
-        def backward(grad: int) -> int | None:
+        def backward(grad: int, grad_h: int | None) -> int | None:
+            """``grad_h``: the gradient ``h`` already has (from the self term), which every group's
+            gather gradient is added into."""
             source = r.alloc(active * a * f, _GRAD)  # IndexCopyBackward: grad.index_select
             r.drop(grad, rows_cat, finals_cat)
-            grad_h = None
             for position, (rows, length, index, lstm_bwd) in reversed(list(enumerate(groups))):
                 # each group's final state's gradient is a view of it; the last group processed frees it
                 grad_x = lstm_bwd(source, hd_grad, position == 0)
@@ -586,7 +587,7 @@ class _Step:
 
         def backward(grad: int) -> int | None:
             grad_hd, grad_neigh = combine_bwd(grad)
-            return self.accumulate(grad_hd, lstm_bwd(grad_neigh))
+            return lstm_bwd(grad_neigh, grad_hd)
 
         return result, backward
 
