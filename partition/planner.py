@@ -132,7 +132,10 @@ def make_plan(
         raise ValueError("planning for a budget needs an estimate")
     num_outputs = blocks[-1].num_dst
     full = estimate(blocks, False) if estimate is not None else 0
-    weights = integer_weights(output_costs(blocks)) if balance and partitioner in ("reg", "reg_unweighted", "metis") else None
+    weighted = balance and partitioner in ("reg", "reg_unweighted", "metis")
+    # METIS vertex weights, and (with a budget) which output is the hungriest
+    costs = output_costs(blocks) if weighted or budget is not None else None
+    weights = integer_weights(costs) if weighted else None
     tried: list[tuple[int, int]] = []
 
     def split(parts: int) -> tuple[list[Tensor], list[list[LayerSlice]], list[int]]:
@@ -160,7 +163,7 @@ def make_plan(
             f"memory budget {_mib(budget)} is below what training holds before any micro-batch "
             f"({_mib(resident)}: parameters, optimizer state, model buffers)"
         )
-    hungriest = int(np.argmax(output_costs(blocks)))
+    hungriest = int(np.argmax(costs))
     alone = estimate(slice_layers(blocks, torch.tensor([hungriest])), True)
     if alone > budget:
         raise BudgetError(
