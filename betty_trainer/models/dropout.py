@@ -69,6 +69,9 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
     at a time bounds that transient, and the mask itself never exists whole: beyond
     the result, the memory used is one chunk's hash.
 
+    The mask is the module's keyed mask (Betty §4.2 made exact under micro-batching;
+    see the module docstring), so forward and backward apply the same one.
+
     Shapes:
         ``src``: ``(N, F)`` float; ``node_ids``: ``(N,)`` int64 → ``(N, F)`` like ``src``.
     """
