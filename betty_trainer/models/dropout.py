@@ -12,17 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-_MASK32 = 0xFFFFFFFF
+from betty_trainer.rng import MASK32, hash_ids, mix32, mix_key
+
 MASK_CHUNK_ELEMENTS = 1 << 16  # elements hashed at once by NodeDropout (1 MiB of int64 transients)
-
-
-def _mix32(x: Tensor | int) -> Tensor | int:
-    """MurmurHash3's 32-bit finaliser on values in ``[0, 2³²)`` held in int64 (tensor or int)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
 
 
 def keyed_bits(seed: int, step: int, layer: int, node_ids: Tensor, num_features: int) -> Tensor:
@@ -40,18 +32,14 @@ def keyed_bits(seed: int, step: int, layer: int, node_ids: Tensor, num_features:
     Returns:
         ``(N, F)`` int64 on ``node_ids.device``, uniform on ``[0, 2²⁴)``.
     """
-    key = _mix32((seed & _MASK32) ^ 0x3C6EF372)
-    for part in (seed >> 32, step & _MASK32, step >> 32, layer):
-        key = _mix32(key ^ (part & _MASK32))
-        key = (key + 0x9E3779B9) & _MASK32
-    nodes = node_ids.long()
-    row = _mix32(_mix32((nodes & _MASK32) ^ key) ^ ((nodes >> 32) & _MASK32))
-    col = _mix32((torch.arange(num_features, device=nodes.device) * 0x9E3779B1 + key + 1) & _MASK32)
+    key = mix_key(seed, step, layer)
+    row = hash_ids(key, node_ids)
+    col = mix32((torch.arange(num_features, device=node_ids.device) * 0x9E3779B1 + key + 1) & MASK32)
     bits = row[:, None] ^ col[None, :]
     bits.bitwise_xor_(bits >> 16)
-    bits.mul_(0x85EBCA6B).bitwise_and_(_MASK32)
+    bits.mul_(0x85EBCA6B).bitwise_and_(MASK32)
     bits.bitwise_xor_(bits >> 13)
-    bits.mul_(0xC2B2AE35).bitwise_and_(_MASK32)
+    bits.mul_(0xC2B2AE35).bitwise_and_(MASK32)
     bits.bitwise_xor_(bits >> 16)
     return bits.bitwise_right_shift_(8)
 

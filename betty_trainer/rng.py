@@ -1,0 +1,71 @@
+"""Counter-based randomness: random numbers that are pure functions of a key and an id.
+
+Every random choice the trainer makes that must not depend on how work is split
+(dropout masks per node, sampled neighbours per dst node, LABOR's per-vertex
+variates) comes from here rather than from a generator's stream: the value drawn
+for id ``i`` under key ``(seed, epoch, step, …)`` is the same whether ``i`` is
+processed alone, in a micro-batch, in a different order or on another rank.
+The mixing function is MurmurHash3's 32-bit finaliser (Appleby, MurmurHash3,
+``fmix32``), applied to int64 tensors holding 32-bit values, so it runs with
+plain tensor ops on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def mix32(x: Tensor | int) -> Tensor | int:
+    """MurmurHash3's 32-bit finaliser on values in ``[0, 2³²)`` held in int64 (tensor or int).
+
+    Returns:
+        Same type as ``x``; tensors keep their shape and device, dtype int64.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & MASK32
+    return x ^ (x >> 16)
+
+
+def mix_key(seed: int, *parts: int) -> int:
+    """Fold a seed (up to 64 bits) and non-negative integer parts (each up to 64 bits) into one 32-bit key.
+
+    Returns:
+        An int in ``[0, 2³²)``; different part sequences give unrelated keys.
+    """
+    key = mix32((seed & MASK32) ^ 0x3C6EF372)
+    for part in (seed >> 32, *(half for p in parts for half in (p & MASK32, p >> 32))):
+        key = mix32(key ^ (part & MASK32))
+        key = (key + _GOLDEN) & MASK32
+    return key
+
+
+def hash_ids(key: int, ids: Tensor) -> Tensor:
+    """One 32-bit hash per id under ``key``.
+
+    Args:
+        key: a 32-bit key from :func:`mix_key`.
+        ids: any-shape int64 (or int32) ids, e.g. global node ids.
+
+    Returns:
+        int64 tensor like ``ids``, values in ``[0, 2³²)``.
+    """
+    ids = ids.long()
+    return mix32(mix32((ids & MASK32) ^ key) ^ ((ids >> 32) & MASK32))
+
+
+def uniform_ids(key: int, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """One uniform number in ``[0, 1)`` per id under ``key`` (24 bits for float32, 32 for float64).
+
+    Returns:
+        ``dtype`` tensor like ``ids``.
+    """
+    bits = hash_ids(key, ids)
+    if dtype == torch.float64:
+        return bits.to(dtype) * (1.0 / (1 << 32))
+    return (bits >> 8).to(dtype) * (1.0 / (1 << 24))
