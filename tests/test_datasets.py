@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from betty_trainer.config import DatasetConfig
-from betty_trainer.datasets import load_dataset, make_sbm, restricted_load
+from betty_trainer.datasets import load_dataset, make_sbm, read_npz, restricted_load, stratified_split
 from betty_trainer.errors import DatasetError
+from tests.conftest import DATASETS as DATASETS_ROOT
 
 
 def test_cora_matches_the_published_counts(cora):
@@ -99,3 +102,109 @@ def test_synthetic_is_deterministic_and_class_informative():
     same_class = (one.y[one.indices] == one.y[torch.repeat_interleave(torch.arange(one.num_nodes), one.in_degrees())])
     assert same_class.float().mean() > 0.7  # homophily 0.7 plus 1/5 chance matches of the rest
     assert torch.bincount(one.y[one.train_idx]).tolist() == [20] * 5
+
+
+# --- gnn-benchmark .npz datasets (Amazon Computers/Photo, Coauthor CS/Physics) ---------------------------
+
+NPZ_DIR = DATASETS_ROOT / "graphdata-npz"
+
+
+@pytest.fixture(scope="module")
+def npz_dir():
+    if not (NPZ_DIR / "amazon_photo.npz").is_file():
+        message = f"gnn-benchmark .npz files not found in {NPZ_DIR} (set BETTY_TEST_DATA to the shared datasets folder)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return NPZ_DIR
+
+
+@pytest.fixture(scope="module")
+def computers(npz_dir):
+    return load_dataset(DatasetConfig(name="amazon-computers", data_dir=npz_dir))
+
+
+def _edge_keys(graph, reverse=False):
+    dst = torch.repeat_interleave(torch.arange(graph.num_nodes), graph.in_degrees())
+    src = graph.indices
+    return torch.sort(src * graph.num_nodes + dst if reverse else dst * graph.num_nodes + src).values
+
+
+def test_amazon_computers_matches_the_published_counts(computers):
+    assert (computers.num_nodes, computers.num_edges, computers.num_features, computers.num_classes) == (
+        13752, 491722, 767, 10)
+    assert torch.bincount(computers.y).tolist() == [436, 2142, 1414, 542, 5158, 308, 487, 818, 2156, 291]
+    assert computers.x.dtype == torch.float32 and computers.x.shape == (13752, 767)
+    nonzero_rows = computers.x.sum(1) > 0
+    assert torch.allclose(computers.x.sum(1)[nonzero_rows], torch.ones(int(nonzero_rows.sum())))
+
+
+def test_npz_graph_is_symmetric_without_self_loops(computers, npz_dir):
+    assert torch.equal(_edge_keys(computers), _edge_keys(computers, reverse=True))
+    dst = torch.repeat_interleave(torch.arange(computers.num_nodes), computers.in_degrees())
+    assert not bool((dst == computers.indices).any())
+    # every stored (one-directional) edge is present, in both directions
+    raw = read_npz(npz_dir / "amazon_cs.npz")["adj_matrix"].tocoo()
+    off_diagonal = raw.row != raw.col
+    stored = torch.from_numpy(raw.col[off_diagonal] * computers.num_nodes + raw.row[off_diagonal]).long()
+    keys = _edge_keys(computers)
+    assert bool(torch.isin(stored, keys).all())
+    assert computers.num_edges == 2 * 245861  # the undirected edge count of SOURCE.md
+
+
+def test_npz_split_is_stratified_disjoint_and_seeded(computers):
+    train, val, test = computers.train_idx, computers.val_idx, computers.test_idx
+    everything = torch.cat([train, val, test])
+    assert torch.equal(torch.sort(everything).values, torch.arange(computers.num_nodes))  # disjoint and covering
+    assert torch.bincount(computers.y[train], minlength=10).tolist() == [20] * 10
+    assert torch.bincount(computers.y[val], minlength=10).tolist() == [30] * 10
+    again = stratified_split(computers.y, 10, seed=0)
+    other = stratified_split(computers.y, 10, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(again, (train, val, test)))
+    assert not torch.equal(other[0], train)
+
+
+def test_stratified_split_of_a_small_class_fills_train_first():
+    labels = torch.tensor([0] * 25 + [1] * 60)
+    train, val, test = stratified_split(labels, 2, seed=3, train_per_class=20, val_per_class=30)
+    assert torch.bincount(labels[train]).tolist() == [20, 20]
+    assert torch.bincount(labels[val], minlength=2).tolist() == [5, 30]
+    assert torch.bincount(labels[test], minlength=2).tolist() == [0, 10]
+
+
+@pytest.fixture
+def photo_copy(npz_dir, tmp_path):
+    shutil.copy(npz_dir / "amazon_photo.npz", tmp_path / "amazon_photo.npz")
+    return tmp_path
+
+
+def test_tampered_npz_fails_checksum_in_one_line(photo_copy):
+    target = photo_copy / "amazon_photo.npz"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match="amazon_photo.npz fails its sha256 check") as caught:
+        load_dataset(DatasetConfig(name="amazon-photo", data_dir=photo_copy))
+    assert "\n" not in str(caught.value)
+
+
+def test_truncated_npz_without_checksum_gives_one_line_error(photo_copy):
+    target = photo_copy / "amazon_photo.npz"
+    target.write_bytes(target.read_bytes()[:100_000])
+    with pytest.raises(DatasetError, match="amazon_photo.npz") as caught:
+        load_dataset(DatasetConfig(name="amazon-photo", data_dir=photo_copy, verify_checksums=False))
+    assert "\n" not in str(caught.value)
+
+
+def test_malicious_pickle_inside_an_npz_is_refused(tmp_path, monkeypatch):
+    evil = np.empty((), dtype=object)
+    evil[()] = Evil()
+    np.savez(tmp_path / "amazon_photo.npz", adj_matrix=evil, node_attr=evil, node_label=np.zeros(3, np.int32))
+    calls = []
+    monkeypatch.setattr(shutil, "rmtree", lambda *args, **kwargs: calls.append(args))
+    with pytest.raises(DatasetError, match="adj_matrix.npy: refusing to load shutil.rmtree"):
+        load_dataset(DatasetConfig(name="amazon-photo", data_dir=tmp_path, verify_checksums=False))
+    assert calls == []
+    # the same archive through numpy's own loader would have called it
+    np.load(tmp_path / "amazon_photo.npz", allow_pickle=True)["adj_matrix"]
+    assert calls == [("/nonexistent-betty",)]

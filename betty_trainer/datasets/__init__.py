@@ -1,5 +1,6 @@
-"""Datasets: the registry, the Planetoid loader and the synthetic SBM."""
+"""Datasets: the registry, the Planetoid and gnn-benchmark (.npz) loaders and the synthetic SBM."""
 
+from betty_trainer.datasets.npz import load_npz_graph, read_npz, stratified_split
 from betty_trainer.datasets.planetoid import RestrictedUnpickler, load_planetoid, restricted_load
 from betty_trainer.datasets.registry import DATASETS, DatasetSpec, cache_dir, load_dataset
 from betty_trainer.datasets.synthetic import make_sbm
@@ -10,7 +11,10 @@ __all__ = [
     "RestrictedUnpickler",
     "cache_dir",
     "load_dataset",
+    "load_npz_graph",
     "load_planetoid",
     "make_sbm",
+    "read_npz",
     "restricted_load",
+    "stratified_split",
 ]

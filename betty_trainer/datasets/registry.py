@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from betty_trainer.datasets.npz import load_npz_graph
 from betty_trainer.datasets.planetoid import PARTS, load_planetoid
 from betty_trainer.datasets.synthetic import make_sbm
 from betty_trainer.errors import DatasetError
 from betty_trainer.graph import Graph
 
 _PLANETOID_URL = "https://raw.githubusercontent.com/kimiyoung/planetoid/af6abf468a772cc055bec88c52e4d6f51b7c37e3/data/"
+_GRAPHDATA_URL = "https://raw.githubusercontent.com/EdisonLeeeee/GraphData/f8022c26b917346f2a461ffec0ec5ae24b36de68/datasets/"
+NPZ_SPLIT_SEED = 0  # the split of the .npz datasets is part of the dataset, fixed like the SBM's seed
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,16 @@ def _planetoid(name: str, description: str, sha256: dict[str, str]) -> DatasetSp
     )
 
 
+def _npz(name: str, file: str, sha256: str, description: str) -> DatasetSpec:
+    return DatasetSpec(
+        name, description,
+        load=lambda folder, config: load_npz_graph(folder / file, name, config.normalize_features, NPZ_SPLIT_SEED),
+        files={file: sha256}, base_url=_GRAPHDATA_URL,
+    )
+
+
+_SHCHUR_SPLIT = "random 20/30 per class train/val, rest test (Shchur et al.)"
+
 DATASETS: dict[str, DatasetSpec] = {
     spec.name: spec
     for spec in (
@@ -81,6 +94,18 @@ DATASETS: dict[str, DatasetSpec] = {
             "graph": "d79a4ef9d3e7169aee8946145f6b7306e35bc79bffad26346cfb94e10e9912a7",
             "test.index": "2af990671580b6b2df5d158d1038f8292e30c9cd821b5453f399659b25b723d4",
         }),
+        _npz("amazon-computers", "amazon_cs.npz",
+             "a6942db609f196b53503d91b99a02ad8d052d5d9be8ef41db976fb65f66ed1f3",
+             f"Amazon Computers co-purchase graph, 13,752 nodes, 491,722 edges, 10 classes, {_SHCHUR_SPLIT}"),
+        _npz("amazon-photo", "amazon_photo.npz",
+             "bdb98b54cd3125bfa69b23ba0aae84fabcb770c6727175b8f6eb1d64f3be4b2b",
+             f"Amazon Photo co-purchase graph, 7,650 nodes, 238,162 edges, 8 classes, {_SHCHUR_SPLIT}"),
+        _npz("coauthor-cs", "coauthor_cs.npz",
+             "7b7b51bf270d341f1c4231834c58a526bb04db003fd76a6d2f51ad7d252005ed",
+             f"Coauthor CS co-authorship graph, 18,333 nodes, 163,788 edges, 15 classes, {_SHCHUR_SPLIT}"),
+        _npz("coauthor-physics", "coauthor_phy.npz",
+             "1c930d99910763bc5f0c1aa90e8baa945f5ad6027663fe5332d0f08fde33cd7d",
+             f"Coauthor Physics co-authorship graph, 34,493 nodes, 495,924 edges, 5 classes, {_SHCHUR_SPLIT}"),
     )
 }
 
