@@ -21,26 +21,40 @@ class LayerCounts:
         num_edges: edges E.
         degree_histogram: ``((L, B), …)``: ``B`` dst nodes have in-degree ``L`` (L ≥ 1),
             ascending in ``L``.
+        weighted: the block carries ``(E,)`` float32 edge weights (LABOR/GNS importance weights):
+            they are resident with the block and change the mean's coefficients.
     """
 
     num_src: int
     num_dst: int
     num_edges: int
     degree_histogram: tuple[tuple[int, int], ...] = ()
+    weighted: bool = False
 
     @classmethod
-    def from_csc(cls, indptr: Tensor, num_src: int) -> "LayerCounts":
+    def from_csc(cls, indptr: Tensor, num_src: int, weighted: bool = False) -> "LayerCounts":
         """Counts of a block from its ``(num_dst + 1,)`` int64 CSC pointer and src count."""
         degrees = indptr[1:] - indptr[:-1]
         values, counts = torch.unique(degrees[degrees > 0], return_counts=True)
-        return cls(num_src, indptr.numel() - 1, int(indptr[-1]), tuple(zip(values.tolist(), counts.tolist())))
+        return cls(num_src, indptr.numel() - 1, int(indptr[-1]), tuple(zip(values.tolist(), counts.tolist())),
+                   weighted)
 
 
-def counts_of(structures: Sequence[Any]) -> list[LayerCounts]:
-    """:class:`LayerCounts` of each block or layer slice (anything with ``indptr`` and ``num_src``)."""
-    return [LayerCounts.from_csc(s.indptr, s.num_src) for s in structures]
+def counts_of(structures: Sequence[Any], weighted: bool | None = None) -> list[LayerCounts]:
+    """:class:`LayerCounts` of each block or layer slice (anything with ``indptr`` and ``num_src``).
+
+    Args:
+        structures: blocks or :class:`~partition.slicing.LayerSlice` s, input layer first.
+        weighted: whether the blocks carry edge weights; ``None`` reads each structure's
+            ``edge_weight`` (a layer slice has none: pass the parent batch's answer).
+    """
+    return [LayerCounts.from_csc(s.indptr, s.num_src,
+                                 getattr(s, "edge_weight", None) is not None if weighted is None else weighted)
+            for s in structures]
 
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:
-    """Bytes of the blocks' int64 src ids, CSC pointers and indices: ``8·Σ_l (S_l + D_l + 1 + E_l)``."""
-    return sum((c.num_src + c.num_dst + 1 + c.num_edges) * INDEX_BYTES for c in layers)
+    """Bytes of the blocks' int64 src ids, CSC pointers and indices, ``8·Σ_l (S_l + D_l + 1 + E_l)``,
+    plus ``4·E_l`` for float32 edge weights where a block has them."""
+    return sum((c.num_src + c.num_dst + 1 + c.num_edges) * INDEX_BYTES + (4 * c.num_edges if c.weighted else 0)
+               for c in layers)

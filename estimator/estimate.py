@@ -174,7 +174,7 @@ class _Step:
         self.r.drop(second)
         return first
 
-    # ----- Block.edge_dst() and the gather–scatter of sum_neighbours ---------------------------
+    # ----- Block.edge_dst() and the sparse aggregation of aggregate.py ---------------------------
     def edge_dst(self, c: LayerCounts) -> int:
         r, d, e = self.r, c.num_dst, c.num_edges
         arange, degrees = r.alloc(d * INDEX_BYTES, _OVER), r.alloc(d * INDEX_BYTES, _OVER)
@@ -185,27 +185,76 @@ class _Step:
         r.drop(buffer, arange, degrees)
         return result
 
-    def sum_neighbours(self, c: LayerCounts, width: int, record: bool = True):
-        """messages = h[indices] (E × w), zeros (D × w), index_add_. Returns (sum, backward).
+    def per_edge(self, c: LayerCounts) -> int:
+        """aggregate.per_edge: ``repeat_interleave(per_dst, in_degrees, output_size=E)``: the degrees,
+        their cumsum and the ``(E,)`` int64 positions, then the ``(E,)`` gathered values."""
+        r, d, e = self.r, c.num_dst, c.num_edges
+        degrees, cumsum = r.alloc(d * INDEX_BYTES, _OVER), r.alloc(d * INDEX_BYTES, _OVER)
+        positions = r.alloc(e * INDEX_BYTES, _OVER)
+        r.drop(cumsum)
+        values = r.alloc(e * self.f, _AGG)
+        r.drop(positions, degrees)
+        return values
 
-        ``record``: whether ``h`` requires grad (else autograd saves nothing).
-        """
+    def per_dst_scale(self, c: LayerCounts) -> int:
+        """``block.in_degrees().to(dtype)`` (then scaled in place): ``(D,)`` floats."""
+        degrees = self.r.alloc(c.num_dst * INDEX_BYTES, _OVER)
+        scale = self.r.alloc(c.num_dst * self.f, _AGG)
+        self.r.drop(degrees)
+        return scale
+
+    def mean_values(self, c: LayerCounts) -> int:
+        """aggregate.mean_values: ``1/deg(d)`` per edge, or ``w_e / Σ w`` on a weighted block."""
         r = self.r
-        messages = r.alloc(c.num_edges * width * self.f, _AGG)
-        total = r.alloc(c.num_dst * width * self.f, _AGG)
+        if not c.weighted:
+            inverse = self.per_dst_scale(c)
+            values = self.per_edge(c)
+            r.drop(inverse)
+            return values
+        total = r.alloc(c.num_dst * self.f, _OVER)
         edge_dst = self.edge_dst(c)
+        r.drop(edge_dst)
+        spread = self.per_edge(c)
+        values = r.alloc(c.num_edges * self.f, _AGG)
+        r.drop(spread, total)
+        return values
+
+    def csr_matmul(self, rows: int, c: LayerCounts, width: int, component: str) -> int:
+        """aggregate._csr_matmul: the ``(rows, width)`` result; MKL's int32 copies of the CSR pointer and
+        indices are made and freed inside ``addmm``."""
+        r = self.r
+        zero = r.alloc(self.f, _OVER)
+        out = r.alloc(rows * width * self.f, component)
+        pointer, indices = r.alloc((rows + 1) * 4, _OVER), r.alloc(c.num_edges * 4, _OVER)
+        r.drop(indices, pointer, zero)
+        return out
+
+    def aggregate(self, c: LayerCounts, width: int, record: bool, values: int, self_scale: int | None = None):
+        """aggregate.aggregate (one sparse matmul; autograd keeps ``values`` and ``self_scale``).
+        Returns (out, backward); backward gives the ``(S, width)`` gradient of ``h_src``."""
+        r = self.r
+        out = self.csr_matmul(c.num_dst, c, width, _AGG)
         if record:
-            r.keep(messages, edge_dst)  # IndexAddBackward saves index and source
-        r.drop(messages, edge_dst)
+            r.keep(values, self_scale)
 
         def backward(grad: int) -> int:
-            grad_messages = r.alloc(c.num_edges * width * self.f, _GRAD)  # grad.index_select(edge_dst)
-            r.drop(grad, edge_dst, messages)
-            grad_src = r.alloc(c.num_src * width * self.f, _GRAD)  # zeros(S, w).index_put_(…, accumulate)
-            r.drop(grad_messages)
+            e, s = c.num_edges, c.num_src
+            order = r.alloc(e * INDEX_BYTES, _OVER)  # argsort(indices, stable): keys, order, iota
+            sorting = [r.alloc(e * INDEX_BYTES, _OVER) for _ in range(2)]
+            r.drop(*sorting)
+            pointer = r.alloc((s + 1) * INDEX_BYTES, _OVER)
+            for _ in range(2):  # bincount's min and max
+                r.transient(INDEX_BYTES, _OVER)
+            r.transient(s * INDEX_BYTES, _OVER)  # the counts, cumsummed into the pointer
+            edge_dst = self.edge_dst(c)
+            transposed = r.alloc(e * INDEX_BYTES, _OVER)  # edge_dst[order]
+            r.drop(edge_dst)
+            transposed_values = r.alloc(e * self.f, _OVER)  # values[order]
+            grad_src = self.csr_matmul(s, c, width, _GRAD)
+            r.drop(transposed_values, transposed, order, pointer, grad, values, self_scale)
             return grad_src
 
-        return total, backward
+        return out, backward
 
     # ----- NodeDropout ---------------------------------------------------------------------------
     def keyed_mask(self, rows: int, width: int) -> None:
@@ -262,40 +311,18 @@ class _Step:
     # ----- GraphSAGE (mean, gcn) -------------------------------------------------------------------
     def sage_forward(self, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
         r, f = self.r, self.f
-        s, d = c.num_src, c.num_dst
+        d = c.num_dst
         project_first, w, record = self.aggregation_width(a, b, hd_grad)
-        if project_first:
-            h, lin_neigh_bwd = self.linear(hd, s, a, b, hd_grad, _AGG)
-        else:
-            h, lin_neigh_bwd = hd, None
-            r.keep(h)
+        h, lin_neigh_bwd = self.linear(hd, c.num_src, a, b, hd_grad, _AGG) if project_first else (hd, None)
         if self.model.aggregator == "mean":
-            degrees = r.alloc(d * INDEX_BYTES, _OVER)
-            total, sum_bwd = self.sum_neighbours(c, w, record)
-            positive, ones = r.alloc(d, _OVER), r.alloc(d * INDEX_BYTES, _OVER)
-            chosen = r.alloc(d * INDEX_BYTES, _OVER)
-            r.drop(positive, ones, degrees)
-            norm = r.alloc(d * f, _AGG)
-            r.drop(chosen)
-            neigh = r.alloc(d * w * f, _AGG)
-            if record:
-                r.keep(norm)  # DivBackward saves the divisor
-            r.drop(total, norm)
-            slice_grad = False
-        else:
-            degrees = r.alloc(d * INDEX_BYTES, _OVER)
-            degrees_float = r.alloc(d * f, _OVER)
-            r.drop(degrees)
-            total, sum_bwd = self.sum_neighbours(c, w, record)
-            numerator = r.alloc(d * w * f, _AGG)
-            r.drop(total)
-            norm = r.alloc(d * f, _AGG)
-            neigh = r.alloc(d * w * f, _AGG)
-            if record:
-                r.keep(norm)
-            r.drop(numerator, norm, degrees_float)
-            slice_grad = True  # h[:num_dst] joins the numerator
+            values, scale = self.mean_values(c), None
+        else:  # gcn: 1/(deg + 1) per dst node, spread over its edges (times the edge weights in place)
+            scale = self.per_dst_scale(c)
+            values = self.per_edge(c)
+        neigh, agg_bwd = self.aggregate(c, w, record, values, scale)
+        r.drop(values, scale)
         if project_first:
+            r.drop(h)  # the projected features die with the statement: the aggregation keeps none of them
             out, lin_out_bwd = neigh, None
         else:
             out, lin_out_bwd = self.linear(neigh, d, a, b, True)
@@ -307,7 +334,7 @@ class _Step:
             r.drop(out, self_out)
             out = summed
         result = r.alloc(d * b * f, _HID)  # + bias
-        r.drop(out, h)
+        r.drop(out)
 
         def backward(grad: int) -> int | None:
             self.param_grad(b)  # bias
@@ -316,22 +343,12 @@ class _Step:
             if self_bwd is not None:
                 grad_self = self_bwd(grad, free_grad=False)
                 if grad_self is not None:  # SliceBackward: zeros(S, a) then copy
-                    grad_hd = r.alloc(s * a * f, _GRAD)
+                    grad_hd = r.alloc(c.num_src * a * f, _GRAD)
                     r.drop(grad_self)
-            if lin_out_bwd is not None:
-                grad_neigh = lin_out_bwd(grad, True, record)
-            else:
-                grad_neigh = grad
+            grad_neigh = lin_out_bwd(grad, True, record) if lin_out_bwd is not None else grad
             if not record:
                 return grad_hd
-            grad_numerator = r.alloc(d * w * f, _GRAD)  # DivBackward
-            r.drop(grad_neigh, norm)
-            grad_h = None
-            if slice_grad:  # AddBackward: the numerator's gradient also flows to h[:num_dst]
-                grad_h = r.alloc(s * w * f, _GRAD)
-                r.keep(grad_numerator)
-                r.drop(grad_numerator)
-            grad_h = self.accumulate(grad_h, sum_bwd(grad_numerator))
+            grad_h = agg_bwd(grad_neigh)
             if lin_neigh_bwd is not None:
                 grad_h_in = lin_neigh_bwd(grad_h)
             else:
@@ -709,28 +726,17 @@ class _Step:
         s, d = c.num_src, c.num_dst
         project_first, w, record = self.aggregation_width(a, b, hd_grad)
         norm = r.alloc(s * f, _AGG)  # inv_sqrt_degree[src_nodes]
-        if project_first:
-            h, lin_in_bwd = self.linear(hd, s, a, b, hd_grad, _AGG)
-        else:
-            h, lin_in_bwd = hd, None
-            r.keep(h)
-        scaled = r.alloc(s * w * f, _AGG)  # h * norm
-        if record:
-            r.keep(norm, norm)  # both MulBackwards save the (src and dst) norms
-        r.drop(h)
-        total, sum_bwd = self.sum_neighbours(c, w, record)
-        summed = r.alloc(d * w * f, _AGG)  # + h[:num_dst]
-        r.drop(total)
-        out = r.alloc(d * w * f, _AGG)  # * norm[:num_dst]
-        r.drop(summed)
-        if project_first:
-            lin_out_bwd = None
-        else:
-            lin_out, lin_out_bwd = self.linear(out, d, a, b, True)
-            r.drop(out)
-            out = lin_out
+        h, lin_in_bwd = self.linear(hd, s, a, b, hd_grad, _AGG) if project_first else (hd, None)
+        values = r.alloc(c.num_edges * f, _AGG)  # norm[indices], times the dst norm per edge in place
+        r.drop(self.per_edge(c))
+        scale = r.alloc(d * f, _AGG)  # dst norm²
+        out, agg_bwd = self.aggregate(c, w, record, values, scale)
+        r.drop(scale)
+        lin_out, lin_out_bwd = (None, None) if project_first else self.linear(out, d, a, b, True)
         result = r.alloc(d * b * f, _HID)  # + bias
-        r.drop(out, scaled, norm)
+        r.drop(out, lin_out, values, norm)
+        if project_first:
+            r.drop(h)
 
         def backward(grad: int) -> int | None:
             self.param_grad(b)
@@ -739,12 +745,7 @@ class _Step:
                 grad = lin_out_bwd(grad, True, record)
             if not record:
                 return None
-            grad_summed = r.alloc(d * w * f, _GRAD)  # MulBackward (dst norm)
-            r.drop(grad, norm)
-            grad_scaled = r.alloc(s * w * f, _GRAD)  # SliceBackward of h[:num_dst]
-            grad_scaled = self.accumulate(grad_scaled, sum_bwd(grad_summed))
-            grad_h = r.alloc(s * w * f, _GRAD)  # MulBackward (src norm)
-            r.drop(grad_scaled, norm)
+            grad_h = agg_bwd(grad)
             if lin_in_bwd is not None:
                 return lin_in_bwd(grad_h)
             return grad_h if hd_grad else r.drop(grad_h)

@@ -3,6 +3,8 @@ sum, mean, max, LSTM over in-degree groups, and edge softmax."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -10,11 +12,74 @@ from betty_trainer.block import Block
 from betty_trainer.models.lstm import LSTM
 
 
-def sum_neighbours(block: Block, h_src: Tensor, edge_weight: Tensor | None = None) -> Tensor:
-    """Sum of (optionally weighted) src features over each dst node's in-edges.
+class _SparseAggregate(torch.autograd.Function):
+    """``out = A·h_src + diag(self_scale)·h_src[:num_dst]``, with ``A`` the block's ``(num_dst, num_src)``
+    adjacency holding ``values`` (one per edge, CSC order), as one sparse-dense matmul.
 
-    Edges are added in CSC order, so a micro-batch (whose blocks keep the full
-    batch's per-dst edge order) produces bit-identical sums for its dst nodes.
+    Nothing of size ``E × F`` is made: forward is a CSR SpMM on the block's own CSC pointer
+    (a block's CSC over dst is the CSR of ``A``); backward is ``Aᵀ·grad``, with ``Aᵀ``'s CSR
+    built from the block by a stable counting order of the src ids (so every src row sums
+    its edges in dst order, deterministically). Autograd keeps only ``values`` (``E``
+    floats) and ``self_scale`` (``num_dst`` floats); the block is already resident.
+    """
+
+    @staticmethod
+    def forward(ctx, h_src: Tensor, block: Block, values: Tensor, self_scale: Tensor | None) -> Tensor:
+        ctx.block = block
+        ctx.save_for_backward(values, self_scale)
+        out = _csr_matmul(block.indptr, block.indices, values, block.num_dst, h_src)
+        if self_scale is not None:
+            out.addcmul_(h_src[: block.num_dst], self_scale.unsqueeze(1))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        block = ctx.block
+        values, self_scale = ctx.saved_tensors
+        order = torch.argsort(block.indices, stable=True)
+        indptr = torch.zeros(block.num_src + 1, dtype=torch.int64, device=grad.device)
+        torch.cumsum(torch.bincount(block.indices, minlength=block.num_src), 0, out=indptr[1:])
+        grad_src = _csr_matmul(indptr, block.edge_dst()[order], values[order], block.num_src, grad)
+        if self_scale is not None:
+            grad_src[: block.num_dst].addcmul_(grad, self_scale.unsqueeze(1))
+        return grad_src, None, None, None
+
+
+def _csr_matmul(indptr: Tensor, indices: Tensor, values: Tensor, num_rows: int, dense: Tensor) -> Tensor:
+    """``M·dense`` for the CSR matrix ``M`` = ``(indptr, indices, values)`` of shape ``(num_rows, len(dense))``;
+    the result is the only full-width tensor allocated (``addmm`` with ``beta=0`` ignores its zero input)."""
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": the CSR × dense product used here is stable
+        warnings.simplefilter("ignore", UserWarning)
+        matrix = torch.sparse_csr_tensor(indptr, indices, values.to(dense.dtype), (num_rows, dense.shape[0]),
+                                         check_invariants=False)
+    return torch.addmm(dense.new_zeros(()).expand(num_rows, dense.shape[1]), matrix, dense, beta=0)
+
+
+def aggregate(block: Block, h_src: Tensor, values: Tensor, self_scale: Tensor | None = None) -> Tensor:
+    """``out_d = Σ_{e=(s→d)} values_e·h_s (+ self_scale_d·h_d)``: the linear aggregation every built-in
+    sum/mean/GCN layer is, as one sparse matmul (DGL's ``update_all(u_mul_e, sum)``, PyG's SpMM).
+
+    Args:
+        block: the block (``indptr``/``indices`` CSC over its dst nodes).
+        h_src: ``(num_src, F)`` src features.
+        values: ``(E,)`` per-edge coefficients in the block's CSC edge order (no gradient).
+        self_scale: optional ``(num_dst,)`` coefficient of each dst node's own row of ``h_src``.
+
+    Returns:
+        ``(num_dst, F)``, dtype of ``h_src``. Autograd keeps ``values`` and ``self_scale`` only.
+    """
+    return _SparseAggregate.apply(h_src, block, values, self_scale)
+
+
+def per_edge(block: Block, per_dst: Tensor) -> Tensor:
+    """``(num_dst,)`` → ``(E,)``: each edge gets its dst node's value (CSC order)."""
+    return torch.repeat_interleave(per_dst, block.in_degrees(), output_size=block.num_edges)
+
+
+def sum_neighbours(block: Block, h_src: Tensor, edge_weight: Tensor | None = None) -> Tensor:
+    """Sum of (optionally weighted) src features over each dst node's in-edges (:func:`aggregate`).
 
     Args:
         block: the block.
@@ -24,28 +89,31 @@ def sum_neighbours(block: Block, h_src: Tensor, edge_weight: Tensor | None = Non
     Returns:
         ``(num_dst, F)``, dtype of ``h_src``.
     """
-    messages = h_src.index_select(0, block.indices)
-    if edge_weight is not None:
-        messages = messages * edge_weight.unsqueeze(1).to(messages.dtype)
-    out = torch.zeros(block.num_dst, h_src.shape[1], dtype=h_src.dtype, device=h_src.device)
-    return out.index_add_(0, block.edge_dst(), messages)
+    values = h_src.new_ones(block.num_edges) if edge_weight is None else edge_weight
+    return aggregate(block, h_src, values)
 
 
 def mean_neighbours(block: Block, h_src: Tensor) -> Tensor:
     """Mean of src features over each dst node's in-edges; weighted by ``block.edge_weight``
     (normalised by the weight sum) when the block has weights. Isolated dst nodes get zeros.
 
+    One sparse matmul with per-edge values ``1/deg(d)`` (or ``w_e / Σ w``), so no ``(E, F)``
+    tensor and no ``(num_dst, F)`` intermediate is made (:func:`aggregate`).
+
     Shapes:
         ``(num_src, F)`` → ``(num_dst, F)``.
     """
+    return aggregate(block, h_src, mean_values(block, h_src.dtype))
+
+
+def mean_values(block: Block, dtype: torch.dtype) -> Tensor:
+    """``(E,)`` per-edge coefficients of the (weighted) mean: ``1/deg(d)``, or ``w_e / Σ_{e'→d} w_e'``."""
     if block.edge_weight is None:
-        norm = block.in_degrees()
-    else:
-        norm = torch.zeros(block.num_dst, dtype=h_src.dtype, device=h_src.device)
-        norm.index_add_(0, block.edge_dst(), block.edge_weight.to(h_src.dtype))
-    total = sum_neighbours(block, h_src, block.edge_weight)
-    norm = torch.where(norm > 0, norm, torch.ones_like(norm)).to(h_src.dtype)
-    return total / norm.unsqueeze(1)
+        return per_edge(block, block.in_degrees().to(dtype).reciprocal_())
+    weight = block.edge_weight.to(dtype)
+    total = torch.zeros(block.num_dst, dtype=dtype, device=weight.device)
+    total.index_add_(0, block.edge_dst(), weight)
+    return weight / per_edge(block, total)
 
 
 def max_neighbours(block: Block, h_src: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from betty_trainer.block import Block
-from betty_trainer.models.aggregate import sum_neighbours
+from betty_trainer.models.aggregate import aggregate, per_edge
 from betty_trainer.models.stack import LayerStack, layer_widths
 
 
@@ -40,9 +40,12 @@ class GCNConv(nn.Module):
     def forward(self, block: Block, h_src: Tensor, inv_sqrt_degree: Tensor) -> Tensor:
         project_first = self.in_feats > self.out_feats
         h = self.linear(h_src) if project_first else h_src
-        h = h * inv_sqrt_degree.unsqueeze(1).to(h.dtype)
-        out = sum_neighbours(block, h, block.edge_weight) + h[: block.num_dst]
-        out = out * inv_sqrt_degree[: block.num_dst].unsqueeze(1).to(h.dtype)
+        norm = inv_sqrt_degree.to(h.dtype)
+        dst_norm = norm[: block.num_dst]
+        values = norm[block.indices].mul_(per_edge(block, dst_norm))  # 1 / sqrt(d̃_s · d̃_d) per edge
+        if block.edge_weight is not None:
+            values.mul_(block.edge_weight)
+        out = aggregate(block, h, values, self_scale=dst_norm * dst_norm)
         return (out if project_first else self.linear(out)) + self.bias
 
     def __repr__(self) -> str:

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.block import Block
-from betty_trainer.models.aggregate import lstm_neighbours, max_neighbours, mean_neighbours, sum_neighbours
+from betty_trainer.models.aggregate import aggregate, lstm_neighbours, max_neighbours, mean_neighbours, per_edge
 from betty_trainer.models.lstm import LSTM
 from betty_trainer.models.stack import LayerStack, layer_widths
 
@@ -84,8 +84,11 @@ class SAGEConv(nn.Module):
         if self.aggregator == "mean":
             return mean_neighbours(block, h_src)
         if self.aggregator == "gcn":
-            degree = block.in_degrees().to(h_src.dtype).unsqueeze(1)
-            return (sum_neighbours(block, h_src, block.edge_weight) + h_src[: block.num_dst]) / (degree + 1)
+            scale = block.in_degrees().to(h_src.dtype).add_(1).reciprocal_()  # 1 / (|N(d)| + 1)
+            values = per_edge(block, scale)
+            if block.edge_weight is not None:
+                values.mul_(block.edge_weight)
+            return aggregate(block, h_src, values, self_scale=scale)
         if self.aggregator == "pool":
             return max_neighbours(block, F.relu(self.fc_pool(h_src)))
         return lstm_neighbours(block, h_src, self.lstm)
