@@ -1,8 +1,8 @@
-"""Atomic per-epoch checkpoints, loaded without unpickling arbitrary objects."""
+"""Atomic per-epoch checkpoints, loaded without unpickling arbitrary objects (``weights_only=True``)."""
 
 from __future__ import annotations
 
-import os
+import io
 import pickle
 from pathlib import Path
 from typing import Any
@@ -10,13 +10,15 @@ from typing import Any
 import torch
 
 from betty_trainer.errors import TrainingError
+from betty_trainer.rundir import write_bytes
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` to ``run_dir/checkpoint.pt`` atomically (temp file, fsync, rename),
-    so a crash mid-write leaves the previous checkpoint intact.
+    """Write ``state`` to ``run_dir/checkpoint.pt`` atomically (serialised in memory, then
+    :func:`betty_trainer.rundir.write_bytes`: temp file, fsync, rename), so a crash, a full disk
+    or a read-only file system mid-write leaves the previous checkpoint intact.
 
     Args:
         run_dir: the run directory.
@@ -24,15 +26,13 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> Path:
 
     Returns:
         The checkpoint path.
+
+    Raises:
+        RunDirError: the file cannot be written (the message names the path and the cause).
     """
-    path = run_dir / CHECKPOINT_NAME
-    partial = path.with_suffix(".pt.partial")
-    with open(partial, "wb") as handle:
-        torch.save(state, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
-    return path
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # in memory: a failing disk then raises OSError with its errno, not torch's RuntimeError
+    return write_bytes(Path(run_dir) / CHECKPOINT_NAME, buffer.getbuffer())
 
 
 def load_checkpoint(run_dir: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from rich.table import Table
 from betty_trainer.config import Config, load_config
 from betty_trainer.datasets import DATASETS, cache_dir
 from betty_trainer.errors import BettyError, ConfigError
+from betty_trainer.rundir import write_text
 
 EXIT_USER_ERROR = 2
 
@@ -31,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def add_config_args(sub: argparse.ArgumentParser, required: bool) -> None:
         sub.add_argument("--config", type=Path, required=required, help="YAML config file (see configs/)")
-        sub.add_argument("overrides", nargs="*", metavar="key.path=value", help="override config keys, e.g. optim.lr=0.005")
+        sub.add_argument("overrides", nargs="*", metavar="key.path=value",
+                         help="override config keys, e.g. optim.lr=0.005")
         sub.add_argument("--data-dir", type=Path, help="folder holding the dataset's raw files (sets dataset.data_dir)")
         sub.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
 
@@ -41,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="plan the first batch's micro-batches and their memory; no training")
     add_config_args(plan, required=True)
     plan.add_argument("--measure", action="store_true", help="also run one step per micro-batch and measure its peak")
-    plan.add_argument("--output", type=Path, default=Path("plan.json"), help="where to write the plan (default plan.json)")
+    plan.add_argument("--output", type=Path, default=Path("plan.json"),
+                      help="where to write the plan (default plan.json)")
     validate = commands.add_parser("validate", help="check a config and say whether it is well-formed")
     add_config_args(validate, required=True)
     commands.add_parser("datasets", help="list known datasets and where their files are")
@@ -91,7 +94,7 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
         print(config.to_yaml(), end="")
         return
     report = dry_run(config, measure=args.measure)
-    args.output.write_text(json.dumps(report, indent=2))
+    write_text(args.output, json.dumps(report, indent=2))
     budget = report["budget_bytes"]
     table = Table(title=f"plan: {report['dataset']}, {report['num_micro_batches']} micro-batches "
                         f"({report['partitioner']}), sizes in MiB")
@@ -122,7 +125,8 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     redundancy = " / ".join(f"{r:.3f}" for r in report["redundancy_per_layer"])
     budget_text = f"{_mib(budget)} MiB" if budget else "none (micro_batch.num_micro_batches)"
     full = report["full_batch"]["estimate_peak_bytes"]
-    console.print(f"budget {budget_text}; full batch estimate {_mib(full) + ' MiB' if full else 'not computed (fixed K)'}; "
+    full_text = f"{_mib(full)} MiB" if full else "not computed (fixed K)"
+    console.print(f"budget {budget_text}; full batch estimate {full_text}; "
                   f"K = {report['num_micro_batches']} (tried {[t['k'] for t in report['tried']]}); "
                   f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s; "
                   f"written to {args.output}", highlight=False, soft_wrap=True)

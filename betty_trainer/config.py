@@ -7,14 +7,26 @@ dotted key and what is allowed.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Sequence, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from betty_trainer.errors import ConfigError
+from betty_trainer.models.sage import AGGREGATORS
+from partition import PARTITIONERS
 
 
 class _Section(BaseModel):
@@ -40,21 +52,80 @@ class DatasetConfig(_Section):
     """``dataset``: which graph, where its raw files are, and how they are checked and preprocessed."""
 
     name: str = Field("synthetic", description="a name listed by `betty-train datasets`")
-    data_dir: Path | None = Field(None, description="folder holding the raw files (else BETTY_DATA_DIR, else the download cache)")
+    data_dir: Path | None = Field(
+        None, description="folder holding the raw files (else BETTY_DATA_DIR, else the download cache)")
     verify_checksums: bool = Field(True, description="check every raw file's sha256 before parsing it")
     normalize_features: bool = Field(True, description="row-normalise features (as DGL/GCN do for Planetoid)")
     synthetic: SyntheticConfig = SyntheticConfig()
 
 
-class ModelConfig(_Section):
-    """``model``: the built-in model (GraphSAGE, GCN or GAT) and its widths; ignored for a custom model."""
+class _ModelSection(_Section):
+    """Keys every built-in architecture has; ``arch`` picks the section (see :data:`ModelConfig`)."""
 
-    arch: Literal["sage", "gcn", "gat"] = "sage"
-    aggregator: Literal["mean", "gcn", "pool", "lstm"] = Field("mean", description="GraphSAGE aggregator")
-    hidden: int = Field(64, ge=1)
-    heads: int = Field(4, ge=1, description="attention heads (gat)")
+    arch: str = Field(description="built-in architecture: sage, gcn or gat")
+    hidden: int = Field(64, ge=1, description="hidden width (per head for gat)")
     num_layers: int = Field(2, ge=1)
     dropout: float = Field(0.5, ge=0, lt=1)
+
+
+class SAGEConfig(_ModelSection):
+    """``model`` with ``arch: sage``: GraphSAGE (Hamilton et al. 2017) with one of
+    :data:`~betty_trainer.models.sage.AGGREGATORS`."""
+
+    arch: Literal["sage"] = "sage"
+    aggregator: Literal[AGGREGATORS] = Field("mean", description="GraphSAGE aggregator")
+
+    @property
+    def heads(self) -> int:
+        """Not a key: GraphSAGE has one head (read by code that handles every arch)."""
+        return 1
+
+
+class GCNConfig(_ModelSection):
+    """``model`` with ``arch: gcn``: GCN (Kipf & Welling 2017); no aggregator or heads keys."""
+
+    arch: Literal["gcn"] = "gcn"
+
+    @property
+    def aggregator(self) -> None:
+        """Not a key: GCN has no choice of aggregator."""
+        return None
+
+    @property
+    def heads(self) -> int:
+        """Not a key: GCN has one head."""
+        return 1
+
+
+class GATConfig(_ModelSection):
+    """``model`` with ``arch: gat``: GAT (Veličković et al. 2018) with ``heads`` attention heads."""
+
+    arch: Literal["gat"] = "gat"
+    heads: int = Field(4, ge=1, description="attention heads (hidden layers concatenate them, the last averages)")
+
+    @property
+    def aggregator(self) -> None:
+        """Not a key: GAT aggregates by attention."""
+        return None
+
+
+_ARCHS: dict[str, type[_ModelSection]] = {"sage": SAGEConfig, "gcn": GCNConfig, "gat": GATConfig}
+
+
+def _arch_of(value: Any) -> Any:
+    """The discriminator of :data:`ModelConfig`: ``arch``, ``sage`` when the section leaves it out."""
+    if isinstance(value, dict):
+        return value.get("arch", "sage")
+    return getattr(value, "arch", None)
+
+
+ModelConfig = Annotated[
+    Union[tuple(Annotated[section, Tag(arch)] for arch, section in _ARCHS.items())],
+    Discriminator(_arch_of),
+]
+"""``model``: the built-in model and its widths (ignored for a custom model). One section per
+``arch`` (:class:`SAGEConfig`, :class:`GCNConfig`, :class:`GATConfig`); a key another arch owns
+(``aggregator`` under ``arch: gcn``) is refused."""
 
 
 class SamplingConfig(_Section):
@@ -80,35 +151,43 @@ class SamplingConfig(_Section):
         return value
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_HINT = "expected a size in bytes such as 8000000000, '6GiB' or '512 MB'"
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
-def parse_bytes(value: Any) -> int:
-    """A memory size: an integer number of bytes or a string such as ``"6GiB"``, ``"512 MB"``.
+def parse_bytes(value: Any, *, allow_zero: bool = False) -> int:
+    """A memory size in bytes: an integer, or a string ``pydantic.ByteSize`` reads (``"6GiB"``,
+    ``"512 MB"``, ``"12mib"``, ``"1.5GB"``; decimal ``kB``/``MB``/``GB``/``TB`` and binary
+    ``KiB``/``MiB``/``GiB``/``TiB``, case-insensitive). A float is rounded down.
+
+    Args:
+        value: the size as written in the config or an override.
+        allow_zero: accept 0 (a safety margin may be none).
+
+    Returns:
+        The size in bytes.
 
     Raises:
-        ValueError: not a size, or not positive.
+        ValueError: not a size, or not positive (negative with ``allow_zero``).
     """
     if isinstance(value, bool):
-        raise ValueError("expected a size in bytes such as 8000000000 or '6GiB'")
+        raise ValueError(_SIZE_HINT)
     if isinstance(value, (int, float)):
-        number = float(value)
+        number = int(value)
     else:
-        match = _SIZE.match(str(value))
-        if not match:
-            raise ValueError(f"expected a size in bytes such as 8000000000 or '6GiB', got {value!r}")
-        number = float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()]
-    if number <= 0:
-        raise ValueError(f"a memory size must be positive, got {value!r}")
-    return int(number)
+        try:
+            number = int(_BYTE_SIZE.validate_python(str(value).strip()))
+        except ValidationError:
+            raise ValueError(f"{_SIZE_HINT}, got {value!r}") from None
+    if number < 0 or (number == 0 and not allow_zero):
+        raise ValueError(f"a memory size must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
+    return number
 
 
 class MicroBatchConfig(_Section):
     """``micro_batch``: how each batch is split: partitioner, K or a memory budget (bytes)."""
 
-    partitioner: Literal["reg", "reg_unweighted", "metis", "range", "random"] = "reg"
+    partitioner: Literal[tuple(PARTITIONERS)] = Field("reg", description="a key of partition.PARTITIONERS")
     num_micro_batches: int = Field(4, ge=1, description="K micro-batches per batch when budget is null")
     budget: int | Literal["auto"] | None = Field(
         None, description="memory budget per micro-batch: bytes ('6GiB' works), 'auto' (GPU free memory "
@@ -126,7 +205,7 @@ class MicroBatchConfig(_Section):
     @field_validator("safety_margin", mode="before")
     @classmethod
     def _margin_size(cls, value: Any) -> Any:
-        return 0 if value in (0, "0") else parse_bytes(value)
+        return parse_bytes(value, allow_zero=True)
 
 
 class OptimConfig(_Section):
@@ -137,11 +216,15 @@ class OptimConfig(_Section):
     epochs: int = Field(200, ge=1)
 
 
+_DEVICE = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+
+
 class TrainConfig(_Section):
     """``train``: run directory, device, evaluation frequency and progress bars."""
 
     run_dir: Path | None = Field(None, description="run directory; null = runs/<config name>-<timestamp>")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    device: str = Field("auto", pattern=_DEVICE, description="auto, cpu, cuda or cuda:N (whether a GPU is there "
+                                                             "is checked when the run starts)")
     eval_every: int = Field(1, ge=1, description="evaluate every this many epochs")
     progress: bool = Field(True, description="show progress bars")
 
@@ -152,7 +235,7 @@ class Config(_Section):
     name: str = Field("run", description="run name, used for the default run directory")
     seed: int = Field(0, ge=0)
     dataset: DatasetConfig = DatasetConfig()
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = SAGEConfig()
     sampling: SamplingConfig = SamplingConfig()
     micro_batch: MicroBatchConfig = MicroBatchConfig()
     optim: OptimConfig = OptimConfig()
@@ -201,8 +284,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         if not isinstance(data, dict):
             raise ConfigError(f"config {path} must be a mapping of keys to values, got {type(data).__name__}")
         data.setdefault("name", path.stem)
-    for override in overrides:
-        _apply_override(data, override)
+    parsed = [_parse_override(override) for override in overrides]
+    _switch_arch(data, parsed)
+    for override, parts, value in parsed:
+        _set(data, override, parts, value)
     return validate_config(data)
 
 
@@ -218,7 +303,8 @@ def validate_config(data: dict[str, Any]) -> Config:
         raise ConfigError(_describe(error)) from None
 
 
-def _apply_override(data: dict[str, Any], override: str) -> None:
+def _parse_override(override: str) -> tuple[str, list[str], Any]:
+    """``"a.b=value"`` → ``(override, ["a", "b"], value parsed as YAML)``."""
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {override!r} must look like key.path=value")
@@ -226,8 +312,22 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    return override, key.strip().split("."), value
+
+
+def _switch_arch(data: dict[str, Any], parsed: list[tuple[str, list[str], Any]]) -> None:
+    """An override of ``model.arch`` keeps the file's model keys the new arch has and drops the
+    others (``--config cora-sage.yaml model.arch=gcn`` drops the file's ``aggregator``); keys given
+    as overrides are all kept, so ``model.arch=gcn model.aggregator=lstm`` is still refused."""
+    arches = [value for _, parts, value in parsed if parts == ["model", "arch"]]
+    section = data.get("model")
+    if arches and isinstance(section, dict) and arches[-1] in _ARCHS:
+        keys = _ARCHS[arches[-1]].model_fields
+        data["model"] = {key: value for key, value in section.items() if key in keys}
+
+
+def _set(data: dict[str, Any], override: str, parts: list[str], value: Any) -> None:
     node = data
-    parts = key.strip().split(".")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
@@ -238,23 +338,70 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
 
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "config"
+    loc, section = _walk(first["loc"])
+    key = ".".join(loc) or "config"
     if first["type"] == "extra_forbidden":
-        section = _section_at(first["loc"][:-1])
         allowed = ", ".join(section.model_fields) if section else "?"
-        return f"unknown config key {key!r}; allowed here: {allowed}"
+        if section not in _ARCHS.values():
+            return f"unknown config key {key!r}; allowed here: {allowed}"
+        arch = section.model_fields["arch"].default
+        owners = [other for other in _ARCHS.values() if loc[-1] in other.model_fields]
+        if not owners:
+            return f"unknown config key {key!r} with model.arch={arch!r}; allowed here: {allowed}"
+        owned = f"a key of model.arch={' or '.join(repr(o.model_fields['arch'].default) for o in owners)}"
+        try:  # a value no arch accepts is reported as such first
+            setattr(owners[0].model_construct(), loc[-1], first["input"])
+        except ValidationError as wrong:
+            return f"invalid config value for {key!r} ({first['input']!r}): " \
+                   f"{wrong.errors()[0]['msg'].removeprefix('Value error, ')} ({owned}, not {arch!r})"
+        return f"unknown config key {key!r} with model.arch={arch!r} ({owned}); allowed here: {allowed}"
+    if first["type"] == "union_tag_invalid":
+        tag = first["ctx"]["tag"]
+        return f"invalid config value for '{key}.arch' ({tag!r}): Input should be {_choices(_ARCHS)}"
+    if first["type"] == "union_tag_not_found":
+        return f"invalid config value for {key!r} ({first.get('input')!r}): a section (mapping of keys) is expected"
     message = first["msg"].removeprefix("Value error, ")
-    if not first["loc"]:
+    if first["type"] == "string_pattern_mismatch" and loc == ["train", "device"]:
+        message = "use auto, cpu, cuda or cuda:N (e.g. cuda:1)"
+    if not loc:
         return f"invalid config: {message}"
     return f"invalid config value for {key!r} ({first.get('input')!r}): {message}"
 
 
-def _section_at(loc: tuple) -> type[BaseModel] | None:
-    section: type[BaseModel] = Config
-    for part in loc:
-        field = section.model_fields.get(str(part))
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        section = annotation
-    return section
+def _choices(names: Sequence[str]) -> str:
+    """``'a', 'b' or 'c'``, as pydantic words a literal's choices."""
+    quoted = [repr(name) for name in names]
+    return ", ".join(quoted[:-1]) + f" or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+
+
+def _walk(loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
+    """The dotted key of an error location, with union tags (``model.<arch>``) dropped, and the
+    section that holds its last part (``None`` below a plain value)."""
+    parts = [str(part) for part in loc]
+    keys: list[str] = []
+    section: type[BaseModel] | None = Config
+    container = section
+    while parts:
+        container, part = section, parts.pop(0)
+        keys.append(part)
+        field = section.model_fields.get(part) if section else None
+        members = _tagged_members(field.annotation) if field else {}
+        if members and parts and parts[0] in members:
+            section = members[parts.pop(0)]
+        elif field and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            section = field.annotation
+        else:
+            section = None
+    return keys, container
+
+
+def _tagged_members(annotation: Any) -> dict[str, type[BaseModel]]:
+    """``{tag: section}`` of a discriminated union such as :data:`ModelConfig`, else ``{}``."""
+    if get_origin(annotation) is not Union:
+        return {}
+    members = {}
+    for member in get_args(annotation):
+        if get_origin(member) is Annotated:
+            cls, *metadata = get_args(member)
+            members.update({meta.tag: cls for meta in metadata if isinstance(meta, Tag)})
+    return members

@@ -30,3 +30,8 @@ class PlanningError(BettyError):
 
 class CalibrationError(BettyError):
     """A custom model's memory cannot be calibrated (its step fails, or its peak does not follow the counts)."""
+
+
+class RunDirError(BettyError):
+    """The run directory cannot be used: another run holds it, or it cannot be created or written
+    (read-only, disk full); the message names the path and the cause."""

@@ -11,7 +11,6 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +27,7 @@ from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.graph import Graph
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.planning import MicroBatchPlanner, make_planner, plan_report
+from betty_trainer.rundir import RunDirectory, holds_run_directories, new_run_dir
 from betty_trainer.sampling import sample_batch
 from betty_trainer.step import micro_batch_backward
 from partition import Plan, make_plan, redundancy
@@ -176,17 +176,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def new_run_dir(config: Config) -> Path:
-    """``config.train.run_dir``, or ``runs/<name>-<timestamp>`` (never an existing folder)."""
-    if config.train.run_dir is not None:
-        return config.train.run_dir
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    candidate, n = Path("runs") / f"{config.name}-{stamp}", 1
-    while candidate.exists():
-        candidate, n = Path("runs") / f"{config.name}-{stamp}-{n}", n + 1
-    return candidate
-
-
+@holds_run_directories  # the run directory's lock is released when train() returns or raises
 def train(
     config: Config,
     *,
@@ -229,8 +219,8 @@ def train(
     eval_batches = {split: full_neighbourhood_batches(graph, nodes, len(fanouts))
                     for split, nodes in (("val", graph.val_idx), ("test", graph.test_idx))}
 
-    run_dir = run_dir or new_run_dir(config)
-    metrics_path = run_dir / "metrics.jsonl"
+    run = RunDirectory.open(run_dir or new_run_dir(config), create=not resume)  # refused if another run holds it
+    run_dir, metrics_path = run.path, run.path / "metrics.jsonl"
     start_epoch, best = 0, {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")}
     if resume:
         state = load_checkpoint(run_dir)
@@ -239,9 +229,8 @@ def train(
         start_epoch, best = state["epoch"] + 1, state["best"]
         _truncate_metrics(metrics_path, state["epoch"])
     else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path.write_text("")
-    (run_dir / "config.yaml").write_text(config.to_yaml())
+        run.write_text("metrics.jsonl", "")
+    run.write_text("config.yaml", config.to_yaml())
 
     last = None
     model.train()
@@ -262,7 +251,7 @@ def train(
                 optimizer.step()
                 if epoch == 0 and index == 0:  # the plan of the first batch, as `betty-train plan` prints it
                     report = plan_report(planner, batch, outcome.batches, outcome.plan)
-                    (run_dir / "plan.json").write_text(json.dumps(report, indent=2))
+                    run.write_text("plan.json", json.dumps(report, indent=2))
                 loss_sum += outcome.loss * seeds.numel()
                 correct += outcome.correct
                 k_used = max(k_used, len(outcome.batches))
@@ -276,8 +265,7 @@ def train(
                 best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
             last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),
                                 val_acc, test_acc, k_used, input_redundancy, time.perf_counter() - started)
-            with metrics_path.open("a") as handle:
-                handle.write(json.dumps(asdict(last)) + "\n")
+            run.append_line("metrics.jsonl", json.dumps(asdict(last)))
             save_checkpoint(run_dir, {"epoch": epoch, "model": model.state_dict(),
                                       "optimizer": optimizer.state_dict(), "best": best})
             progress.update(task, advance=1, status=_status(last, best))

@@ -18,7 +18,6 @@ from betty_trainer.cli import main
 from betty_trainer.config import load_config
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.trainer import train
-
 from tests.conftest import REPO
 from tests.test_datasets import Evil
 
@@ -48,8 +47,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 def test_quickstart_trains_and_writes_a_run_directory(tmp_path):
-    result = betty("train", "--config", str(REPO / "configs/quickstart.yaml"), *QUICK, f"train.run_dir={tmp_path / 'run'}",
-                   cwd=tmp_path)
+    result = betty("train", "--config", str(REPO / "configs/quickstart.yaml"), *QUICK,
+                   f"train.run_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "final test accuracy" in result.stdout
     run = tmp_path / "run"

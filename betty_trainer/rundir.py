@@ -1,0 +1,276 @@
+"""The run directory (DESIGN.md › CLI): where it is, its lock, and how its files are written.
+
+One run at a time writes a run directory. :meth:`RunDirectory.open` takes an
+exclusive ``flock`` on ``run.lock`` inside it and writes the holder's pid and host
+there; a second run into the same directory is refused with a :class:`RunDirError`
+naming that holder. The kernel drops the lock when its process ends, however it
+ends, so a lock file left by a dead process is simply taken over. (``filelock``
+does the same locking but cannot tell the refused run who holds the lock, which
+is the first thing a user asks.)
+
+Every file is written atomically: into ``<name>.partial`` beside it, ``fsync``,
+then ``os.replace``. A failed write (read-only file system, full disk, no
+permission) removes the partial file, leaves the previous version of the file as
+it was and raises a one-line :class:`RunDirError` naming the path and the cause.
+``metrics.jsonl`` grows by appends; an append that fails is cut back to the
+previous end of the file, so no half line is left.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import errno
+import fcntl
+import functools
+import json
+import os
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, TypeVar, cast
+
+from betty_trainer.errors import RunDirError
+
+LOCK_NAME = "run.lock"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_SCOPE: contextvars.ContextVar[list[RunDirectory] | None] = contextvars.ContextVar("run_dir_scope", default=None)
+
+
+def new_run_dir(config: Any) -> Path:
+    """``config.train.run_dir``, or ``runs/<config.name>-<timestamp>`` (never an existing folder).
+
+    Args:
+        config: a :class:`~betty_trainer.config.Config`.
+    """
+    if config.train.run_dir is not None:
+        return Path(config.train.run_dir)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    candidate, n = Path("runs") / f"{config.name}-{stamp}", 1
+    while candidate.exists():
+        candidate, n = Path("runs") / f"{config.name}-{stamp}-{n}", n + 1
+    return candidate
+
+
+class RunDirectory:
+    """A run directory this process holds the lock of; its files are written through it.
+
+    Open it with :meth:`open`; :meth:`close` (or leaving a ``with`` block, or the end of a
+    function decorated with :func:`holds_run_directories`) releases the lock.
+
+    Attributes:
+        path: the directory.
+    """
+
+    def __init__(self, path: Path, lock_fd: int):
+        self.path = path
+        self._lock_fd: int | None = lock_fd
+
+    @classmethod
+    def open(cls, path: Path, *, create: bool = True) -> RunDirectory:
+        """Create ``path`` (with ``create``) and take its lock.
+
+        Args:
+            path: the run directory.
+            create: make the directory (and its parents) if missing; ``False`` to resume, where
+                it must exist.
+
+        Returns:
+            The held run directory (registered with the enclosing :func:`holds_run_directories`).
+
+        Raises:
+            RunDirError: another process (or another open in this one) holds the lock, or the
+                directory cannot be created or its lock file written; the message names the
+                path, the cause and the fix.
+        """
+        path = Path(path)
+        if create:
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise RunDirError(_failure("cannot create run directory", path, error)) from None
+        elif not path.is_dir():
+            raise RunDirError(f"run directory {path} does not exist; nothing to resume there")
+        lock = path / LOCK_NAME
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise RunDirError(_failure("cannot lock run directory", lock, error)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunDirError(f"run directory {path} is in use by another run ({holder}); wait for it to end, "
+                              "or choose another train.run_dir") from None
+        run = cls(path, fd)
+        try:
+            os.ftruncate(fd, 0)
+            _write_all(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                       "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode() + b"\n")
+        except OSError as error:
+            run.close()
+            raise RunDirError(_failure("cannot lock run directory", lock, error)) from None
+        scope = _SCOPE.get()
+        if scope is not None:
+            scope.append(run)
+        return run
+
+    def close(self) -> None:
+        """Release the lock (the lock file stays; a later run takes it over). Idempotent."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops its flock
+            self._lock_fd = None
+
+    def __enter__(self) -> RunDirectory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def write_text(self, name: str, text: str) -> Path:
+        """Replace ``path/name`` with ``text`` (UTF-8) atomically; see :func:`write_bytes`."""
+        return write_bytes(self.path / name, text.encode())
+
+    def write_bytes(self, name: str, data: bytes) -> Path:
+        """Replace ``path/name`` with ``data`` atomically; see :func:`write_bytes`."""
+        return write_bytes(self.path / name, data)
+
+    def append_line(self, name: str, line: str) -> None:
+        """Append ``line`` and a newline to ``path/name``; see :func:`append_line`."""
+        append_line(self.path / name, line)
+
+
+def holds_run_directories(function: _F) -> _F:
+    """Decorator: every :class:`RunDirectory` opened during a call of ``function`` is closed
+    when the call returns or raises, so its lock never outlives the run."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opened: list[RunDirectory] = []
+        token = _SCOPE.set(opened)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _SCOPE.reset(token)
+            for run in opened:
+                run.close()
+
+    return cast(_F, wrapper)
+
+
+def write_bytes(path: Path, data: bytes | memoryview) -> Path:
+    """Replace ``path`` with ``data`` atomically: write ``<name>.partial`` beside it, ``fsync``,
+    ``os.replace``, ``fsync`` the folder. A crash or a failed write leaves the old file intact.
+
+    Args:
+        path: the file to replace.
+        data: its new content.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        RunDirError: the write failed (read-only, disk full, no permission, ...); the partial file
+            is removed and the message names ``path`` and the cause.
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+        _fsync_folder(path.parent)
+    except OSError as error:
+        _discard(partial)
+        kept = f"; the previous {path.name} is unchanged" if path.exists() else ""
+        raise RunDirError(_failure("cannot write", path, error) + kept) from None
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    """:func:`write_bytes` of ``text`` encoded as UTF-8."""
+    return write_bytes(path, text.encode())
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` (created if missing). A failed append is cut
+    back to the file's previous end, so readers never see a half line.
+
+    Raises:
+        RunDirError: the write failed; the message names ``path`` and the cause.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise RunDirError(_failure("cannot write", path, error)) from None
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            _write_all(fd, line.encode() + b"\n")
+            os.fsync(fd)
+        except OSError as error:
+            try:
+                os.ftruncate(fd, end)
+            except OSError:
+                pass  # the half line stays; the reader of metrics.jsonl drops lines past the checkpoint
+            raise RunDirError(_failure("cannot write", path, error)) from None
+    finally:
+        os.close(fd)
+
+
+def _discard(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # e.g. the folder itself is gone or read-only: nothing was written there
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename durable (POSIX: the folder entry is data of the folder)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """``pid P on host H since T`` from a lock file's content, or what is known of it."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        record = json.loads(os.read(fd, 4096).decode() or "{}")
+        return f"pid {record['pid']} on host {record['host']} since {record['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its holder did not record itself"
+
+
+_FIXES = {
+    errno.ENOSPC: "the disk is full: free space (a run continues from its last checkpoint with "
+                  "betty-train train --resume RUN_DIR)",
+    errno.EDQUOT: "the disk quota is used up: free space (a run continues from its last checkpoint with "
+                  "betty-train train --resume RUN_DIR)",
+    errno.EROFS: "the file system is read-only: choose a writable train.run_dir",
+    errno.EACCES: "no permission: make it writable or choose another train.run_dir",
+    errno.EPERM: "no permission: make it writable or choose another train.run_dir",
+}
+
+
+def _failure(what: str, path: Path, error: OSError) -> str:
+    """One line: ``<what> <path>: <strerror> (<ERRNO>); <fix>``."""
+    code = errno.errorcode.get(error.errno, str(error.errno)) if error.errno else "?"
+    reason = error.strerror or str(error) or type(error).__name__
+    fix = _FIXES.get(error.errno, "check the path or choose another train.run_dir")
+    return f"{what} {path}: {reason} ({code}); {fix}"

@@ -1,0 +1,159 @@
+"""Config validation: sizes, one section per model arch, the device, values read from the registries,
+and the README's config table."""
+
+from __future__ import annotations
+
+import re
+from typing import get_args
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from betty_trainer.cli import main
+from betty_trainer.config import GATConfig, GCNConfig, MicroBatchConfig, SAGEConfig, load_config, parse_bytes
+from betty_trainer.datasets import make_sbm
+from betty_trainer.errors import ConfigError
+from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
+from betty_trainer.models.sage import AGGREGATORS
+from partition import PARTITIONERS
+from tests.conftest import REPO
+from tests.test_cli import assert_one_line_error, betty_in_process
+
+
+@pytest.mark.parametrize("written, size", [
+    (8000000000, 8_000_000_000), ("8000000000", 8_000_000_000), ("6GiB", 6 * 2**30), ("6 gib", 6 * 2**30),
+    ("512 MB", 512 * 10**6), ("12MiB", 12 * 2**20), ("1.5GB", 1_500_000_000), ("10KB", 10_000), ("3kib", 3 * 2**10),
+    ("2TiB", 2 * 2**40), (1.0e9, 10**9),
+])
+def test_budget_sizes_are_read_as_bytes(written, size):
+    assert load_config(None, []).micro_batch.budget is None
+    config = MicroBatchConfig(budget=written, safety_margin=written)
+    assert (config.budget, config.safety_margin) == (size, size)
+    assert parse_bytes(written) == size
+
+
+@pytest.mark.parametrize("written, message", [
+    ("-5", "a memory size must be positive, got -5"),
+    ("0", "a memory size must be positive, got 0"),
+    ("lots", "expected a size in bytes such as 8000000000, '6GiB' or '512 MB', got 'lots'"),
+    ("12 parsecs", "expected a size in bytes"),
+    ("true", "expected a size in bytes"),
+])
+def test_bad_budgets_are_refused_naming_the_key(written, message):
+    with pytest.raises(ConfigError, match=re.escape("invalid config value for 'micro_batch.budget'")) as error:
+        load_config(None, [f"micro_batch.budget={written}"])
+    assert message in str(error.value)
+
+
+def test_auto_and_null_budgets_and_a_zero_margin_are_kept():
+    assert load_config(None, ["micro_batch.budget=auto"]).micro_batch.budget == "auto"
+    assert load_config(None, ["micro_batch.budget= AUTO "]).micro_batch.budget == "auto"
+    assert load_config(None, ["micro_batch.budget=null"]).micro_batch.budget is None
+    assert load_config(None, ["micro_batch.safety_margin=0"]).micro_batch.safety_margin == 0
+    with pytest.raises(ConfigError, match="a memory size must be non-negative, got -1"):
+        load_config(None, ["micro_batch.safety_margin=-1"])
+
+
+@pytest.mark.parametrize("overrides, section", [
+    ([], SAGEConfig),
+    (["model.hidden=8"], SAGEConfig),  # arch defaults to sage in a section that leaves it out
+    (["model.arch=sage", "model.aggregator=lstm"], SAGEConfig),
+    (["model.arch=gcn"], GCNConfig),
+    (["model.arch=gat", "model.heads=2"], GATConfig),
+])
+def test_each_arch_has_its_own_section(overrides, section):
+    config = load_config(None, overrides)
+    assert type(config.model) is section
+    assert "arch" in config.model.model_dump()
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["model.arch=gcn", "model.aggregator=lstm"],
+     ["unknown config key 'model.aggregator' with model.arch='gcn' (a key of model.arch='sage')",
+      "allowed here: arch, hidden, num_layers, dropout"]),
+    (["model.arch=gat", "model.aggregator=pool"], ["unknown config key 'model.aggregator' with model.arch='gat'"]),
+    (["model.arch=gcn", "model.heads=2"], ["unknown config key 'model.heads' with model.arch='gcn' "
+                                           "(a key of model.arch='gat')"]),
+    (["model.heads=2"], ["unknown config key 'model.heads' with model.arch='sage'"]),
+    (["model.arch=gcn", "model.aggregator=max"], ["'model.aggregator' ('max')", "'mean', 'gcn', 'pool' or 'lstm'",
+                                                  "a key of model.arch='sage', not 'gcn'"]),
+    (["model.arch=gin"], ["'model.arch' ('gin')", "'sage', 'gcn' or 'gat'"]),
+    (["model=5"], ["'model' (5): a section (mapping of keys) is expected"]),
+    (["train.device=tpu"], ["'train.device' ('tpu')", "use auto, cpu, cuda or cuda:N"]),
+    (["train.device=mps"], ["'train.device' ('mps')"]),
+    (["train.device=cuda:x"], ["'train.device' ('cuda:x')"]),
+    (["train.device=CPU"], ["'train.device' ('CPU')"]),
+    (["micro_batch.partitioner=kahip"], ["'micro_batch.partitioner' ('kahip')",
+                                         "'reg', 'reg_unweighted', 'metis', 'range' or 'random'"]),
+])
+def test_validate_refuses_keys_and_values_an_arch_or_device_does_not_have(capsys, overrides, fragments):
+    result = betty_in_process(capsys, "validate", "--config", str(REPO / "configs/quickstart.yaml"), *overrides)
+    assert_one_line_error(result, *fragments)
+
+
+def test_an_arch_override_drops_the_file_keys_only_the_file_arch_has(capsys):
+    cora = REPO / "configs/cora-sage.yaml"
+    assert load_config(cora).model.aggregator == "mean"  # the file has an aggregator: it is a sage config
+    gcn = load_config(cora, ["model.arch=gcn", "model.hidden=16"])
+    assert type(gcn.model) is GCNConfig and (gcn.model.hidden, gcn.model.num_layers) == (16, 2)
+    gat = load_config(cora, ["model.heads=2", "model.arch=gat"])
+    assert type(gat.model) is GATConfig and gat.model.heads == 2
+    result = betty_in_process(capsys, "validate", "--config", str(cora), "model.arch=gcn", "model.aggregator=lstm")
+    assert_one_line_error(result, "unknown config key 'model.aggregator' with model.arch='gcn'")
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:3"])
+def test_validate_accepts_every_device_spelling_a_gpu_is_checked_when_the_run_starts(capsys, device):
+    result = betty_in_process(capsys, "validate", "--config", str(REPO / "configs/quickstart.yaml"),
+                              f"train.device={device}")
+    assert result.returncode == 0 and "well-formed" in result.stdout
+
+
+def test_cuda_without_a_gpu_is_refused_when_the_run_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = betty_in_process(capsys, "train", "--config", str(REPO / "configs/quickstart.yaml"),
+                              "train.device=cuda", f"train.run_dir={tmp_path}")
+    assert_one_line_error(result, "train.device is cuda but no CUDA GPU is available")
+
+
+def test_allowed_values_are_the_registries():
+    assert get_args(MicroBatchConfig.model_fields["partitioner"].annotation) == tuple(PARTITIONERS)
+    assert get_args(SAGEConfig.model_fields["aggregator"].annotation) == tuple(AGGREGATORS)
+    graph = make_sbm(num_nodes=60, num_classes=3, num_features=4, avg_degree=4.0, homophily=0.7, feature_signal=0.2,
+                     train_per_class=2, num_val=5, num_test=5, seed=0)
+    for arch, kind in (("sage", GraphSAGE), ("gcn", GCN), ("gat", GAT)):
+        assert isinstance(build_model(load_config(None, [f"model.arch={arch}"]).model, graph), kind)
+    for aggregator in AGGREGATORS:
+        model = build_model(load_config(None, [f"model.aggregator={aggregator}"]).model, graph)
+        assert {layer.aggregator for layer in model.layers} == {aggregator}
+
+
+def test_shipped_configs_are_well_formed(capsys):
+    configs = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(configs) >= 3
+    for path in configs:
+        assert main(["validate", "--config", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_the_readme_table_names_every_key_and_every_allowed_value():
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| key | default | meaning |"):]
+    table = table[: table.index("\n\n")]
+    documented = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", table))
+    config = load_config(None, [])
+    keys = set()
+
+    def walk(prefix, section):
+        for name, value in section:
+            if isinstance(value, BaseModel):
+                walk(f"{prefix}{name}.", value)
+            else:
+                keys.add(prefix + name)
+
+    for arch in ("sage", "gcn", "gat"):
+        walk("", load_config(None, [f"model.arch={arch}"]))
+    keys = {key for key in keys if not key.startswith("dataset.synthetic.")} | {"dataset.synthetic"}
+    assert keys <= documented, sorted(keys - documented)
+    assert set(PARTITIONERS) | set(AGGREGATORS) | {"sage", "gcn", "gat"} <= documented
+    assert config.micro_batch.partitioner in documented
