@@ -792,18 +792,32 @@ class _Step:
         return backward
 
     def optimizer_step(self) -> None:
-        """Adam/AdamW, single-tensor path, parameter by parameter: ``denom = sqrt(v) / c`` is
-        made (sqrt, then div) while the previous parameter's ``denom`` is still referenced."""
+        """Adam/AdamW, on the path PyTorch takes (:attr:`ModelSpec.foreach`).
+
+        Single-tensor (CPU's default), parameter by parameter: with weight decay the gradient
+        plus decay is a new tensor, freed at the end of that parameter's update; ``denom =
+        sqrt(v) / c`` is made (sqrt, then div) while the previous parameter's ``denom`` is
+        still referenced. ``foreach`` (CUDA's default), all parameters at once: with weight
+        decay a copy of every gradient (freed before the moments' square roots), then
+        ``sqrt(v)`` of every parameter, divided and used in place."""
         if OPTIMIZER_STATES[self.model.optimizer] == 0:
+            return
+        r, f = self.r, self.f
+        if self.model.foreach:
+            total = self.model.num_parameters * f
+            if self.model.weight_decay:
+                r.transient(total, _OVER)
+            r.transient(total, _OVER)
             return
         previous = None
         for layer in range(self.model.num_layers):
             for numel in self.model.parameter_shapes(layer):
-                root = self.r.alloc(numel * self.f, _OVER)
-                denom = self.r.alloc(numel * self.f, _OVER)
-                self.r.drop(root, previous)
+                decayed = r.alloc(numel * f, _OVER) if self.model.weight_decay else None
+                root = r.alloc(numel * f, _OVER)
+                denom = r.alloc(numel * f, _OVER)
+                r.drop(root, previous, decayed)
                 previous = denom
-        self.r.drop(previous)
+        r.drop(previous)
 
 
 def model_state_bytes(model: ModelSpec) -> dict[str, int]:
@@ -857,10 +871,13 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     h, h_grad, backwards = x, False, []
     for index, counts in enumerate(layers):
         a, b = model.layer_dims(index)
-        if model.dropout > 0:
+        if model.dropout > 0 and h is x:  # the step hands x over: input dropout overwrites it in place
+            step.keyed_mask(counts.num_src, a)
+            hd, dropout_bwd = x, None
+            replay.keep(x)
+        elif model.dropout > 0:
             hd, dropout_bwd = step.dropout(h, counts.num_src, a, h_grad)
-            if h is not x:
-                replay.drop(h)
+            replay.drop(h)
         else:
             hd, dropout_bwd = h, None
             if h is x:

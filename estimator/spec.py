@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 ARCHS = ("sage", "gcn", "gat")
 SAGE_AGGREGATORS = ("mean", "gcn", "pool", "lstm")
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0}
+
+
+def adam_uses_foreach(device: torch.device | str) -> bool:
+    """Whether ``torch.optim.Adam(params)`` with ``foreach=None`` takes its multi-tensor path for
+    parameters on ``device``: asks PyTorch's own default rule (``_default_to_fused_or_foreach``:
+    foreach on CUDA and other devices with foreach kernels, single-tensor on CPU)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    probe = [torch.empty(0, device=device)]
+    return bool(_default_to_fused_or_foreach(probe, differentiable=False, use_fused=False)[1])
 
 
 @dataclass(frozen=True)
@@ -22,6 +34,9 @@ class ModelSpec:
         dtype_bytes: bytes per feature element (4 for float32).
         optimizer: ``adam``, ``adamw`` or ``sgd`` (plain SGD, no momentum).
         num_nodes: nodes of the whole graph (GCN keeps a ``(N,)`` float32 degree buffer).
+        weight_decay: the optimizer adds weight decay to the gradients (a temporary per update).
+        foreach: Adam runs its multi-tensor (``foreach``) path, as PyTorch chooses by default on CUDA
+            (:func:`adam_uses_foreach`); else its single-tensor path (the CPU default).
 
     Raises:
         ValueError: for an unknown arch, aggregator or optimizer, or fewer than 2 widths.
@@ -35,6 +50,8 @@ class ModelSpec:
     dtype_bytes: int = 4
     optimizer: str = "adam"
     num_nodes: int = 0
+    weight_decay: bool = False
+    foreach: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

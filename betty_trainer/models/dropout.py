@@ -49,7 +49,8 @@ def keyed_uniform(seed: int, step: int, layer: int, node_ids: Tensor, num_featur
     return keyed_bits(seed, step, layer, node_ids, num_features).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer: int, p: float) -> Tensor:
+def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer: int, p: float,
+                     inplace: bool = False) -> Tensor:
     """``src ⊙ keep / (1 − p)`` with ``keep = keyed_uniform(…) ≥ p`` (as 24-bit integers), made
     in row chunks of :data:`MASK_CHUNK_ELEMENTS` elements.
 
@@ -60,10 +61,13 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
     The mask is the module's keyed mask (Betty §4.2 made exact under micro-batching;
     see the module docstring), so forward and backward apply the same one.
 
+    Args:
+        inplace: write the result over ``src`` (no output tensor is allocated).
+
     Shapes:
         ``src``: ``(N, F)`` float; ``node_ids``: ``(N,)`` int64 → ``(N, F)`` like ``src``.
     """
-    out = torch.empty_like(src)
+    out = src if inplace else torch.empty_like(src)
     threshold = round(p * (1 << 24))
     rows = max(1, MASK_CHUNK_ELEMENTS // max(src.shape[1], 1))
     for start in range(0, src.shape[0], rows):
@@ -119,9 +123,13 @@ class NodeDropout(nn.Module):
         self.seed = 0
         self.step = 0
 
-    def forward(self, h: Tensor, node_ids: Tensor, layer: int) -> Tensor:
+    def forward(self, h: Tensor, node_ids: Tensor, layer: int, inplace: bool = False) -> Tensor:
+        """Drop ``h``'s elements by the keyed mask of ``layer``; with ``inplace`` (allowed only when
+        ``h`` needs no gradient: input features) ``h`` itself is overwritten and returned."""
         if not self.training or self.p == 0.0:
             return h
+        if inplace and not h.requires_grad:
+            return apply_keyed_mask(h, node_ids, self.seed, self.step, layer, self.p, inplace=True)
         return _KeyedDropout.apply(h, node_ids, self.seed, self.step, layer, self.p)
 
     def extra_repr(self) -> str:

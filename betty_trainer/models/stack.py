@@ -42,12 +42,25 @@ class LayerStack(nn.Module):
         """Run one layer; subclasses pass extra per-node inputs here."""
         return layer(block, h)
 
-    def forward(self, blocks: list[Block], x: Tensor) -> Tensor:
+    def forward(self, blocks: list[Block], x: Tensor, consume_input: bool = False) -> Tensor:
+        """Logits of ``blocks[-1]``'s dst nodes.
+
+        Args:
+            blocks: ``L`` blocks, input layer first.
+            x: ``(blocks[0].num_src, F)`` input features.
+            consume_input: the caller hands ``x`` over (a fresh gather that nothing else reads, as
+                the training step's is): input dropout then overwrites it instead of keeping a
+                dropped-out copy beside it, one ``(N_in, F)`` tensor less at the peak. Ignored when
+                ``x`` requires grad.
+
+        Raises:
+            ValueError: if the number of blocks differs from the number of layers.
+        """
         if len(blocks) != len(self.layers):
             raise ValueError(f"model has {len(self.layers)} layers but the batch has {len(blocks)} blocks")
         h = x
         for index, (layer, block) in enumerate(zip(self.layers, blocks)):
-            h = self.apply_layer(layer, block, self.dropout(h, block.src_nodes, index))
+            h = self.apply_layer(layer, block, self.dropout(h, block.src_nodes, index, consume_input and index == 0))
             if index < len(self.layers) - 1:
                 h = F.relu(h)
         return h
