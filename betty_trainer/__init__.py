@@ -10,16 +10,28 @@ from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import Config, load_config
 from betty_trainer.datasets import DATASETS, load_dataset, make_sbm
 from betty_trainer.errors import BettyError, CalibrationError, ConfigError, DatasetError, TrainingError
+from betty_trainer.feature_store import FeatureStore, HostFeatureStore, TransferStats, as_feature_store
 from betty_trainer.graph import Graph
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
 from betty_trainer.sampling import sample_batch
-from betty_trainer.trainer import TrainResult, accumulate_gradients, evaluate, full_neighbourhood_batches, plan_micro_batches, train
+from betty_trainer.step import MicroBatches
+from betty_trainer.trainer import (
+    TrainResult,
+    accumulate_gradients,
+    evaluate,
+    evaluate_splits,
+    full_neighbourhood_batches,
+    layerwise_logits,
+    plan_micro_batches,
+    train,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",
-    "Graph", "GraphSAGE", "NodeDropout", "TrainResult", "TrainingError", "accumulate_gradients", "build_model",
-    "calibrate_model", "evaluate", "full_neighbourhood_batches", "load_config", "load_dataset", "make_sbm",
-    "plan_micro_batches", "sample_batch", "train",
+    "FeatureStore", "Graph", "GraphSAGE", "HostFeatureStore", "MicroBatches", "NodeDropout", "TrainResult",
+    "TrainingError", "TransferStats", "accumulate_gradients", "as_feature_store", "build_model", "calibrate_model",
+    "evaluate", "evaluate_splits", "full_neighbourhood_batches", "layerwise_logits", "load_config", "load_dataset",
+    "make_sbm", "plan_micro_batches", "sample_batch", "train",
 ]

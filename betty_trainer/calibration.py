@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from betty_trainer.block import Batch
 from betty_trainer.errors import CalibrationError
+from betty_trainer.feature_store import FeatureStore, as_feature_store
 from betty_trainer.graph import Graph
 from betty_trainer.memory import measure_training_step, training_state
 from betty_trainer.sampling import sample_batch
@@ -139,13 +140,14 @@ def _calibrate(model: nn.Module, graph: Graph, num_layers: int, optimizer_factor
         raise CalibrationError(f"cannot calibrate {name}: it has no parameters to train")
     optimizer = optimizer_factory(parameters)
     batches = synthetic_batches(graph, num_layers)
-    _warm_up(trained, optimizer, batches[0], graph, device, name)
+    features = as_feature_store(graph.x)
+    _warm_up(trained, optimizer, batches[0], graph, features, device, name)
     # measured steps accumulate (a batch's later micro-batches, the costlier case): gradients are resident
     resident = storage_bytes(training_state(trained, optimizer)) + storage_bytes(trained.parameters())
     samples, scale = [], 1
     while True:
         *fitted, holdout = batches
-        samples += [_measure(trained, optimizer, batch, graph, device, resident, name) for batch in fitted]
+        samples += [_measure(trained, optimizer, batch, graph, features, device, resident, name) for batch in fitted]
         try:
             calibrated = fit(samples, resident)
             break
@@ -158,7 +160,7 @@ def _calibrate(model: nn.Module, graph: Graph, num_layers: int, optimizer_factor
             batches = grown
         except FitError as error:
             raise CalibrationError(f"cannot calibrate the memory of {name}: {error}") from None
-    layers, measured = _measure(trained, optimizer, holdout, graph, device, resident, name)
+    layers, measured = _measure(trained, optimizer, holdout, graph, features, device, resident, name)
     predicted = calibrated.estimate(layers)
     error = (predicted - measured) / measured
     if abs(error) > HOLDOUT_TOLERANCE:
@@ -175,9 +177,9 @@ def _describe(batch: Batch) -> str:
 
 
 def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, graph: Graph,
-             device: torch.device, name: str) -> None:
+             features: FeatureStore, device: torch.device, name: str) -> None:
     """One unmeasured training step that creates the optimizer state and checks the logits' shape."""
-    x = graph.x[batch.input_nodes].to(device)
+    x = features.gather(batch.input_nodes, device)
     y = graph.y[batch.output_nodes].to(device)
     try:
         logits = model(batch.to(device).blocks, x)
@@ -198,11 +200,11 @@ def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, g
 
 
 def _measure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, graph: Graph,
-             device: torch.device, resident: int, name: str) -> tuple[list[LayerCounts], int]:
+             features: FeatureStore, device: torch.device, resident: int, name: str) -> tuple[list[LayerCounts], int]:
     """``(counts, peak bytes)`` of one measured step, with ``resident`` bytes live before it and the
     block structure allocated in the step (on CPU it is already resident; counted here instead)."""
     try:
-        measured = measure_training_step(model, optimizer, batch, graph.x, graph.y, device, accumulate=True)
+        measured = measure_training_step(model, optimizer, batch, features, graph.y, device, accumulate=True)
     except Exception as error:  # noqa: BLE001
         raise CalibrationError(f"cannot calibrate {name}: a training step failed on {_describe(batch)} "
                                f"({type(error).__name__}: {error})") from error

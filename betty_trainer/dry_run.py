@@ -6,10 +6,12 @@ import torch
 
 from betty_trainer.config import Config
 from betty_trainer.datasets import load_dataset
+from betty_trainer.feature_store import HostFeatureStore
 from betty_trainer.memory import measure_training_step
 from betty_trainer.models import set_dropout_key
 from betty_trainer.planning import MicroBatchPlanner, model_spec, plan_report
 from betty_trainer.sampling import sample_batch
+from betty_trainer.step import MicroBatches
 from betty_trainer.trainer import derive_seed, init_model, resolve_device, split_seeds
 
 
@@ -37,16 +39,18 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     seeds = split_seeds(graph.train_idx, config.sampling.batch_size, generator)[0]
     fanouts = config.sampling.fanouts or [None] * config.model.num_layers
     batch = sample_batch(graph, seeds, fanouts, generator)
-    micro_batches, plan = planner.plan(batch, epoch_seed % 2**31)
+    _, plan = planner.plan(batch, epoch_seed % 2**31)
+    micro_batches = MicroBatches(batch, plan.layers)  # built one at a time, as training builds them
     report = plan_report(planner, batch, micro_batches, plan)
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
     if measure:
         model = init_model(config, graph).to(device)
         set_dropout_key(model, config.seed, 0)
         optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-        measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, device)  # Adam state exists
+        features = HostFeatureStore(graph.x, pin=device.type == "cuda")  # the store training gathers from
+        measure_training_step(model, optimizer, micro_batches[0], features, graph.y, device)  # Adam state exists
         for index, (row, micro_batch) in enumerate(zip(report["micro_batches"], micro_batches)):
-            measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, device,
+            measured = measure_training_step(model, optimizer, micro_batch, features, graph.y, device,
                                              num_outputs=batch.output_nodes.numel(), accumulate=index > 0)
             row["measured_peak_bytes"] = measured.peak_bytes
             if "estimate" in row:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from betty_trainer.block import Batch
+from betty_trainer.feature_store import FeatureStore, as_feature_store
 from betty_trainer.step import micro_batch_backward
 from estimator.measure import MeasuredPeak, measure_peak
 
@@ -27,7 +28,7 @@ def measure_training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batch: Batch,
-    features: Tensor,
+    features: Tensor | FeatureStore,
     labels: Tensor,
     device: torch.device | str,
     num_outputs: int | None = None,
@@ -61,7 +62,10 @@ def measure_training_step(
         model: ``forward(blocks, x)`` returning ``(num_outputs, C)`` logits, on ``device``.
         optimizer: an optimizer over ``model``'s parameters.
         micro_batch: the micro-batch (blocks on the CPU or on ``device``).
-        features: ``(N, F)`` node features, on the CPU or on ``device``.
+        features: the :class:`~betty_trainer.feature_store.FeatureStore` the step gathers
+            from (its gather counts in the step; its stored features and a host staging
+            buffer do not), or an ``(N, F)`` tensor on the CPU or on ``device`` (wrapped,
+            unpinned).
         labels: ``(N,)`` int64 labels.
         device: where the model runs: ``cpu``, ``cuda`` or ``cuda:N``.
         num_outputs: the loss divisor ``|V|`` (the whole batch's output count when the
@@ -78,6 +82,7 @@ def measure_training_step(
         TrainingError: if the loss is NaN or infinite.
     """
     device = torch.device(device)
+    features = as_feature_store(features)
     divisor = micro_batch.output_nodes.numel() if num_outputs is None else num_outputs
     model.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)
@@ -88,7 +93,8 @@ def measure_training_step(
     if accumulate:
         resident += [parameter.grad for parameter in model.parameters()]
     if device.type == "cpu":  # on CPU the blocks are not copied inside the step but are live during it
-        resident += [t for block in micro_batch.blocks for t in (block.src_nodes, block.indptr, block.indices)]
+        resident += [t for block in micro_batch.blocks
+                     for t in (block.src_nodes, block.indptr, block.indices, block.edge_weight) if t is not None]
 
     def step() -> None:
         micro_batch_backward(model, micro_batch, features, labels, device, divisor)

@@ -10,35 +10,41 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
+from torch.nn import functional as F
 
-from betty_trainer.block import Batch
+from betty_trainer.block import Batch, Block
 from betty_trainer.checkpoint import load_checkpoint, save_checkpoint
 from betty_trainer.config import Config
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, TrainingError
+from betty_trainer.feature_store import FeatureStore, HostFeatureStore, as_feature_store
 from betty_trainer.graph import Graph
 from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.models.stack import LayerStack
 from betty_trainer.planning import MicroBatchPlanner, make_planner, plan_report
 from betty_trainer.rundir import RunDirectory, holds_run_directories, new_run_dir
-from betty_trainer.sampling import sample_batch
-from betty_trainer.step import micro_batch_backward
+from betty_trainer.sampling import sample_batch, sample_block
+from betty_trainer.step import MicroBatches, micro_batch_backward
 from partition import Plan, make_plan, redundancy
 
 logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
+EVAL_CHUNK = 8192  # dst nodes per block (layer-wise evaluation) or seeds per batch (batch evaluation)
 
 
 @dataclass
 class EpochMetrics:
-    """One line of ``metrics.jsonl``. Accuracies are fractions in ``[0, 1]``; ``seconds`` is wall time."""
+    """One line of ``metrics.jsonl``. Accuracies are fractions in ``[0, 1]``; ``seconds`` is wall time;
+    ``host_to_device_bytes`` is what training's feature gathers copied host→device in the epoch (the
+    feature store's counter; 0 when training runs on the CPU; evaluation's gathers are not included)."""
 
     epoch: int
     loss: float
@@ -48,6 +54,7 @@ class EpochMetrics:
     micro_batches: int
     input_redundancy: float
     seconds: float
+    host_to_device_bytes: int = 0
 
 
 @dataclass
@@ -95,19 +102,24 @@ def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, s
 def accumulate_gradients(
     model: nn.Module,
     micro_batches: Sequence[Batch],
-    features: Tensor,
+    features: Tensor | FeatureStore,
     labels: Tensor,
     device: torch.device,
 ) -> tuple[float, int]:
     """Forward and backward every micro-batch, accumulating ``∇ mean_{i∈V} loss_i`` in ``.grad``.
 
     Micro-batch ``k`` contributes ``Σ_{i∈V_k} CE_i / |V|`` with ``|V|`` the batch's
-    output count (Betty §4.2.3), so the sum equals the full-batch gradient.
+    output count (Betty §4.2.3), so the sum equals the full-batch gradient. Each
+    micro-batch is released before the next is read, so with
+    :class:`~betty_trainer.step.MicroBatches` (which builds a micro-batch when it is read)
+    one micro-batch is alive at a time.
 
     Args:
         model: ``forward(blocks, x)`` returning ``(num_outputs, C)`` logits.
         micro_batches: disjoint micro-batches of one batch.
-        features: ``(N, F)`` node features (any device; rows are gathered then moved).
+        features: the :class:`~betty_trainer.feature_store.FeatureStore` the input rows are
+            gathered from, or an ``(N, F)`` tensor (wrapped unpinned, see
+            :func:`~betty_trainer.feature_store.as_feature_store`).
         labels: ``(N,)`` int64 labels.
         device: where the model runs.
 
@@ -117,46 +129,162 @@ def accumulate_gradients(
     Raises:
         TrainingError: if a loss is NaN or infinite (no gradient of that batch is applied).
     """
-    total = sum(mb.output_nodes.numel() for mb in micro_batches)
-    loss_sum, correct = 0.0, 0
-    for index, micro_batch in enumerate(micro_batches):
+    features = as_feature_store(features)
+    if isinstance(micro_batches, MicroBatches):
+        total = micro_batches.num_outputs  # without building the micro-batches
+    else:
+        total = sum(mb.output_nodes.numel() for mb in micro_batches)
+    loss_sum, correct, index = 0.0, 0, 0
+    for micro_batch in micro_batches:  # not enumerate(), whose cached result tuple keeps the previous item alive
         try:
             loss, right = micro_batch_backward(model, micro_batch, features, labels, device, total)
         except TrainingError as error:
             raise TrainingError(f"{error} in micro-batch {index}; try a lower optim.lr") from None
-        loss_sum += loss
-        correct += right
+        del micro_batch  # gone before the next one is built
+        loss_sum, correct, index = loss_sum + loss, correct + right, index + 1
     return loss_sum, correct
 
 
-def full_neighbourhood_batches(graph: Graph, nodes: Tensor, num_layers: int, batch_size: int = 8192) -> list[Batch]:
-    """Full-neighbourhood batches over ``nodes`` in chunks of ``batch_size`` seeds (for evaluation)."""
-    return [sample_batch(graph, chunk, [None] * num_layers) for chunk in nodes.split(batch_size)]
+def full_neighbourhood_batches(graph: Graph, nodes: Tensor, num_layers: int,
+                               batch_size: int = EVAL_CHUNK) -> Iterator[Batch]:
+    """Full-neighbourhood batches over ``nodes`` in chunks of ``batch_size`` seeds, each sampled
+    when it is read (for :func:`evaluate`)."""
+    return (sample_batch(graph, chunk, [None] * num_layers) for chunk in nodes.split(batch_size))
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[Batch], features: Tensor, labels: Tensor, device: torch.device) -> float:
+def evaluate(model: nn.Module, batches: Iterable[Batch], features: Tensor | FeatureStore, labels: Tensor,
+             device: torch.device) -> float:
     """Accuracy over the output nodes of ``batches``, in eval mode (no dropout).
+
+    This is batch evaluation (any model); :func:`evaluate_splits` evaluates the built-in
+    models layer by layer instead.
 
     Args:
         model: the model.
         batches: e.g. from :func:`full_neighbourhood_batches`.
-        features: ``(N, F)`` node features.
+        features: the feature store, or an ``(N, F)`` tensor.
         labels: ``(N,)`` int64 labels.
         device: where the model runs.
 
     Returns:
         Fraction in ``[0, 1]`` of outputs whose argmax logit is the label; ``nan`` with no outputs.
     """
+    features = as_feature_store(features)
     was_training = model.training
     model.eval()
     correct, total = 0, 0
     for batch in batches:
-        logits = model(batch.to(device).blocks, features[batch.input_nodes].to(device))
+        logits = model(batch.to(device).blocks, features.gather(batch.input_nodes, device))
         correct += int((logits.argmax(1).cpu() == labels[batch.output_nodes]).sum())
         total += batch.output_nodes.numel()
     model.train(was_training)
     return correct / total if total else float("nan")
+
+
+def evaluates_layerwise(model: nn.Module) -> bool:
+    """Whether :func:`layerwise_logits` computes ``model``'s function: a
+    :class:`~betty_trainer.models.stack.LayerStack` (every built-in model) whose ``forward``
+    is the stack's own."""
+    return isinstance(model, LayerStack) and type(model).forward is LayerStack.forward
+
+
+@torch.no_grad()
+def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | FeatureStore, device: torch.device,
+                     nodes: Tensor | None = None, chunk_size: int = EVAL_CHUNK) -> Tensor:
+    """Logits of ``nodes`` computed one layer at a time over the whole graph, in eval mode.
+
+    Layer ``l`` of an ``L``-layer stack is computed for every node of the graph (the
+    output layer only for ``nodes``), ``chunk_size`` dst nodes at a time: a one-layer block
+    holding each chunk's full in-neighbourhood reads the previous layer's output of all
+    nodes (layer 0: the features, gathered from ``features``). Every node's hidden
+    representation is computed once per layer, not once per evaluation batch whose
+    ``L``-hop neighbourhood holds it, and no multi-layer batch is built (the layer-wise
+    inference of DGL's GraphSAGE example). The result equals ``model`` applied to
+    full-neighbourhood batches of ``nodes`` up to floating-point reassociation. Each
+    layer's output for all nodes is kept in host memory (pinned when ``device`` is CUDA):
+    ``N × hidden`` values, two layers at a time.
+
+    Args:
+        model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`evaluates_layerwise`).
+        graph: the graph (its CSC in-edges give the neighbourhoods).
+        features: the feature store, or an ``(N, F)`` tensor.
+        device: where the model runs.
+        nodes: ``(n,)`` int64 ids whose logits are returned; default: every node.
+        chunk_size: dst nodes per one-layer block.
+
+    Returns:
+        ``(n, C)`` logits on the CPU, in the order of ``nodes``.
+
+    Raises:
+        ValueError: if ``nodes`` is empty or ``chunk_size < 1``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    nodes = torch.arange(graph.num_nodes) if nodes is None else nodes
+    if nodes.numel() == 0:
+        raise ValueError("layerwise_logits needs at least one node")
+    store, pin = as_feature_store(features), device.type == "cuda"
+    last = len(model.layers) - 1
+    was_training = model.training
+    model.eval()
+    try:
+        for index in range(last + 1):
+            dst = nodes if index == last else torch.arange(graph.num_nodes)
+            out = None
+            for chunk in dst.split(chunk_size):
+                block = sample_block(graph, chunk, None)
+                h = _stack_layer(model, index, block.to(device), store.gather(block.src_nodes, device))
+                if out is None:
+                    out, start = torch.empty(dst.numel(), h.shape[1], dtype=h.dtype, pin_memory=pin), 0
+                out[start:start + chunk.numel()].copy_(h)
+                start += chunk.numel()
+            store = HostFeatureStore(out, pin=pin)  # this layer's output is the next layer's input
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _stack_layer(model: LayerStack, index: int, block: Block, h: Tensor) -> Tensor:
+    """Layer ``index`` of ``model`` on one block as ``LayerStack.forward`` runs it: dropout
+    (the identity in eval mode), the layer, then ReLU unless it is the output layer."""
+    h = model.apply_layer(model.layers[index], block, model.dropout(h, block.src_nodes, index))
+    return F.relu(h) if index < len(model.layers) - 1 else h
+
+
+def evaluate_splits(model: nn.Module, graph: Graph, features: Tensor | FeatureStore, device: torch.device,
+                    splits: Mapping[str, Tensor], num_layers: int, chunk_size: int = EVAL_CHUNK) -> dict[str, float]:
+    """Accuracy of ``model`` on each split of node ids, in eval mode (no dropout).
+
+    Built-in models (:func:`evaluates_layerwise`) are evaluated layer by layer, once for all
+    splits together (:func:`layerwise_logits`); any other model on full-neighbourhood
+    batches of each split, sampled one chunk at a time (:func:`full_neighbourhood_batches`,
+    :func:`evaluate`). Both compute the same logits.
+
+    Args:
+        model: the model.
+        graph: the graph (labels ``graph.y``).
+        features: the feature store, or an ``(N, F)`` tensor.
+        device: where the model runs.
+        splits: name → ``(n,)`` int64 node ids, e.g. ``{"val": graph.val_idx, "test": graph.test_idx}``.
+        num_layers: blocks per batch (batch evaluation only).
+        chunk_size: dst nodes per block (layer-wise) or seeds per batch.
+
+    Returns:
+        name → fraction in ``[0, 1]`` of the split's nodes whose argmax logit is the label;
+        ``nan`` for an empty split.
+    """
+    features = as_feature_store(features)
+    if not evaluates_layerwise(model):
+        return {name: evaluate(model, full_neighbourhood_batches(graph, nodes, num_layers, chunk_size),
+                               features, graph.y, device) for name, nodes in splits.items()}
+    accuracy = {name: float("nan") for name in splits}
+    present = {name: nodes for name, nodes in splits.items() if nodes.numel()}
+    if present:
+        logits = layerwise_logits(model, graph, features, device, torch.cat(list(present.values())), chunk_size)
+        for (name, nodes), part in zip(present.items(), logits.split([n.numel() for n in present.values()])):
+            accuracy[name] = int((part.argmax(1) == graph.y[nodes]).sum()) / nodes.numel()
+    return accuracy
 
 
 def resolve_device(name: str) -> torch.device:
@@ -214,10 +342,8 @@ def train(
     model = (model if model is not None else init_model(config, graph)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
     fanouts = config.sampling.fanouts or [None] * config.model.num_layers
-    features = graph.x.pin_memory() if device.type == "cuda" else graph.x
-
-    eval_batches = {split: full_neighbourhood_batches(graph, nodes, len(fanouts))
-                    for split, nodes in (("val", graph.val_idx), ("test", graph.test_idx))}
+    features = HostFeatureStore(graph.x, pin=device.type == "cuda")
+    splits = {"val": graph.val_idx, "test": graph.test_idx}
 
     run = RunDirectory.open(run_dir or new_run_dir(config), create=not resume)  # refused if another run holds it
     run_dir, metrics_path = run.path, run.path / "metrics.jsonl"
@@ -243,6 +369,7 @@ def train(
             generator = torch.Generator().manual_seed(epoch_seed)
             seed_batches = split_seeds(graph.train_idx, config.sampling.batch_size, generator)
             loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
+            moved_before = features.stats.host_to_device_bytes
             for index, seeds in enumerate(seed_batches):
                 batch = sample_batch(graph, seeds, fanouts, generator)
                 set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
@@ -255,16 +382,17 @@ def train(
                 loss_sum += outcome.loss * seeds.numel()
                 correct += outcome.correct
                 k_used = max(k_used, len(outcome.batches))
-                input_redundancy = max(input_redundancy,
-                                       redundancy(batch.blocks, [mb.blocks for mb in outcome.batches])[0])
+                input_redundancy = max(input_redundancy, redundancy(batch.blocks, outcome.plan.layers)[0])
+            moved = features.stats.host_to_device_bytes - moved_before
 
             evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
-            val_acc = evaluate(model, eval_batches["val"], features, graph.y, device) if evaluate_now else None
-            test_acc = evaluate(model, eval_batches["test"], features, graph.y, device) if evaluate_now else None
+            accuracy = evaluate_splits(model, graph, features, device, splits, len(fanouts)) if evaluate_now else {}
+            val_acc, test_acc = accuracy.get("val"), accuracy.get("test")
             if val_acc is not None and val_acc > best["val_acc"]:
                 best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
             last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),
-                                val_acc, test_acc, k_used, input_redundancy, time.perf_counter() - started)
+                                val_acc, test_acc, k_used, input_redundancy, time.perf_counter() - started,
+                                host_to_device_bytes=moved)
             run.append_line("metrics.jsonl", json.dumps(asdict(last)))
             save_checkpoint(run_dir, {"epoch": epoch, "model": model.state_dict(),
                                       "optimizer": optimizer.state_dict(), "best": best})
@@ -277,16 +405,16 @@ def train(
 
 @dataclass
 class _BatchOutcome:
-    batches: list[Batch]
+    batches: MicroBatches
     plan: Plan
     loss: float
     correct: int
 
 
 def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: MicroBatchPlanner, batch: Batch,
-                 features: Tensor, labels: Tensor, device: torch.device, seed: int, where: str,
+                 features: FeatureStore, labels: Tensor, device: torch.device, seed: int, where: str,
                  run_dir: Path) -> _BatchOutcome:
-    """Plan, accumulate gradients over the micro-batches (no optimizer step).
+    """Plan, accumulate gradients over the micro-batches, each built when it runs (no optimizer step).
 
     A CUDA out-of-memory error in a micro-batch discards that batch's partial
     gradients, re-plans with more micro-batches and redoes the batch (Betty §4.4.3),
@@ -294,7 +422,8 @@ def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: Mi
     """
     min_k = 1
     while True:
-        micro_batches, plan = planner.plan(batch, seed, min_k)
+        _, plan = planner.plan(batch, seed, min_k)
+        micro_batches = MicroBatches(batch, plan.layers)
         optimizer.zero_grad(set_to_none=True)
         try:
             loss, correct = accumulate_gradients(model, micro_batches, features, labels, device)

@@ -1,0 +1,190 @@
+"""The feature store: where node features live and how a batch's input rows reach the device
+(DESIGN.md › Seams, Feature store; › Feature store and GPU node cache).
+
+Training never indexes a raw feature tensor: it asks a :class:`FeatureStore` for the rows
+of a micro-batch's input nodes on the device the model runs on, and the store counts what
+that cost. :class:`HostFeatureStore` keeps the features in host memory (pinned where CUDA is
+present) and stages each gather in a reusable pinned buffer, so the host→device copy is
+truly asynchronous (a copy from pageable memory is synchronous whatever ``non_blocking``
+says). The GPU node cache (GNS §3.2) plugs in behind the same ``gather``; until then every
+row is a miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+STAGING_GROWTH = 1.5  # a staging buffer that is too small is replaced by one this many times larger (or the request)
+
+
+@dataclass
+class TransferStats:
+    """What a feature store's gathers cost, counted since the store was made.
+
+    Attributes:
+        hits: rows served from a device cache (no transfer).
+        misses: rows read from the store's own storage (every row, without a cache).
+        host_to_device_bytes: bytes copied from the storage device to the target device
+            (``rows × row bytes`` of the misses when the two differ, 0 when they are the same);
+            the figure PCIe-saving features are judged on.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    host_to_device_bytes: int = 0
+
+    def snapshot(self) -> TransferStats:
+        """A copy of the counters now (subtract two snapshots for the cost of what ran between them)."""
+        return replace(self)
+
+    def __sub__(self, other: TransferStats) -> TransferStats:
+        return TransferStats(self.hits - other.hits, self.misses - other.misses,
+                             self.host_to_device_bytes - other.host_to_device_bytes)
+
+
+@runtime_checkable
+class FeatureStore(Protocol):
+    """Node features behind one call: ``gather(node_ids, device)``, with transfer statistics.
+
+    Implementations return ``(len(node_ids), F)`` rows on ``device`` in the order of
+    ``node_ids``, as a new tensor the caller owns (the training step lets input dropout
+    overwrite it), and add what the gather cost to ``stats``. The training step, measurement,
+    calibration and evaluation take a store, never a raw tensor (see :func:`as_feature_store`).
+    """
+
+    stats: TransferStats
+
+    def gather(self, node_ids: Tensor, device: torch.device | str) -> Tensor:
+        """``(len(node_ids), F)`` features of ``node_ids`` (int64, any device) on ``device``."""
+        ...
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether ``a`` and ``b`` name the same device (``cuda`` is the current CUDA device)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index == b.index:
+        return True
+    if a.type != "cuda":
+        return {a.index, b.index} <= {None, 0}
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def transfer_bytes(rows: int, row_bytes: int, source: torch.device | str, target: torch.device | str) -> int:
+    """Bytes a gather of ``rows`` rows of ``row_bytes`` bytes each moves from ``source`` to
+    ``target``: ``rows × row_bytes`` when they are different devices, else 0."""
+    return 0 if same_device(source, target) else rows * row_bytes
+
+
+class HostFeatureStore:
+    """Features in host memory, gathered through a reusable (pinned) staging buffer.
+
+    A gather to the storage's own device returns ``x[node_ids]`` (a new tensor; nothing is
+    staged or counted as moved). A gather to another device selects the rows into a staging
+    buffer (pinned when ``pin``), then copies it with ``non_blocking=True``: from pinned
+    memory the copy is asynchronous with respect to the host, and the buffer is not written
+    again before a CUDA event recorded after the copy has completed. The buffer grows when a
+    gather needs more rows (to :data:`STAGING_GROWTH` times its size, or the request) and is
+    reused by every smaller gather.
+
+    Args:
+        x: ``(N, F)`` features (float32 or float16), normally on the CPU; a tensor already on
+            a GPU is gathered there (``index_select``) and copied if another device asks.
+        pin: pin ``x`` (a copy of it, unless it is pinned already) and the staging buffer.
+            Default: ``torch.cuda.is_available()``. Pinning needs CUDA; ``x`` must be on the CPU.
+
+    Attributes:
+        x: the stored features.
+        stats: the :class:`TransferStats` of every gather so far.
+
+    Raises:
+        ValueError: if ``x`` is not two-dimensional.
+        RuntimeError: from torch, if ``pin`` is set without CUDA.
+    """
+
+    def __init__(self, x: Tensor, pin: bool | None = None):
+        if x.dim() != 2:
+            raise ValueError(f"features must be (N, F), got shape {tuple(x.shape)}")
+        self.pinned = (torch.cuda.is_available() if pin is None else pin) and x.device.type == "cpu"
+        self.x = x.pin_memory() if self.pinned and not x.is_pinned() else x
+        self.stats = TransferStats()
+        self._staging: Tensor | None = None  # flat buffer of ``capacity`` elements
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of the staging buffer
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one node's features (``F × itemsize``)."""
+        return self.x.shape[1] * self.x.element_size()
+
+    @property
+    def staging_rows(self) -> int:
+        """Rows the staging buffer holds now (0 before the first gather to another device)."""
+        return 0 if self._staging is None else self._staging.numel() // max(self.x.shape[1], 1)
+
+    def gather(self, node_ids: Tensor, device: torch.device | str) -> Tensor:
+        """``(len(node_ids), F)`` rows of ``x`` on ``device``, in the order of ``node_ids``.
+
+        Args:
+            node_ids: ``(n,)`` int64 node ids in ``[0, N)``, on any device.
+            device: the target device.
+
+        Returns:
+            A new tensor (never a view of the store or of the staging buffer).
+
+        Raises:
+            IndexError: from torch, for ids outside ``[0, N)``.
+        """
+        device = torch.device(device)
+        ids = node_ids.to(self.x.device)
+        moved = transfer_bytes(ids.numel(), self.row_bytes, self.x.device, device)
+        if moved == 0:
+            rows = self.x.index_select(0, ids)
+        elif self.x.device.type != "cpu":
+            rows = self.x.index_select(0, ids).to(device)
+        else:
+            rows = self._stage(ids).to(device, non_blocking=self.pinned)
+            if self.pinned and device.type == "cuda":
+                self._copied = torch.cuda.Event()
+                self._copied.record(torch.cuda.current_stream(device))
+        self.stats.misses += ids.numel()
+        self.stats.host_to_device_bytes += moved
+        return rows
+
+    def _stage(self, ids: Tensor) -> Tensor:
+        """``x[ids]`` written into the staging buffer; returns the ``(n, F)`` view of it."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy out of the buffer has finished
+            self._copied = None
+        width = self.x.shape[1]
+        needed = ids.numel() * width
+        if self._staging is None or self._staging.numel() < needed:
+            capacity = max(needed, int(STAGING_GROWTH * (0 if self._staging is None else self._staging.numel())))
+            self._staging = torch.empty(capacity, dtype=self.x.dtype, pin_memory=self.pinned)
+        staged = self._staging[:needed].view(ids.numel(), width)
+        torch.index_select(self.x, 0, ids, out=staged)
+        return staged
+
+    def __repr__(self) -> str:
+        n, f = self.x.shape
+        return f"HostFeatureStore(nodes={n}, features={f}, dtype={self.x.dtype}, pinned={self.pinned})"
+
+
+def as_feature_store(features: Tensor | FeatureStore) -> FeatureStore:
+    """``features`` itself if it is a store, else a :class:`HostFeatureStore` over the ``(N, F)``
+    tensor, unpinned (pinning copies the whole matrix: make the store once, with ``pin``, to
+    train on a GPU).
+
+    Raises:
+        TypeError: for anything else.
+    """
+    if isinstance(features, Tensor):
+        return HostFeatureStore(features, pin=False)
+    if isinstance(features, FeatureStore):
+        return features
+    raise TypeError(f"features must be a (N, F) tensor or a FeatureStore, got {type(features).__name__}")

@@ -1,0 +1,114 @@
+"""Layer-wise evaluation (one layer at a time over all nodes, as DGL's examples do) computes the same logits
+and accuracies as evaluation on full-neighbourhood batches; models that are not a plain LayerStack fall back
+to the batch evaluation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from betty_trainer import (
+    GCN,
+    GraphSAGE,
+    HostFeatureStore,
+    evaluate,
+    evaluate_splits,
+    full_neighbourhood_batches,
+    layerwise_logits,
+)
+from betty_trainer.models import GAT
+from betty_trainer.models.stack import LayerStack
+from betty_trainer.trainer import evaluates_layerwise
+
+CPU = torch.device("cpu")
+MODELS = {
+    "sage-mean": lambda g, layers: GraphSAGE(g.num_features, 32, g.num_classes, layers, "mean", 0.5),
+    "gcn": lambda g, layers: GCN(g.num_features, 32, g.num_classes, g.in_degrees(), layers, 0.5),
+    "gat": lambda g, layers: GAT(g.num_features, 8, g.num_classes, layers, 4, 0.5),
+}
+
+
+@torch.no_grad()
+def batch_logits(model, graph, nodes, num_layers):
+    """The old evaluation's logits: the model on full-neighbourhood batches of ``nodes`` (300 seeds each)."""
+    model.eval()
+    logits = torch.cat([model(batch.blocks, graph.x[batch.input_nodes])
+                        for batch in full_neighbourhood_batches(graph, nodes, num_layers, batch_size=300)])
+    model.train()
+    return logits
+
+
+@pytest.mark.parametrize("arch,num_layers", [("sage-mean", 2), ("sage-mean", 3), ("gcn", 2), ("gat", 2)])
+def test_layerwise_logits_equal_full_neighbourhood_batch_logits_on_cora(cora, arch, num_layers):
+    torch.manual_seed(0)
+    model = MODELS[arch](cora, num_layers)
+    model.train()  # evaluation must switch dropout off, and leave the mode as it was
+    nodes = torch.cat([cora.val_idx, cora.test_idx])
+    expected = batch_logits(model, cora, nodes, num_layers)
+    got = layerwise_logits(model, cora, HostFeatureStore(cora.x, pin=False), CPU, nodes, chunk_size=700)
+    assert model.training
+    assert got.shape == expected.shape == (nodes.numel(), cora.num_classes)
+    scale = expected.abs().max()
+    assert scale > 0 and (got - expected).abs().max() <= 1e-5 * scale, (got - expected).abs().max() / scale
+    assert torch.equal(got.argmax(1), expected.argmax(1))
+    everything = layerwise_logits(model, cora, cora.x, CPU, chunk_size=1000)  # all nodes, by default
+    assert torch.equal(everything[nodes], got)
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_evaluate_splits_gives_the_batch_evaluations_accuracies(cora, arch):
+    torch.manual_seed(1)
+    model = MODELS[arch](cora, 2)
+    store = HostFeatureStore(cora.x, pin=False)
+    splits = {"val": cora.val_idx, "test": cora.test_idx, "none": cora.val_idx[:0]}
+    accuracy = evaluate_splits(model, cora, store, CPU, splits, num_layers=2)
+    for name in ("val", "test"):
+        batches = full_neighbourhood_batches(cora, splits[name], 2)
+        assert accuracy[name] == evaluate(model, batches, cora.x, cora.y, CPU)
+    assert accuracy["none"] != accuracy["none"], "an empty split's accuracy is nan"
+    assert store.stats.misses == cora.num_nodes, "layer 0 reads every node's features once"
+
+
+class TwoHopMean(torch.nn.Module):
+    """A custom model (not a LayerStack): mean of the in-neighbours' features, twice, then a linear map."""
+
+    def __init__(self, in_feats, classes):
+        super().__init__()
+        self.linear = torch.nn.Linear(in_feats, classes)
+        self.calls = 0
+
+    def forward(self, blocks, x):
+        self.calls += 1
+        for block in blocks:
+            degree = block.in_degrees().clamp(min=1).unsqueeze(1).float()
+            x = torch.zeros(block.num_dst, x.shape[1]).index_add_(0, block.edge_dst(), x[block.indices]) / degree
+        return self.linear(x)
+
+
+class SkipStack(GraphSAGE):
+    """A LayerStack whose forward is not the stack's: layer-wise evaluation would not compute it."""
+
+    def forward(self, blocks, x):
+        return super().forward(blocks, x) + 1.0
+
+
+@pytest.mark.parametrize("make", [lambda g: TwoHopMean(g.num_features, g.num_classes),
+                                  lambda g: SkipStack(g.num_features, 16, g.num_classes, 2)],
+                         ids=["custom-module", "stack-with-own-forward"])
+def test_other_models_fall_back_to_batch_evaluation(cora, make):
+    torch.manual_seed(2)
+    model = make(cora)
+    assert not evaluates_layerwise(model)
+    splits = {"val": cora.val_idx, "test": cora.test_idx}
+    accuracy = evaluate_splits(model, cora, cora.x, CPU, splits, num_layers=2, chunk_size=400)
+    for name, nodes in splits.items():
+        assert accuracy[name] == evaluate(model, full_neighbourhood_batches(cora, nodes, 2), cora.x, cora.y, CPU)
+    assert isinstance(model, LayerStack) or model.calls > 2, "batch evaluation, chunk by chunk"
+
+
+def test_layerwise_logits_refuses_empty_nodes_and_bad_chunks(cora):
+    model = MODELS["gcn"](cora, 2)
+    with pytest.raises(ValueError, match="at least one node"):
+        layerwise_logits(model, cora, cora.x, CPU, cora.val_idx[:0])
+    with pytest.raises(ValueError, match="chunk_size"):
+        layerwise_logits(model, cora, cora.x, CPU, chunk_size=0)

@@ -1,0 +1,191 @@
+"""The feature store seam (DESIGN.md › Seams): gathers equal ``x[ids]``, transfer counters are exact, the
+staging buffer is reused, and the training step gathers through a store, one micro-batch alive at a time."""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import ClassVar
+
+import pytest
+import torch
+
+from betty_trainer import (
+    FeatureStore,
+    GraphSAGE,
+    HostFeatureStore,
+    MicroBatches,
+    TransferStats,
+    accumulate_gradients,
+    as_feature_store,
+    load_config,
+    make_sbm,
+    plan_micro_batches,
+    sample_batch,
+)
+from betty_trainer import trainer as trainer_module
+from betty_trainer.feature_store import same_device, transfer_bytes
+from partition import make_plan
+
+CPU = torch.device("cpu")
+META = torch.device("meta")  # a device other than the storage's, on a machine without a GPU
+
+
+@pytest.fixture
+def x():
+    return torch.randn(500, 7, generator=torch.Generator().manual_seed(0))
+
+
+def ids_of(n: int, seed: int = 0) -> torch.Tensor:
+    """Unordered ids with repeats, as a batch's input nodes never are but a store must allow."""
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_gather_on_the_storage_device_equals_indexing_and_moves_nothing(x):
+    store = HostFeatureStore(x, pin=False)
+    ids = ids_of(123)
+    rows = store.gather(ids, CPU)
+    assert torch.equal(rows, x[ids])
+    rows.zero_()  # a new tensor, not a view of the store
+    assert torch.equal(store.x, x) and store.x.abs().sum() > 0
+    assert store.stats == TransferStats(hits=0, misses=123, host_to_device_bytes=0)
+    assert store.staging_rows == 0, "a gather to the storage device is not staged"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bytes_moved_are_rows_times_row_bytes_when_the_devices_differ(x, dtype):
+    store = HostFeatureStore(x.to(dtype), pin=False)
+    first = store.gather(ids_of(100), META)
+    assert first.device == META and first.shape == (100, 7) and first.dtype == dtype
+    assert store.stats == TransferStats(0, 100, 100 * 7 * dtype.itemsize)
+    before = store.stats.snapshot()
+    store.gather(ids_of(40, 1), META)
+    store.gather(ids_of(60, 2), CPU)  # same device: rows read, nothing moved
+    assert store.stats - before == TransferStats(0, 100, 40 * 7 * dtype.itemsize)
+    assert store.stats == TransferStats(0, 200, 140 * 7 * dtype.itemsize)
+
+
+def test_transfer_bytes_counts_only_moves_between_different_devices():
+    assert transfer_bytes(10, 28, "cpu", "cpu:0") == 0
+    assert transfer_bytes(10, 28, "cpu", "meta") == 280
+    assert transfer_bytes(0, 28, "cpu", "meta") == 0
+    assert same_device("cpu", torch.device("cpu", 0)) and not same_device("cpu", "meta")
+
+
+def test_staging_buffer_is_reused_by_smaller_gathers_and_grows_for_larger_ones(x):
+    store = HostFeatureStore(x, pin=False)
+    store.gather(ids_of(100), META)
+    assert store.staging_rows == 100
+    buffer = store._staging.data_ptr()
+    for n in (40, 100, 1):
+        ids = ids_of(n, n)
+        assert torch.equal(store._stage(ids), x[ids])
+        store.gather(ids, META)
+        assert store.staging_rows == 100 and store._staging.data_ptr() == buffer, f"grew for {n} rows"
+    ids = ids_of(120, 3)
+    store.gather(ids, META)
+    assert store.staging_rows == 150, "grows by STAGING_GROWTH (1.5×) when 1.5× covers the request"
+    assert torch.equal(store._stage(ids), x[ids])
+    store.gather(ids_of(400, 4), META)
+    assert store.staging_rows == 400, "or to the request when it is larger"
+
+
+def test_as_feature_store_wraps_a_tensor_without_copying_and_passes_a_store_through(x):
+    store = as_feature_store(x)
+    assert isinstance(store, HostFeatureStore) and isinstance(store, FeatureStore)
+    assert store.x is x and not store.pinned, "a raw tensor is wrapped as it is (no pinned copy of the matrix)"
+    assert as_feature_store(store) is store
+    with pytest.raises(TypeError, match="FeatureStore"):
+        as_feature_store(x.numpy())
+    with pytest.raises(ValueError, match=r"\(N, F\)"):
+        HostFeatureStore(x[:, 0])
+    assert HostFeatureStore(x).pinned == torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned host→GPU path needs a CUDA GPU")
+def test_pinned_staging_to_a_gpu_is_exact_and_not_overwritten_while_copying(x):
+    store = HostFeatureStore(x)
+    assert store.pinned and store.x.is_pinned()
+    big, small = ids_of(400), ids_of(30, 1)
+    first = store.gather(big, "cuda")
+    second = store.gather(small, "cuda")  # rewrites the staging buffer the first copy read from
+    assert store._staging.is_pinned()
+    assert torch.equal(first.cpu(), x[big]) and torch.equal(second.cpu(), x[small])
+    assert store.stats == TransferStats(0, 430, 430 * 7 * 4)
+
+
+def test_micro_batches_are_built_when_read_and_equal_the_planned_ones():
+    graph = make_sbm(num_nodes=400, num_features=16, avg_degree=6, train_per_class=30, num_val=20, num_test=20)
+    batch = sample_batch(graph, graph.train_idx, [5, 5], torch.Generator().manual_seed(0))
+    eager = plan_micro_batches(batch, 3, "range", seed=0)
+    lazy = MicroBatches(batch, make_plan(batch.blocks, k=3, partitioner="range", seed=0).layers)
+    assert len(lazy) == 3 and lazy.num_outputs == batch.output_nodes.numel()
+    for built in (list(lazy), lazy[0:3], [lazy[i] for i in range(3)]):
+        for one, other in zip(eager, built):
+            for a, b in zip(one.blocks, other.blocks):
+                assert torch.equal(a.src_nodes, b.src_nodes) and torch.equal(a.indices, b.indices)
+                assert torch.equal(a.indptr, b.indptr) and a.num_dst == b.num_dst
+
+
+class WatchedMicroBatches(MicroBatches):
+    """Checks, as each micro-batch is built, that the one before it is no longer referenced."""
+
+    def __iter__(self):
+        previous = None
+        for micro_batch in super().__iter__():
+            assert previous is None or previous() is None, "the previous micro-batch is still alive"
+            previous = weakref.ref(micro_batch)
+            yield micro_batch
+            del micro_batch
+
+
+def test_training_gathers_through_the_store_with_one_micro_batch_alive():
+    graph = make_sbm(num_nodes=400, num_features=16, avg_degree=6, train_per_class=30, num_val=20, num_test=20)
+    batch = sample_batch(graph, graph.train_idx, [5, 5], torch.Generator().manual_seed(0))
+    plan = make_plan(batch.blocks, k=4, partitioner="range", seed=0)
+    torch.manual_seed(0)
+    model = GraphSAGE(16, 8, graph.num_classes, 2, "mean", 0.0)
+    accumulate_gradients(model, plan_micro_batches(batch, 4, "range", 0), graph.x, graph.y, CPU)
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    store = HostFeatureStore(graph.x, pin=False)
+    accumulate_gradients(model, WatchedMicroBatches(batch, plan.layers), store, graph.y, CPU)
+    for expected, got in zip(reference, (p.grad for p in model.parameters())):
+        assert torch.equal(expected, got)
+    assert store.stats == TransferStats(0, sum(slices[0].num_src for slices in plan.layers), 0)
+
+
+class PretendRemoteStore(HostFeatureStore):
+    """Counts every gather as if it crossed to another device; logs each gather's bytes."""
+
+    log: ClassVar[list[int]] = []
+
+    def gather(self, node_ids, device):
+        self.stats.host_to_device_bytes += node_ids.numel() * self.row_bytes
+        PretendRemoteStore.log.append(node_ids.numel() * self.row_bytes)
+        return super().gather(node_ids, device)
+
+
+def test_metrics_record_the_bytes_training_moved_in_each_epoch(tmp_path, monkeypatch):
+    windows, evaluate_splits = [], trainer_module.evaluate_splits
+
+    def marked(*args, **kwargs):  # evaluation's gathers fall in [start, end) of the log
+        start = len(PretendRemoteStore.log)
+        result = evaluate_splits(*args, **kwargs)
+        windows.append((start, len(PretendRemoteStore.log)))
+        return result
+
+    monkeypatch.setattr(PretendRemoteStore, "log", [])
+    monkeypatch.setattr(trainer_module, "HostFeatureStore", PretendRemoteStore)
+    monkeypatch.setattr(trainer_module, "evaluate_splits", marked)
+    config = load_config(None, ["optim.epochs=2", "train.progress=false", "dataset.synthetic.num_nodes=600",
+                                "dataset.synthetic.num_val=100", "dataset.synthetic.num_test=100",
+                                "micro_batch.num_micro_batches=3", "sampling.fanouts=5,5", "sampling.batch_size=40"])
+    trainer_module.train(config, run_dir=tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    log = PretendRemoteStore.log
+    (start0, end0), (start1, _) = windows
+    assert start1 > end0 > start0, "both epochs gathered for training and for evaluation"
+    per_epoch = [sum(log[:start0]), sum(log[end0:start1])]
+    assert all(value > 0 for value in per_epoch)
+    assert [line["host_to_device_bytes"] for line in lines] == per_epoch, "training's gathers only, per epoch"
