@@ -1,0 +1,457 @@
+"""betty-trainer side by side with DGL 2.1 (issue 7's table): memory, step time, sampling, mini-batch epochs.
+
+One run prints, for the same graph arrays, seeds and thread count, betty-trainer's
+figures beside DGL's. DGL runs in its own environment (``--dgl-python``, default
+``/work/dgl-venv/bin/python``) as a subprocess serving ``benchmarks/dgl_side.py``;
+the two sides' repetitions interleave (ours, DGL, ours, …) so machine noise hits both.
+Both sides call ``torch.set_num_threads(--threads)`` (and get ``OMP_NUM_THREADS``).
+
+Model: 2-layer GraphSAGE-mean, dropout 0.5 on the input features and the hidden layer,
+Adam (lr 0.01, weight decay 5e-4), one training step = forward + backward + Adam step.
+
+Sections (``--sections``):
+
+``memory``
+    The measured peak of one full-batch step, full neighbourhood: ours at each K of
+    ``--ks`` (the largest peak over the K micro-batches, each measured as training runs
+    it: ``betty_trainer.memory.measure_training_step``, later micro-batches accumulating)
+    vs DGL's ``SAGEConv`` on the whole graph (``dgl.graph``). Both sides measure with
+    ``estimator.measure.measure_peak`` (DGL side: the same file loaded by path): the peak
+    of live bytes replayed from ``torch.profiler``'s allocation records, after one warm-up
+    step so Adam's moments exist; resident = parameters, Adam state and graph structure
+    (betty: the micro-batch's blocks; DGL: the graph's CSC tensors). The feature matrix
+    is host data on both sides and not resident (DGL reads it in place; betty gathers a
+    micro-batch's rows inside the step, and that copy counts). The output nodes are
+    ``--outputs``: ``all`` (default: every node, so K = 1 computes exactly what DGL's
+    full-graph step computes) or ``train`` (the dataset's training split; DGL still
+    computes every node and takes the loss on those).
+``time``
+    Step time, full batch, full neighbourhood, for ``--epochs`` epochs (interleaved):
+    ours K = 1, DGL, ours K = ``--time-k``. Ours is what ``betty_trainer.train`` does per
+    batch: ``sample_batch`` (full neighbourhood), ``MicroBatchPlanner.plan`` (REG + METIS +
+    slicing; K = 1 skips the partitioner), ``accumulate_gradients``, ``optimizer.step``.
+    Printed: the first epoch and the median of the later ones (steady state: a planner
+    that reuses the plan of an unchanged batch shows it there), the ratios ours/DGL and
+    K/K=1, and the planning share of the K step.
+``sampling``
+    Neighbour-sampling throughput (seeds/s), fanouts ``--sample-fanouts`` (10,10,10),
+    batch ``--batch-size`` (1024), the same seed batches (a seeded permutation of all
+    nodes) on both sides: ``betty_trainer.sample_batch`` (blocks relabelled) vs
+    ``dgl.dataloading.NeighborSampler.sample_blocks``. Graphs ``--sample-graphs``:
+    ego-Twitter (``../shared/datasets/snap-jlg/ego-twitter-undirected.jlg``, symmetrised,
+    self loops dropped) and Coauthor Physics. The sampled edge counts are printed as a check
+    that both sides do the same work.
+``minibatch``
+    One mini-batch training epoch (batch 1024, fanouts ``--train-fanouts`` 10,25) on
+    ``--minibatch-graph`` (Amazon Computers) over every node (``--outputs all``) or the
+    training split, the same shuffled seed batches on both sides: epoch time and the
+    part of it spent sampling.
+
+The CPU is shared: figures are medians of interleaved repetitions, and still noisy.
+
+Run:
+    python benchmarks/versus_dgl.py --quick
+    python benchmarks/versus_dgl.py                      # everything (tens of minutes on 2 cores)
+    python benchmarks/versus_dgl.py --sections memory --graphs coauthor-physics --hidden 64 --ks 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Kineto logs "USDT … profiler_start/stop" lines per measured step on stderr; level 6 silences them.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from betty_trainer import sample_batch  # noqa: E402
+from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
+from betty_trainer.datasets import load_dataset  # noqa: E402
+from betty_trainer.graph import Graph  # noqa: E402
+from betty_trainer.memory import measure_training_step  # noqa: E402
+from betty_trainer.models import set_dropout_key  # noqa: E402
+from betty_trainer.planning import make_planner  # noqa: E402
+from betty_trainer.trainer import accumulate_gradients, derive_seed, init_model, split_seeds  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED = REPO_ROOT.parent / "shared" / "datasets"
+MIB = 2**20
+CPU = torch.device("cpu")
+TWITTER = "ego-twitter"
+
+
+# --- data ----------------------------------------------------------------------------------------------------
+
+def load_jlg(path: Path) -> Graph:
+    """A Graphs.jl ``.jlg`` edge list (gzip text: header ``n,m,d|u,name``, then 1-based ``src,dst`` lines) as an
+    undirected graph without self loops; one zero feature column, label 0, no splits (structure only)."""
+    with gzip.open(path, "rt") as handle:
+        header = handle.readline().strip().split(",")
+        body = handle.read()
+    num_nodes = int(header[0])
+    edges = np.array(body.replace("\n", ",").strip(",").split(","), dtype=np.int64).reshape(-1, 2) - 1
+    empty = torch.zeros(0, dtype=torch.int64)
+    return Graph.from_edges(torch.from_numpy(edges[:, 0]), torch.from_numpy(edges[:, 1]), num_nodes,
+                            x=torch.zeros(num_nodes, 1), y=torch.zeros(num_nodes, dtype=torch.int64),
+                            train_idx=empty, val_idx=empty, test_idx=empty, num_classes=1, name=TWITTER)
+
+
+def load_graph(name: str, args: argparse.Namespace) -> Graph:
+    if name == TWITTER:
+        return load_jlg(args.twitter)
+    return load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
+
+
+def export(graph: Graph, folder: Path, features: bool) -> None:
+    """The arrays DGL needs, as plain ``.npy`` (no pickles): CSC structure, and features and labels if asked."""
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "indptr.npy", graph.indptr.numpy())
+    np.save(folder / "indices.npy", graph.indices.numpy())
+    np.save(folder / "num_classes.npy", np.array(graph.num_classes))
+    if features:
+        np.save(folder / "x.npy", graph.x.numpy())
+        np.save(folder / "y.npy", graph.y.numpy())
+
+
+def outputs_of(graph: Graph, which: str) -> torch.Tensor:
+    return torch.arange(graph.num_nodes) if which == "all" else graph.train_idx
+
+
+# --- the DGL subprocess ----------------------------------------------------------------------------------------
+
+class DGLSide:
+    """``benchmarks/dgl_side.py`` in DGL's environment, driven over JSON lines."""
+
+    def __init__(self, python: str, threads: int, log: Path):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "BENCH_THREADS": str(threads),
+               "PYTHONWARNINGS": "ignore"}
+        env.pop("PYTHONPATH", None)
+        self.log = log
+        self.process = subprocess.Popen([python, str(REPO_ROOT / "benchmarks" / "dgl_side.py")], env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
+                                        text=True, cwd=REPO_ROOT)
+
+    def __call__(self, op: str, **arguments) -> dict:
+        self.process.stdin.write(json.dumps({"op": op, **arguments}) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            tail = self.log.read_text()[-2000:]
+            raise SystemExit(f"the DGL side exited during {op!r}; its stderr ends with:\n{tail}")
+        reply = json.loads(line)
+        if not reply.pop("ok"):
+            raise SystemExit(f"the DGL side failed in {op!r}: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.process.stdin.flush()
+            self.process.wait(timeout=60)
+
+
+# --- our side ------------------------------------------------------------------------------------------------
+
+def config_for(hidden: int, k: int, seed: int):
+    return load_config(None, [f"model.hidden={hidden}", "model.arch=sage", "model.aggregator=mean",
+                              "model.num_layers=2", "model.dropout=0.5", f"micro_batch.num_micro_batches={k}",
+                              "micro_batch.partitioner=reg", f"seed={seed}", "train.device=cpu"])
+
+
+class Ours:
+    """A model, Adam and planner for one (graph, hidden, K), stepped as ``betty_trainer.train`` steps a batch."""
+
+    def __init__(self, graph: Graph, hidden: int, k: int, seed: int):
+        self.graph, self.seed = graph, seed
+        self.config = config_for(hidden, k, seed)
+        self.model = init_model(self.config, graph)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.optim.lr,
+                                          weight_decay=self.config.optim.weight_decay)
+        self.planner = make_planner(self.config, graph, None, CPU)
+        self.model.train()
+
+    def step(self, seeds: torch.Tensor, fanouts: list, step: int, epoch: int) -> dict[str, float]:
+        """Sample, plan, accumulate, Adam step; seconds of each part."""
+        t0 = time.perf_counter()
+        batch = sample_batch(self.graph, seeds, fanouts, self.generator(epoch, step))
+        t1 = time.perf_counter()
+        micro_batches, plan = self.planner.plan(batch, derive_seed(self.seed, epoch) % 2**31)
+        t2 = time.perf_counter()
+        set_dropout_key(self.model, self.seed, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        accumulate_gradients(self.model, micro_batches, self.graph.x, self.graph.y, CPU)
+        self.optimizer.step()
+        t3 = time.perf_counter()
+        return {"total": t3 - t0, "sample": t1 - t0, "plan": t2 - t1, "compute": t3 - t2, "k": plan.k}
+
+    def generator(self, epoch: int, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed(derive_seed(self.seed, epoch, step))
+
+    def peak(self, seeds: torch.Tensor) -> tuple[int, int]:
+        """Largest measured peak over the micro-batches of the full-neighbourhood batch of ``seeds``, after one
+        warm-up step; and K."""
+        batch = sample_batch(self.graph, seeds, [None, None])
+        micro_batches, plan = self.planner.plan(batch, self.seed)
+        total = seeds.numel()
+        set_dropout_key(self.model, self.seed, 0)
+        measure_training_step(self.model, self.optimizer, micro_batches[0], self.graph.x, self.graph.y, CPU,
+                              num_outputs=total)  # Adam's moments exist from here on, as in steady state
+        peaks = [measure_training_step(self.model, self.optimizer, mb, self.graph.x, self.graph.y, CPU,
+                                       num_outputs=total, accumulate=index > 0).peak_bytes
+                 for index, mb in enumerate(micro_batches)]
+        return max(peaks), plan.k
+
+
+# --- sections ------------------------------------------------------------------------------------------------
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt_ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
+    sys.stdout.flush()
+
+
+def memory_section(graphs, dgl, args, folders, results) -> None:
+    rows = []
+    for name in args.graphs:
+        graph = graphs[name]
+        outputs = outputs_of(graph, args.outputs)
+        for hidden in args.hidden:
+            ours = {}
+            for k in args.ks:
+                ours[k] = Ours(graph, hidden, k, args.seed).peak(outputs)
+                print(f"  memory {name} hidden {hidden}: ours K={k}: {ours[k][0] / MIB:.1f} MiB", flush=True)
+            theirs = dgl("full_memory", name=name, hidden=hidden, seed=args.seed,
+                         outputs=folders.get(("outputs", name)))["peak_bytes"]
+            print(f"  memory {name} hidden {hidden}: DGL full graph: {theirs / MIB:.1f} MiB", flush=True)
+            k1 = ours.get(1, (None,))[0]
+            row = [name, hidden, f"{theirs / MIB:.1f}"]
+            for k in args.ks:
+                peak, used = ours[k]
+                row.append(f"{peak / MIB:.1f} ({fmt_ratio(peak, theirs)})" + ("" if used == k else f" K={used}"))
+            row.append(fmt_ratio(ours[max(args.ks)][0], k1) if k1 else "-")
+            rows.append(row)
+            results.append({"section": "memory", "graph": name, "hidden": hidden, "dgl_peak_bytes": theirs,
+                            "ours_peak_bytes": {k: v[0] for k, v in ours.items()}})
+    print_table(f"Measured peak of one full-batch step, MiB (ours/DGL in brackets), outputs={args.outputs}",
+                ["graph", "hidden", "DGL full graph"] + [f"ours K={k}" for k in args.ks] + [f"K={max(args.ks)}/K=1"],
+                rows)
+
+
+def time_section(graphs, dgl, args, folders, results) -> None:
+    rows = []
+    k = args.time_k
+    for name in args.graphs:
+        graph = graphs[name]
+        outputs = outputs_of(graph, args.outputs)
+        for hidden in args.hidden:
+            one, many = Ours(graph, hidden, 1, args.seed), Ours(graph, hidden, k, args.seed)
+            runs = {"k1": [], "dgl": [], "kk": []}
+            for epoch in range(args.epochs):  # interleaved: ours K=1, DGL, ours K
+                runs["k1"].append(one.step(outputs, [None, None], epoch, epoch))
+                runs["dgl"].append(dgl("full_step", name=name, hidden=hidden, seed=args.seed,
+                                       outputs=folders.get(("outputs", name)), key=f"full-{name}-{hidden}"))
+                runs["kk"].append(many.step(outputs, [None, None], epoch, epoch))
+                print(f"  time {name} hidden {hidden} epoch {epoch}: ours K=1 {runs['k1'][-1]['total']:.3f} s, "
+                      f"DGL {runs['dgl'][-1]['seconds']:.3f} s, ours K={k} {runs['kk'][-1]['total']:.3f} s "
+                      f"(plan {runs['kk'][-1]['plan']:.3f} s)", flush=True)
+            for phase, picked in (("first", slice(0, 1)), ("steady", slice(1, None))):
+                k1 = median([r["total"] for r in runs["k1"][picked]])
+                theirs = median([r["seconds"] for r in runs["dgl"][picked]])
+                kk = median([r["total"] for r in runs["kk"][picked]])
+                plan = median([r["plan"] for r in runs["kk"][picked]])
+                sample = median([r["sample"] for r in runs["kk"][picked]])
+                rows.append([name, hidden, phase, f"{k1:.3f}", f"{theirs:.3f}", fmt_ratio(k1, theirs), f"{kk:.3f}",
+                             fmt_ratio(kk, k1), f"{plan:.3f}", f"{100 * plan / kk:.0f}%", f"{sample:.3f}"])
+                results.append({"section": "time", "graph": name, "hidden": hidden, "phase": phase, "ours_k1_s": k1,
+                                "dgl_s": theirs, "ours_k_s": kk, "k": k, "plan_s": plan, "sample_s": sample})
+    print_table(f"Full-batch step time, seconds (first epoch; steady = median of epochs 1..{args.epochs - 1}), "
+                f"outputs={args.outputs}",
+                ["graph", "hidden", "epochs", "ours K=1", "DGL", "K=1/DGL", f"ours K={k}", f"K={k}/K=1",
+                 f"plan K={k}", "plan share", "sample"], rows)
+
+
+def sampling_section(graphs, dgl, args, folders, results) -> None:
+    rows = []
+    fanouts = args.sample_fanouts
+    for name in args.sample_graphs:
+        graph = graphs[name]
+        seeds_path = folders[("seeds", name)]
+        seeds = torch.from_numpy(np.load(seeds_path)).split(args.batch_size)
+        ours_s, dgl_s, ours_edges, dgl_edges = [], [], 0, 0
+        for rep in range(args.reps + 1):  # repetition 0 warms both sides up and is not counted
+            generator = torch.Generator().manual_seed(derive_seed(args.seed, rep))
+            started, ours_edges = time.perf_counter(), 0
+            for batch in seeds:
+                ours_edges += sum(block.num_edges for block in sample_batch(graph, batch, fanouts, generator).blocks)
+            ours_s.append(time.perf_counter() - started)
+            reply = dgl("sample", name=name, seeds=str(seeds_path), batch_size=args.batch_size, fanouts=fanouts,
+                        seed=args.seed + rep)
+            dgl_s.append(reply["seconds"])
+            dgl_edges = reply["edges"]
+            print(f"  sampling {name} rep {rep}: ours {ours_s[-1]:.3f} s, DGL {dgl_s[-1]:.3f} s"
+                  + (" (warm-up)" if rep == 0 else ""), flush=True)
+        ours_s, dgl_s = ours_s[1:], dgl_s[1:]
+        total = sum(batch.numel() for batch in seeds)
+        ours_rate, dgl_rate = total / median(ours_s), total / median(dgl_s)
+        rows.append([name, f"{graph.num_nodes:,}/{graph.num_edges:,}", len(seeds), f"{ours_rate:,.0f}",
+                     f"{dgl_rate:,.0f}", fmt_ratio(ours_rate, dgl_rate), f"{ours_edges:,}", f"{dgl_edges:,}"])
+        results.append({"section": "sampling", "graph": name, "ours_seeds_per_s": ours_rate,
+                        "dgl_seeds_per_s": dgl_rate, "ours_edges": ours_edges, "dgl_edges": dgl_edges})
+    print_table(f"Neighbour sampling, fanouts {','.join(map(str, fanouts))}, batch {args.batch_size}, seeds/s "
+                f"(median of {args.reps})",
+                ["graph", "nodes/edges", "batches", "ours", "DGL", "ours/DGL", "edges ours", "edges DGL"], rows)
+
+
+def minibatch_section(graphs, dgl, args, folders, results) -> None:
+    name = args.minibatch_graph
+    graph = graphs[name]
+    hidden = args.hidden[0]
+    seeds_path = folders[("epoch", name)]
+    batches = torch.from_numpy(np.load(seeds_path)).split(args.batch_size)
+    ours = Ours(graph, hidden, 1, args.seed)
+    ours_runs, dgl_runs = [], []
+    for epoch in range(args.minibatch_epochs):
+        parts = [ours.step(batch, args.train_fanouts, epoch * len(batches) + i, epoch) for i, batch in enumerate(batches)]
+        ours_runs.append({"seconds": sum(p["total"] for p in parts), "sampling": sum(p["sample"] for p in parts)})
+        reply = dgl("minibatch_epoch", name=name, hidden=hidden, seed=args.seed + epoch, seeds=str(seeds_path),
+                    batch_size=args.batch_size, fanouts=args.train_fanouts, key=f"mini-{name}-{hidden}")
+        dgl_runs.append({"seconds": reply["seconds"], "sampling": reply["sampling_seconds"]})
+        print(f"  minibatch {name} epoch {epoch}: ours {ours_runs[-1]['seconds']:.3f} s, "
+              f"DGL {dgl_runs[-1]['seconds']:.3f} s", flush=True)
+    ours_s, dgl_s = median([r["seconds"] for r in ours_runs]), median([r["seconds"] for r in dgl_runs])
+    ours_sample, dgl_sample = median([r["sampling"] for r in ours_runs]), median([r["sampling"] for r in dgl_runs])
+    print_table(f"Mini-batch epoch, batch {args.batch_size}, fanouts {','.join(map(str, args.train_fanouts))}, "
+                f"hidden {hidden}, {len(batches)} batches, seconds (median of {args.minibatch_epochs})",
+                ["graph", "ours epoch", "DGL epoch", "ours/DGL", "ours sampling", "DGL sampling", "ours/DGL"],
+                [[name, f"{ours_s:.3f}", f"{dgl_s:.3f}", fmt_ratio(ours_s, dgl_s), f"{ours_sample:.3f}",
+                  f"{dgl_sample:.3f}", fmt_ratio(ours_sample, dgl_sample)]])
+    results.append({"section": "minibatch", "graph": name, "ours_s": ours_s, "dgl_s": dgl_s,
+                    "ours_sampling_s": ours_sample, "dgl_sampling_s": dgl_sample})
+
+
+# --- driver --------------------------------------------------------------------------------------------------
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+SECTIONS = {"memory": memory_section, "time": time_section, "sampling": sampling_section,
+            "minibatch": minibatch_section}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fast check: Amazon Computers, hidden 64, K=1,8, 2 epochs, 3 sampling batches, "
+                             "4 mini-batches")
+    parser.add_argument("--sections", type=name_list, default=list(SECTIONS))
+    parser.add_argument("--graphs", type=name_list, default=["amazon-computers", "coauthor-physics"])
+    parser.add_argument("--hidden", type=int_list, default=[64, 256])
+    parser.add_argument("--ks", type=int_list, default=[1, 8, 16], help="K of the memory section")
+    parser.add_argument("--time-k", type=int, default=8, help="K of the time section")
+    parser.add_argument("--epochs", type=int, default=4, help="full-batch epochs of the time section (≥ 2)")
+    parser.add_argument("--outputs", choices=["all", "train"], default="all")
+    parser.add_argument("--sample-graphs", type=name_list, default=[TWITTER, "coauthor-physics"])
+    parser.add_argument("--sample-fanouts", type=int_list, default=[10, 10, 10])
+    parser.add_argument("--sample-batches", type=int, default=20, help="seed batches per sampling repetition")
+    parser.add_argument("--reps", type=int, default=3, help="sampling repetitions (after one warm-up repetition)")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--minibatch-graph", default="amazon-computers")
+    parser.add_argument("--train-fanouts", type=int_list, default=[10, 25])
+    parser.add_argument("--minibatch-epochs", type=int, default=3)
+    parser.add_argument("--minibatch-batches", type=int, default=None, help="cap the batches of an epoch")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", type=Path, default=SHARED / "graphdata-npz")
+    parser.add_argument("--twitter", type=Path, default=SHARED / "snap-jlg" / "ego-twitter-undirected.jlg")
+    parser.add_argument("--dgl-python", default="/work/dgl-venv/bin/python")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.graphs, args.hidden, args.ks, args.epochs = ["amazon-computers"], [64], [1, 8], 2
+        args.sample_batches, args.reps, args.minibatch_epochs, args.minibatch_batches = 3, 2, 1, 4
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2 (the first epoch and a steady one)")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    needed, trained = set(), set()  # graphs loaded; graphs the DGL side trains on (it needs their features)
+    if {"memory", "time"} & set(args.sections):
+        trained |= set(args.graphs)
+    if "minibatch" in args.sections:
+        trained.add(args.minibatch_graph)
+    needed |= trained
+    if "sampling" in args.sections:
+        needed |= set(args.sample_graphs)
+    with tempfile.TemporaryDirectory(prefix="versus-dgl-") as tmp:
+        tmp = Path(tmp)
+        dgl = DGLSide(args.dgl_python, args.threads, tmp / "dgl-side.log")
+        try:
+            hello = dgl("hello")
+            print(f"betty-trainer (torch {torch.__version__}, {torch.get_num_threads()} threads) vs DGL {hello['dgl']} "
+                  f"(torch {hello['torch']}, {hello['threads']} threads); CPU, shared machine: figures are noisy")
+            graphs, folders = {}, {}
+            for name in sorted(needed):
+                graph = graphs[name] = load_graph(name, args)
+                export(graph, tmp / name, features=name in trained)
+                info = dgl("load", name=name, folder=str(tmp / name))
+                assert (info["nodes"], info["edges"]) == (graph.num_nodes, graph.num_edges), (info, graph)
+                print(f"  {graph!r}", flush=True)
+                if args.outputs == "train":
+                    np.save(tmp / f"{name}-outputs.npy", graph.train_idx.numpy())
+                    folders[("outputs", name)] = str(tmp / f"{name}-outputs.npy")
+                generator = torch.Generator().manual_seed(args.seed)
+                permutation = torch.randperm(graph.num_nodes, generator=generator)
+                np.save(tmp / f"{name}-seeds.npy", permutation[: args.sample_batches * args.batch_size].numpy())
+                folders[("seeds", name)] = tmp / f"{name}-seeds.npy"
+                if name == args.minibatch_graph:
+                    nodes = outputs_of(graph, args.outputs)
+                    epoch = split_seeds(nodes, args.batch_size, torch.Generator().manual_seed(args.seed))
+                    epoch = epoch[: args.minibatch_batches] if args.minibatch_batches else epoch
+                    np.save(tmp / f"{name}-epoch.npy", torch.cat(epoch).numpy())
+                    folders[("epoch", name)] = tmp / f"{name}-epoch.npy"
+            results: list[dict] = []
+            for section in args.sections:
+                SECTIONS[section](graphs, dgl, args, folders, results)
+        finally:
+            dgl.close()
+    print(f"\nwall time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
