@@ -32,7 +32,6 @@ COMPONENTS = (
     "framework_overheads",
 )
 
-MASK_CHUNK_ELEMENTS = 1 << 16  # must equal betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -258,16 +257,21 @@ class _Step:
 
     # ----- NodeDropout ---------------------------------------------------------------------------
     def keyed_mask(self, rows: int, width: int) -> None:
-        """apply_keyed_mask's transients: one row chunk's hash (per-node hashes, per-feature
-        hashes, the int64 bits and a shifted copy of them) and its boolean mask."""
+        """apply_keyed_mask's transients for one row chunk: the per-node hash (mixed through two more
+        temporaries), the per-feature hash, the int64 bits and a shifted copy of them; then the
+        boolean mask (the hashes and bits freed around it) and the mask as floats in the product."""
         r = self.r
-        chunk_rows = min(rows, max(1, MASK_CHUNK_ELEMENTS // max(width, 1)))
-        node_hash = [r.alloc(chunk_rows * INDEX_BYTES, _OVER) for _ in range(2)]
+        chunk_rows = min(rows, max(1, self.model.mask_chunk_elements // max(width, 1)))
+        node_hash = r.alloc(chunk_rows * INDEX_BYTES, _OVER)
+        r.transient(2 * chunk_rows * INDEX_BYTES, _OVER)
         columns = r.alloc(width * INDEX_BYTES, _OVER)
         bits = r.alloc(chunk_rows * width * INDEX_BYTES, _DROP)
         r.transient(chunk_rows * width * INDEX_BYTES, _DROP)  # each `bits >> k`
+        r.drop(node_hash, columns)
         keep = r.alloc(chunk_rows * width, _DROP)  # bool
-        r.drop(bits, keep, columns, *node_hash)
+        r.drop(bits)
+        r.transient(chunk_rows * width * self.f, _DROP)  # keep.to(dtype) inside the product
+        r.drop(keep)
 
     def dropout(self, h: int, rows: int, width: int, requires_grad: bool):
         """NodeDropout: its output, made chunk by chunk; backward remakes the mask (nothing is saved)."""

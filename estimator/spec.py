@@ -35,11 +35,14 @@ class ModelSpec:
         optimizer: ``adam``, ``adamw`` or ``sgd`` (plain SGD, no momentum).
         num_nodes: nodes of the whole graph (GCN keeps a ``(N,)`` float32 degree buffer).
         weight_decay: the optimizer adds weight decay to the gradients (a temporary per update).
+        mask_chunk_elements: elements the model's keyed dropout hashes at once
+            (``betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS``); required when ``dropout > 0``.
         foreach: Adam runs its multi-tensor (``foreach``) path, as PyTorch chooses by default on CUDA
             (:func:`adam_uses_foreach`); else its single-tensor path (the CPU default).
 
     Raises:
-        ValueError: for an unknown arch, aggregator or optimizer, or fewer than 2 widths.
+        ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, or dropout
+            without ``mask_chunk_elements``.
     """
 
     arch: str
@@ -52,6 +55,7 @@ class ModelSpec:
     num_nodes: int = 0
     weight_decay: bool = False
     foreach: bool = False
+    mask_chunk_elements: int | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -62,6 +66,8 @@ class ModelSpec:
             raise ValueError(f"the estimator knows no optimizer {self.optimizer!r}; known: {tuple(OPTIMIZER_STATES)}")
         if len(self.widths) < 2:
             raise ValueError("a model needs at least one layer (two widths)")
+        if self.dropout > 0 and not self.mask_chunk_elements:
+            raise ValueError("a model with dropout needs mask_chunk_elements (its keyed dropout's chunk size)")
 
     @property
     def num_layers(self) -> int:
