@@ -16,10 +16,13 @@ class Graph:
 
     The in-neighbours of node ``v`` are ``indices[indptr[v]:indptr[v + 1]]``.
     Edges are unique (no duplicates) and sorted by source within each node.
+    ``indices`` is stored as int32 when ``N < 2³¹`` (half the bytes of the largest
+    array); node ids handed out by samplers and blocks stay int64.
 
     Args:
         indptr: ``(N + 1,)`` int64, CSC row pointer over destination nodes.
-        indices: ``(E,)`` int64, source node of each in-edge.
+        indices: ``(E,)`` int32 or int64, source node of each in-edge (converted to
+            int32 when ``N < 2³¹``).
         x: ``(N, F)`` float32 (or float16) node features.
         y: ``(N,)`` int64 class labels in ``[0, num_classes)``.
         train_idx, val_idx, test_idx: int64 node ids of each split.
@@ -43,8 +46,8 @@ class Graph:
     def __post_init__(self) -> None:
         n = self.indptr.numel() - 1
         problems = []
-        if self.indptr.dtype != torch.int64 or self.indices.dtype != torch.int64:
-            problems.append("indptr/indices must be int64")
+        if self.indptr.dtype != torch.int64 or self.indices.dtype not in (torch.int32, torch.int64):
+            problems.append("indptr must be int64 and indices int32 or int64")
         if n < 0 or int(self.indptr[-1]) != self.indices.numel():
             problems.append(f"indptr ends at {int(self.indptr[-1]) if n >= 0 else '?'} but there are {self.indices.numel()} edges")
         if self.x.dim() != 2 or self.x.shape[0] != n:
@@ -59,6 +62,8 @@ class Graph:
                 problems.append(f"{split} holds node ids outside [0, {n})")
         if problems:
             raise DatasetError(f"invalid graph {self.name!r}: " + "; ".join(problems))
+        if self.indices.dtype == torch.int64 and n < 2**31:
+            self.indices = self.indices.to(torch.int32)
 
     @classmethod
     def from_edges(
@@ -70,7 +75,7 @@ class Graph:
         symmetric: bool = True,
         drop_self_loops: bool = True,
         **fields,
-    ) -> "Graph":
+    ) -> Graph:
         """Build a graph from an edge list, deduplicating and sorting edges.
 
         Args:

@@ -1,15 +1,128 @@
-"""Neighbour sampling into blocks: full neighbourhood or uniform per-layer fanouts (DESIGN.md › NS)."""
+"""Neighbour sampling into blocks: full neighbourhood or uniform per-layer fanouts (DESIGN.md › NS, › Seams).
+
+A sampled block costs what it keeps, not what the graph holds: a dst node whose
+in-degree is at most the fanout keeps all its in-edges (no randomness, no sort);
+a node of degree ``d > k`` draws ``k`` distinct offsets in ``[0, d)`` with Floyd's
+algorithm (Bentley & Floyd, "A sample of brilliance", CACM 30(9), 1987), ``k``
+vectorised rounds over such rows, so its ``d`` in-edges are never read. Every
+random number is a counter-based hash (:mod:`betty_trainer.rng`) of
+``(seed, epoch, step, layer, dst node, round)``: the neighbours drawn for a node
+do not depend on which other seeds share its batch, nor on their order.
+
+The same code runs with tensor ops on any device; on CPU a numba kernel computes
+the identical sample (same hashes, same offsets) and relabels through a hash
+table sized by the batch, because tensor ops there are dominated by per-op and
+sorting costs. ``kernel="tensor"`` forces the tensor path everywhere.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from betty_trainer.block import Batch, Block
 from betty_trainer.graph import Graph
-from partition.slicing import gather_rows, relabel_dst_first
+from betty_trainer.rng import MASK32, hash_ids, mix_key
+from partition.slicing import relabel_dst_first
+
+try:  # the CPU kernel; the tensor path below needs nothing beyond torch
+    import numba
+except ImportError:  # pragma: no cover - numba is a declared dependency
+    numba = None
+
+Kernel = Literal["auto", "tensor", "numba"]
+_SAMPLING_DOMAIN = 0x4E53  # "NS": keeps sampling keys apart from dropout's mix_key(seed, step, layer)
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """What keys one batch's randomness (DESIGN.md › Seams › Sampler).
+
+    Attributes:
+        seed: the run's seed (any non-negative int up to 64 bits).
+        epoch: the epoch, from 0.
+        step: the batch's index within the epoch, from 0.
+    """
+
+    seed: int
+    epoch: int = 0
+    step: int = 0
+
+    def layer_key(self, layer: int) -> int:
+        """The 32-bit key of block ``layer`` (input layer first) of this batch."""
+        return mix_key(self.seed, self.epoch, self.step, layer, _SAMPLING_DOMAIN)
+
+    @classmethod
+    def draw(cls, generator: torch.Generator | None = None) -> SampleKey:
+        """A key whose seed is one draw from ``generator`` (the global RNG if ``None``)."""
+        return cls(int(torch.randint(0, 2**62, (1,), generator=generator)))
+
+
+class Sampler(Protocol):
+    """A sampler (DESIGN.md › Seams): ``sample(seeds, key) -> Batch``.
+
+    The batch must be a pure function of ``(seeds, key)``; the blocks a seed
+    receives must not depend on the other seeds beyond the union they form.
+    """
+
+    def sample(self, seeds: Tensor, key: SampleKey) -> Batch: ...
+
+
+class NeighborSampler:
+    """Uniform neighbour sampling with per-layer fanouts (GraphSAGE, Hamilton et al. 2017, Alg. 2).
+
+    Each dst node keeps all its in-edges if its in-degree is at most the layer's
+    fanout, else ``fanout`` of them uniformly without replacement; all fanouts
+    ``None`` is the full neighbourhood ("full" sampler). Kept edges are in CSC
+    order. Cost per block: O(kept edges + dst nodes), independent of ``N``,
+    ``E`` and of the degree of sampled hubs.
+
+    Args:
+        graph: the graph (on any device; the blocks come out on the same device).
+        fanouts: one entry per layer, **input layer first** (DGL's convention);
+            ``None`` or ``-1`` means the full neighbourhood.
+        kernel: ``"auto"`` (numba on CPU when installed, tensor ops elsewhere),
+            ``"tensor"`` or ``"numba"``; all give the same sample.
+
+    Raises:
+        ValueError: if a fanout is 0 or below -1, or ``kernel`` is unknown or unavailable.
+    """
+
+    def __init__(self, graph: Graph, fanouts: Sequence[int | None], kernel: Kernel = "auto") -> None:
+        self.graph = graph
+        self.fanouts = [_check_fanout(f) for f in fanouts]
+        if kernel not in ("auto", "tensor", "numba"):
+            raise ValueError(f"kernel must be 'auto', 'tensor' or 'numba'; got {kernel!r}")
+        if kernel == "numba" and (numba is None or graph.indptr.device.type != "cpu"):
+            raise ValueError("kernel='numba' needs the numba package and a graph on the CPU; use kernel='tensor'")
+        self.kernel = kernel
+
+    def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
+        """The batch computing ``seeds`` under ``key``.
+
+        Args:
+            seeds: ``(B,)`` int64 distinct output node ids, on the graph's device.
+            key: the batch's :class:`SampleKey`.
+
+        Returns:
+            A :class:`Batch` of ``len(fanouts)`` blocks, input layer first.
+        """
+        dst = seeds.long()
+        blocks = []
+        for layer in reversed(range(len(self.fanouts))):
+            block = sample_block(self.graph, dst, self.fanouts[layer], key=key.layer_key(layer), kernel=self.kernel)
+            blocks.append(block)
+            dst = block.src_nodes
+        blocks.reverse()
+        return Batch(blocks)
+
+    def __repr__(self) -> str:
+        return f"NeighborSampler(fanouts={self.fanouts}, kernel={self.kernel!r})"
 
 
 def sample_batch(
@@ -17,19 +130,20 @@ def sample_batch(
     seeds: Tensor,
     fanouts: Sequence[int | None],
     generator: torch.Generator | None = None,
+    *,
+    key: SampleKey | None = None,
 ) -> Batch:
-    """Sample the multi-layer batch that computes ``seeds``, output layer first, vectorised.
-
-    Each dst node keeps all its in-edges if its degree is at most the layer's
-    fanout, else a uniform sample of ``fanout`` in-edges without replacement
-    (GraphSAGE, Hamilton et al. 2017, Alg. 2). Kept edges stay in CSC order.
+    """Sample the multi-layer batch that computes ``seeds``, output layer first (see :class:`NeighborSampler`).
 
     Args:
         graph: the graph.
         seeds: ``(B,)`` int64 output node ids (distinct).
-        fanouts: one entry per layer, **input layer first** (DGL's convention); ``None``
-            or ``-1`` means the full neighbourhood.
-        generator: source of randomness; the same generator state gives the same batch.
+        fanouts: one entry per layer, **input layer first**; ``None`` or ``-1`` means
+            the full neighbourhood.
+        generator: used only when ``key`` is ``None`` and some fanout samples: one
+            draw from it (the global RNG if ``None``) seeds the key, so the same
+            generator state gives the same batch.
+        key: the batch's :class:`SampleKey` (preferred: keyed randomness).
 
     Returns:
         A :class:`Batch` of ``len(fanouts)`` blocks, input layer first.
@@ -37,42 +151,291 @@ def sample_batch(
     Raises:
         ValueError: if a fanout is 0 or below -1.
     """
-    dst = seeds.long()
-    blocks = []
-    for fanout in reversed(list(fanouts)):
-        if fanout is not None and (fanout == 0 or fanout < -1):
-            raise ValueError(f"fanout must be positive, or -1/None for the full neighbourhood; got {fanout}")
-        block = sample_block(graph, dst, None if fanout in (None, -1) else fanout, generator)
-        blocks.append(block)
-        dst = block.src_nodes
-    blocks.reverse()
-    return Batch(blocks)
+    sampler = NeighborSampler(graph, fanouts)
+    if key is None:
+        key = SampleKey(0) if all(f is None for f in sampler.fanouts) else SampleKey.draw(generator)
+    return sampler.sample(seeds, key)
 
 
-def sample_block(graph: Graph, dst: Tensor, fanout: int | None, generator: torch.Generator | None = None) -> Block:
-    """Sample one block whose dst nodes are ``dst`` (see :func:`sample_batch`).
+def sample_block(
+    graph: Graph,
+    dst: Tensor,
+    fanout: int | None,
+    generator: torch.Generator | None = None,
+    *,
+    key: int | None = None,
+    kernel: Kernel = "auto",
+) -> Block:
+    """Sample one block whose dst nodes are ``dst`` (see :class:`NeighborSampler`).
+
+    The ``k`` offsets of a row of degree ``d > k`` come from Floyd's algorithm:
+    round ``i`` draws ``t`` uniform in ``[0, j]`` with ``j = d − k + i`` and keeps
+    ``t``, or ``j`` if ``t`` was already kept, which yields every ``k``-subset with
+    probability ``1 / C(d, k)``. ``t = ⌊h · (j + 1) / 2³²⌋`` for the 32-bit hash
+    ``h`` of the dst node under round ``i``'s key (Lemire, ACM TOMACS 2019; bias
+    below ``d / 2³²``). Offsets are then sorted, so kept edges stay in CSC order.
 
     Args:
         graph: the graph.
-        dst: ``(n,)`` int64 distinct global ids of the dst nodes.
+        dst: ``(n,)`` int64 distinct global ids of the dst nodes, on the graph's device.
         fanout: at most this many in-edges per dst node; ``None`` keeps all.
-        generator: source of randomness.
+        generator: when ``key`` is ``None``, one draw from it (or the global RNG) makes the key.
+        key: the 32-bit layer key (:meth:`SampleKey.layer_key`).
+        kernel: ``"auto"``, ``"tensor"`` or ``"numba"`` (see :class:`NeighborSampler`).
 
     Returns:
-        A :class:`Block` with ``src_nodes[:n] == dst``.
-    """
-    pointer, candidates = gather_rows(graph.indptr, dst)
-    degree = pointer[1:] - pointer[:-1]
-    if fanout is not None and bool((degree > fanout).any()):
-        # The k smallest of i.i.d. uniform keys per dst are k draws without replacement.
-        total = candidates.numel()
-        segment = torch.repeat_interleave(torch.arange(dst.numel()), degree)
-        keys = torch.rand(total, generator=generator, dtype=torch.float64)
-        order = torch.argsort(segment.double() + keys)
-        rank = torch.arange(total) - pointer[:-1][segment[order]]
-        candidates = candidates[torch.sort(order[rank < fanout]).values]
-        pointer = torch.zeros_like(pointer)
-        torch.cumsum(torch.clamp(degree, max=fanout), 0, out=pointer[1:])
+        A :class:`Block` with ``src_nodes[:n] == dst``; int64 ``src_nodes``, ``indptr``, ``indices``.
 
-    src_nodes, local = relabel_dst_first(dst, graph.indices[candidates], graph.num_nodes)
+    Raises:
+        ValueError: if ``fanout`` is 0 or below -1.
+    """
+    fanout = _check_fanout(fanout)
+    if key is None:
+        key = 0 if fanout is None else SampleKey.draw(generator).layer_key(0)
+    dst = dst.long()
+    round_keys = [] if fanout is None else [mix_key(key, i) for i in range(fanout)]
+    if _use_numba(kernel, graph.indptr):
+        return _sample_block_numba(graph, dst, fanout, round_keys)
+    return _sample_block_tensor(graph, dst, fanout, round_keys)
+
+
+def _check_fanout(fanout: int | None) -> int | None:
+    if fanout is not None and (fanout == 0 or fanout < -1):
+        raise ValueError(f"fanout must be positive, or -1/None for the full neighbourhood; got {fanout}")
+    return None if fanout in (None, -1) else int(fanout)
+
+
+def _use_numba(kernel: Kernel, tensor: Tensor) -> bool:
+    if kernel == "numba":
+        return True
+    return kernel == "auto" and numba is not None and tensor.device.type == "cpu"
+
+
+# ---------------------------------------------------------------- tensor path (any device)
+
+
+def _sample_block_tensor(graph: Graph, dst: Tensor, fanout: int | None, round_keys: list[int]) -> Block:
+    device = dst.device
+    start = graph.indptr[dst]
+    degree = graph.indptr[dst + 1] - start
+    kept = degree if fanout is None else torch.clamp(degree, max=fanout)
+    pointer = torch.zeros(dst.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(kept, 0, out=pointer[1:])
+    total = int(pointer[-1])
+    # edge e of row r is start[r] + (e − pointer[r]): all in-edges of rows kept whole
+    edge_ids = torch.repeat_interleave(start - pointer[:-1], kept, output_size=total)
+    edge_ids += torch.arange(total, device=device)
+    if fanout is not None:
+        big = torch.nonzero(degree > fanout).flatten()
+        if big.numel():
+            offsets = floyd_offsets(dst[big], degree[big], round_keys)
+            steps = torch.arange(fanout, device=device)
+            edge_ids[(pointer[big][:, None] + steps).flatten()] = (start[big][:, None] + offsets).flatten()
+    src = graph.indices[edge_ids].long()
+    src_nodes, local = relabel_dst_first(dst, src)
     return Block(src_nodes, dst.numel(), pointer, local)
+
+
+def floyd_offsets(ids: Tensor, degree: Tensor, round_keys: Sequence[int]) -> Tensor:
+    """``k = len(round_keys)`` distinct sorted offsets in ``[0, degree)`` per row, keyed by ``ids``.
+
+    Floyd's algorithm (Bentley & Floyd, CACM 1987), one vectorised round per kept
+    offset; see :func:`sample_block`. Work and memory O(R · k²) / O(R · k).
+
+    Args:
+        ids: ``(R,)`` int64 global node ids of the rows (the hash counters).
+        degree: ``(R,)`` int64 row degrees, each greater than ``k``.
+        round_keys: ``k`` 32-bit keys, one per round.
+
+    Returns:
+        ``(R, k)`` int64 offsets, strictly increasing along each row.
+    """
+    k = len(round_keys)
+    chosen = torch.empty((ids.numel(), k), dtype=torch.int64, device=ids.device)
+    for i, round_key in enumerate(round_keys):
+        j = degree - (k - i)  # the round's upper bound, inclusive
+        t = (hash_ids(round_key, ids) * (j + 1)) >> 32
+        if i:
+            t = torch.where((chosen[:, :i] == t[:, None]).any(1), j, t)
+        chosen[:, i] = t
+    return torch.sort(chosen, dim=1).values
+
+
+# ---------------------------------------------------------------- numba path (CPU)
+
+
+def _sample_block_numba(graph: Graph, dst: Tensor, fanout: int | None, round_keys: list[int]) -> Block:
+    keys = np.asarray(round_keys, dtype=np.int64)
+    pointer, src_nodes, local = _sample_and_relabel(
+        graph.indptr.numpy(), graph.indices.numpy(), dst.numpy(), -1 if fanout is None else fanout, keys
+    )
+    return Block(torch.from_numpy(src_nodes), dst.numel(), torch.from_numpy(pointer), torch.from_numpy(local))
+
+
+def _jit(function=None, **options):
+    """numba's ``njit`` (compiled on first call, cached on disk) when numba is installed."""
+    if function is None:
+        return lambda f: _jit(f, **options)
+    return function if numba is None else numba.njit(cache=True, nogil=True, **options)(function)
+
+
+_U32 = np.uint64(MASK32)
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2⁶⁴ / golden ratio: multiplicative hashing (Knuth, TAOCP 6.4)
+
+
+@_jit(inline="always")
+def _mix32(x):  # rng.mix32 on one uint64
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x85EBCA6B)) & _U32
+    x ^= x >> np.uint64(13)
+    x = (x * np.uint64(0xC2B2AE35)) & _U32
+    return x ^ (x >> np.uint64(16))
+
+
+@_jit(inline="always")
+def _hash_id(key, node):  # rng.hash_ids for one non-negative id
+    v = np.uint64(node)
+    return _mix32(_mix32((v & _U32) ^ np.uint64(key)) ^ ((v >> np.uint64(32)) & _U32))
+
+
+@_jit
+def _sample_and_relabel(indptr, indices, dst, fanout, keys):
+    """The CPU kernel: the tensor path's sample (same offsets), then a hash-table relabel.
+
+    Returns ``(pointer, src_nodes, local)`` as :func:`_sample_block_tensor` builds them;
+    ``fanout < 0`` keeps every in-edge. Memory O(n + kept edges).
+    """
+    n = dst.shape[0]
+    pointer = np.zeros(n + 1, np.int64)
+    for r in range(n):
+        d = indptr[dst[r] + 1] - indptr[dst[r]]
+        pointer[r + 1] = pointer[r] + (d if fanout < 0 or d <= fanout else fanout)
+    total = pointer[n]
+    src = np.empty(total, np.int64)
+    chosen = np.empty(max(fanout, 1), np.int64)
+    for r in range(n):
+        start = indptr[dst[r]]
+        d = indptr[dst[r] + 1] - start
+        out = pointer[r]
+        if fanout < 0 or d <= fanout:
+            for e in range(d):
+                src[out + e] = indices[start + e]
+            continue
+        for i in range(fanout):  # Floyd's algorithm, as floyd_offsets
+            j = d - (fanout - i)
+            t = np.int64((_hash_id(keys[i], dst[r]) * np.uint64(j + 1)) >> np.uint64(32))
+            for q in range(i):
+                if chosen[q] == t:
+                    t = j
+                    break
+            q = i  # insertion keeps chosen[:i + 1] sorted
+            while q > 0 and chosen[q - 1] > t:
+                chosen[q] = chosen[q - 1]
+                q -= 1
+            chosen[q] = t
+        for i in range(fanout):
+            src[out + i] = indices[start + chosen[i]]
+
+    src_nodes, local = _relabel(dst, src)
+    return pointer, src_nodes, local
+
+
+@_jit(inline="always")
+def _slot(table_id, node, shift, slot_mask):
+    """The slot holding ``node`` in a linear-probing table, or the empty slot where it goes."""
+    s = np.int64((np.uint64(node) * _FIBONACCI) >> shift)
+    while table_id[s] != node and table_id[s] != -1:
+        s = (s + 1) & slot_mask
+    return s
+
+
+@_jit
+def _insert(table_id, table_label, src, e, extra, m, local, n):
+    """Label ``src[e:]`` in order until the table would pass half full; returns ``(e, m)`` reached."""
+    bits = 63 - int(np.log2(np.float64(table_id.shape[0]))) + 1  # 64 − log2(size)
+    shift, slot_mask = np.uint64(bits), table_id.shape[0] - 1
+    limit = table_id.shape[0] // 2 - n
+    while e < src.shape[0]:
+        s = _slot(table_id, src[e], shift, slot_mask)
+        if table_id[s] == -1:
+            if m + 1 > limit:
+                return e, m
+            table_id[s] = src[e]
+            table_label[s] = n + m
+            extra[m] = src[e]
+            m += 1
+        local[e] = table_label[s]
+        e += 1
+    return e, m
+
+
+@_jit
+def _table(size, ids, labels):
+    """A linear-probing table of ``size`` slots (a power of two) holding ``ids → labels``."""
+    table_id = np.full(size, -1, np.int64)
+    table_label = np.empty(size, np.int64)
+    shift = np.uint64(64 - int(np.log2(np.float64(size))))
+    for q in range(ids.shape[0]):
+        s = _slot(table_id, ids[q], shift, size - 1)
+        table_id[s] = ids[q]
+        table_label[s] = labels[q]
+    return table_id, table_label
+
+
+@_jit
+def _radix_sort(values):
+    """Non-negative int64 ``values`` sorted ascending: LSD radix sort, 11-bit digits, as many passes as the
+    largest value needs (2 below 2²², 3 below 2³³). O(passes · (len + 2048)), unlike numba's quicksort."""
+    out = values.copy()
+    buffer = np.empty_like(out)
+    top = out.max() if out.shape[0] else 0
+    shift = 0
+    while (top >> shift) > 0:
+        count = np.zeros(2049, np.int64)
+        for v in out:
+            count[((v >> shift) & 2047) + 1] += 1
+        for d in range(2048):
+            count[d + 1] += count[d]
+        for v in out:
+            d = (v >> shift) & 2047
+            buffer[count[d]] = v
+            count[d] += 1
+        out, buffer = buffer, out
+        shift += 11
+    return out
+
+
+@_jit
+def _relabel(dst, src):
+    """``relabel_dst_first`` with a hash table of O(n + distinct ids) slots: returns ``(src_nodes, local)``.
+
+    Linear probing, multiplicative hashing, the table doubled whenever half full;
+    dst get labels ``0..n-1``, a new id the provisional label ``n + (order of first
+    sight)``, renumbered in ascending id order at the end.
+    """
+    n = dst.shape[0]
+    total = src.shape[0]
+    size = 1024
+    while size < 4 * n:
+        size *= 2
+    extra = np.empty(total, np.int64)
+    local = np.empty(total, np.int64)
+    table_id, table_label = _table(size, dst, np.arange(n))
+    e, m = _insert(table_id, table_label, src, 0, extra, 0, local, n)
+    while e < total:
+        size *= 2
+        ids = np.concatenate((dst, extra[:m]))
+        table_id, table_label = _table(size, ids, np.arange(n + m))
+        e, m = _insert(table_id, table_label, src, e, extra, m, local, n)
+    shift, slot_mask = np.uint64(64 - int(np.log2(np.float64(size)))), size - 1
+    ascending = _radix_sort(extra[:m])
+    final = np.empty(m, np.int64)
+    for i in range(m):
+        final[table_label[_slot(table_id, ascending[i], shift, slot_mask)] - n] = n + i
+    for e in range(total):
+        if local[e] >= n:
+            local[e] = final[local[e] - n]
+    src_nodes = np.empty(n + m, np.int64)
+    src_nodes[:n] = dst
+    src_nodes[n:] = ascending
+    return src_nodes, local

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -72,7 +74,7 @@ def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list
     Raises:
         ValueError: if the blocks do not chain or ``output_index`` is out of range.
     """
-    for lower, upper in zip(blocks[:-1], blocks[1:]):
+    for lower, upper in itertools.pairwise(blocks):
         if lower.num_dst != upper.num_src:
             raise ValueError(f"blocks do not chain: {lower.num_dst} dst nodes feed {upper.num_src} src nodes")
     dst = output_index.long()
@@ -114,20 +116,36 @@ def gather_rows(indptr: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     return pointer, torch.repeat_interleave(start, degree) + offset
 
 
-def relabel_dst_first(dst: Tensor, touched: Tensor, id_space: int) -> tuple[Tensor, Tensor]:
+def relabel_dst_first(dst: Tensor, touched: Tensor, id_space: int | None = None) -> tuple[Tensor, Tensor]:
     """Number the src nodes of a block: ``dst`` first, then the other touched ids in ascending order.
+
+    Without ``id_space``: one ``torch.unique`` with inverse over ``dst`` and
+    ``touched``, work O((n + e) log(n + e)) and memory O(n + e) on ``dst.device``,
+    nothing sized by the id space (global node ids). With ``id_space``: a dense
+    scratch array of that size (faster when the id space is itself the batch, as
+    for block-local positions in :func:`slice_layers`).
 
     Args:
         dst: ``(n,)`` int64 distinct ids of the dst nodes.
         touched: ``(e,)`` int64 ids of the edges' source endpoints.
-        id_space: all ids are below this (a scratch array of this size is used).
+        id_space: if given, every id is below it; pass it only when it is O(batch).
 
     Returns:
         ``src_ids`` ``(n + m,)`` int64 (``src_ids[:n] == dst``) and ``local`` ``(e,)`` int64,
         the position of each touched id in ``src_ids``.
     """
-    local = torch.full((id_space,), -1, dtype=torch.int64, device=dst.device)
-    local[dst] = torch.arange(dst.numel(), device=dst.device)
-    extra = torch.unique(touched[local[touched] < 0])
-    local[extra] = torch.arange(dst.numel(), dst.numel() + extra.numel(), device=dst.device)
-    return torch.cat([dst, extra]), local[touched]
+    n, device = dst.numel(), dst.device
+    if id_space is not None:
+        local = torch.full((id_space,), -1, dtype=torch.int64, device=device)
+        local[dst] = torch.arange(n, device=device)
+        extra = torch.unique(touched[local[touched] < 0])
+        local[extra] = torch.arange(n, n + extra.numel(), device=device)
+        return torch.cat([dst, extra]), local[touched]
+    unique, inverse = torch.unique(torch.cat([dst, touched]), return_inverse=True)
+    is_extra = torch.ones(unique.numel(), dtype=torch.bool, device=device)
+    is_extra[inverse[:n]] = False
+    extra = torch.nonzero(is_extra).flatten()
+    label = torch.empty(unique.numel(), dtype=torch.int64, device=device)
+    label[inverse[:n]] = torch.arange(n, device=device)
+    label[extra] = torch.arange(n, n + extra.numel(), device=device)
+    return torch.cat([dst, unique[extra]]), label[inverse[n:]]
