@@ -659,12 +659,11 @@ class _Step:
         alpha = r.alloc(e2 * heads * f, _AGG)  # weights / total_gathered, both saved
         r.keep(weights)
         r.drop(weights, total, peak)
-        out = r.alloc(d * hf * f, _AGG)  # new_zeros
-        z_gathered = r.alloc(e2 * hf * f, _AGG)
-        r.keep(edge_src2)
-        messages = r.alloc(e2 * hf * f, _AGG)  # alpha * z_gathered, both saved
-        r.keep(edge_dst2, messages)  # index_add_ saves index and source
-        r.drop(messages, edge_dst2, edge_src2)
+        out = r.alloc(d * hf * f, _AGG)  # attention_aggregate: new_zeros, then one chunk's products at a time
+        chunk = min(e2, max(1, self.model.attention_chunk_elements // hf))
+        r.transient(chunk * hf * f, _AGG)
+        r.keep(z, edge_src2, edge_dst2)  # it saves z, alpha (the local's reference) and the edge ends
+        r.drop(edge_dst2, edge_src2)
         if concat:
             result = r.alloc(d * hf * f, _HID)  # + bias
         else:
@@ -680,14 +679,14 @@ class _Step:
                 expanded = r.alloc(d * hf * f, _GRAD)
                 r.drop(grad)
                 grad = expanded
-            grad_messages = r.alloc(e2 * hf * f, _GRAD)  # IndexAddBackward: grad.index_select
-            r.drop(grad, messages, edge_dst2)
-            grad_z_gathered = r.alloc(e2 * hf * f, _GRAD)  # MulBackward
-            grad_alpha_full = r.alloc(e2 * hf * f, _GRAD)
-            grad_alpha = r.alloc(e2 * heads * f, _GRAD)  # summed over the head width
-            r.drop(grad_alpha_full, grad_messages, z_gathered, alpha)
-            grad_z = r.alloc(s * hf * f, _GRAD)  # IndexSelectBackward of z_gathered
-            r.drop(grad_z_gathered, edge_src2)
+            grad_z = r.alloc(s * hf * f, _GRAD)  # attention_aggregate's backward: zeros_like(z)
+            grad_alpha = r.alloc(e2 * heads * f, _GRAD)  # empty_like(alpha), filled chunk by chunk
+            grad_messages = r.alloc(chunk * hf * f, _GRAD)  # grad.index_select(dst)
+            gathered = r.alloc(chunk * hf * f, _GRAD)  # z.index_select(src)
+            product = r.alloc(chunk * hf * f, _GRAD)
+            r.drop(gathered)
+            r.transient(chunk * heads * f, _GRAD)  # .sum(-1), copied into grad_alpha
+            r.drop(product, grad_messages, grad, z, alpha, edge_src2, edge_dst2)
             grad_weights = r.alloc(e2 * heads * f, _GRAD)  # DivBackward: grad / other, and -grad·self/other²
             temporaries = [r.alloc(e2 * heads * f, _GRAD) for _ in range(3)]
             r.drop(temporaries[0], temporaries[1], grad_alpha)

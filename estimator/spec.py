@@ -37,12 +37,14 @@ class ModelSpec:
         weight_decay: the optimizer adds weight decay to the gradients (a temporary per update).
         mask_chunk_elements: elements the model's keyed dropout hashes at once
             (``betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS``); required when ``dropout > 0``.
+        attention_chunk_elements: (edge, head, feature) products GAT's attention aggregation makes at
+            once (``betty_trainer.models.aggregate.ATTENTION_CHUNK_ELEMENTS``); required for ``gat``.
         foreach: Adam runs its multi-tensor (``foreach``) path, as PyTorch chooses by default on CUDA
             (:func:`adam_uses_foreach`); else its single-tensor path (the CPU default).
 
     Raises:
-        ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, or dropout
-            without ``mask_chunk_elements``.
+        ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, dropout
+            without ``mask_chunk_elements`` or GAT without ``attention_chunk_elements``.
     """
 
     arch: str
@@ -56,6 +58,7 @@ class ModelSpec:
     weight_decay: bool = False
     foreach: bool = False
     mask_chunk_elements: int | None = None
+    attention_chunk_elements: int | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -66,6 +69,8 @@ class ModelSpec:
             raise ValueError(f"the estimator knows no optimizer {self.optimizer!r}; known: {tuple(OPTIMIZER_STATES)}")
         if len(self.widths) < 2:
             raise ValueError("a model needs at least one layer (two widths)")
+        if self.arch == "gat" and not self.attention_chunk_elements:
+            raise ValueError("a GAT needs attention_chunk_elements (its attention aggregation's chunk size)")
         if self.dropout > 0 and not self.mask_chunk_elements:
             raise ValueError("a model with dropout needs mask_chunk_elements (its keyed dropout's chunk size)")
 

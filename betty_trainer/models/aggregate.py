@@ -196,3 +196,61 @@ def edge_softmax(scores: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
     weights = torch.exp(scores - peak.index_select(0, edge_dst))
     total = torch.zeros_like(peak).index_add_(0, edge_dst, weights)
     return weights / total.index_select(0, edge_dst)
+
+
+ATTENTION_CHUNK_ELEMENTS = 1 << 20  # (edge, head, feature) products made at once by attention_aggregate (4 MiB)
+
+
+class _AttentionAggregate(torch.autograd.Function):
+    """``out_d = Σ_{e=(s→d)} α_e ⊙ z_s`` per head, edges taken in chunks of
+    :data:`ATTENTION_CHUNK_ELEMENTS` products, so no ``(E, H, F)`` message tensor exists beyond one
+    chunk and none is kept: backward rebuilds each chunk's products from ``z`` and ``α`` (both kept
+    by the layer anyway) for ``∂z`` and ``∂α``. Every dst node receives its edges' terms in edge
+    order, whatever the chunking, so a micro-batch sums exactly as the full batch does."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, alpha: Tensor, edge_src: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
+        ctx.save_for_backward(z, alpha, edge_src, edge_dst)
+        out = z.new_zeros(num_dst, *z.shape[1:])
+        for chunk in _edge_chunks(edge_src.numel(), z[0].numel(), z.device):
+            src, dst = edge_src[chunk], edge_dst[chunk]
+            out.index_add_(0, dst, z.index_select(0, src).mul_(alpha[chunk].unsqueeze(-1)))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        z, alpha, edge_src, edge_dst = ctx.saved_tensors
+        grad_z = torch.zeros_like(z) if ctx.needs_input_grad[0] else None
+        grad_alpha = torch.empty_like(alpha) if ctx.needs_input_grad[1] else None
+        for chunk in _edge_chunks(edge_src.numel(), z[0].numel(), z.device):
+            src, dst = edge_src[chunk], edge_dst[chunk]
+            grad_messages = grad.index_select(0, dst)
+            if grad_alpha is not None:
+                grad_alpha[chunk] = (grad_messages * z.index_select(0, src)).sum(-1)
+            if grad_z is not None:
+                grad_z.index_add_(0, src, grad_messages.mul_(alpha[chunk].unsqueeze(-1)))
+        return grad_z, grad_alpha, None, None, None
+
+
+def _edge_chunks(num_edges: int, row_elements: int, device: torch.device):
+    """Consecutive edge slices of at most :data:`ATTENTION_CHUNK_ELEMENTS` // ``row_elements`` edges."""
+    step = max(1, ATTENTION_CHUNK_ELEMENTS // max(row_elements, 1))
+    for start in range(0, num_edges, step):
+        yield slice(start, min(start + step, num_edges))
+
+
+def attention_aggregate(z: Tensor, alpha: Tensor, edge_src: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
+    """Attention-weighted sum of src features per dst node and head (GAT, Veličković et al. 2018, Eq. 4):
+    ``out[d, k] = Σ_{e=(s→d)} alpha[e, k] · z[s, k]``, without an ``(E, H, F)`` message tensor.
+
+    Args:
+        z: ``(num_src, H, F)`` src features per head.
+        alpha: ``(E, H)`` attention coefficients.
+        edge_src, edge_dst: ``(E,)`` int64 local src and dst position of every edge.
+        num_dst: dst nodes.
+
+    Returns:
+        ``(num_dst, H, F)``. Autograd keeps ``z``, ``alpha`` and the edge ends (no per-edge features).
+    """
+    return _AttentionAggregate.apply(z, alpha, edge_src, edge_dst, num_dst)
+

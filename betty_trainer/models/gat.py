@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.block import Block
-from betty_trainer.models.aggregate import edge_softmax
+from betty_trainer.models.aggregate import attention_aggregate, edge_softmax
 from betty_trainer.models.stack import LayerStack, layer_widths
 
 
@@ -76,8 +76,7 @@ class GATConv(nn.Module):
         scores = score_src.index_select(0, edge_src) + score_dst.index_select(0, edge_dst)
         scores = F.leaky_relu(scores, self.negative_slope)
         alpha = edge_softmax(scores, edge_dst, block.num_dst)
-        out = z.new_zeros(block.num_dst, self.heads, self.out_feats)
-        out.index_add_(0, edge_dst, alpha.unsqueeze(-1) * z.index_select(0, edge_src))
+        out = attention_aggregate(z, alpha, edge_src, edge_dst, block.num_dst)
         out = out.flatten(1) if self.concat else out.mean(1)
         out = out + self.bias
         if return_attention_weights:
