@@ -18,7 +18,8 @@ Three tables, each measured in this one run:
    ego-Twitter and Coauthor Physics. DGL runs in its own interpreter (a subprocess
    fed the same CSC arrays through ``.npy`` files); passes alternate ours / DGL so
    both see the same machine load; the table gives the median of ``--rounds`` passes
-   and their ratio. Both sides get ``--threads`` threads (torch and OpenMP).
+   and their ratio. Both sides get ``--threads`` threads (torch's, which our CPU kernel
+   also uses, and DGL's OpenMP).
 
 Times are medians of repeated calls after one warm-up call (milliseconds unless
 named otherwise). The machine is shared, so compare the ratios, not absolute times.

@@ -18,6 +18,7 @@ sorting costs. ``kernel="tensor"`` forces the tensor path everywhere.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -265,11 +266,33 @@ def floyd_offsets(ids: Tensor, degree: Tensor, round_keys: Sequence[int]) -> Ten
 
 
 def _sample_block_numba(graph: Graph, dst: Tensor, fanout: int | None, round_keys: list[int]) -> Block:
+    indptr, indices, ids = graph.indptr.numpy(), graph.indices.numpy(), dst.numpy()
     keys = np.asarray(round_keys, dtype=np.int64)
-    pointer, src_nodes, local = _sample_and_relabel(
-        graph.indptr.numpy(), graph.indices.numpy(), dst.numpy(), -1 if fanout is None else fanout, keys
-    )
+    fanout = -1 if fanout is None else fanout
+    pointer = _kept_pointer(indptr, ids, fanout)
+    src = np.empty(int(pointer[-1]), np.int64)
+    threads = min(torch.get_num_threads(), ids.size // _ROWS_PER_THREAD)
+    if threads > 1:  # the kernel releases the GIL: rows split over Python threads, no second OpenMP pool
+        bounds = np.linspace(0, ids.size, threads + 1).astype(np.int64)
+        pool = _thread_pool()
+        list(pool.map(lambda lo, hi: _sample_rows(indptr, indices, ids, fanout, keys, pointer, src, lo, hi),
+                      bounds[:-1], bounds[1:]))
+    else:
+        _sample_rows(indptr, indices, ids, fanout, keys, pointer, src, 0, ids.size)
+    src_nodes, local = _relabel(ids, src)
     return Block(torch.from_numpy(src_nodes), dst.numel(), torch.from_numpy(pointer), torch.from_numpy(local))
+
+
+_ROWS_PER_THREAD = 4096  # below this a thread's share is not worth the hand-off
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    """The sampler's worker threads, as many as torch's intra-op threads (made on first use)."""
+    threads = torch.get_num_threads()
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="betty-sampling")
+    return _POOLS[threads]
 
 
 def _jit(function=None, **options):
@@ -299,21 +322,22 @@ def _hash_id(key, node):  # rng.hash_ids for one non-negative id
 
 
 @_jit
-def _sample_and_relabel(indptr, indices, dst, fanout, keys):
-    """The CPU kernel: the tensor path's sample (same offsets), then a hash-table relabel.
-
-    Returns ``(pointer, src_nodes, local)`` as :func:`_sample_block_tensor` builds them;
-    ``fanout < 0`` keeps every in-edge. Memory O(n + kept edges).
-    """
+def _kept_pointer(indptr, dst, fanout):
+    """``(n + 1,)`` int64 CSC pointer of the sampled block: ``min(degree, fanout)`` per row (all if ``fanout < 0``)."""
     n = dst.shape[0]
     pointer = np.zeros(n + 1, np.int64)
     for r in range(n):
         d = indptr[dst[r] + 1] - indptr[dst[r]]
         pointer[r + 1] = pointer[r] + (d if fanout < 0 or d <= fanout else fanout)
-    total = pointer[n]
-    src = np.empty(total, np.int64)
+    return pointer
+
+
+@_jit
+def _sample_rows(indptr, indices, dst, fanout, keys, pointer, src, lo, hi):
+    """Rows ``lo … hi − 1``: write the kept sources of row ``r`` into ``src[pointer[r]:pointer[r + 1]]``,
+    the same offsets as the tensor path (:func:`floyd_offsets`)."""
     chosen = np.empty(max(fanout, 1), np.int64)
-    for r in range(n):
+    for r in range(lo, hi):
         start = indptr[dst[r]]
         d = indptr[dst[r] + 1] - start
         out = pointer[r]
@@ -321,7 +345,7 @@ def _sample_and_relabel(indptr, indices, dst, fanout, keys):
             for e in range(d):
                 src[out + e] = indices[start + e]
             continue
-        for i in range(fanout):  # Floyd's algorithm, as floyd_offsets
+        for i in range(fanout):  # Floyd's algorithm: t uniform in [0, j], or j if t is taken
             j = d - (fanout - i)
             t = np.int64((_hash_id(keys[i], dst[r]) * np.uint64(j + 1)) >> np.uint64(32))
             for q in range(i):
@@ -335,9 +359,6 @@ def _sample_and_relabel(indptr, indices, dst, fanout, keys):
             chosen[q] = t
         for i in range(fanout):
             src[out + i] = indices[start + chosen[i]]
-
-    src_nodes, local = _relabel(dst, src)
-    return pointer, src_nodes, local
 
 
 @_jit(inline="always")

@@ -278,3 +278,20 @@ def test_graph_stores_int32_indices_and_checks_dtypes():
     assert block.src_nodes.dtype == torch.int64 and block.indices.dtype == torch.int64
     with pytest.raises(DatasetError, match="indices int32 or int64"):
         Graph(graph.indptr, graph.indices.float(), **fields)
+
+
+def test_numba_kernel_split_over_threads_gives_the_same_sample():
+    """Enough rows that the CPU kernel splits them over threads: still the tensor path's sample."""
+    n, degree = 30_000, 15
+    indptr = torch.arange(n + 1, dtype=torch.int64) * degree
+    indices = ((torch.arange(n)[:, None] * 31 + torch.arange(degree)) % n).sort(1).values.flatten()
+    graph = Graph(indptr, indices, torch.zeros(n, 1), torch.zeros(n, dtype=torch.long),
+                  torch.arange(1), torch.arange(1), torch.arange(1), 1)
+    dst = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        split = sample_block(graph, dst, 10, key=21, kernel="numba")
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_block(split, sample_block(graph, dst, 10, key=21, kernel="tensor"))
