@@ -19,15 +19,21 @@ REPO = Path(__file__).resolve().parents[1]
 DATASETS = Path(os.environ.get("BETTY_TEST_DATA", REPO.parent / "shared" / "datasets"))
 
 
-@pytest.fixture(scope="session")
-def planetoid_dir() -> Path:
-    folder = DATASETS / "planetoid"
-    if not (folder / "ind.cora.x").is_file():
-        message = f"Planetoid files not found in {folder} (set BETTY_TEST_DATA to the shared datasets folder)"
+def shared_data(folder: str, probe: str) -> Path:
+    """``DATASETS / folder``, which must hold ``probe``. If it does not, the calling test fails in CI
+    (``CI`` set: CI must exercise the real files) and is skipped elsewhere."""
+    path = DATASETS / folder
+    if not (path / probe).is_file():
+        message = f"{probe} not found in {path} (set BETTY_TEST_DATA to the shared datasets folder)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    return folder
+    return path
+
+
+@pytest.fixture(scope="session")
+def planetoid_dir() -> Path:
+    return shared_data("planetoid", "ind.cora.x")
 
 
 @pytest.fixture(scope="session")
