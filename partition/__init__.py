@@ -5,7 +5,7 @@ This package works on block *structure* (any object with ``indptr``, ``indices``
 imports the trainer.
 """
 
-from partition.partitioners import PARTITIONERS, partition_outputs
+from partition.partitioners import PARTITIONERS, OutputSplitter, partition_outputs
 from partition.planner import BudgetError, Plan, make_plan
 from partition.redundancy import redundancy
 from partition.reg import build_reg
@@ -13,12 +13,13 @@ from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
 __all__ = [
     "PARTITIONERS",
-    "BudgetError",
-    "Plan",
-    "make_plan",
     "BlockStructure",
+    "BudgetError",
     "LayerSlice",
+    "OutputSplitter",
+    "Plan",
     "build_reg",
+    "make_plan",
     "partition_outputs",
     "redundancy",
     "slice_layers",

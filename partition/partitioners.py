@@ -3,19 +3,22 @@
 Every partitioner has the signature ``(output_block, k, seed, vertex_weights) ->
 (num_dst,) int64 part ids``; :data:`PARTITIONERS` maps names to them. ``vertex_weights``
 (``(num_dst,)`` positive int64 or ``None``) is what METIS balances; range and random
-balance output counts.
+balance output counts. The METIS-based ones partition a graph over the outputs
+(:data:`GRAPHS`) that does not depend on K: :class:`OutputSplitter` builds it once per
+batch and splits it for every K the planner tries.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 from torch import Tensor
 
 from partition.metis import metis_kway
-from partition.reg import build_reg, output_adjacency
+from partition.reg import build_reg, drop_diagonal, output_adjacency
 from partition.slicing import BlockStructure
 
 Partitioner = Callable[[BlockStructure, int, int, "np.ndarray | None"], np.ndarray]
@@ -34,20 +37,31 @@ def random_partition(block: BlockStructure, k: int, seed: int, vertex_weights: n
     return parts
 
 
-def induced_metis_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
-    """METIS on the graph the output block's edges induce on the outputs ("metis" baseline).
-
-    With full neighbourhoods this is the original graph induced on the outputs.
-    """
+def induced_graph(block: BlockStructure) -> sp.csr_matrix:
+    """The graph the output block's edges induce on its outputs: ``(num_dst, num_dst)`` symmetric
+    CSR, int64 weights 1, empty diagonal. With full neighbourhoods it is the original graph
+    induced on the outputs."""
     at = output_adjacency(block)[:, : block.num_dst]
-    induced = ((at + at.T) > 0).astype(np.int64).tocsr()
-    induced.setdiag(0)
-    induced.eliminate_zeros()
-    return metis_kway(induced, k, seed, vertex_weights)
+    induced = drop_diagonal(((at + at.T) > 0).astype(np.int64).tocsr())
+    induced.sort_indices()
+    return induced
+
+
+#: Per METIS-based partitioner, the graph over the outputs that METIS cuts (built once per batch).
+GRAPHS: dict[str, Callable[[BlockStructure], sp.csr_matrix]] = {
+    "reg": lambda block: build_reg(block, weighted=True),
+    "reg_unweighted": lambda block: build_reg(block, weighted=False),
+    "metis": induced_graph,
+}
+
+
+def induced_metis_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
+    """METIS on the graph the output block's edges induce on the outputs ("metis" baseline)."""
+    return metis_kway(induced_graph(block), k, seed, vertex_weights)
 
 
 def reg_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
-    """METIS on the weighted REG (Betty Algorithm 1, with the shared-neighbour counts as edge weights)."""
+    """METIS on the weighted REG (Betty Algorithm 1, shared-neighbour counts as edge weights, hubs clipped)."""
     return metis_kway(build_reg(block, weighted=True), k, seed, vertex_weights)
 
 
@@ -63,6 +77,60 @@ PARTITIONERS: dict[str, Partitioner] = {
     "range": range_partition,
     "random": random_partition,
 }
+
+
+class OutputSplitter:
+    """The output nodes of one batch, ready to be split into any number of micro-batches.
+
+    A METIS-based method's graph over the outputs (:data:`GRAPHS`: the REG, or the
+    induced graph) does not depend on K, so it is built at the first split with ``k > 1``
+    and reused for every later K (Betty §4.4.3's search tries several).
+
+    Args:
+        output_block: the batch's last block.
+        method: a key of :data:`PARTITIONERS`.
+        graph: a ``(num_dst, num_dst)`` graph to cut instead of ``GRAPHS[method]`` (e.g. an
+            unclipped REG, for comparison); only for METIS-based methods.
+
+    Raises:
+        ValueError: for an unknown method, or a graph for range/random.
+    """
+
+    def __init__(self, output_block: BlockStructure, method: str = "reg", graph: sp.csr_matrix | None = None):
+        if method not in PARTITIONERS:
+            raise ValueError(f"unknown partitioner {method!r}; choose one of {sorted(PARTITIONERS)}")
+        if graph is not None and method not in GRAPHS:
+            raise ValueError(f"partitioner {method!r} cuts no graph; give a graph only with {sorted(GRAPHS)}")
+        self.block = output_block
+        self.method = method
+        self._graph = graph
+
+    @property
+    def graph(self) -> sp.csr_matrix | None:
+        """The ``(num_dst, num_dst)`` graph METIS cuts (built on first use); ``None`` for range/random."""
+        if self._graph is None and self.method in GRAPHS:
+            self._graph = GRAPHS[self.method](self.block)
+        return self._graph
+
+    def split(self, k: int, seed: int = 0, vertex_weights: np.ndarray | None = None) -> list[Tensor]:
+        """Split the outputs into ``k`` groups; see :func:`partition_outputs` for the arguments and result.
+
+        Raises:
+            ValueError: ``k`` out of range.
+        """
+        n = self.block.num_dst
+        if not 1 <= k <= n:
+            raise ValueError(f"cannot split {n} output nodes into {k} micro-batches")
+        if k == 1:
+            return [torch.arange(n)]
+        if self.method in GRAPHS:
+            parts = metis_kway(self.graph, k, seed, vertex_weights)
+        else:
+            parts = PARTITIONERS[self.method](self.block, k, seed, vertex_weights)
+        parts = torch.from_numpy(np.ascontiguousarray(parts))
+        order = torch.argsort(parts, stable=True)
+        counts = torch.bincount(parts, minlength=k)
+        return [group for group in torch.split(order, counts.tolist()) if group.numel()]
 
 
 def partition_outputs(output_block: BlockStructure, k: int, method: str = "reg", seed: int = 0,
@@ -83,12 +151,4 @@ def partition_outputs(output_block: BlockStructure, k: int, method: str = "reg",
     Raises:
         ValueError: for an unknown method or ``k`` out of range.
     """
-    if method not in PARTITIONERS:
-        raise ValueError(f"unknown partitioner {method!r}; choose one of {sorted(PARTITIONERS)}")
-    n = output_block.num_dst
-    if not 1 <= k <= n:
-        raise ValueError(f"cannot split {n} output nodes into {k} micro-batches")
-    parts = torch.from_numpy(np.ascontiguousarray(PARTITIONERS[method](output_block, k, seed, vertex_weights)))
-    order = torch.argsort(parts, stable=True)
-    counts = torch.bincount(parts, minlength=k)
-    return [group for group in torch.split(order, counts.tolist()) if group.numel()]
+    return OutputSplitter(output_block, method).split(k, seed, vertex_weights)

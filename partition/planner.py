@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from partition.partitioners import partition_outputs
+from partition.partitioners import OutputSplitter
 from partition.reg import output_adjacency
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
@@ -94,14 +94,24 @@ def make_plan(
     partitioner: str = "reg",
     seed: int = 0,
     balance: bool = True,
+    splitter: OutputSplitter | None = None,
+    search: str = "linear",
 ) -> Plan:
     """Split a batch into micro-batches: K given, or the smallest K that fits ``budget``.
 
     With a budget the search starts at a K no valid split can beat: for ``K`` parts
     the largest part's dynamic memory is at least the mean, and the parts' dynamic
     memory sums to at least the full batch's (every edge and output is in one part,
-    every node in at least one), so ``K ≥ ⌈(full − resident) / (budget − resident)⌉``;
-    from there K grows until the largest estimate fits.
+    every node in at least one), so ``K ≥ K₀ = ⌈(full − resident) / (budget − resident)⌉``.
+    From ``K₀`` the default ``search="linear"`` tries K₀, K₀ + 1, … and returns the first
+    K that fits: the smallest, exactly. ``search="gallop"`` tries K₀, K₀ + 1, K₀ + 3,
+    K₀ + 7, … (steps 1, 2, 4, …) to the first K that fits, then bisects between it and
+    the last K that did not: ``O(log ΔK)`` partitions instead of ``ΔK``, and the same K
+    when "fits" is monotone in K. METIS parts are balanced only up to a tolerance, so
+    where micro-batches hold a few outputs each "fits" can flip back and forth with K
+    (on Cora with fanouts 10,10 and a tight budget K = 55 fits, 56 and 57 do not, 58
+    does); there galloping can return a larger K than the smallest, hence not the default.
+    The partitioner's graph (the REG) is built once and reused for every K tried.
 
     Args:
         blocks: the batch's blocks, input layer first.
@@ -116,6 +126,11 @@ def make_plan(
         partitioner: a name in :data:`partition.PARTITIONERS`.
         seed: partitioner seed.
         balance: weight METIS vertices by :func:`output_costs`.
+        splitter: an :class:`~partition.partitioners.OutputSplitter` of ``blocks[-1]`` (or of a
+            block with the same structure) with method ``partitioner`` to reuse (its REG
+            already built); default: a new one.
+        search: ``"linear"`` (the smallest K, exactly) or ``"gallop"`` (galloping then
+            bisection; the smallest K when fitting is monotone in K).
 
     Returns:
         A :class:`Plan`.
@@ -123,13 +138,20 @@ def make_plan(
     Raises:
         BudgetError: the budget is below the resident bytes, or even one output node's
             micro-batch exceeds it (with the numbers).
-        ValueError: neither or both of ``budget`` and ``k``; K out of range.
+        ValueError: neither or both of ``budget`` and ``k``; K out of range; a ``splitter``
+            of another block or method; an unknown ``search``.
     """
     started = time.perf_counter()
     if (budget is None) == (k is None):
         raise ValueError("give exactly one of budget and k")
     if estimate is None and budget is not None:
         raise ValueError("planning for a budget needs an estimate")
+    if search not in ("linear", "gallop"):
+        raise ValueError(f"unknown search {search!r}; choose 'linear' or 'gallop'")
+    if splitter is None:
+        splitter = OutputSplitter(blocks[-1], partitioner)
+    elif splitter.block.num_dst != blocks[-1].num_dst or splitter.method != partitioner:
+        raise ValueError("splitter was made for another output block or partitioner")
     num_outputs = blocks[-1].num_dst
     full = estimate(blocks, False) if estimate is not None else 0
     weighted = balance and partitioner in ("reg", "reg_unweighted", "metis")
@@ -137,27 +159,30 @@ def make_plan(
     costs = output_costs(blocks) if weighted or budget is not None else None
     weights = integer_weights(costs) if weighted else None
     tried: list[tuple[int, int]] = []
+    splits: dict[int, tuple[list[Tensor], list[list[LayerSlice]], list[int]]] = {}
 
     def split(parts: int) -> tuple[list[Tensor], list[list[LayerSlice]], list[int]]:
-        if parts == 1:
-            groups = [torch.arange(num_outputs)]
-        else:
-            groups = partition_outputs(blocks[-1], parts, partitioner, seed, vertex_weights=weights)
+        groups = splitter.split(parts, seed, weights)
         layers = [slice_layers(blocks, group) for group in groups]
         estimates = [estimate(layer, index > 0) for index, layer in enumerate(layers)] if estimate is not None else []
         tried.append((parts, max(estimates, default=0)))
-        return groups, layers, estimates
+        splits[parts] = groups, layers, estimates
+        return splits[parts]
+
+    def done(parts: int) -> Plan:
+        groups, layers, estimates = splits[parts]
+        return Plan(groups, layers, estimates, budget, full, tried, time.perf_counter() - started)
 
     if budget is None:
-        groups, layers, estimates = split(min(max(k, min_k), num_outputs))
-        return Plan(groups, layers, estimates, None, full, tried, time.perf_counter() - started)
+        split(min(max(k, min_k), num_outputs))
+        return done(tried[-1][0])
 
     if budget <= 0:
         raise BudgetError(f"memory budget must be positive, got {budget} bytes")
     resident = resident_bytes
     if full <= budget and min_k <= 1:
-        groups, layers, estimates = split(1)
-        return Plan(groups, layers, estimates, budget, full, tried, time.perf_counter() - started)
+        split(1)
+        return done(1)
     if budget <= resident:
         raise BudgetError(
             f"memory budget {_mib(budget)} is below what training holds before any micro-batch "
@@ -170,15 +195,21 @@ def make_plan(
             f"memory budget {_mib(budget)} is impossible: output node {hungriest} of the batch alone needs "
             f"{_mib(alone)} (its receptive field); raise the budget or use smaller fanouts"
         )
-    start = max(min_k, 2, math.ceil((full - resident) / (budget - resident)))
-    for parts in range(min(start, num_outputs), num_outputs + 1):
-        groups, layers, estimates = split(parts)
-        if max(estimates) <= budget:
-            return Plan(groups, layers, estimates, budget, full, tried, time.perf_counter() - started)
-    raise BudgetError(
-        f"memory budget {_mib(budget)} is impossible: even {num_outputs} micro-batches of one output node "
-        f"each need up to {_mib(max(estimates))}"
-    )
+    start = min(max(min_k, 2, math.ceil((full - resident) / (budget - resident))), num_outputs)
+    fits = lambda parts: max(split(parts)[2]) <= budget
+    below, step, parts = start - 1, 1, start  # below: the largest K known not to fit (or under the start)
+    while not fits(parts):
+        if parts == num_outputs:
+            raise BudgetError(
+                f"memory budget {_mib(budget)} is impossible: even {num_outputs} micro-batches of one output "
+                f"node each need up to {_mib(max(splits[parts][2]))}"
+            )
+        below, parts = parts, min(parts + step, num_outputs)
+        step = 2 * step if search == "gallop" else 1
+    while parts - below > 1:  # parts fits; below does not (or is under the lower bound)
+        middle = (below + parts) // 2
+        below, parts = (below, middle) if fits(middle) else (middle, parts)
+    return done(parts)
 
 
 def _mib(nbytes: float) -> str:

@@ -8,9 +8,9 @@ import scipy.sparse as sp
 import torch
 
 from betty_trainer import Block, plan_micro_batches, sample_batch
-from partition import PARTITIONERS, build_reg, partition_outputs, redundancy
+from partition import PARTITIONERS, build_reg, make_plan, partition_outputs, redundancy
 from partition.metis import metis_kway
-
+from partition.reg import drop_diagonal, hub_threshold
 from tests.test_sampling import global_edges
 
 
@@ -99,3 +99,144 @@ def test_bad_partition_requests(cora):
         partition_outputs(batch.blocks[-1], 2, "spectral")
     with pytest.raises(ValueError, match="cannot split 3 output nodes into 4"):
         partition_outputs(batch.blocks[-1], 4, "reg")
+
+
+def random_block(num_dst, num_src, num_edges, hubs=(), hub_readers=0, seed=0):
+    """A block with random in-edges (distinct per dst), plus ``hubs`` (src positions) each read by
+    ``hub_readers`` random outputs."""
+    rng = np.random.default_rng(seed)
+    adjacency = np.zeros((num_dst, num_src), dtype=bool)
+    adjacency[rng.integers(0, num_dst, num_edges), rng.integers(0, num_src, num_edges)] = True
+    for hub in hubs:
+        adjacency[rng.choice(num_dst, hub_readers, replace=False), hub] = True
+    csr = sp.csr_matrix(adjacency)
+    block = Block(torch.arange(num_src), num_dst, torch.from_numpy(csr.indptr.astype(np.int64)),
+                  torch.from_numpy(csr.indices.astype(np.int64)))
+    return block, adjacency.astype(np.int64)
+
+
+def brute_force_reg(adjacency):
+    """``C = AᵀA`` without diagonal from the dense ``(num_dst, num_src)`` adjacency ``Aᵀ``."""
+    c = adjacency @ adjacency.T
+    np.fill_diagonal(c, 0)
+    return c
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reg_equals_brute_force_product_without_diagonal(seed):
+    block, adjacency = random_block(40, 70, 300, seed=seed)
+    expected = brute_force_reg(adjacency)
+    reg = build_reg(block)
+    assert reg.dtype == np.int64 and reg.has_sorted_indices and (reg.data > 0).all()
+    assert np.array_equal(reg.toarray(), expected)
+    assert np.array_equal(build_reg(block, clip_hubs=False).toarray(), expected)
+    assert np.array_equal(build_reg(block, weighted=False).toarray(), (expected > 0).astype(np.int64))
+
+
+def test_drop_diagonal_equals_setdiag_and_keeps_missing_diagonal_missing():
+    rng = np.random.default_rng(0)
+    matrix = sp.random(50, 50, density=0.2, format="csr", random_state=1, dtype=np.float64)
+    matrix.data[rng.random(matrix.nnz) < 0.1] = 0  # explicit zeros go too
+    expected = matrix.copy()
+    expected.setdiag(0)
+    expected.eliminate_zeros()
+    result = drop_diagonal(matrix)
+    assert np.array_equal(result.toarray(), expected.toarray()) and result.nnz == expected.nnz
+    assert (result.diagonal() == 0).all() and (result.data != 0).all()
+
+
+def test_hub_clipping_keeps_every_non_hub_pair_exact():
+    hubs = [0, 1, 2]
+    block, adjacency = random_block(60, 90, 250, hubs=hubs, hub_readers=45, seed=3)
+    readers = adjacency.sum(axis=0)
+    threshold = int(np.sort(readers)[-4])  # the three most-read src nodes are hubs
+    assert set(np.flatnonzero(readers > threshold)) == set(hubs)
+    clipped = build_reg(block, max_hub_degree=threshold).toarray()
+    full = brute_force_reg(adjacency)
+    shares_a_hub = (adjacency[:, hubs] @ adjacency[:, hubs].T) > 0
+    assert np.array_equal(clipped[~shares_a_hub], full[~shares_a_hub]), "pairs that share no hub keep their weight"
+    kept = adjacency.copy()
+    kept[:, hubs] = 0
+    assert np.array_equal(clipped, brute_force_reg(kept)), "a clipped pair counts its shared non-hub neighbours"
+    assert shares_a_hub.sum() > 0 and (clipped != full).any(), "the hubs did change some pairs"
+
+
+def test_hub_threshold_keeps_the_least_read_nodes_within_the_pair_bound():
+    readers = np.array([1, 1, 2, 3, 3, 5, 9, 9, 40, 300])
+    pairs = lambda t: int((readers[readers <= t] * (readers[readers <= t] - 1)).sum())
+    assert hub_threshold(readers, 10**9, min_degree=1) == 300, "nothing clipped when every pair fits"
+    assert hub_threshold(readers, 200, min_degree=1) == 9 and pairs(9) <= 200 < pairs(40)
+    assert hub_threshold(readers, 150, min_degree=1) == 5 and pairs(5) + 72 <= 150 < pairs(9), \
+        "one 9-reader node would fit, but the class is clipped whole"
+    assert hub_threshold(readers, 0, min_degree=4) == 4, "nodes read by at most min_degree outputs stay"
+    assert hub_threshold(readers, 30, min_degree=3) == 3, "their pairs (14) count against the bound: 14 + 20 > 30"
+
+
+@pytest.mark.parametrize("search", ["linear", "gallop"])
+def test_reg_is_built_once_per_batch_across_the_k_search(cora, monkeypatch, search):
+    import partition.partitioners as partitioners_module
+
+    builds = []
+
+    def counting_build_reg(block, *args, **kwargs):
+        builds.append(block)
+        return build_reg(block, *args, **kwargs)
+
+    monkeypatch.setattr(partitioners_module, "build_reg", counting_build_reg)
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    estimate = lambda blocks, accumulate: 1000 + 10 * blocks[0].num_src
+    full = estimate(batch.blocks, False)
+    plan = make_plan(batch.blocks, estimate, budget=1000 + (full - 1000) // 6, partitioner="reg", search=search)
+    assert len(plan.tried) >= 3, plan.tried
+    assert len(builds) == 1, "one REG for every K tried"
+
+
+def smallest_k_by_brute_force(blocks, estimate, budget, partitioner):
+    return next(k for k in range(1, blocks[-1].num_dst + 1)
+                if max(make_plan(blocks, estimate, k=k, partitioner=partitioner).estimates) <= budget)
+
+
+def assert_logarithmic_search(plan):
+    tried = [k for k, _ in plan.tried]
+    assert len(tried) == len(set(tried)), "no K partitioned twice"
+    span = plan.k - tried[0] + 1
+    assert len(tried) <= 2 * span.bit_length() + 1, (tried, "logarithmic in the distance searched")
+
+
+@pytest.mark.parametrize("per_micro_batch_bytes", [40_500, 41_000, 42_000, 47_000])
+def test_galloping_and_bisection_find_the_brute_force_k_when_fitting_is_monotone(cora, per_micro_batch_bytes):
+    """Range parts differ by at most one output, so the largest shrinks with K: "fits" is monotone in K.
+    A fixed cost per micro-batch (40 kB) makes the lower bound K₀ loose, so the search gallops far."""
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    estimate = lambda blocks, accumulate: 10_000 + 40_000 + 100 * blocks[-1].num_dst
+    budget = 10_000 + per_micro_batch_bytes
+    plan = make_plan(batch.blocks, estimate, budget=budget, partitioner="range", search="gallop")
+    assert plan.k == smallest_k_by_brute_force(batch.blocks, estimate, budget, "range")
+    assert plan.k == make_plan(batch.blocks, estimate, budget=budget, partitioner="range").k, "linear search agrees"
+    assert plan.k - plan.tried[0][0] >= 5 or per_micro_batch_bytes == 47_000
+    assert_logarithmic_search(plan)
+
+
+@pytest.mark.parametrize("divisor", [1.5, 3, 7])
+def test_galloping_and_bisection_find_the_brute_force_k_with_reg(cora, divisor):
+    """With METIS parts "fits" is monotone in K only up to METIS's balance tolerance; at these budgets
+    (micro-batches of tens of outputs) the search finds brute force's K."""
+    batch = sample_batch(cora, cora.train_idx, [10, 10], torch.Generator().manual_seed(0))
+    estimate = lambda blocks, accumulate: 10_000 + 100 * blocks[0].num_src + 3 * blocks[-1].num_dst
+    budget = int(10_000 + (estimate(batch.blocks, False) - 10_000) / divisor)
+    plan = make_plan(batch.blocks, estimate, budget=budget, partitioner="reg", search="gallop")
+    assert plan.k == smallest_k_by_brute_force(batch.blocks, estimate, budget, "reg")
+    assert max(plan.estimates) <= budget
+    assert_logarithmic_search(plan)
+
+
+def test_linear_search_finds_the_smallest_k_where_fitting_is_not_monotone(cora):
+    """Micro-batches of one or two outputs: "fits" flips with K; only the linear search is exact."""
+    batch = sample_batch(cora, cora.train_idx, [10, 10], torch.Generator().manual_seed(0))
+    estimate = lambda blocks, accumulate: 10_000 + 100 * blocks[0].num_src + 3 * blocks[-1].num_dst
+    budget = int(10_000 + (estimate(batch.blocks, False) - 10_000) / 20)
+    fits = [max(make_plan(batch.blocks, estimate, k=k).estimates) <= budget for k in range(54, 59)]
+    assert fits == [False, True, False, False, True], "not monotone in K"
+    plan = make_plan(batch.blocks, estimate, budget=budget)
+    assert plan.k == 55 and all(largest > budget for k, largest in plan.tried[:-1])
+    assert make_plan(batch.blocks, estimate, budget=budget, search="gallop").k > 55

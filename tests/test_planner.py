@@ -20,7 +20,7 @@ from betty_trainer.trainer import train
 from partition import make_plan
 from tests.conftest import REPO
 
-GRAPH = dict(num_nodes=2000, num_features=200, avg_degree=8, train_per_class=40, num_val=100, num_test=100)
+GRAPH = {"num_nodes": 2000, "num_features": 200, "avg_degree": 8, "train_per_class": 40, "num_val": 100, "num_test": 100}
 OVERRIDES = ["model.hidden=16", "train.progress=false"] + [f"dataset.synthetic.{k}={v}" for k, v in GRAPH.items()]
 
 
@@ -48,7 +48,7 @@ def test_planned_micro_batches_fit_the_budget_with_the_smallest_k(setting, fract
     for index, micro_batch in enumerate(micro_batches):  # as training runs them: later ones hold the gradients
         measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu", accumulate=index > 0)
         assert measured.peak_bytes <= budget, (plan.k, measured.peak_bytes, budget)
-    estimate = lambda structures, accumulate: planner.estimate(structures, accumulate).peak_bytes  # noqa: E731
+    estimate = lambda structures, accumulate: planner.estimate(structures, accumulate).peak_bytes
     brute_force = next(k for k in range(1, plan.k + 1)
                        if max(make_plan(batch.blocks, estimate, k=k, seed=0).estimates) <= budget)
     assert plan.k == brute_force
@@ -123,3 +123,41 @@ def test_plan_command_table_matches_plan_json(tmp_path, capsys):
                     if line.startswith("│") and line.split("│")[1].strip() == str(row["micro_batch"]))
         assert f"{row['estimate']['peak_bytes'] / 2**20:.2f}" in line and f"{row['measured_peak_bytes'] / 2**20:.2f}" in line
     assert f"K = {report['num_micro_batches']}" in printed
+
+
+def test_plan_reuse_returns_the_same_micro_batches_until_the_batch_changes(setting, monkeypatch):
+    import partition.partitioners as partitioners_module
+
+    graph, config, batch, *_ = setting
+    builds = []
+    original = partitioners_module.build_reg
+    monkeypatch.setattr(partitioners_module, "build_reg", lambda block, *a, **k: builds.append(1) or original(block, *a, **k))
+    fixed = load_config(None, OVERRIDES + ["micro_batch.num_micro_batches=4"]).micro_batch
+    planner = MicroBatchPlanner(fixed, model_spec(config, graph), torch.device("cpu"))
+    micro_batches, plan = planner.plan(batch, seed=0)
+    resampled = sample_batch(graph, graph.train_idx, [None, None])  # new tensors, same structure
+    assert resampled.blocks[0].indices is not batch.blocks[0].indices
+    again, plan_again = planner.plan(resampled, seed=0)
+    assert plan_again is plan and again is micro_batches, "an identical batch gets the last plan back"
+    assert (planner.plans_made, planner.plans_reused, len(builds)) == (1, 1, 1)
+    fresh = MicroBatchPlanner(fixed, model_spec(config, graph), torch.device("cpu")).plan(resampled, seed=0)[0]
+    for one, two in zip(again, fresh):  # and it is what planning that batch from scratch gives
+        for a, b in zip(one.blocks, two.blocks):
+            assert torch.equal(a.src_nodes, b.src_nodes) and torch.equal(a.indptr, b.indptr)
+            assert torch.equal(a.indices, b.indices)
+
+    assert len(builds) == 2, "the fresh planner built its own REG"
+    _, more = planner.plan(batch, seed=0, min_k=6)  # re-planning after an out-of-memory error
+    assert more.k == 6 and planner.plans_made == 2 and len(builds) == 2, "a new plan; the batch's REG is reused"
+    planner.plan(batch, seed=1, min_k=6)
+    assert planner.plans_made == 3, "another seed is another planning input"
+
+    changed = sample_batch(graph, graph.train_idx, [None, None])
+    changed.blocks[0].indices = changed.blocks[0].indices.clone()
+    changed.blocks[0].indices[0] = (changed.blocks[0].indices[0] + 1) % changed.blocks[0].num_src  # one edge moved
+    _, replanned = planner.plan(changed, seed=1, min_k=6)
+    assert planner.plans_made == 4 and replanned is not more
+    weighted = sample_batch(graph, graph.train_idx, [None, None])
+    weighted.blocks[-1].edge_weight = torch.ones(weighted.blocks[-1].num_edges)
+    planner.plan(weighted, seed=1, min_k=6)
+    assert planner.plans_made == 5, "edge weights are part of the structure"

@@ -1,0 +1,161 @@
+"""REG at scale: the K-way plan of a large power-law batch, REG (hubs clipped) against METIS on the induced graph.
+
+Source: Betty (ASPLOS '23) §4.3 (REG, Algorithm 1); issue 7 "REG at scale": on a
+2M-node power-law graph with in-degrees up to 2·10⁵, 200k outputs and fanouts 10,25,
+the K = 16 plan must finish within 30 s and 4 GiB of extra memory, with redundancy no
+worse than METIS on the outputs' induced graph. (At commit 90a2506 the unclipped REG
+took 98.8 s and 17.7 GB and METIS then ran out of memory.)
+
+The graph is a seeded Chung–Lu graph: node ``i`` (in a random order) has expected
+degree ∝ ``(i + 1)^-α`` with ``α`` chosen so the largest expected degree is
+``--max-degree``; ``--edges`` endpoint pairs are drawn independently ∝ those weights,
+symmetrised, deduplicated and self loops dropped (``Graph.from_edges``). The batch is
+``--outputs`` random distinct seeds sampled with ``betty_trainer.sampling.sample_batch``.
+
+For each partitioner it runs ``partition.make_plan(blocks, k=K, partitioner=...)``
+(graph over the outputs, METIS, slicing of the K micro-batches) and prints wall time,
+extra peak resident memory (``VmHWM`` from ``/proc/self/status``, reset through
+``/proc/self/clear_refs`` before each plan, minus the resident memory before it; Linux
+only) and the per-layer redundancy (Σ_k |src nodes of micro-batch k| / |src nodes|).
+
+Run:
+    python benchmarks/reg_scale.py                          # the issue's 2M-node case, K = 16
+    python benchmarks/reg_scale.py --nodes 200000 --edges 1450000 --max-degree 20000 --outputs 20000
+    python benchmarks/reg_scale.py --methods reg,metis,reg_unclipped   # unclipped REG: minutes and ~18 GB at 2M nodes
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from betty_trainer.block import Batch
+from betty_trainer.graph import Graph
+from betty_trainer.sampling import sample_batch
+from partition import Plan, make_plan, redundancy
+from partition.partitioners import OutputSplitter
+from partition.reg import MAX_PAIRS, build_reg, hub_threshold, reader_counts
+
+
+def power_law_graph(num_nodes: int, num_edges: int, max_degree: float, seed: int = 0) -> Graph:
+    """A seeded undirected Chung–Lu graph with a power-law degree sequence.
+
+    Args:
+        num_nodes: ``N``.
+        num_edges: endpoint pairs drawn (before symmetrising and deduplication; the
+            graph holds up to ``2 · num_edges`` directed edges).
+        max_degree: expected degree of the most connected node (its realised degree is
+            lower: repeated pairs are merged).
+        seed: numpy seed; the same arguments give the same graph.
+
+    Returns:
+        A :class:`Graph` with ``x`` ``(N, 1)`` zeros, ``y`` zeros, empty splits.
+    """
+    log_rank = np.log(np.arange(1, num_nodes + 1, dtype=np.float64))
+
+    def top_share(alpha: float) -> float:  # expected degree of the first node for exponent alpha
+        weights = np.exp(-alpha * log_rank)
+        return 2 * num_edges / weights.sum()
+
+    low, high = 0.0, 2.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if top_share(middle) < max_degree else (low, middle)
+    cdf = np.cumsum(np.exp(-low * log_rank))
+    cdf /= cdf[-1]
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(num_nodes)  # hubs spread over the id space
+    ends = order[np.minimum(np.searchsorted(cdf, rng.random(2 * num_edges), side="right"), num_nodes - 1)]
+    empty = torch.zeros(0, dtype=torch.int64)
+    return Graph.from_edges(torch.from_numpy(ends[:num_edges]), torch.from_numpy(ends[num_edges:]), num_nodes,
+                            x=torch.zeros(num_nodes, 1), y=torch.zeros(num_nodes, dtype=torch.int64),
+                            train_idx=empty, val_idx=empty, test_idx=empty, num_classes=1, name="chung-lu")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def measured(fn) -> tuple[Any, float, int]:
+    """Run ``fn()``; return its result, wall seconds and extra peak resident bytes over the RSS before."""
+    gc.collect()
+    before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    started = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - started
+    return result, seconds, (_status_kib("VmHWM") - before) * 1024
+
+
+def plan_row(batch: Batch, method: str, k: int, seed: int) -> dict[str, Any]:
+    """Plan ``batch`` into ``k`` micro-batches with ``method``; time, extra memory, redundancy."""
+    def run() -> Plan:
+        if method == "reg_unclipped":  # the paper's AᵀA, for comparison
+            splitter = OutputSplitter(batch.blocks[-1], "reg", graph=build_reg(batch.blocks[-1], clip_hubs=False))
+            return make_plan(batch.blocks, k=k, partitioner="reg", seed=seed, splitter=splitter)
+        return make_plan(batch.blocks, k=k, partitioner=method, seed=seed)
+
+    plan, seconds, extra = measured(run)
+    micro_batches = [batch.restrict(layers) for layers in plan.layers]
+    layers = redundancy(batch.blocks, [mb.blocks for mb in micro_batches])
+    return {"method": method, "k": plan.k, "seconds": seconds, "extra_peak_bytes": extra,
+            "input_redundancy": layers[0], "layer_redundancy": layers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=2_000_000)
+    parser.add_argument("--edges", type=int, default=14_500_000, help="endpoint pairs drawn (≈ half the directed edges)")
+    parser.add_argument("--max-degree", type=float, default=300_000, help="expected degree of the largest hub")
+    parser.add_argument("--outputs", type=int, default=200_000, help="seed/output nodes of the batch")
+    parser.add_argument("--fanouts", default="10,25", help="input layer first")
+    parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--methods", default="reg,metis", help="comma-separated; reg_unclipped = the paper's AᵀA")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    graph = power_law_graph(args.nodes, args.edges, args.max_degree, args.seed)
+    degrees = graph.in_degrees()
+    print(f"graph: {graph.num_nodes} nodes, {graph.num_edges} directed edges, in-degree max {int(degrees.max())}, "
+          f"mean {graph.num_edges / graph.num_nodes:.1f} ({time.perf_counter() - started:.1f} s)")
+    seeds = torch.from_numpy(np.random.default_rng(args.seed + 1).choice(args.nodes, args.outputs, replace=False))
+    fanouts = [int(f) for f in args.fanouts.split(",")]
+    batch, seconds, _ = measured(partial(sample_batch, graph, seeds, fanouts, torch.Generator().manual_seed(args.seed)))
+    del graph, degrees
+    readers = reader_counts(batch.blocks[-1])
+    threshold = hub_threshold(readers, MAX_PAIRS)
+    print(f"batch: {batch} sampled in {seconds:.1f} s; output block: {batch.blocks[-1].num_edges} edges, "
+          f"a src node read by up to {int(readers.max())} outputs, Σd² = {float((readers.astype(float) ** 2).sum()):.3g}; "
+          f"REG keeps src nodes read by ≤ {threshold} outputs ({int((readers > threshold).sum())} hubs clipped)")
+
+    rows = []
+    for method in args.methods.split(","):
+        row = plan_row(batch, method, args.k, args.seed)
+        rows.append(row)
+        print(f"{method:>14}: K={row['k']}  plan {row['seconds']:6.2f} s  extra peak {row['extra_peak_bytes'] / 2**30:5.2f} GiB  "
+              f"redundancy per layer {', '.join(f'{r:.3f}' for r in row['layer_redundancy'])}", flush=True)
+    by_method = {row["method"]: row for row in rows}
+    if {"reg", "metis"} <= by_method.keys():
+        reg, metis = by_method["reg"], by_method["metis"]
+        print(f"REG / METIS: time {reg['seconds'] / metis['seconds']:.2f}×, input redundancy "
+              f"{reg['input_redundancy'] / metis['input_redundancy']:.3f}×; "
+              f"REG within 30 s: {reg['seconds'] <= 30}, within 4 GiB: {reg['extra_peak_bytes'] <= 4 * 2**30}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"config": {**vars(args), "json": None}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
