@@ -58,6 +58,8 @@ Run:
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import gzip
 import json
 import os
@@ -214,6 +216,23 @@ class Ours:
 
 # --- sections ------------------------------------------------------------------------------------------------
 
+def release() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``), so what one case
+    freed is not still resident while the other side runs."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def max_rss_mib() -> float:
+    """High-water resident memory of this process so far (MiB; Linux ``ru_maxrss`` is KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def median(values):
     return statistics.median(values) if values else float("nan")
 
@@ -238,13 +257,15 @@ def memory_section(graphs, dgl, args, folders, results) -> None:
         graph = graphs[name]
         outputs = outputs_of(graph, args.outputs)
         for hidden in args.hidden:
-            ours = {}
-            for k in args.ks:
-                ours[k] = Ours(graph, hidden, k, args.seed).peak(outputs)
-                print(f"  memory {name} hidden {hidden}: ours K={k}: {ours[k][0] / MIB:.1f} MiB", flush=True)
             theirs = dgl("full_memory", name=name, hidden=hidden, seed=args.seed,
                          outputs=folders.get(("outputs", name)))["peak_bytes"]
             print(f"  memory {name} hidden {hidden}: DGL full graph: {theirs / MIB:.1f} MiB", flush=True)
+            ours = {}
+            for k in args.ks:
+                ours[k] = Ours(graph, hidden, k, args.seed).peak(outputs)
+                release()
+                print(f"  memory {name} hidden {hidden}: ours K={k}: {ours[k][0] / MIB:.1f} MiB "
+                      f"(this process's RSS high-water so far {max_rss_mib():.0f} MiB)", flush=True)
             k1 = ours.get(1, (None,))[0]
             row = [name, hidden, f"{theirs / MIB:.1f}"]
             for k in args.ks:
@@ -273,9 +294,10 @@ def time_section(graphs, dgl, args, folders, results) -> None:
                 runs["dgl"].append(dgl("full_step", name=name, hidden=hidden, seed=args.seed,
                                        outputs=folders.get(("outputs", name)), key=f"full-{name}-{hidden}"))
                 runs["kk"].append(many.step(outputs, [None, None], epoch, epoch))
+                release()
                 print(f"  time {name} hidden {hidden} epoch {epoch}: ours K=1 {runs['k1'][-1]['total']:.3f} s, "
                       f"DGL {runs['dgl'][-1]['seconds']:.3f} s, ours K={k} {runs['kk'][-1]['total']:.3f} s "
-                      f"(plan {runs['kk'][-1]['plan']:.3f} s)", flush=True)
+                      f"(plan {runs['kk'][-1]['plan']:.3f} s; RSS high-water {max_rss_mib():.0f} MiB)", flush=True)
             for phase, picked in (("first", slice(0, 1)), ("steady", slice(1, None))):
                 k1 = median([r["total"] for r in runs["k1"][picked]])
                 theirs = median([r["seconds"] for r in runs["dgl"][picked]])
