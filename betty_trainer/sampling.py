@@ -61,7 +61,8 @@ class SampleKey:
     @classmethod
     def draw(cls, generator: torch.Generator | None = None) -> SampleKey:
         """A key whose seed is one draw from ``generator`` (the global RNG if ``None``)."""
-        return cls(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        device = None if generator is None else generator.device
+        return cls(int(torch.randint(0, 2**62, (1,), generator=generator, device=device)))
 
 
 class Sampler(Protocol):
