@@ -98,10 +98,7 @@ class NeighborSampler:
     def __init__(self, graph: Graph, fanouts: Sequence[int | None], kernel: Kernel = "auto") -> None:
         self.graph = graph
         self.fanouts = [_check_fanout(f) for f in fanouts]
-        if kernel not in ("auto", "tensor", "numba"):
-            raise ValueError(f"kernel must be 'auto', 'tensor' or 'numba'; got {kernel!r}")
-        if kernel == "numba" and (numba is None or graph.indptr.device.type != "cpu"):
-            raise ValueError("kernel='numba' needs the numba package and a graph on the CPU; use kernel='tensor'")
+        _use_numba(kernel, graph.indptr)  # refuses an unknown or unavailable kernel now, not at the first batch
         self.kernel = kernel
 
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
@@ -189,7 +186,7 @@ def sample_block(
         A :class:`Block` with ``src_nodes[:n] == dst``; int64 ``src_nodes``, ``indptr``, ``indices``.
 
     Raises:
-        ValueError: if ``fanout`` is 0 or below -1.
+        ValueError: if ``fanout`` is 0 or below -1, or ``kernel`` is unknown or unavailable.
     """
     fanout = _check_fanout(fanout)
     if key is None:
@@ -208,9 +205,12 @@ def _check_fanout(fanout: int | None) -> int | None:
 
 
 def _use_numba(kernel: Kernel, tensor: Tensor) -> bool:
-    if kernel == "numba":
-        return True
-    return kernel == "auto" and numba is not None and tensor.device.type == "cpu"
+    if kernel not in ("auto", "tensor", "numba"):
+        raise ValueError(f"kernel must be 'auto', 'tensor' or 'numba'; got {kernel!r}")
+    on_cpu = tensor.device.type == "cpu"
+    if kernel == "numba" and (numba is None or not on_cpu):
+        raise ValueError("kernel='numba' needs the numba package and a graph on the CPU; use kernel='tensor'")
+    return kernel == "numba" or (kernel == "auto" and numba is not None and on_cpu)
 
 
 # ---------------------------------------------------------------- tensor path (any device)

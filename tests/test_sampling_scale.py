@@ -295,3 +295,10 @@ def test_numba_kernel_split_over_threads_gives_the_same_sample():
     finally:
         torch.set_num_threads(threads)
     assert_same_block(split, sample_block(graph, dst, 10, key=21, kernel="tensor"))
+
+
+def test_unknown_kernel_is_refused(mixed):
+    with pytest.raises(ValueError, match="kernel must be"):
+        NeighborSampler(mixed, [3], kernel="cuda")
+    with pytest.raises(ValueError, match="kernel must be"):
+        sample_block(mixed, torch.tensor([1]), 3, key=1, kernel="fast")
