@@ -33,7 +33,7 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     """
     device = resolve_device(config.train.device)
     graph = load_dataset(config.dataset)
-    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph), device)
+    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
     epoch_seed = derive_seed(config.seed, 0)
     generator = torch.Generator().manual_seed(epoch_seed)
     seeds = split_seeds(graph.train_idx, config.sampling.batch_size, generator)[0]

@@ -12,8 +12,14 @@ plain tensor ops on any device.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
+
+try:
+    import numba
+except ImportError:  # pragma: no cover - numba is a declared dependency
+    numba = None
 
 MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -69,3 +75,40 @@ def uniform_ids(key: int, ids: Tensor, dtype: torch.dtype = torch.float32) -> Te
     if dtype == torch.float64:
         return bits.to(dtype) * (1.0 / (1 << 32))
     return (bits >> 8).to(dtype) * (1.0 / (1 << 24))
+
+
+# ---------------------------------------------------------------- the same hashes in numba kernels (CPU)
+
+
+def jit(function=None, **options):
+    """numba's ``njit`` (compiled on first call, cached on disk) when numba is installed, else the plain
+    Python function (correct, slow). The CPU kernels of sampling and dropout are built with it."""
+    if function is None:
+        return lambda f: jit(f, **options)
+    return function if numba is None else numba.njit(cache=True, nogil=True, **options)(function)
+
+
+def numba_available() -> bool:
+    """Whether the CPU kernels are compiled (numba installed)."""
+    return numba is not None
+
+
+_U32 = np.uint64(MASK32)
+
+
+@jit(inline="always")
+def mix32_scalar(x):
+    """:func:`mix32` on one ``np.uint64`` (inside numba kernels)."""
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x85EBCA6B)) & _U32
+    x ^= x >> np.uint64(13)
+    x = (x * np.uint64(0xC2B2AE35)) & _U32
+    return x ^ (x >> np.uint64(16))
+
+
+@jit(inline="always")
+def hash_id_scalar(key, node):
+    """:func:`hash_ids` for one non-negative id (inside numba kernels); ``np.uint64`` in ``[0, 2³²)``."""
+    v = np.uint64(node)
+    return mix32_scalar(mix32_scalar((v & _U32) ^ np.uint64(key)) ^ ((v >> np.uint64(32)) & _U32))
+

@@ -259,8 +259,11 @@ class _Step:
     def keyed_mask(self, rows: int, width: int) -> None:
         """apply_keyed_mask's transients for one row chunk: the per-node hash (mixed through two more
         temporaries), the per-feature hash, the int64 bits and a shifted copy of them; then the
-        boolean mask (the hashes and bits freed around it) and the mask as floats in the product."""
+        boolean mask (the hashes and bits freed around it) and the mask as floats in the product.
+        The fused CPU kernel makes none of them."""
         r = self.r
+        if self.model.fused_dropout:
+            return
         chunk_rows = min(rows, max(1, self.model.mask_chunk_elements // max(width, 1)))
         node_hash = r.alloc(chunk_rows * INDEX_BYTES, _OVER)
         r.transient(2 * chunk_rows * INDEX_BYTES, _OVER)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import torch
 
 from betty_trainer.models import NodeDropout, keyed_uniform, set_dropout_key
@@ -49,6 +51,7 @@ def test_node_dropout_keep_rate_scaling_and_eval():
 def test_chunked_mask_equals_whole_mask(monkeypatch):
     from betty_trainer.models import dropout
 
+    monkeypatch.setattr(dropout, "fused_mask_kernel", lambda device, dtype: False)  # the chunked tensor path
     layer = NodeDropout(0.5)
     set_dropout_key(layer, seed=1, step=5)
     h, nodes = torch.randn(300, 70), torch.randperm(1000)[:300]
@@ -75,3 +78,22 @@ def test_backward_applies_the_same_mask_and_keeps_no_mask():
     keep = (keyed_uniform(3, 7, 2, nodes, 90) >= 0.4).float()
     torch.testing.assert_close(out, h.detach() * keep / 0.6)
     torch.testing.assert_close(h.grad, weights * keep / 0.6)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_compiled_cpu_kernel_gives_the_tensor_path_bits(monkeypatch, p):
+    """The fused CPU kernel (hash, mask and scale in one pass) and the chunked tensor ops (the path on
+    other devices) produce identical bits, signed zeros included, out of place and in place."""
+    from betty_trainer.models import dropout
+
+    h = torch.randn(1000, 77, generator=torch.Generator().manual_seed(0))
+    nodes = torch.randint(0, 1 << 40, (1000,), generator=torch.Generator().manual_seed(1))
+    assert dropout.fused_mask_kernel(h.device, h.dtype)
+    fused = dropout.apply_keyed_mask(h, nodes, 3, 1 << 33, 2, p)
+    in_place = dropout.apply_keyed_mask(h.clone(), nodes, 3, 1 << 33, 2, p, inplace=True)
+    monkeypatch.setattr(dropout, "fused_mask_kernel", lambda device, dtype: False)
+    tensor_ops = dropout.apply_keyed_mask(h, nodes, 3, 1 << 33, 2, p)
+    assert torch.equal(fused.view(torch.int32), tensor_ops.view(torch.int32))
+    assert torch.equal(in_place.view(torch.int32), tensor_ops.view(torch.int32))
+    assert not torch.equal(fused, h)
+

@@ -23,7 +23,7 @@ def estimate_and_measure(graph, overrides, k, fanouts=None):
     torch.manual_seed(0)
     model = build_model(config.model, graph)
     set_dropout_key(model, 0, 0)
-    optimizer = torch.optim.Adam(model.parameters())
+    optimizer = torch.optim.Adam(model.parameters(), weight_decay=config.optim.weight_decay)  # as train() builds it
     batch = sample_batch(graph, graph.train_idx, fanouts or [None] * config.model.num_layers,
                          torch.Generator().manual_seed(0))
     micro_batches = plan_micro_batches(batch, k, "reg", 0)
@@ -109,7 +109,7 @@ def test_estimate_matrix(cora64, model, edge_weights, dropout):
     torch.manual_seed(0)
     net = build_model(config.model, cora64)
     set_dropout_key(net, 0, 0)
-    optimizer = torch.optim.Adam(net.parameters())
+    optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay)  # as train() builds it
     batch = sample_batch(cora64, cora64.train_idx, [5, 10], torch.Generator().manual_seed(0))
     if edge_weights:
         batch = weighted(batch)

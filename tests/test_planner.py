@@ -72,7 +72,8 @@ def test_impossible_and_malformed_budgets_name_the_cause(setting, capsys, tmp_pa
     tiny = load_config(None, OVERRIDES + ["micro_batch.budget=1000"]).micro_batch
     with pytest.raises(PlanningError, match="below what training holds"):
         MicroBatchPlanner(tiny, spec, torch.device("cpu")).plan(batch, 0)
-    small = load_config(None, OVERRIDES + ["micro_batch.budget=250000"]).micro_batch
+    resident = MicroBatchPlanner(tiny, spec, torch.device("cpu")).resident  # above it, but below one output's need
+    small = load_config(None, OVERRIDES + [f"micro_batch.budget={resident + 1000}"]).micro_batch
     with pytest.raises(PlanningError, match=r"impossible: output node \d+ of the batch alone needs"):
         MicroBatchPlanner(small, spec, torch.device("cpu")).plan(batch, 0)
     for bad, message in (("-5", "must be positive"), ("lots", "expected a size in bytes")):

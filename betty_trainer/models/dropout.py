@@ -9,12 +9,14 @@ so any split of a batch into micro-batches computes exactly the same function.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from betty_trainer.rng import MASK32, hash_ids, mix32, mix_key
+from betty_trainer.rng import MASK32, hash_id_scalar, hash_ids, jit, mix32, mix32_scalar, mix_key, numba, numba_available
 
 MASK_CHUNK_ELEMENTS = 1 << 16  # elements hashed at once by NodeDropout (1 MiB of int64 transients)
+_COLUMN_MULTIPLIER = 0x9E3779B1  # spreads feature indices before their hash
 
 
 def keyed_bits(seed: int, step: int, layer: int, node_ids: Tensor, num_features: int) -> Tensor:
@@ -34,7 +36,7 @@ def keyed_bits(seed: int, step: int, layer: int, node_ids: Tensor, num_features:
     """
     key = mix_key(seed, step, layer)
     row = hash_ids(key, node_ids)
-    col = mix32((torch.arange(num_features, device=node_ids.device) * 0x9E3779B1 + key + 1) & MASK32)
+    col = mix32((torch.arange(num_features, device=node_ids.device) * _COLUMN_MULTIPLIER + key + 1) & MASK32)
     bits = row[:, None] ^ col[None, :]
     bits.bitwise_xor_(bits >> 16)
     bits.mul_(0x85EBCA6B).bitwise_and_(MASK32)
@@ -56,7 +58,9 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
 
     The int64 hash needs 16 bytes per element while it is computed; hashing one chunk
     at a time bounds that transient, and the mask itself never exists whole: beyond
-    the result, the memory used is one chunk's hash.
+    the result, the memory used is one chunk's hash. On the CPU (float32, numba installed)
+    a compiled kernel hashes, masks and scales each element in one pass with no
+    temporary at all (:func:`fused_mask_kernel`); both give the same bits.
 
     The mask is the module's keyed mask (Betty §4.2 made exact under micro-batching;
     see the module docstring), so forward and backward apply the same one.
@@ -69,6 +73,10 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
     """
     out = src if inplace else torch.empty_like(src)
     threshold = round(p * (1 << 24))
+    if fused_mask_kernel(src.device, src.dtype):
+        _keyed_mask_kernel(src.detach().numpy(), out.detach().numpy(), node_ids.numpy(),
+                           mix_key(seed, step, layer), threshold, np.float32(1.0 / (1.0 - p)))
+        return out
     rows = max(1, MASK_CHUNK_ELEMENTS // max(src.shape[1], 1))
     for start in range(0, src.shape[0], rows):
         chunk = slice(start, start + rows)
@@ -77,6 +85,28 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
                   out=out[chunk])
         out[chunk].mul_(1.0 / (1.0 - p))
     return out
+
+
+def fused_mask_kernel(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether :func:`apply_keyed_mask` runs the compiled CPU kernel on tensors of this device and dtype
+    (CPU, float32, numba installed): then it allocates nothing but its output."""
+    return numba_available() and torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+
+@jit(parallel=True)
+def _keyed_mask_kernel(src, out, node_ids, key, threshold, scale):  # pragma: no cover - compiled
+    rows, width = src.shape
+    columns = np.empty(width, np.uint64)
+    for f in range(width):
+        columns[f] = mix32_scalar((np.uint64(f) * np.uint64(_COLUMN_MULTIPLIER) + np.uint64(key) + np.uint64(1))
+                                  & np.uint64(MASK32))
+    zero = np.float32(0.0)
+    for r in numba.prange(rows):
+        row = hash_id_scalar(key, node_ids[r])
+        for f in range(width):
+            keep = (mix32_scalar(row ^ columns[f]) >> np.uint64(8)) >= threshold
+            out[r, f] = (src[r, f] if keep else src[r, f] * zero) * scale
 
 
 class _KeyedDropout(torch.autograd.Function):
