@@ -23,9 +23,10 @@ from betty_trainer.block import Batch
 from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import Config, MicroBatchConfig
 from betty_trainer.errors import ConfigError, PlanningError
-from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS
-from betty_trainer.models.dropout import MASK_CHUNK_ELEMENTS, fused_mask_kernel
 from betty_trainer.graph import Graph
+from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS
+from betty_trainer.models.dropout import MASK_CHUNK_ELEMENTS
+from betty_trainer.rng import compiled_kernels
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
@@ -39,13 +40,13 @@ logger = logging.getLogger(__name__)
 def model_spec(config: Config, graph: Graph, device: torch.device | str = "cpu") -> ModelSpec:
     """The estimator's description of the built-in model ``config.model`` on ``graph``, trained on ``device``
     with Adam as :func:`~betty_trainer.trainer.train` builds it (``optim.weight_decay``; the foreach or
-    single-tensor path PyTorch picks for the device) and keyed dropout's kernel for that device."""
+    single-tensor path PyTorch picks for the device) and the kernels dropout and aggregation use there."""
     m = config.model
     widths = (graph.num_features,) + (m.hidden,) * (m.num_layers - 1) + (graph.num_classes,)
     return ModelSpec(m.arch, widths, m.aggregator, m.heads, m.dropout, graph.x.element_size(), "adam", graph.num_nodes,
                      weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
                      mask_chunk_elements=MASK_CHUNK_ELEMENTS, attention_chunk_elements=ATTENTION_CHUNK_ELEMENTS,
-                     fused_dropout=fused_mask_kernel(device, graph.x.dtype))
+                     compiled_kernels=compiled_kernels(device, graph.x.dtype))
 
 
 def resolve_budget(config: MicroBatchConfig, device: torch.device) -> int | None:

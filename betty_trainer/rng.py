@@ -88,9 +88,11 @@ def jit(function=None, **options):
     return function if numba is None else numba.njit(cache=True, nogil=True, **options)(function)
 
 
-def numba_available() -> bool:
-    """Whether the CPU kernels are compiled (numba installed)."""
-    return numba is not None
+def compiled_kernels(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the compiled CPU kernels (keyed dropout, the sparse aggregation's transpose) run on tensors
+    of this device and dtype: CPU, float32, numba installed. Elsewhere the same results come from
+    tensor ops (which also run on GPUs)."""
+    return numba is not None and torch.device(device).type == "cpu" and dtype == torch.float32
 
 
 _U32 = np.uint64(MASK32)

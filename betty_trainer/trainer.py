@@ -18,9 +18,8 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
-from torch.nn import functional as F
 
-from betty_trainer.block import Batch, Block
+from betty_trainer.block import Batch
 from betty_trainer.checkpoint import load_checkpoint, save_checkpoint
 from betty_trainer.config import Config
 from betty_trainer.datasets import load_dataset
@@ -234,7 +233,7 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | Feature
             out = None
             for chunk in dst.split(chunk_size):
                 block = sample_block(graph, chunk, None)
-                h = _stack_layer(model, index, block.to(device), store.gather(block.src_nodes, device))
+                h = model.layer_forward(index, block.to(device), store.gather(block.src_nodes, device))
                 if out is None:
                     out, start = torch.empty(dst.numel(), h.shape[1], dtype=h.dtype, pin_memory=pin), 0
                 out[start:start + chunk.numel()].copy_(h)
@@ -243,13 +242,6 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | Feature
     finally:
         model.train(was_training)
     return out
-
-
-def _stack_layer(model: LayerStack, index: int, block: Block, h: Tensor) -> Tensor:
-    """Layer ``index`` of ``model`` on one block as ``LayerStack.forward`` runs it: dropout
-    (the identity in eval mode), the layer, then ReLU unless it is the output layer."""
-    h = model.apply_layer(model.layers[index], block, model.dropout(h, block.src_nodes, index))
-    return F.relu(h) if index < len(model.layers) - 1 else h
 
 
 def evaluate_splits(model: nn.Module, graph: Graph, features: Tensor | FeatureStore, device: torch.device,

@@ -238,6 +238,12 @@ class _Step:
 
         def backward(grad: int) -> int:
             e, s = c.num_edges, c.num_src
+            if self.model.compiled_kernels:  # the counting sort writes int32 pointer and positions: no copies
+                transposed = [r.alloc((s + 1) * 4, _OVER), r.alloc(e * 4, _OVER), r.alloc(e * self.f, _OVER)]
+                zero = r.alloc(self.f, _OVER)
+                grad_src = r.alloc(s * width * self.f, _GRAD)
+                r.drop(zero, *transposed, grad, values, self_scale)
+                return grad_src
             order = r.alloc(e * INDEX_BYTES, _OVER)  # argsort(indices, stable): keys, order, iota
             sorting = [r.alloc(e * INDEX_BYTES, _OVER) for _ in range(2)]
             r.drop(*sorting)
@@ -262,7 +268,7 @@ class _Step:
         boolean mask (the hashes and bits freed around it) and the mask as floats in the product.
         The fused CPU kernel makes none of them."""
         r = self.r
-        if self.model.fused_dropout:
+        if self.model.compiled_kernels:
             return
         chunk_rows = min(rows, max(1, self.model.mask_chunk_elements // max(width, 1)))
         node_hash = r.alloc(chunk_rows * INDEX_BYTES, _OVER)

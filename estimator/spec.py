@@ -39,8 +39,9 @@ class ModelSpec:
             (``betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS``); required when ``dropout > 0``.
         attention_chunk_elements: (edge, head, feature) products GAT's attention aggregation makes at
             once (``betty_trainer.models.aggregate.ATTENTION_CHUNK_ELEMENTS``); required for ``gat``.
-        fused_dropout: keyed dropout runs its compiled CPU kernel, which allocates nothing but its
-            output (``betty_trainer.models.dropout.fused_mask_kernel``); else the chunked tensor ops.
+        compiled_kernels: the compiled CPU kernels run (``betty_trainer.rng.compiled_kernels``): keyed
+            dropout allocates nothing but its output, and the aggregation's backward builds ``Aᵀ`` by a
+            counting sort into int32 arrays; else both are tensor ops (GPU), with their temporaries.
         foreach: Adam runs its multi-tensor (``foreach``) path, as PyTorch chooses by default on CUDA
             (:func:`adam_uses_foreach`); else its single-tensor path (the CPU default).
 
@@ -61,7 +62,7 @@ class ModelSpec:
     foreach: bool = False
     mask_chunk_elements: int | None = None
     attention_chunk_elements: int | None = None
-    fused_dropout: bool = False
+    compiled_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -51,7 +51,7 @@ def test_node_dropout_keep_rate_scaling_and_eval():
 def test_chunked_mask_equals_whole_mask(monkeypatch):
     from betty_trainer.models import dropout
 
-    monkeypatch.setattr(dropout, "fused_mask_kernel", lambda device, dtype: False)  # the chunked tensor path
+    monkeypatch.setattr(dropout, "compiled_kernels", lambda device, dtype: False)  # the chunked tensor path
     layer = NodeDropout(0.5)
     set_dropout_key(layer, seed=1, step=5)
     h, nodes = torch.randn(300, 70), torch.randperm(1000)[:300]
@@ -88,10 +88,10 @@ def test_compiled_cpu_kernel_gives_the_tensor_path_bits(monkeypatch, p):
 
     h = torch.randn(1000, 77, generator=torch.Generator().manual_seed(0))
     nodes = torch.randint(0, 1 << 40, (1000,), generator=torch.Generator().manual_seed(1))
-    assert dropout.fused_mask_kernel(h.device, h.dtype)
+    assert dropout.compiled_kernels(h.device, h.dtype)
     fused = dropout.apply_keyed_mask(h, nodes, 3, 1 << 33, 2, p)
     in_place = dropout.apply_keyed_mask(h.clone(), nodes, 3, 1 << 33, 2, p, inplace=True)
-    monkeypatch.setattr(dropout, "fused_mask_kernel", lambda device, dtype: False)
+    monkeypatch.setattr(dropout, "compiled_kernels", lambda device, dtype: False)
     tensor_ops = dropout.apply_keyed_mask(h, nodes, 3, 1 << 33, 2, p)
     assert torch.equal(fused.view(torch.int32), tensor_ops.view(torch.int32))
     assert torch.equal(in_place.view(torch.int32), tensor_ops.view(torch.int32))

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from betty_trainer.block import Block
 from betty_trainer.models.lstm import LSTM
+from betty_trainer.rng import compiled_kernels, jit
 
 
 class _SparseAggregate(torch.autograd.Function):
@@ -38,13 +39,45 @@ class _SparseAggregate(torch.autograd.Function):
             return None, None, None, None
         block = ctx.block
         values, self_scale = ctx.saved_tensors
-        order = torch.argsort(block.indices, stable=True)
-        indptr = torch.zeros(block.num_src + 1, dtype=torch.int64, device=grad.device)
-        torch.cumsum(torch.bincount(block.indices, minlength=block.num_src), 0, out=indptr[1:])
-        grad_src = _csr_matmul(indptr, block.edge_dst()[order], values[order], block.num_src, grad)
+        grad_src = _csr_matmul(*_transpose(block, values), block.num_src, grad)
         if self_scale is not None:
             grad_src[: block.num_dst].addcmul_(grad, self_scale.unsqueeze(1))
         return grad_src, None, None, None
+
+
+def _transpose(block: Block, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """CSR of ``Aᵀ`` (``num_src × num_dst``): pointer, dst positions and values, each src row's edges in
+    dst order. On the CPU a compiled counting sort writes int32 pointer and positions (what the sparse
+    kernel takes without a copy); elsewhere a stable argsort of the src ids."""
+    if compiled_kernels(values.device, values.dtype):
+        pointer = torch.empty(block.num_src + 1, dtype=torch.int32)
+        positions = torch.empty(block.num_edges, dtype=torch.int32)
+        transposed = torch.empty_like(values)
+        _counting_transpose(block.indptr.numpy(), block.indices.numpy(), values.numpy(),
+                            pointer.numpy(), positions.numpy(), transposed.numpy())
+        return pointer, positions, transposed
+    order = torch.argsort(block.indices, stable=True)
+    pointer = torch.zeros(block.num_src + 1, dtype=torch.int64, device=values.device)
+    torch.cumsum(torch.bincount(block.indices, minlength=block.num_src), 0, out=pointer[1:])
+    return pointer, block.edge_dst()[order], values[order]
+
+
+@jit
+def _counting_transpose(indptr, indices, values, pointer, positions, transposed):  # pragma: no cover - compiled
+    pointer[:] = 0
+    for e in range(indices.shape[0]):  # row sizes, then their prefix sums: pointer[s] = start of row s
+        pointer[indices[e] + 1] += 1
+    for s in range(1, pointer.shape[0]):
+        pointer[s] += pointer[s - 1]
+    for d in range(indptr.shape[0] - 1):  # edges in dst order; pointer[s] serves as row s's cursor
+        for e in range(indptr[d], indptr[d + 1]):
+            slot = pointer[indices[e]]
+            positions[slot] = d
+            transposed[slot] = values[e]
+            pointer[indices[e]] = slot + 1
+    for s in range(pointer.shape[0] - 2, 0, -1):  # each cursor ended at the next row's start: shift back
+        pointer[s] = pointer[s - 1]
+    pointer[0] = 0
 
 
 def _csr_matmul(indptr: Tensor, indices: Tensor, values: Tensor, num_rows: int, dense: Tensor) -> Tensor:

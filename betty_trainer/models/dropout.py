@@ -13,7 +13,17 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from betty_trainer.rng import MASK32, hash_id_scalar, hash_ids, jit, mix32, mix32_scalar, mix_key, numba, numba_available
+from betty_trainer.rng import (
+    MASK32,
+    compiled_kernels,
+    hash_id_scalar,
+    hash_ids,
+    jit,
+    mix32,
+    mix32_scalar,
+    mix_key,
+    numba,
+)
 
 MASK_CHUNK_ELEMENTS = 1 << 16  # elements hashed at once by NodeDropout (1 MiB of int64 transients)
 _COLUMN_MULTIPLIER = 0x9E3779B1  # spreads feature indices before their hash
@@ -60,7 +70,7 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
     at a time bounds that transient, and the mask itself never exists whole: beyond
     the result, the memory used is one chunk's hash. On the CPU (float32, numba installed)
     a compiled kernel hashes, masks and scales each element in one pass with no
-    temporary at all (:func:`fused_mask_kernel`); both give the same bits.
+    temporary at all (:func:`~betty_trainer.rng.compiled_kernels`); both give the same bits.
 
     The mask is the module's keyed mask (Betty §4.2 made exact under micro-batching;
     see the module docstring), so forward and backward apply the same one.
@@ -73,7 +83,7 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
     """
     out = src if inplace else torch.empty_like(src)
     threshold = round(p * (1 << 24))
-    if fused_mask_kernel(src.device, src.dtype):
+    if compiled_kernels(src.device, src.dtype):
         _keyed_mask_kernel(src.detach().numpy(), out.detach().numpy(), node_ids.numpy(),
                            mix_key(seed, step, layer), threshold, np.float32(1.0 / (1.0 - p)))
         return out
@@ -85,13 +95,6 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
                   out=out[chunk])
         out[chunk].mul_(1.0 / (1.0 - p))
     return out
-
-
-def fused_mask_kernel(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether :func:`apply_keyed_mask` runs the compiled CPU kernel on tensors of this device and dtype
-    (CPU, float32, numba installed): then it allocates nothing but its output."""
-    return numba_available() and torch.device(device).type == "cpu" and dtype == torch.float32
-
 
 
 @jit(parallel=True)

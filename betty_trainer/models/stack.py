@@ -59,11 +59,20 @@ class LayerStack(nn.Module):
         if len(blocks) != len(self.layers):
             raise ValueError(f"model has {len(self.layers)} layers but the batch has {len(blocks)} blocks")
         h = x
-        for index, (layer, block) in enumerate(zip(self.layers, blocks)):
-            h = self.apply_layer(layer, block, self.dropout(h, block.src_nodes, index, consume_input and index == 0))
-            if index < len(self.layers) - 1:
-                h = F.relu(h)
+        for index, block in enumerate(blocks):
+            h = self.layer_forward(index, block, h, consume_input)
         return h
+
+    def layer_forward(self, index: int, block: Block, h: Tensor, consume_input: bool = False) -> Tensor:
+        """Layer ``index`` on one block: node-keyed dropout, the layer, then ReLU unless it is the output
+        layer (``forward`` is these, block by block; layer-wise evaluation calls them one layer at a time).
+
+        Shapes:
+            ``h`` ``(block.num_src, widths[index])`` → ``(block.num_dst, widths[index + 1])``.
+        """
+        h = self.apply_layer(self.layers[index], block,
+                             self.dropout(h, block.src_nodes, index, consume_input and index == 0))
+        return F.relu(h) if index < len(self.layers) - 1 else h
 
 
 def layer_widths(in_feats: int, hidden: int, out_feats: int, num_layers: int) -> list[int]:
