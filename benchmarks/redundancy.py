@@ -5,12 +5,22 @@ into K micro-batches by each partitioner (REG, unweighted REG, METIS on the indu
 output graph, range, random); redundancy of layer l is Σ_k |src nodes of layer l in
 micro-batch k| / |src nodes of layer l in the full batch|, so 1.0 means no node is
 gathered twice. Layer 0 (input nodes) is what the paper plots. Times are wall-clock
-milliseconds on the CPU: partitioning (``partition_outputs`` only, median of
-``--repeats`` runs) and slicing (``Batch.split``, median as well).
+milliseconds on the CPU: partitioning (``partition_outputs`` only: the REG or induced
+graph is built and cut by METIS; median of ``--repeats`` runs) and slicing
+(``Batch.split``, median as well). ``reg_unclipped`` (with ``--methods``) is the paper's
+REG without hub clipping, for comparison.
+
+``--step-epochs E`` also trains 2-layer SAGE-mean (hidden 64) on the full batch for E
+epochs with ``MicroBatchPlanner`` (K = ``--step-k``, REG, one partitioner seed as a run
+would use) and prints, per epoch, sampling, planning (REG + METIS + slicing, or the
+reuse check when the batch equals the last one) and the training step, and planning's
+share of the whole step averaged over the epochs.
 
 Run:
     python benchmarks/redundancy.py --data-dir ../shared/datasets/planetoid
     python benchmarks/redundancy.py --fanouts 10,25 --ks 2,4,8 --json redundancy.json
+    python benchmarks/redundancy.py --datasets amazon-computers --data-dir ../shared/datasets/graphdata-npz \
+        --outputs all --ks 4,8,16 --methods reg,metis,reg_unclipped --step-epochs 5
 """
 
 from __future__ import annotations
@@ -28,11 +38,16 @@ from rich.console import Console
 from rich.table import Table
 
 from betty_trainer.block import Batch
-from betty_trainer.config import DatasetConfig
+from betty_trainer.config import DatasetConfig, load_config
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import BettyError
+from betty_trainer.graph import Graph
+from betty_trainer.models import build_model
+from betty_trainer.planning import MicroBatchPlanner, model_spec
 from betty_trainer.sampling import sample_batch
-from partition import PARTITIONERS, partition_outputs, redundancy
+from betty_trainer.trainer import accumulate_gradients
+from partition import PARTITIONERS, OutputSplitter, partition_outputs, redundancy
+from partition.reg import build_reg
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 METHODS = list(PARTITIONERS)  # reg, reg_unweighted, metis, range, random
@@ -53,7 +68,11 @@ def measure(batch: Batch, k: int, method: str, seed: int, repeats: int) -> dict[
     partition_ms, slice_ms = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        groups = partition_outputs(batch.blocks[-1], k, method, seed)
+        if method == "reg_unclipped":
+            block = batch.blocks[-1]
+            groups = OutputSplitter(block, "reg", graph=build_reg(block, clip_hubs=False)).split(k, seed)
+        else:
+            groups = partition_outputs(batch.blocks[-1], k, method, seed)
         partition_ms.append((time.perf_counter() - start) * 1e3)
         start = time.perf_counter()
         micro_batches = batch.split(groups)
@@ -69,6 +88,32 @@ def measure(batch: Batch, k: int, method: str, seed: int, repeats: int) -> dict[
         "input_redundancy": layers[0],
         "layer_redundancy": layers,
     }
+
+
+def step_share(graph: Graph, outputs: torch.Tensor, fanouts: list, k: int, epochs: int, seed: int) -> dict[str, Any]:
+    """Per epoch: seconds to sample the batch, plan it (``MicroBatchPlanner.plan``) and train on it (forward
+    and backward of every micro-batch, one Adam step); 2-layer SAGE-mean, hidden 64, K = ``k``, REG."""
+    config = load_config(None, ["model.arch=sage", "model.aggregator=mean", "model.hidden=64", "model.num_layers=2",
+                                f"micro_batch.num_micro_batches={k}", "micro_batch.partitioner=reg"])
+    torch.manual_seed(seed)
+    model = build_model(config.model, graph)
+    optimizer = torch.optim.Adam(model.parameters())
+    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph), torch.device("cpu"))
+    rows = []
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        batch = sample_batch(graph, outputs, fanouts, torch.Generator().manual_seed(seed))
+        sampled = time.perf_counter()
+        micro_batches, plan = planner.plan(batch, seed)
+        planned = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        accumulate_gradients(model, micro_batches, graph.x, graph.y, torch.device("cpu"))
+        optimizer.step()
+        done = time.perf_counter()
+        rows.append({"epoch": epoch, "k": plan.k, "sample_s": sampled - start, "plan_s": planned - sampled,
+                     "train_s": done - planned, "step_s": done - start})
+    return {"epochs": rows, "plans_made": planner.plans_made, "plans_reused": planner.plans_reused,
+            "plan_share": sum(r["plan_s"] for r in rows) / sum(r["step_s"] for r in rows)}
 
 
 def summary(name: str, rows: list[dict[str, Any]], k: int = 8) -> str:
@@ -92,6 +137,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of sampling and partitioners")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median reported)")
     parser.add_argument("--json", type=Path, default=None, help="write all raw numbers to this file")
+    parser.add_argument("--methods", type=lambda s: s.split(","), default=METHODS,
+                        help=f"partitioners, of {METHODS} and reg_unclipped")
+    parser.add_argument("--outputs", choices=["train", "all"], default="train",
+                        help="output nodes of the batch: the training split, or every node (full-graph training)")
+    parser.add_argument("--step-epochs", type=int, default=0, help="also time E training epochs with plan reuse")
+    parser.add_argument("--step-k", type=int, default=8, help="micro-batches of the --step-epochs run")
     args = parser.parse_args()
 
     console = Console()
@@ -102,8 +153,10 @@ def main() -> None:
             graph = load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
         except BettyError as error:
             parser.error(str(error))
-        batch = sample_batch(graph, graph.train_idx, fanouts, torch.Generator().manual_seed(args.seed))
-        rows = [measure(batch, k, method, args.seed, args.repeats) for k in args.ks for method in METHODS]
+        outputs = graph.train_idx if args.outputs == "train" else torch.arange(graph.num_nodes)
+        batch = sample_batch(graph, outputs, fanouts, torch.Generator().manual_seed(args.seed))
+        methods = args.methods
+        rows = [measure(batch, k, method, args.seed, args.repeats) for k in args.ks for method in methods]
         results["datasets"][name] = {"batch_layer_sizes": [b.num_src for b in batch.blocks] + [batch.blocks[-1].num_dst],
                                      "rows": rows}
 
@@ -111,13 +164,27 @@ def main() -> None:
         table = Table(title=f"{name}: input-node redundancy (partitioning time, ms)",
                       caption=f"full batch, nodes per layer {sizes}; fanouts {args.fanouts}")
         table.add_column("K", justify="right")
-        for method in METHODS:
+        for method in methods:
             table.add_column(method, justify="right", no_wrap=True)
         for k in args.ks:
             cells = {r["method"]: f"{r['input_redundancy']:.3f} ({r['partition_ms']:.1f})" for r in rows if r["k"] == k}
-            table.add_row(str(k), *(cells[m] for m in METHODS))
+            table.add_row(str(k), *(cells[m] for m in methods))
         console.print(table)
         console.print(summary(name, rows), soft_wrap=True)
+        for k in args.ks:
+            at_k = {r["method"]: r for r in rows if r["k"] == k}
+            if {"reg", "metis"} <= at_k.keys():
+                reg, metis = at_k["reg"], at_k["metis"]
+                console.print(f"{name}, K={k}: REG / METIS partitioning time {reg['partition_ms'] / metis['partition_ms']:.2f}×, "
+                              f"input redundancy {reg['input_redundancy'] / metis['input_redundancy']:.3f}×", soft_wrap=True)
+        if args.step_epochs:
+            share = step_share(graph, outputs, fanouts, args.step_k, args.step_epochs, args.seed)
+            results["datasets"][name]["step_share"] = share
+            for row in share["epochs"]:
+                console.print(f"epoch {row['epoch']}: K={row['k']} sample {row['sample_s']:.3f} s, plan {row['plan_s']:.3f} s, "
+                              f"train {row['train_s']:.3f} s")
+            console.print(f"{name}: planning is {100 * share['plan_share']:.1f}% of the K={args.step_k} step over "
+                          f"{args.step_epochs} epochs ({share['plans_made']} plans made, {share['plans_reused']} reused)")
 
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

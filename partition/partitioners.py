@@ -49,7 +49,7 @@ def induced_graph(block: BlockStructure) -> sp.csr_matrix:
 
 #: Per METIS-based partitioner, the graph over the outputs that METIS cuts (built once per batch).
 GRAPHS: dict[str, Callable[[BlockStructure], sp.csr_matrix]] = {
-    "reg": lambda block: build_reg(block, weighted=True),
+    "reg": lambda block: build_reg(block, weighted=True, inverse_degree=True),
     "reg_unweighted": lambda block: build_reg(block, weighted=False),
     "metis": induced_graph,
 }
@@ -61,8 +61,9 @@ def induced_metis_partition(block: BlockStructure, k: int, seed: int, vertex_wei
 
 
 def reg_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:
-    """METIS on the weighted REG (Betty Algorithm 1, shared-neighbour counts as edge weights, hubs clipped)."""
-    return metis_kway(build_reg(block, weighted=True), k, seed, vertex_weights)
+    """METIS on the weighted REG (Betty Algorithm 1): hubs clipped, each shared in-neighbour read by ``d``
+    outputs weighing ~1/(d − 1) (see :func:`partition.reg.build_reg`)."""
+    return metis_kway(GRAPHS["reg"](block), k, seed, vertex_weights)
 
 
 def unweighted_reg_partition(block: BlockStructure, k: int, seed: int, vertex_weights: np.ndarray | None = None) -> np.ndarray:

@@ -109,8 +109,9 @@ def make_plan(
     the last K that did not: ``O(log ΔK)`` partitions instead of ``ΔK``, and the same K
     when "fits" is monotone in K. METIS parts are balanced only up to a tolerance, so
     where micro-batches hold a few outputs each "fits" can flip back and forth with K
-    (on Cora with fanouts 10,10 and a tight budget K = 55 fits, 56 and 57 do not, 58
-    does); there galloping can return a larger K than the smallest, hence not the default.
+    (on Cora's training batch with fanouts 10,10 and a tight budget K = 31 fits, 34 and
+    35 do not, 36 does); there galloping can return a larger K than the smallest, hence
+    not the default.
     The partitioner's graph (the REG) is built once and reused for every K tried.
 
     Args:

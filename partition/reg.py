@@ -20,6 +20,9 @@ from partition.slicing import BlockStructure
 MAX_PAIRS = 4_000_000
 #: Src nodes read by at most this many outputs are never clipped, whatever the pair bound.
 MIN_HUB_DEGREE = 8
+#: With ``inverse_degree``, a src node read by ``d`` outputs weighs ``round(INVERSE_DEGREE_SCALE / (d − 1))``
+#: (at least 1) on each pair of its readers.
+INVERSE_DEGREE_SCALE = 64
 
 
 def output_adjacency(block: BlockStructure) -> sp.csr_matrix:
@@ -85,7 +88,7 @@ def hub_threshold(readers: np.ndarray, max_pairs: int, min_degree: int = MIN_HUB
 
 
 def build_reg(block: BlockStructure, weighted: bool = True, *, max_hub_degree: int | None = None,
-              clip_hubs: bool = True) -> sp.csr_matrix:
+              clip_hubs: bool = True, inverse_degree: bool = False) -> sp.csr_matrix:
     """Build the REG of a batch's output block: ``C = AᵀA`` without diagonal, hub columns clipped.
 
     ``c_ij`` counts the in-neighbours that outputs ``i`` and ``j`` share (Eq. 4), i.e.
@@ -105,20 +108,31 @@ def build_reg(block: BlockStructure, weighted: bool = True, *, max_hub_degree: i
             :func:`hub_threshold` and ``max_pairs=MAX_PAIRS``.
         clip_hubs: ``False`` gives the paper's unclipped ``AᵀA`` (for comparison; it can
             need ``Σ d²`` memory).
+        inverse_degree: weigh a shared src node read by ``d`` outputs
+            ``w = max(1, round(INVERSE_DEGREE_SCALE / (d − 1)))`` instead of 1, so
+            ``C = Aᵀ diag(w) A``: the clique expansion used for hypergraph partitioning, where
+            each src node's pairs weigh ~``INVERSE_DEGREE_SCALE · d`` in all, in proportion to
+            the ≤ ``d − 1`` extra copies it can cost, not to its ``d²`` pairs
+            (``benchmarks/reg_scale.py`` measures the redundancy it gives).
 
     Returns:
         ``(num_dst, num_dst)`` symmetric CSR matrix, int64 weights ≥ 1, empty diagonal,
         sorted indices. Outputs that share no non-hub in-neighbour have empty rows.
     """
     at = output_adjacency(block)
+    readers = reader_counts(block)
+    keep = np.arange(block.num_src)
     if clip_hubs:
-        readers = reader_counts(block)
         if max_hub_degree is None:
             max_hub_degree = hub_threshold(readers, MAX_PAIRS)
-        keep = readers <= max_hub_degree
-        if not keep.all():
-            at = at[:, np.flatnonzero(keep)]  # column selection of a CSR: one pass over its entries
-    reg = drop_diagonal((at @ at.T).tocsr())
+        if readers.max(initial=0) > max_hub_degree:
+            keep = np.flatnonzero(readers <= max_hub_degree)
+            at = at[:, keep]  # column selection of a CSR: one pass over its entries
+    right = at.T
+    if inverse_degree:
+        weights = np.maximum(1, np.rint(INVERSE_DEGREE_SCALE / np.maximum(readers[keep] - 1, 1))).astype(np.int64)
+        right = sp.csr_matrix((at.data * weights[at.indices], at.indices, at.indptr), shape=at.shape).T
+    reg = drop_diagonal((at @ right).tocsr())
     if not weighted:
         reg.data[:] = 1
     reg.sort_indices()

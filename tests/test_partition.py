@@ -131,6 +131,11 @@ def test_reg_equals_brute_force_product_without_diagonal(seed):
     assert np.array_equal(reg.toarray(), expected)
     assert np.array_equal(build_reg(block, clip_hubs=False).toarray(), expected)
     assert np.array_equal(build_reg(block, weighted=False).toarray(), (expected > 0).astype(np.int64))
+    readers = adjacency.sum(axis=0)
+    weights = np.maximum(1, np.rint(64 / np.maximum(readers - 1, 1))).astype(np.int64)
+    inverse = (adjacency * weights) @ adjacency.T
+    np.fill_diagonal(inverse, 0)
+    assert np.array_equal(build_reg(block, inverse_degree=True).toarray(), inverse), "C = Aᵀ diag(w) A, w ≈ 64/(d − 1)"
 
 
 def test_drop_diagonal_equals_setdiag_and_keeps_missing_diagonal_missing():
@@ -159,6 +164,11 @@ def test_hub_clipping_keeps_every_non_hub_pair_exact():
     kept[:, hubs] = 0
     assert np.array_equal(clipped, brute_force_reg(kept)), "a clipped pair counts its shared non-hub neighbours"
     assert shares_a_hub.sum() > 0 and (clipped != full).any(), "the hubs did change some pairs"
+    weights = np.maximum(1, np.rint(64 / np.maximum(readers - 1, 1))).astype(np.int64)
+    weights[hubs] = 0
+    inverse = (adjacency * weights) @ adjacency.T
+    np.fill_diagonal(inverse, 0)
+    assert np.array_equal(build_reg(block, max_hub_degree=threshold, inverse_degree=True).toarray(), inverse)
 
 
 def test_hub_threshold_keeps_the_least_read_nodes_within_the_pair_bound():
@@ -234,9 +244,10 @@ def test_linear_search_finds_the_smallest_k_where_fitting_is_not_monotone(cora):
     """Micro-batches of one or two outputs: "fits" flips with K; only the linear search is exact."""
     batch = sample_batch(cora, cora.train_idx, [10, 10], torch.Generator().manual_seed(0))
     estimate = lambda blocks, accumulate: 10_000 + 100 * blocks[0].num_src + 3 * blocks[-1].num_dst
-    budget = int(10_000 + (estimate(batch.blocks, False) - 10_000) / 20)
-    fits = [max(make_plan(batch.blocks, estimate, k=k).estimates) <= budget for k in range(54, 59)]
-    assert fits == [False, True, False, False, True], "not monotone in K"
+    budget = int(10_000 + (estimate(batch.blocks, False) - 10_000) / 15)
     plan = make_plan(batch.blocks, estimate, budget=budget)
-    assert plan.k == 55 and all(largest > budget for k, largest in plan.tried[:-1])
-    assert make_plan(batch.blocks, estimate, budget=budget, search="gallop").k > 55
+    assert plan.k == smallest_k_by_brute_force(batch.blocks, estimate, budget, "reg")
+    assert all(largest > budget for _, largest in plan.tried[:-1])
+    fits = [max(make_plan(batch.blocks, estimate, k=k).estimates) <= budget for k in range(plan.k, plan.k + 8)]
+    assert fits[0] and not all(fits), f"not monotone: some K above the smallest does not fit ({fits})"
+    assert make_plan(batch.blocks, estimate, budget=budget, search="gallop").k >= plan.k
