@@ -24,7 +24,7 @@ from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import Config, MicroBatchConfig
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.graph import Graph
-from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS
+from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, MAX_CHUNK_ELEMENTS
 from betty_trainer.models.dropout import MASK_CHUNK_ELEMENTS
 from betty_trainer.rng import compiled_kernels
 from estimator.calibrate import CalibratedModel
@@ -46,6 +46,7 @@ def model_spec(config: Config, graph: Graph, device: torch.device | str = "cpu")
     return ModelSpec(m.arch, widths, m.aggregator, m.heads, m.dropout, graph.x.element_size(), "adam", graph.num_nodes,
                      weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
                      mask_chunk_elements=MASK_CHUNK_ELEMENTS, attention_chunk_elements=ATTENTION_CHUNK_ELEMENTS,
+                     max_chunk_elements=MAX_CHUNK_ELEMENTS,
                      compiled_kernels=compiled_kernels(device, graph.x.dtype))
 
 

@@ -372,43 +372,61 @@ class _Step:
 
     # ----- GraphSAGE pool ---------------------------------------------------------------------------
     def segment_max(self, c: LayerCounts, width: int):
-        """max_neighbours: gather (E × w), edge_dst, zeros (D × w), scatter_reduce_("amax") with its
-        saved clone. Returns (out, backward); backward gives the gathered messages' gradient's
-        source gradient (S × w)."""
+        """max_neighbours: the ``(D, w)`` maxima and their int32 argmax (kept for backward). The compiled
+        kernel makes nothing else; the tensor path makes one chunk of rows' gathered values, their
+        comparison and first-hit positions at a time. Returns (out, backward); backward gives the
+        ``(S + 1, w)`` gradient buffer whose first ``S`` rows are ``h``'s gradient."""
         r, f = self.r, self.f
-        e, d = c.num_edges, c.num_dst
-        messages = r.alloc(e * width * f, _AGG)
-        edge_dst = self.edge_dst(c)
-        out = r.alloc(d * width * f, _AGG)
-        original = r.alloc(d * width * f, _AGG)  # scatter_reduce_ keeps a clone of self for backward
-        r.keep(messages, edge_dst, out)  # ScatterReduceBackward saves src, index and result
-        r.drop(messages, edge_dst)
+        d, s = c.num_dst, c.num_src
+        out, argmax = r.alloc(d * width * f, _AGG), r.alloc(d * width * 4, _AGG)
+        if not self.model.compiled_kernels:
+            self.segment_max_chunks(c, width)
 
         def backward(grad: int) -> int:
-            def mask(rows: int, product: bool = False) -> int:  # (a == b).to(dtype) [* x]
-                flag = r.alloc(rows * width, _GRAD)  # bool
-                as_float = r.alloc(rows * width * f, _GRAD)
-                if product:
-                    r.transient(rows * width * f, _GRAD)  # the product replaces its operand
-                r.drop(flag)
-                return as_float
-
-            value = r.alloc(e * width * f, _GRAD)  # result.gather(index)
-            self_is_result, src_is_result = mask(d), mask(e)
-            count = r.alloc(d * width * f, _GRAD)  # scatter_add
-            share = r.alloc(d * width * f, _GRAD)  # grad / count
-            self_share = mask(d, product=True)
-            gathered = r.alloc(e * width * f, _GRAD)
-            grad_messages = mask(e, product=True)
-            r.drop(gathered, count, share, src_is_result, self_is_result, value)
-            scattered = r.alloc(d * width * f, _GRAD)  # the (unused) gradient of self
-            r.drop(scattered, self_share)
-            r.drop(original, edge_dst, grad, messages, out)
-            grad_src = r.alloc(c.num_src * width * f, _GRAD)  # IndexSelectBackward: zeros + index_add_
-            r.drop(grad_messages)
+            grad_src = r.alloc((s + 1) * width * f, _GRAD)
+            if not self.model.compiled_kernels:
+                r.transient(d * width * INDEX_BYTES, _GRAD)  # argmax.long() for scatter_add_
+            r.drop(grad, argmax)
             return grad_src
 
         return out, backward
+
+    def segment_max_chunks(self, c: LayerCounts, width: int) -> None:
+        """aggregate._segment_max_chunks' temporaries: the degrees, then one chunk of rows' segment ids,
+        gathered values, maxima, comparison, positions and first hits. With one chunk (the rows fit
+        MAX_CHUNK_ELEMENTS) this is exact; with several, the chunk's edges are bounded by its rows'
+        widest in-degrees, so the estimate is an upper bound."""
+        r, f = self.r, self.f
+        widest = max((length for length, _ in c.degree_histogram), default=1)
+        rows = min(c.num_dst, max(1, self.model.max_chunk_elements // max(width, 1) // widest))
+        edges, left = 0, rows  # one chunk's edges: all of them, or at most those of its rows' widest degrees
+        for length, count in sorted(c.degree_histogram, reverse=True):
+            edges, left = edges + min(count, left) * length, left - min(count, left)
+        degrees = r.alloc(c.num_dst * INDEX_BYTES, _OVER)
+        r.transient(INDEX_BYTES, _OVER)  # degrees.max()
+        if edges == 0:
+            r.drop(degrees)
+            return
+        ids, cumsum = r.alloc(rows * INDEX_BYTES, _OVER), r.alloc(rows * INDEX_BYTES, _OVER)
+        positions = r.alloc(edges * INDEX_BYTES, _OVER)
+        r.drop(cumsum)
+        segment = r.alloc(edges * INDEX_BYTES, _OVER)
+        r.drop(positions, ids)
+        gathered = r.alloc(edges * width * f, _AGG)
+        peak = r.alloc(rows * width * f, _AGG)
+        peak_gathered = r.alloc(edges * width * f, _AGG)
+        equal = r.alloc(edges * width, _AGG)  # bool
+        r.drop(peak_gathered)
+        iota = r.alloc(edges * INDEX_BYTES, _OVER)
+        position = r.alloc(edges * width * INDEX_BYTES, _AGG)
+        r.drop(equal, iota)
+        first_hit = r.alloc(rows * width * INDEX_BYTES, _AGG)
+        has_edges = r.alloc(rows, _OVER)  # bool
+        clamped = r.alloc(rows * width * INDEX_BYTES, _AGG)
+        chosen = r.alloc(rows * width * INDEX_BYTES, _AGG)
+        r.drop(clamped)
+        r.transient(rows * width * INDEX_BYTES, _AGG)  # torch.where, copied into the int32 argmax
+        r.drop(chosen, segment, gathered, peak, position, first_hit, has_edges, degrees)
 
     def sage_combine(self, c: LayerCounts, hd: int, neigh: int, a: int, b: int, hd_grad: bool):
         """``fc_neigh(neigh) + fc_self(h[:num_dst]) + bias`` (SAGE pool and lstm). Returns (result,

@@ -39,6 +39,8 @@ class ModelSpec:
             (``betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS``); required when ``dropout > 0``.
         attention_chunk_elements: (edge, head, feature) products GAT's attention aggregation makes at
             once (``betty_trainer.models.aggregate.ATTENTION_CHUNK_ELEMENTS``); required for ``gat``.
+        max_chunk_elements: gathered values the pool aggregator's tensor path makes at once
+            (``betty_trainer.models.aggregate.MAX_CHUNK_ELEMENTS``); required for ``pool``.
         compiled_kernels: the compiled CPU kernels run (``betty_trainer.rng.compiled_kernels``): keyed
             dropout allocates nothing but its output, and the aggregation's backward builds ``Aᵀ`` by a
             counting sort into int32 arrays; else both are tensor ops (GPU), with their temporaries.
@@ -47,7 +49,8 @@ class ModelSpec:
 
     Raises:
         ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, dropout
-            without ``mask_chunk_elements`` or GAT without ``attention_chunk_elements``.
+            without ``mask_chunk_elements``, GAT without ``attention_chunk_elements`` or pool without
+            ``max_chunk_elements``.
     """
 
     arch: str
@@ -62,6 +65,7 @@ class ModelSpec:
     foreach: bool = False
     mask_chunk_elements: int | None = None
     attention_chunk_elements: int | None = None
+    max_chunk_elements: int | None = None
     compiled_kernels: bool = False
 
     def __post_init__(self) -> None:
@@ -75,6 +79,8 @@ class ModelSpec:
             raise ValueError("a model needs at least one layer (two widths)")
         if self.arch == "gat" and not self.attention_chunk_elements:
             raise ValueError("a GAT needs attention_chunk_elements (its attention aggregation's chunk size)")
+        if self.aggregator == "pool" and self.arch == "sage" and not self.max_chunk_elements:
+            raise ValueError("a pool aggregator needs max_chunk_elements (its tensor path's chunk size)")
         if self.dropout > 0 and not self.mask_chunk_elements:
             raise ValueError("a model with dropout needs mask_chunk_elements (its keyed dropout's chunk size)")
 

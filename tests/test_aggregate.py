@@ -90,3 +90,35 @@ def test_nothing_edge_by_feature_sized_is_kept_for_backward(op):
             aggregate.attention_aggregate(z, alpha, block.indices, block.edge_dst(), block.num_dst)
     largest_new = max((t.numel() for t in saved if t.data_ptr() != h.data_ptr()), default=0)
     assert largest_new <= block.num_edges * 4 < block.num_edges * width
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-cpu-kernel", "tensor-ops"])
+def test_max_equals_a_per_row_reference_and_its_gradient(monkeypatch, compiled):
+    if not compiled:
+        monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
+        monkeypatch.setattr(aggregate, "MAX_CHUNK_ELEMENTS", 64)  # several chunks of rows
+    block = random_block(seed=5)
+    generator = torch.Generator().manual_seed(6)
+    h = torch.randn(block.num_src, 7, generator=generator, requires_grad=True)
+    out = aggregate.max_neighbours(block, h)
+    weights = torch.randn(block.num_dst, 7, generator=generator)
+    (out * weights).sum().backward()
+
+    h_ref = h.detach().clone().requires_grad_(True)
+    rows = [h_ref[block.indices[block.indptr[d]:block.indptr[d + 1]]].max(0).values
+            if block.indptr[d + 1] > block.indptr[d] else torch.zeros(7) for d in range(block.num_dst)]
+    (torch.stack(rows) * weights).sum().backward()
+    assert torch.equal(out, torch.stack(rows))
+    torch.testing.assert_close(h.grad, h_ref.grad, **CLOSE)
+
+
+def test_max_ties_go_to_the_first_edge_on_both_paths(monkeypatch):
+    block = random_block(seed=7)
+    h = torch.randint(0, 3, (block.num_src, 5)).float().requires_grad_(True)  # many ties
+    aggregate.max_neighbours(block, h).sum().backward()
+    compiled = h.grad.clone()
+    h.grad = None
+    monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
+    aggregate.max_neighbours(block, h).sum().backward()
+    assert torch.equal(compiled, h.grad)
+    assert compiled.sum() == sum(1 for d in range(block.num_dst) if block.indptr[d + 1] > block.indptr[d]) * 5

@@ -149,3 +149,27 @@ def test_matrix_catches_a_layer_that_changes_without_its_memory_terms(cora64, mo
     assert abs(estimate - measured()) <= DEFAULT_TOLERANCE * estimate
     monkeypatch.setattr(sage, "mean_neighbours", gather_scatter_mean)
     assert abs(estimate - measured()) > DEFAULT_TOLERANCE * estimate
+
+
+@pytest.mark.parametrize("model", [MATRIX_MODELS[0], MATRIX_MODELS[2], MATRIX_MODELS[4]], ids=["mean", "pool", "gcn"])
+def test_estimate_of_the_tensor_op_kernels(cora64, monkeypatch, model):
+    """The tensor-op paths (what runs on GPUs: chunked dropout hashing, argsort transpose, chunked segment
+    max), run here on the CPU with the compiled kernels switched off, against the estimate that models them."""
+    from betty_trainer.models import aggregate, dropout
+
+    for module in (aggregate, dropout):
+        monkeypatch.setattr(module, "compiled_kernels", lambda device, dtype: False)
+    config = load_config(None, model + ["model.hidden=32", "model.dropout=0.5"])
+    torch.manual_seed(0)
+    net = build_model(config.model, cora64)
+    set_dropout_key(net, 0, 0)
+    optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay)
+    batch = sample_batch(cora64, cora64.train_idx, [5, 10], torch.Generator().manual_seed(0))
+    micro_batches = plan_micro_batches(batch, 2, "reg", 0)
+    measure_training_step(net, optimizer, micro_batches[0], cora64.x, cora64.y, "cpu")
+    spec = dataclasses.replace(model_spec(config, cora64), compiled_kernels=False)
+    for index, micro_batch in enumerate(micro_batches):
+        estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0).peak_bytes
+        measured = measure_training_step(net, optimizer, micro_batch, cora64.x, cora64.y, "cpu",
+                                         num_outputs=batch.output_nodes.numel(), accumulate=index > 0).peak_bytes
+        assert abs(estimate - measured) <= DEFAULT_TOLERANCE * measured, (index, estimate, measured)

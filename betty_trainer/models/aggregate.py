@@ -10,7 +10,7 @@ from torch import Tensor
 
 from betty_trainer.block import Block
 from betty_trainer.models.lstm import LSTM
-from betty_trainer.rng import compiled_kernels, jit
+from betty_trainer.rng import compiled_kernels, jit, numba
 
 
 class _SparseAggregate(torch.autograd.Function):
@@ -150,18 +150,110 @@ def mean_values(block: Block, dtype: torch.dtype) -> Tensor:
 
 
 def max_neighbours(block: Block, h_src: Tensor) -> Tensor:
-    """Element-wise max of src features over each dst node's in-edges (a vectorised segment max).
+    """Element-wise max of src features over each dst node's in-edges (GraphSAGE's pool aggregator,
+    Hamilton et al. 2017, Eq. 3), keeping only the position of each maximum for backward.
 
-    Isolated dst nodes get zeros. Edge weights are not used. Where several edges
-    tie for a maximum, the gradient is shared equally among them (``scatter_reduce``'s rule).
+    Isolated dst nodes get zeros. Edge weights are not used. Where several edges tie for a maximum,
+    the first in the block's edge order takes the gradient (the same edge in a micro-batch as in the
+    full batch). No ``(E, F)`` tensor is kept: autograd keeps a ``(num_dst, F)`` int32 argmax; the
+    forward makes at most one chunk of :data:`MAX_CHUNK_ELEMENTS` gathered values at a time (none on
+    the CPU, where a compiled kernel scans each row).
 
     Shapes:
         ``(num_src, F)`` → ``(num_dst, F)``.
     """
-    messages = h_src.index_select(0, block.indices)
-    index = block.edge_dst().unsqueeze(1).expand_as(messages)
-    out = torch.zeros(block.num_dst, h_src.shape[1], dtype=h_src.dtype, device=h_src.device)
-    return out.scatter_reduce_(0, index, messages, "amax", include_self=False)
+    return _SegmentMax.apply(h_src, block)
+
+
+MAX_CHUNK_ELEMENTS = 1 << 20  # gathered (edge, feature) values max_neighbours' tensor path makes at once (4 MiB)
+
+
+class _SegmentMax(torch.autograd.Function):
+    """Segment max over each dst row's edges with its argmax (a src position, or ``num_src`` for an
+    isolated row, whose gradient lands in a discarded extra row); backward scatters the gradient to
+    the argmax rows."""
+
+    @staticmethod
+    def forward(ctx, h_src: Tensor, block: Block) -> Tensor:
+        out = h_src.new_empty(block.num_dst, h_src.shape[1])
+        argmax = torch.empty(block.num_dst, h_src.shape[1], dtype=torch.int32, device=h_src.device)
+        if compiled_kernels(h_src.device, h_src.dtype):
+            _segment_max_kernel(block.indptr.numpy(), block.indices.numpy(), h_src.detach().numpy(),
+                                out.numpy(), argmax.numpy())
+        else:
+            _segment_max_chunks(block, h_src, out, argmax)
+        ctx.save_for_backward(argmax)
+        ctx.num_src = block.num_src
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (argmax,) = ctx.saved_tensors
+        grad_src = grad.new_zeros(ctx.num_src + 1, grad.shape[1])
+        if compiled_kernels(grad.device, grad.dtype):
+            _scatter_max_grad_kernel(argmax.numpy(), grad.contiguous().numpy(), grad_src.numpy())
+        else:
+            grad_src.scatter_add_(0, argmax.long(), grad)
+        return grad_src[: ctx.num_src], None
+
+
+def _segment_max_chunks(block: Block, h_src: Tensor, out: Tensor, argmax: Tensor) -> None:
+    """Tensor-op segment max and first argmax, dst rows taken in chunks of about
+    :data:`MAX_CHUNK_ELEMENTS` gathered values."""
+    degrees = block.in_degrees()
+    out.zero_()
+    argmax.fill_(block.num_src)
+    widest = int(degrees.max()) if block.num_dst else 1
+    rows_per_chunk = max(1, MAX_CHUNK_ELEMENTS // max(h_src.shape[1], 1) // max(widest, 1))
+    for first in range(0, block.num_dst, rows_per_chunk):
+        _segment_max_rows(block, h_src, degrees, first, min(first + rows_per_chunk, block.num_dst), out, argmax)
+
+
+def _segment_max_rows(block: Block, h_src: Tensor, degrees: Tensor, first: int, last: int, out: Tensor,
+                      argmax: Tensor) -> None:
+    """One chunk of dst rows ``[first, last)``; its temporaries die when it returns."""
+    start, end = int(block.indptr[first]), int(block.indptr[last])
+    if start == end:
+        return
+    segment = torch.repeat_interleave(torch.arange(last - first, device=h_src.device), degrees[first:last],
+                                      output_size=end - start).unsqueeze(1).expand(-1, h_src.shape[1])
+    gathered = h_src.index_select(0, block.indices[start:end])
+    peak = torch.zeros_like(out[first:last]).scatter_reduce_(0, segment, gathered, "amax", include_self=False)
+    position = torch.where(gathered == peak.gather(0, segment),
+                           torch.arange(start, end, device=h_src.device).unsqueeze(1), end)
+    first_hit = torch.full_like(peak, end, dtype=torch.int64).scatter_reduce_(0, segment, position, "amin")
+    out[first:last] = peak  # isolated rows keep the zeros they started with
+    has_edges = (degrees[first:last] > 0).unsqueeze(1)
+    argmax[first:last] = torch.where(has_edges, block.indices[first_hit.clamp(max=end - 1)], block.num_src)
+
+
+@jit(parallel=True)
+def _segment_max_kernel(indptr, indices, h, out, argmax):  # pragma: no cover - compiled
+    width = h.shape[1]
+    for d in numba.prange(indptr.shape[0] - 1):
+        start, end = indptr[d], indptr[d + 1]
+        if start == end:
+            for f in range(width):
+                out[d, f] = 0.0
+                argmax[d, f] = h.shape[0]
+            continue
+        first = indices[start]
+        for f in range(width):
+            out[d, f] = h[first, f]
+            argmax[d, f] = first
+        for e in range(start + 1, end):
+            s = indices[e]
+            for f in range(width):
+                if h[s, f] > out[d, f]:
+                    out[d, f] = h[s, f]
+                    argmax[d, f] = s
+
+
+@jit
+def _scatter_max_grad_kernel(argmax, grad, grad_src):  # pragma: no cover - compiled
+    for d in range(argmax.shape[0]):
+        for f in range(argmax.shape[1]):
+            grad_src[argmax[d, f], f] += grad[d, f]
 
 
 def in_degree_groups(block: Block) -> list[tuple[int, Tensor]]:
