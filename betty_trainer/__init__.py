@@ -13,7 +13,8 @@ from betty_trainer.errors import BettyError, CalibrationError, ConfigError, Data
 from betty_trainer.feature_store import FeatureStore, HostFeatureStore, TransferStats, as_feature_store
 from betty_trainer.graph import Graph
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
-from betty_trainer.sampling import sample_batch
+from betty_trainer.planning import plan_micro_batches
+from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch
 from betty_trainer.step import MicroBatches
 from betty_trainer.trainer import (
     TrainResult,
@@ -22,7 +23,6 @@ from betty_trainer.trainer import (
     evaluate_splits,
     full_neighbourhood_batches,
     layerwise_logits,
-    plan_micro_batches,
     train,
 )
 
@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",
-    "FeatureStore", "Graph", "GraphSAGE", "HostFeatureStore", "MicroBatches", "NodeDropout", "TrainResult",
+    "FeatureStore", "Graph", "GraphSAGE", "HostFeatureStore", "MicroBatches", "NeighborSampler", "NodeDropout",
+    "SampleKey", "Sampler", "TrainResult",
     "TrainingError", "TransferStats", "accumulate_gradients", "as_feature_store", "build_model", "calibrate_model",
     "evaluate", "evaluate_splits", "full_neighbourhood_batches", "layerwise_logits", "load_config", "load_dataset",
     "make_sbm", "plan_micro_batches", "sample_batch", "train",

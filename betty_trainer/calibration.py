@@ -24,9 +24,8 @@ from betty_trainer.feature_store import FeatureStore, as_feature_store
 from betty_trainer.graph import Graph
 from betty_trainer.memory import measure_training_step, training_state
 from betty_trainer.sampling import sample_batch
-from estimator.calibrate import CalibratedModel, fit
+from estimator.calibrate import CalibratedModel, SamplesTooSmallError, fit
 from estimator.calibrate import CalibrationError as FitError
-from estimator.calibrate import SamplesTooSmallError
 from estimator.counts import LayerCounts, block_structure_bytes, counts_of
 from estimator.measure import storage_bytes
 

@@ -10,9 +10,8 @@ from betty_trainer.feature_store import HostFeatureStore
 from betty_trainer.memory import measure_training_step
 from betty_trainer.models import set_dropout_key
 from betty_trainer.planning import MicroBatchPlanner, model_spec, plan_report
-from betty_trainer.sampling import sample_batch
 from betty_trainer.step import MicroBatches
-from betty_trainer.trainer import derive_seed, init_model, resolve_device, split_seeds
+from betty_trainer.trainer import first_batch, init_model, plan_seed, resolve_device
 
 
 def dry_run(config: Config, measure: bool = False) -> dict:
@@ -34,12 +33,8 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     device = resolve_device(config.train.device)
     graph = load_dataset(config.dataset)
     planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
-    epoch_seed = derive_seed(config.seed, 0)
-    generator = torch.Generator().manual_seed(epoch_seed)
-    seeds = split_seeds(graph.train_idx, config.sampling.batch_size, generator)[0]
-    fanouts = config.sampling.fanouts or [None] * config.model.num_layers
-    batch = sample_batch(graph, seeds, fanouts, generator)
-    _, plan = planner.plan(batch, epoch_seed % 2**31)
+    batch = first_batch(config, graph)
+    _, plan = planner.plan(batch, plan_seed(config, 0))
     micro_batches = MicroBatches(batch, plan.layers)  # built one at a time, as training builds them
     report = plan_report(planner, batch, micro_batches, plan)
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())

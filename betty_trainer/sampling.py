@@ -28,7 +28,7 @@ from torch import Tensor
 
 from betty_trainer.block import Batch, Block
 from betty_trainer.graph import Graph
-from betty_trainer.rng import MASK32, hash_ids, mix_key
+from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key, numba
 from partition.slicing import relabel_dst_first
 
 try:  # the CPU kernel; the tensor path below needs nothing beyond torch
@@ -296,33 +296,10 @@ def _thread_pool() -> ThreadPoolExecutor:
     return _POOLS[threads]
 
 
-def _jit(function=None, **options):
-    """numba's ``njit`` (compiled on first call, cached on disk) when numba is installed."""
-    if function is None:
-        return lambda f: _jit(f, **options)
-    return function if numba is None else numba.njit(cache=True, nogil=True, **options)(function)
-
-
-_U32 = np.uint64(MASK32)
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2⁶⁴ / golden ratio: multiplicative hashing (Knuth, TAOCP 6.4)
 
 
-@_jit(inline="always")
-def _mix32(x):  # rng.mix32 on one uint64
-    x ^= x >> np.uint64(16)
-    x = (x * np.uint64(0x85EBCA6B)) & _U32
-    x ^= x >> np.uint64(13)
-    x = (x * np.uint64(0xC2B2AE35)) & _U32
-    return x ^ (x >> np.uint64(16))
-
-
-@_jit(inline="always")
-def _hash_id(key, node):  # rng.hash_ids for one non-negative id
-    v = np.uint64(node)
-    return _mix32(_mix32((v & _U32) ^ np.uint64(key)) ^ ((v >> np.uint64(32)) & _U32))
-
-
-@_jit
+@jit
 def _kept_pointer(indptr, dst, fanout):
     """``(n + 1,)`` int64 CSC pointer of the sampled block: ``min(degree, fanout)`` per row (all if ``fanout < 0``)."""
     n = dst.shape[0]
@@ -333,7 +310,7 @@ def _kept_pointer(indptr, dst, fanout):
     return pointer
 
 
-@_jit
+@jit
 def _sample_rows(indptr, indices, dst, fanout, keys, pointer, src, lo, hi):
     """Rows ``lo … hi − 1``: write the kept sources of row ``r`` into ``src[pointer[r]:pointer[r + 1]]``,
     the same offsets as the tensor path (:func:`floyd_offsets`)."""
@@ -348,7 +325,7 @@ def _sample_rows(indptr, indices, dst, fanout, keys, pointer, src, lo, hi):
             continue
         for i in range(fanout):  # Floyd's algorithm: t uniform in [0, j], or j if t is taken
             j = d - (fanout - i)
-            t = np.int64((_hash_id(keys[i], dst[r]) * np.uint64(j + 1)) >> np.uint64(32))
+            t = np.int64((hash_id_scalar(keys[i], dst[r]) * np.uint64(j + 1)) >> np.uint64(32))
             for q in range(i):
                 if chosen[q] == t:
                     t = j
@@ -362,7 +339,7 @@ def _sample_rows(indptr, indices, dst, fanout, keys, pointer, src, lo, hi):
             src[out + i] = indices[start + chosen[i]]
 
 
-@_jit(inline="always")
+@jit(inline="always")
 def _slot(table_id, node, shift, slot_mask):
     """The slot holding ``node`` in a linear-probing table, or the empty slot where it goes."""
     s = np.int64((np.uint64(node) * _FIBONACCI) >> shift)
@@ -371,7 +348,7 @@ def _slot(table_id, node, shift, slot_mask):
     return s
 
 
-@_jit
+@jit
 def _insert(table_id, table_label, src, e, extra, m, local, n):
     """Label ``src[e:]`` in order until the table would pass half full; returns ``(e, m)`` reached."""
     bits = 63 - int(np.log2(np.float64(table_id.shape[0]))) + 1  # 64 − log2(size)
@@ -391,7 +368,7 @@ def _insert(table_id, table_label, src, e, extra, m, local, n):
     return e, m
 
 
-@_jit
+@jit
 def _table(size, ids, labels):
     """A linear-probing table of ``size`` slots (a power of two) holding ``ids → labels``."""
     table_id = np.full(size, -1, np.int64)
@@ -404,7 +381,7 @@ def _table(size, ids, labels):
     return table_id, table_label
 
 
-@_jit
+@jit
 def _radix_sort(values):
     """Non-negative int64 ``values`` sorted ascending: LSD radix sort, 11-bit digits, as many passes as the
     largest value needs (2 below 2²², 3 below 2³³). O(passes · (len + 2048)), unlike numba's quicksort."""
@@ -427,7 +404,7 @@ def _radix_sort(values):
     return out
 
 
-@_jit
+@jit
 def _relabel(dst, src):
     """``relabel_dst_first`` with a hash table of O(n + distinct ids) slots: returns ``(src_nodes, local)``.
 

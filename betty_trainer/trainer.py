@@ -30,7 +30,7 @@ from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.models.stack import LayerStack
 from betty_trainer.planning import MicroBatchPlanner, make_planner, plan_report
 from betty_trainer.rundir import RunDirectory, holds_run_directories, new_run_dir
-from betty_trainer.sampling import sample_batch, sample_block
+from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch, sample_block
 from betty_trainer.step import MicroBatches, micro_batch_backward
 from partition import Plan, make_plan, redundancy
 
@@ -85,6 +85,30 @@ def split_seeds(train_idx: Tensor, batch_size: int | None, generator: torch.Gene
     if batch_size is None or batch_size >= train_idx.numel():
         return [train_idx]
     return list(train_idx[torch.randperm(train_idx.numel(), generator=generator)].split(batch_size))
+
+
+def make_sampler(config: Config, graph: Graph) -> Sampler:
+    """The sampler of ``config.sampling`` on ``graph``: neighbour sampling with ``fanouts`` (input layer
+    first; ``None`` everywhere, the default, is the full neighbourhood)."""
+    return NeighborSampler(graph, config.sampling.fanouts or [None] * config.model.num_layers)
+
+
+def epoch_seeds(config: Config, graph: Graph, epoch: int) -> list[Tensor]:
+    """The seed nodes of each batch of ``epoch``, in training order: the full batch of training nodes, or
+    mini-batches of ``sampling.batch_size`` shuffled by ``(seed, epoch)`` (:func:`split_seeds`)."""
+    generator = torch.Generator().manual_seed(derive_seed(config.seed, epoch))
+    return split_seeds(graph.train_idx, config.sampling.batch_size, generator)
+
+
+def plan_seed(config: Config, epoch: int) -> int:
+    """The seed of the partitioner's randomness for every batch of ``epoch`` (a 31-bit int, as METIS takes)."""
+    return derive_seed(config.seed, epoch) % 2**31
+
+
+def first_batch(config: Config, graph: Graph) -> Batch:
+    """The batch training starts with (epoch 0, batch 0), as ``train`` samples it: what
+    ``betty-train plan`` plans."""
+    return make_sampler(config, graph).sample(epoch_seeds(config, graph, 0)[0], SampleKey(config.seed, 0, 0))
 
 
 def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, seed: int,
@@ -333,7 +357,7 @@ def train(
     planner = make_planner(config, graph, model, device)
     model = (model if model is not None else init_model(config, graph)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-    fanouts = config.sampling.fanouts or [None] * config.model.num_layers
+    sampler = make_sampler(config, graph)
     features = HostFeatureStore(graph.x, pin=device.type == "cuda")
     splits = {"val": graph.val_idx, "test": graph.test_idx}
 
@@ -357,16 +381,15 @@ def train(
                                  completed=start_epoch, status="")
         for epoch in range(start_epoch, config.optim.epochs):
             started = time.perf_counter()
-            epoch_seed = derive_seed(config.seed, epoch)
-            generator = torch.Generator().manual_seed(epoch_seed)
-            seed_batches = split_seeds(graph.train_idx, config.sampling.batch_size, generator)
+            seed_batches = epoch_seeds(config, graph, epoch)
             loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
             moved_before = features.stats.host_to_device_bytes
             for index, seeds in enumerate(seed_batches):
-                batch = sample_batch(graph, seeds, fanouts, generator)
+                batch = sampler.sample(seeds, SampleKey(config.seed, epoch, index))
                 set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
                 outcome = _train_batch(model, optimizer, planner, batch, features, graph.y, device,
-                                       epoch_seed % 2**31, where=f"epoch {epoch}, batch {index}", run_dir=run_dir)
+                                       plan_seed(config, epoch), where=f"epoch {epoch}, batch {index}",
+                                       run_dir=run_dir)
                 optimizer.step()
                 if epoch == 0 and index == 0:  # the plan of the first batch, as `betty-train plan` prints it
                     report = plan_report(planner, batch, outcome.batches, outcome.plan)
@@ -378,7 +401,7 @@ def train(
             moved = features.stats.host_to_device_bytes - moved_before
 
             evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
-            accuracy = evaluate_splits(model, graph, features, device, splits, len(fanouts)) if evaluate_now else {}
+            accuracy = evaluate_splits(model, graph, features, device, splits, config.model.num_layers) if evaluate_now else {}
             val_acc, test_acc = accuracy.get("val"), accuracy.get("test")
             if val_acc is not None and val_acc > best["val_acc"]:
                 best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
