@@ -19,11 +19,9 @@ from betty_trainer.config import load_config
 from betty_trainer.errors import BettyError, CalibrationError
 from betty_trainer.memory import measure_training_step
 from betty_trainer.models.aggregate import mean_neighbours
-from estimator.counts import counts_of
 from estimator.calibrate import CalibrationError as FitError
 from estimator.calibrate import fit
-from estimator.counts import block_structure_bytes
-from estimator.counts import LayerCounts
+from estimator.counts import LayerCounts, block_structure_bytes, counts_of
 
 LR, WEIGHT_DECAY = 0.01, 5e-4
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 import torch
 
 from betty_trainer.models import NodeDropout, keyed_uniform, set_dropout_key

@@ -17,8 +17,8 @@ import torch
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from betty_trainer import GraphSAGE, make_sbm, sample_batch
 import estimator
+from betty_trainer import GraphSAGE, make_sbm, sample_batch
 from betty_trainer.memory import measure_training_step
 from estimator import MeasuredPeak, measure_peak
 from estimator.measure import CPU_METHOD, CUDA_METHOD, storage_bytes
