@@ -1,5 +1,9 @@
 """REG at scale: the K-way plan of a large power-law batch, REG (hubs clipped) against METIS on the induced graph.
 
+REG here is the ``reg`` partitioner: ``C = Aᵀ diag(w) A`` over the output block, src nodes
+read by more outputs than :func:`partition.reg.hub_threshold` allows (``MAX_PAIRS``
+output pairs) left out, each kept one weighing ``w ≈ 64 / (d − 1)`` (``d``: its readers).
+
 Source: Betty (ASPLOS '23) §4.3 (REG, Algorithm 1); issue 7 "REG at scale": on a
 2M-node power-law graph with in-degrees up to 2·10⁵, 200k outputs and fanouts 10,25,
 the K = 16 plan must finish within 30 s and 4 GiB of extra memory, with redundancy no

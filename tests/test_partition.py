@@ -241,7 +241,7 @@ def test_galloping_and_bisection_find_the_brute_force_k_with_reg(cora, divisor):
 
 
 def test_linear_search_finds_the_smallest_k_where_fitting_is_not_monotone(cora):
-    """Micro-batches of one or two outputs: "fits" flips with K; only the linear search is exact."""
+    """Micro-batches of a few outputs each: "fits" flips with K; only the linear search is exact."""
     batch = sample_batch(cora, cora.train_idx, [10, 10], torch.Generator().manual_seed(0))
     estimate = lambda blocks, accumulate: 10_000 + 100 * blocks[0].num_src + 3 * blocks[-1].num_dst
     budget = int(10_000 + (estimate(batch.blocks, False) - 10_000) / 15)

@@ -1,0 +1,40 @@
+"""REG on a power-law batch, scaled down from ``benchmarks/reg_scale.py`` (issue 7, "REG at scale")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import partition.reg as reg_module
+from benchmarks.reg_scale import power_law_graph
+from betty_trainer.sampling import sample_batch
+from partition import OutputSplitter, make_plan, redundancy
+from partition.reg import build_reg, hub_threshold, reader_counts
+
+
+@pytest.fixture(scope="module")
+def power_law_batch():
+    graph = power_law_graph(50_000, 360_000, 6_000, seed=0)
+    seeds = torch.from_numpy(np.random.default_rng(1).choice(graph.num_nodes, 5_000, replace=False))
+    return sample_batch(graph, seeds, [10, 25], torch.Generator().manual_seed(0))
+
+
+def test_clipped_reg_stays_sparse_and_beats_induced_metis(power_law_batch, monkeypatch):
+    batch, k = power_law_batch, 8
+    block = batch.blocks[-1]
+    bound = 20 * block.num_dst  # the 2M-node benchmark's MAX_PAIRS per output (4·10⁶ / 200k)
+    monkeypatch.setattr(reg_module, "MAX_PAIRS", bound)
+    readers = reader_counts(block)
+    threshold = hub_threshold(readers, bound)
+    assert readers.max() > 20 * threshold, "a power-law batch: some src nodes are read by far more outputs"
+    unclipped = build_reg(block, clip_hubs=False)
+    splitter = OutputSplitter(block, "reg")
+    assert splitter.graph.nnz <= bound < unclipped.nnz / 5, (splitter.graph.nnz, bound, unclipped.nnz)
+    reg_plan = make_plan(batch.blocks, k=k, partitioner="reg", splitter=splitter)
+    metis_plan = make_plan(batch.blocks, k=k, partitioner="metis")
+    reg_redundancy = redundancy(batch.blocks, reg_plan.layers)[0]
+    metis_redundancy = redundancy(batch.blocks, metis_plan.layers)[0]
+    assert reg_redundancy <= metis_redundancy, (reg_redundancy, metis_redundancy)
+    paper = make_plan(batch.blocks, k=k, partitioner="reg", splitter=OutputSplitter(block, "reg", graph=unclipped))
+    assert reg_redundancy <= redundancy(batch.blocks, paper.layers)[0], "clipping costs no redundancy here"
