@@ -11,6 +11,7 @@ micro-batch. From then on the estimate is the fitted formula: no tensor is alloc
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Callable, Iterable
 
@@ -167,7 +168,14 @@ def _calibrate(model: nn.Module, graph: Graph, num_layers: int, optimizer_factor
             f"cannot calibrate the memory of {name}: the fit misses a held-out micro-batch by {error:+.1%} "
             f"(allowed ±{HOLDOUT_TOLERANCE:.0%}; estimated {predicted} bytes, measured {measured}); its peak "
             "does not follow the node and edge counts")
-    return calibrated
+    # a batch's first micro-batch has no gradients resident: measure how much less it needs on the largest samples
+    largest = sorted(fitted + [holdout], key=lambda b: b.input_nodes.numel())[-2:]
+    without_gradients = resident - storage_bytes(trained.parameters())
+    saving = min(_measure(trained, optimizer, batch, graph, features, device, resident, name)[1]
+                 - _measure(trained, optimizer, batch, graph, features, device, without_gradients, name,
+                            accumulate=False)[1]
+                 for batch in largest)
+    return dataclasses.replace(calibrated, first_saving_bytes=max(0, saving))
 
 
 def _describe(batch: Batch) -> str:
@@ -199,11 +207,13 @@ def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, g
 
 
 def _measure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, graph: Graph,
-             features: FeatureStore, device: torch.device, resident: int, name: str) -> tuple[list[LayerCounts], int]:
+             features: FeatureStore, device: torch.device, resident: int, name: str,
+             accumulate: bool = True) -> tuple[list[LayerCounts], int]:
     """``(counts, peak bytes)`` of one measured step, with ``resident`` bytes live before it and the
-    block structure allocated in the step (on CPU it is already resident; counted here instead)."""
+    block structure allocated in the step (on CPU it is already resident; counted here instead).
+    ``accumulate``: as a later micro-batch of a batch (gradients resident) or as the first."""
     try:
-        measured = measure_training_step(model, optimizer, batch, features, graph.y, device, accumulate=True)
+        measured = measure_training_step(model, optimizer, batch, features, graph.y, device, accumulate=accumulate)
     except Exception as error:  # noqa: BLE001
         raise CalibrationError(f"cannot calibrate {name}: a training step failed on {_describe(batch)} "
                                f"({type(error).__name__}: {error})") from error

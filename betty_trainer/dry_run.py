@@ -34,7 +34,7 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     graph = load_dataset(config.dataset)
     planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
     batch = first_batch(config, graph)
-    _, plan = planner.plan(batch, plan_seed(config, 0))
+    _, plan = planner.plan(batch, plan_seed(config))
     micro_batches = MicroBatches(batch, plan.layers)  # built one at a time, as training builds them
     report = plan_report(planner, batch, micro_batches, plan)
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())

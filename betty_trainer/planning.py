@@ -24,9 +24,11 @@ from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import Config, MicroBatchConfig
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.graph import Graph
+from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
 from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, MAX_CHUNK_ELEMENTS
 from betty_trainer.models.dropout import MASK_CHUNK_ELEMENTS
 from betty_trainer.rng import compiled_kernels
+from betty_trainer.step import MicroBatches
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
@@ -38,16 +40,37 @@ logger = logging.getLogger(__name__)
 
 
 def model_spec(config: Config, graph: Graph, device: torch.device | str = "cpu") -> ModelSpec:
-    """The estimator's description of the built-in model ``config.model`` on ``graph``, trained on ``device``
-    with Adam as :func:`~betty_trainer.trainer.train` builds it (``optim.weight_decay``; the foreach or
-    single-tensor path PyTorch picks for the device) and the kernels dropout and aggregation use there."""
-    m = config.model
-    widths = (graph.num_features,) + (m.hidden,) * (m.num_layers - 1) + (graph.num_classes,)
-    return ModelSpec(m.arch, widths, m.aggregator, m.heads, m.dropout, graph.x.element_size(), "adam", graph.num_nodes,
-                     weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
-                     mask_chunk_elements=MASK_CHUNK_ELEMENTS, attention_chunk_elements=ATTENTION_CHUNK_ELEMENTS,
-                     max_chunk_elements=MAX_CHUNK_ELEMENTS,
-                     compiled_kernels=compiled_kernels(device, graph.x.dtype))
+    """The estimator's description of the built-in model ``config.model`` on ``graph`` (built on the meta
+    device, so no memory is used; see :func:`spec_of`)."""
+    with torch.device("meta"):
+        model = build_model(config.model, graph)
+    return spec_of(model, config, device)
+
+
+def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu") -> ModelSpec:
+    """The estimator's description of a built-in model **instance** trained on ``device`` as
+    :func:`~betty_trainer.trainer.train` trains it: its kind, widths, aggregator, heads, dropout,
+    parameter tensors (in ``model.parameters()`` order) and buffers read off the instance; Adam with
+    ``config.optim.weight_decay`` on the foreach or single-tensor path PyTorch picks for the device;
+    the kernels dropout and aggregation use there; the chunk sizes of the layers' ops.
+
+    Raises:
+        PlanningError: ``model`` is not a built-in model (custom models are calibrated instead).
+    """
+    arch = {GraphSAGE: "sage", GCN: "gcn", GAT: "gat"}.get(type(model))
+    if arch is None:
+        raise PlanningError(f"{type(model).__name__} has no closed-form memory estimate; custom models are calibrated")
+    first = model.layers[0]
+    parameter = next(model.parameters())
+    return ModelSpec(
+        arch, (first.in_feats,) + tuple(layer.out_feats for layer in model.layers),
+        aggregator=getattr(first, "aggregator", "mean"), heads=getattr(first, "heads", 1), dropout=model.dropout.p,
+        dtype_bytes=parameter.element_size(), optimizer="adam",
+        parameter_numels=tuple(tuple(p.numel() for p in layer.parameters()) for layer in model.layers),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
+        mask_chunk_elements=MASK_CHUNK_ELEMENTS, attention_chunk_elements=ATTENTION_CHUNK_ELEMENTS,
+        max_chunk_elements=MAX_CHUNK_ELEMENTS, compiled_kernels=compiled_kernels(device, parameter.dtype))
 
 
 def resolve_budget(config: MicroBatchConfig, device: torch.device) -> int | None:
@@ -116,19 +139,23 @@ class MicroBatchPlanner:
         self.plans_reused = 0
         self._last: _LastPlan | None = None
 
-    def estimate(self, structures: Sequence[BlockStructure], accumulate: bool = False) -> MemoryEstimate:
+    def estimate(self, structures: Sequence[BlockStructure], accumulate: bool = False,
+                 weighted: Sequence[bool] | None = None) -> MemoryEstimate:
         """Itemised estimate of one micro-batch's training step (built-in models: the closed form);
-        ``accumulate``: an earlier micro-batch of the batch ran before it."""
-        return estimate_micro_batch(counts_of(structures), self.spec, accumulate)
+        ``accumulate``: an earlier micro-batch of the batch ran before it; ``weighted``: per layer,
+        whether the blocks carry edge weights (read from blocks when ``None``; see
+        :func:`~estimator.counts.counts_of`)."""
+        return estimate_micro_batch(counts_of(structures, weighted), self.spec, accumulate)
 
-    def peak_bytes(self, structures: Sequence[BlockStructure], accumulate: bool = False) -> int:
+    def peak_bytes(self, structures: Sequence[BlockStructure], accumulate: bool = False,
+                   weighted: Sequence[bool] | None = None) -> int:
         """Estimated peak bytes of one micro-batch's training step: closed form, or the calibrated
-        fit (which is of an accumulating step, so it covers both)."""
+        fit (of accumulating steps, less the measured saving of a batch's first micro-batch)."""
         if self.calibrated is not None:
-            return self.calibrated.estimate(counts_of(structures))
-        return self.estimate(structures, accumulate).peak_bytes
+            return self.calibrated.estimate(counts_of(structures, weighted), accumulate)
+        return self.estimate(structures, accumulate, weighted).peak_bytes
 
-    def plan(self, batch: Batch, seed: int, min_k: int = 1) -> tuple[list[Batch], Plan]:
+    def plan(self, batch: Batch, seed: int, min_k: int = 1) -> tuple[MicroBatches, Plan]:
         """Micro-batches of ``batch``; at least ``min_k`` of them (after an out-of-memory error).
 
         Returns the last plan (the same objects) when ``batch`` is structurally the last
@@ -143,7 +170,9 @@ class MicroBatchPlanner:
             self.plans_reused += 1
             return last.micro_batches, last.plan
         splitter = last.splitter if same_batch else OutputSplitter(batch.blocks[-1], self.config.partitioner)
-        estimate = self.peak_bytes if self.spec is not None or self.calibrated is not None else None
+        weighted = [block.edge_weight is not None for block in batch.blocks]  # the slices planned carry none
+        estimate = None if self.spec is None and self.calibrated is None else (
+            lambda structures, accumulate: self.peak_bytes(structures, accumulate, weighted))
         fixed_k = None if self.budget is not None else min(self.config.num_micro_batches, batch.output_nodes.numel())
         try:
             plan = make_plan(
@@ -153,7 +182,7 @@ class MicroBatchPlanner:
             )
         except BudgetError as error:
             raise PlanningError(str(error)) from None
-        micro_batches = [batch.restrict(layers) for layers in plan.layers]
+        micro_batches = MicroBatches(batch, plan.layers)  # each built when it is read
         self.plans_made += 1
         self._last = _LastPlan(batch, seed, min_k, splitter, micro_batches, plan)
         return micro_batches, plan
@@ -165,7 +194,7 @@ class _LastPlan:
     seed: int
     min_k: int
     splitter: OutputSplitter
-    micro_batches: list[Batch]
+    micro_batches: MicroBatches
     plan: Plan
 
 
@@ -249,7 +278,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
         "partitioner": planner.config.partitioner,
         "full_batch": {"outputs": batch.output_nodes.numel(), "estimate_peak_bytes": plan.full_batch_estimate or None,
                        "layers": _layer_sizes(batch)},
-        "redundancy_per_layer": redundancy(batch.blocks, [mb.blocks for mb in micro_batches]),
+        "redundancy_per_layer": redundancy(batch.blocks, plan.layers),
         "tried": [{"k": k, "largest_estimate_bytes": largest} for k, largest in plan.tried],
         "planning_seconds": plan.seconds,
         "micro_batches": rows,

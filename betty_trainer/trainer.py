@@ -32,10 +32,11 @@ from betty_trainer.planning import MicroBatchPlanner, make_planner, plan_report
 from betty_trainer.rundir import RunDirectory, holds_run_directories, new_run_dir
 from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch, sample_block
 from betty_trainer.step import MicroBatches, micro_batch_backward
-from partition import Plan, make_plan, redundancy
+from partition import Plan, redundancy
 
 logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
+_PLAN_STREAM = (0, 2)  # derive_seed(seed, 0, 2) seeds the partitioner
 EVAL_CHUNK = 8192  # dst nodes per block (layer-wise evaluation) or seeds per batch (batch evaluation)
 
 
@@ -100,26 +101,17 @@ def epoch_seeds(config: Config, graph: Graph, epoch: int) -> list[Tensor]:
     return split_seeds(graph.train_idx, config.sampling.batch_size, generator)
 
 
-def plan_seed(config: Config, epoch: int) -> int:
-    """The seed of the partitioner's randomness for every batch of ``epoch`` (a 31-bit int, as METIS takes)."""
-    return derive_seed(config.seed, epoch) % 2**31
+def plan_seed(config: Config) -> int:
+    """The seed of the partitioner's randomness (a 31-bit int, as METIS takes). The same in every epoch,
+    so a batch identical to the last one (a full-neighbourhood full batch) reuses its plan, in a resumed
+    run as in an uninterrupted one."""
+    return derive_seed(config.seed, *_PLAN_STREAM) % 2**31
 
 
 def first_batch(config: Config, graph: Graph) -> Batch:
     """The batch training starts with (epoch 0, batch 0), as ``train`` samples it: what
     ``betty-train plan`` plans."""
     return make_sampler(config, graph).sample(epoch_seeds(config, graph, 0)[0], SampleKey(config.seed, 0, 0))
-
-
-def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, seed: int,
-                       balance: bool = True) -> list[Batch]:
-    """Split ``batch`` into ``num_micro_batches`` micro-batches with ``partitioner`` (no budget).
-
-    ``K`` is capped at the number of output nodes (a mini-batch smaller than ``K``).
-    """
-    plan = make_plan(batch.blocks, k=min(num_micro_batches, batch.output_nodes.numel()),
-                     partitioner=partitioner, seed=seed, balance=balance)
-    return [batch.restrict(layers) for layers in plan.layers]
 
 
 def accumulate_gradients(
@@ -388,7 +380,7 @@ def train(
                 batch = sampler.sample(seeds, SampleKey(config.seed, epoch, index))
                 set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
                 outcome = _train_batch(model, optimizer, planner, batch, features, graph.y, device,
-                                       plan_seed(config, epoch), where=f"epoch {epoch}, batch {index}",
+                                       plan_seed(config), where=f"epoch {epoch}, batch {index}",
                                        run_dir=run_dir)
                 optimizer.step()
                 if epoch == 0 and index == 0:  # the plan of the first batch, as `betty-train plan` prints it

@@ -40,17 +40,17 @@ class LayerCounts:
                    weighted)
 
 
-def counts_of(structures: Sequence[Any], weighted: bool | None = None) -> list[LayerCounts]:
+def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None) -> list[LayerCounts]:
     """:class:`LayerCounts` of each block or layer slice (anything with ``indptr`` and ``num_src``).
 
     Args:
         structures: blocks or :class:`~partition.slicing.LayerSlice` s, input layer first.
-        weighted: whether the blocks carry edge weights; ``None`` reads each structure's
+        weighted: per layer, whether the block carries edge weights; ``None`` reads each structure's
             ``edge_weight`` (a layer slice has none: pass the parent batch's answer).
     """
-    return [LayerCounts.from_csc(s.indptr, s.num_src,
-                                 getattr(s, "edge_weight", None) is not None if weighted is None else weighted)
-            for s in structures]
+    if weighted is None:
+        weighted = [getattr(s, "edge_weight", None) is not None for s in structures]
+    return [LayerCounts.from_csc(s.indptr, s.num_src, w) for s, w in zip(structures, weighted)]
 
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:

@@ -840,8 +840,8 @@ class _Step:
             r.transient(total, _OVER)
             return
         previous = None
-        for layer in range(self.model.num_layers):
-            for numel in self.model.parameter_shapes(layer):
+        for layer in self.model.parameter_numels:
+            for numel in layer:
                 decayed = r.alloc(numel * f, _OVER) if self.model.weight_decay else None
                 root = r.alloc(numel * f, _OVER)
                 denom = r.alloc(numel * f, _OVER)
@@ -853,7 +853,7 @@ class _Step:
 def model_state_bytes(model: ModelSpec) -> dict[str, int]:
     """Bytes live before any micro-batch: ``parameters`` (buffers included) and ``optimizer_state``
     (Adam: two moments per parameter plus a 4-byte step counter per parameter tensor)."""
-    shapes = [numel for layer in range(model.num_layers) for numel in model.parameter_shapes(layer)]
+    shapes = [numel for layer in model.parameter_numels for numel in layer]
     states = OPTIMIZER_STATES[model.optimizer]
     return {
         "parameters": sum(shapes) * model.dtype_bytes + model.buffer_bytes,

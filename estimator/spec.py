@@ -33,7 +33,9 @@ class ModelSpec:
         dropout: drop probability (``0`` allocates no masks).
         dtype_bytes: bytes per feature element (4 for float32).
         optimizer: ``adam``, ``adamw`` or ``sgd`` (plain SGD, no momentum).
-        num_nodes: nodes of the whole graph (GCN keeps a ``(N,)`` float32 degree buffer).
+        parameter_numels: per layer, the element count of each parameter tensor in
+            ``model.parameters()`` order, read off the model instance (``L`` tuples).
+        buffer_bytes: bytes of the model's non-parameter state (GCN's per-node degree normalisation).
         weight_decay: the optimizer adds weight decay to the gradients (a temporary per update).
         mask_chunk_elements: elements the model's keyed dropout hashes at once
             (``betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS``); required when ``dropout > 0``.
@@ -48,7 +50,8 @@ class ModelSpec:
             (:func:`adam_uses_foreach`); else its single-tensor path (the CPU default).
 
     Raises:
-        ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, dropout
+        ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, parameter counts
+            for another number of layers, dropout
             without ``mask_chunk_elements``, GAT without ``attention_chunk_elements`` or pool without
             ``max_chunk_elements``.
     """
@@ -60,7 +63,8 @@ class ModelSpec:
     dropout: float = 0.0
     dtype_bytes: int = 4
     optimizer: str = "adam"
-    num_nodes: int = 0
+    parameter_numels: tuple[tuple[int, ...], ...] = ()
+    buffer_bytes: int = 0
     weight_decay: bool = False
     foreach: bool = False
     mask_chunk_elements: int | None = None
@@ -77,6 +81,8 @@ class ModelSpec:
             raise ValueError(f"the estimator knows no optimizer {self.optimizer!r}; known: {tuple(OPTIMIZER_STATES)}")
         if len(self.widths) < 2:
             raise ValueError("a model needs at least one layer (two widths)")
+        if len(self.parameter_numels) != self.num_layers:
+            raise ValueError(f"parameter_numels gives {len(self.parameter_numels)} layers for {self.num_layers}")
         if self.arch == "gat" and not self.attention_chunk_elements:
             raise ValueError("a GAT needs attention_chunk_elements (its attention aggregation's chunk size)")
         if self.aggregator == "pool" and self.arch == "sage" and not self.max_chunk_elements:
@@ -97,25 +103,6 @@ class ModelSpec:
             b *= self.heads
         return a, b
 
-    def parameter_shapes(self, layer: int) -> list[int]:
-        """Element counts of the layer's parameter tensors in ``model.parameters()`` order: a layer's
-        own parameters (bias; GAT's attention vectors) before those of its submodules."""
-        a, b = self.widths[layer], self.widths[layer + 1]
-        if self.arch == "gcn":  # bias, linear
-            return [b, b * a]
-        if self.arch == "gat":  # att_src, att_dst, bias, linear (heads concatenated except in the last layer)
-            a = self.layer_dims(layer)[0]
-            last = layer == self.num_layers - 1
-            return [self.heads * b, self.heads * b, b if last else self.heads * b, self.heads * b * a]
-        neigh_self = [b * a] if self.aggregator == "gcn" else [b * a, b * a]
-        extra = {"pool": [a * a, a], "lstm": [4 * a * a, 4 * a * a, 4 * a]}.get(self.aggregator, [])
-        return [b] + extra + neigh_self  # bias, fc_pool / lstm, fc_neigh, fc_self
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of non-parameter model state (GCN's per-node degree normalisation)."""
-        return 4 * self.num_nodes if self.arch == "gcn" else 0
-
     @property
     def num_parameters(self) -> int:
-        return sum(sum(self.parameter_shapes(layer)) for layer in range(self.num_layers))
+        return sum(sum(layer) for layer in self.parameter_numels)
