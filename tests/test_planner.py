@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from betty_trainer import make_sbm, sample_batch
+from betty_trainer import Batch, make_sbm, sample_batch
 from betty_trainer import trainer as trainer_module
 from betty_trainer.checkpoint import load_checkpoint
 from betty_trainer.cli import main
@@ -162,3 +163,21 @@ def test_plan_reuse_returns_the_same_micro_batches_until_the_batch_changes(setti
     weighted.blocks[-1].edge_weight = torch.ones(weighted.blocks[-1].num_edges)
     planner.plan(weighted, seed=1, min_k=6)
     assert planner.plans_made == 5, "edge weights are part of the structure"
+
+
+def test_a_weighted_batch_is_planned_with_weighted_estimates(setting):
+    """The planner estimates layer slices, which carry no edge weights: it must take them from the batch,
+    so each planned micro-batch's estimate is that of the weighted micro-batch training runs."""
+    graph, config, batch, *_ = setting
+    generator = torch.Generator().manual_seed(0)
+    weighted = Batch([dataclasses.replace(b, edge_weight=torch.rand(b.num_edges, generator=generator))
+                      for b in batch.blocks])
+    overrides = OVERRIDES + ["micro_batch.budget=1GB"]
+    planner = MicroBatchPlanner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
+    micro_batches, plan = planner.plan(weighted, seed=0)
+    for index, micro_batch in enumerate(micro_batches):
+        assert micro_batch.blocks[0].edge_weight is not None
+        assert plan.estimates[index] == planner.estimate(micro_batch.blocks, accumulate=index > 0).peak_bytes
+    unweighted_estimate = MicroBatchPlanner(load_config(None, overrides).micro_batch, model_spec(config, graph),
+                                            torch.device("cpu")).plan(batch, seed=0)[1].estimates[0]
+    assert plan.estimates[0] > unweighted_estimate  # the weights are bytes of their own
