@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 
@@ -13,7 +12,7 @@ import torch
 from betty_trainer.config import DatasetConfig
 from betty_trainer.datasets import load_dataset, make_sbm, read_npz, restricted_load, stratified_split
 from betty_trainer.errors import DatasetError
-from tests.conftest import DATASETS as DATASETS_ROOT
+from tests.conftest import shared_data
 
 
 def test_cora_matches_the_published_counts(cora):
@@ -106,17 +105,11 @@ def test_synthetic_is_deterministic_and_class_informative():
 
 # --- gnn-benchmark .npz datasets (Amazon Computers/Photo, Coauthor CS/Physics) ---------------------------
 
-NPZ_DIR = DATASETS_ROOT / "graphdata-npz"
 
 
 @pytest.fixture(scope="module")
 def npz_dir():
-    if not (NPZ_DIR / "amazon_photo.npz").is_file():
-        message = f"gnn-benchmark .npz files not found in {NPZ_DIR} (set BETTY_TEST_DATA to the shared datasets folder)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return NPZ_DIR
+    return shared_data("graphdata-npz", "amazon_photo.npz")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +119,7 @@ def computers(npz_dir):
 
 def _edge_keys(graph, reverse=False):
     dst = torch.repeat_interleave(torch.arange(graph.num_nodes), graph.in_degrees())
-    src = graph.indices
+    src = graph.indices.long()  # stored as int32: the keys need int64
     return torch.sort(src * graph.num_nodes + dst if reverse else dst * graph.num_nodes + src).values
 
 

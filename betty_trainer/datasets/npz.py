@@ -5,7 +5,7 @@ Evaluation", R2L @ NeurIPS 2018 (§4 data sets and evaluation protocol); the fil
 the GraphGallery re-packaging (EdisonLeeeee/GraphData). Each ``.npz`` holds
 ``adj_matrix`` and ``node_attr`` as pickled 0-d object arrays wrapping a scipy CSR
 matrix, and ``node_label`` as a plain int array. The pickles are read with the
-Planetoid loader's :func:`~betty_trainer.datasets.planetoid.restricted_load` (numpy
+Planetoid loader's :func:`~betty_trainer.datasets.safe_pickle.restricted_load` (numpy
 arrays and dtypes, scipy CSR matrices only); ``np.load(..., allow_pickle=True)`` is
 never called.
 
@@ -27,7 +27,7 @@ import torch
 from numpy.lib import format as npy_format
 from torch import Tensor
 
-from betty_trainer.datasets.planetoid import restricted_load
+from betty_trainer.datasets.safe_pickle import restricted_load
 from betty_trainer.errors import DatasetError
 from betty_trainer.graph import Graph
 
