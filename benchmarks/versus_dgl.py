@@ -76,14 +76,14 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from betty_trainer import sample_batch  # noqa: E402
+from betty_trainer import NeighborSampler, SampleKey, sample_batch  # noqa: E402
 from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
 from betty_trainer.datasets import load_dataset  # noqa: E402
 from betty_trainer.graph import Graph  # noqa: E402
 from betty_trainer.memory import measure_training_step  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.planning import make_planner  # noqa: E402
-from betty_trainer.trainer import accumulate_gradients, derive_seed, init_model, split_seeds  # noqa: E402
+from betty_trainer.trainer import accumulate_gradients, derive_seed, init_model, plan_seed, split_seeds  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "datasets"
@@ -185,9 +185,9 @@ class Ours:
     def step(self, seeds: torch.Tensor, fanouts: list, step: int, epoch: int) -> dict[str, float]:
         """Sample, plan, accumulate, Adam step; seconds of each part."""
         t0 = time.perf_counter()
-        batch = sample_batch(self.graph, seeds, fanouts, self.generator(epoch, step))
+        batch = NeighborSampler(self.graph, fanouts).sample(seeds, SampleKey(self.seed, epoch, step))
         t1 = time.perf_counter()
-        micro_batches, plan = self.planner.plan(batch, derive_seed(self.seed, epoch) % 2**31)
+        micro_batches, plan = self.planner.plan(batch, plan_seed(self.config))
         t2 = time.perf_counter()
         set_dropout_key(self.model, self.seed, step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -195,9 +195,6 @@ class Ours:
         self.optimizer.step()
         t3 = time.perf_counter()
         return {"total": t3 - t0, "sample": t1 - t0, "plan": t2 - t1, "compute": t3 - t2, "k": plan.k}
-
-    def generator(self, epoch: int, step: int) -> torch.Generator:
-        return torch.Generator().manual_seed(derive_seed(self.seed, epoch, step))
 
     def peak(self, seeds: torch.Tensor) -> tuple[int, int]:
         """Largest measured peak over the micro-batches of the full-neighbourhood batch of ``seeds``, after one

@@ -9,6 +9,7 @@ before (their gradients are then resident, which costs more).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from partition.partitioners import OutputSplitter
 from partition.reg import output_adjacency
-from partition.slicing import BlockStructure, LayerSlice, slice_layers
+from partition.slicing import BlockStructure, LayerSlice, slice_layers, whole_batch
 
 Estimate = Callable[[Sequence[BlockStructure], bool], int]  # (micro-batch, accumulating) → peak bytes
 
@@ -156,15 +157,18 @@ def make_plan(
     num_outputs = blocks[-1].num_dst
     full = estimate(blocks, False) if estimate is not None else 0
     weighted = balance and partitioner in ("reg", "reg_unweighted", "metis")
-    # METIS vertex weights, and (with a budget) which output is the hungriest
-    costs = output_costs(blocks) if weighted or budget is not None else None
-    weights = integer_weights(costs) if weighted else None
+    # METIS vertex weights, and (with a budget) which output is the hungriest; made when first needed
+    costs = functools.cache(lambda: output_costs(blocks))
+    weights = functools.cache(lambda: integer_weights(costs()) if weighted else None)
     tried: list[tuple[int, int]] = []
     splits: dict[int, tuple[list[Tensor], list[list[LayerSlice]], list[int]]] = {}
 
     def split(parts: int) -> tuple[list[Tensor], list[list[LayerSlice]], list[int]]:
-        groups = splitter.split(parts, seed, weights)
-        layers = [slice_layers(blocks, group) for group in groups]
+        if parts == 1:  # the whole batch: no partitioning, no relabelling
+            groups, layers = [torch.arange(num_outputs)], [whole_batch(blocks)]
+        else:
+            groups = splitter.split(parts, seed, weights())
+            layers = [slice_layers(blocks, group) for group in groups]
         estimates = [estimate(layer, index > 0) for index, layer in enumerate(layers)] if estimate is not None else []
         tried.append((parts, max(estimates, default=0)))
         splits[parts] = groups, layers, estimates
@@ -189,7 +193,7 @@ def make_plan(
             f"memory budget {_mib(budget)} is below what training holds before any micro-batch "
             f"({_mib(resident)}: parameters, optimizer state, model buffers)"
         )
-    hungriest = int(np.argmax(costs))
+    hungriest = int(np.argmax(costs()))
     alone = estimate(slice_layers(blocks, torch.tensor([hungriest])), True)
     if alone > budget:
         raise BudgetError(

@@ -11,6 +11,7 @@ from betty_trainer import Block, plan_micro_batches, sample_batch
 from partition import PARTITIONERS, build_reg, make_plan, partition_outputs, redundancy
 from partition.metis import metis_kway
 from partition.reg import drop_diagonal, hub_threshold
+from partition.slicing import slice_layers, whole_batch
 from tests.test_sampling import global_edges
 
 
@@ -251,3 +252,14 @@ def test_linear_search_finds_the_smallest_k_where_fitting_is_not_monotone(cora):
     fits = [max(make_plan(batch.blocks, estimate, k=k).estimates) <= budget for k in range(plan.k, plan.k + 8)]
     assert fits[0] and not all(fits), f"not monotone: some K above the smallest does not fit ({fits})"
     assert make_plan(batch.blocks, estimate, budget=budget, search="gallop").k >= plan.k
+
+
+@pytest.mark.parametrize("fanouts", [[None, None], [5, 10]])
+def test_whole_batch_slices_equal_slicing_every_output(cora, fanouts):
+    """K = 1 skips the relabelling: its slices must be what slicing all outputs gives on sampled blocks."""
+    batch = sample_batch(cora, cora.train_idx, fanouts, torch.Generator().manual_seed(0))
+    everything = slice_layers(batch.blocks, torch.arange(batch.output_nodes.numel()))
+    for whole, sliced in zip(whole_batch(batch.blocks), everything):
+        assert whole.num_dst == sliced.num_dst
+        for name in ("src_index", "indptr", "indices", "edge_ids"):
+            assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
