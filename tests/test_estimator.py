@@ -174,3 +174,23 @@ def test_estimate_of_the_tensor_op_kernels(cora64, monkeypatch, model):
         measured = measure_training_step(net, optimizer, micro_batch, cora64.x, cora64.y, "cpu",
                                          num_outputs=batch.output_nodes.numel(), accumulate=index > 0).peak_bytes
         assert abs(estimate - measured) <= DEFAULT_TOLERANCE * measured, (index, estimate, measured)
+
+
+@pytest.mark.parametrize("model", [MATRIX_MODELS[0], MATRIX_MODELS[5]], ids=["mean", "gat"])
+def test_estimate_of_adams_foreach_path(cora64, model):
+    """Adam's multi-tensor (foreach) step, CUDA's default, run here on the CPU where it is opt-in, with a
+    hidden width where the optimizer step sets the peak (its square roots of every moment at once)."""
+    config = load_config(None, model + ["model.hidden=256", "model.dropout=0.5"])
+    torch.manual_seed(0)
+    net = build_model(config.model, cora64)
+    set_dropout_key(net, 0, 0)
+    optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay, foreach=True)
+    batch = sample_batch(cora64, cora64.train_idx[:8], [2, 2], torch.Generator().manual_seed(0))
+    measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu")
+    measured = measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu").peak_bytes
+    foreach = dataclasses.replace(model_spec(config, cora64), foreach=True)
+    single = dataclasses.replace(foreach, foreach=False)
+    tolerance = TOLERANCE.get(config.model.arch, DEFAULT_TOLERANCE)
+    assert abs(estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes - measured) <= tolerance * measured
+    assert estimate_micro_batch(counts_of(batch.blocks), single).peak_bytes != \
+        estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes  # the two paths are told apart
