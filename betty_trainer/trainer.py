@@ -341,6 +341,8 @@ def train(
 
     Raises:
         BettyError: bad dataset or config, NaN loss (:class:`TrainingError`), unusable checkpoint.
+        RunDirError: the run directory is held by another run (its ``run.lock`` names the holder),
+            is read-only, or its disk is full (the last good checkpoint is kept).
     """
     device = resolve_device(config.train.device)
     graph = graph if graph is not None else load_dataset(config.dataset)
