@@ -10,7 +10,6 @@ from betty_trainer.feature_store import HostFeatureStore
 from betty_trainer.memory import measure_training_step
 from betty_trainer.models import set_dropout_key
 from betty_trainer.planning import MicroBatchPlanner, model_spec, plan_report
-from betty_trainer.step import MicroBatches
 from betty_trainer.trainer import first_batch, init_model, plan_seed, resolve_device
 
 
@@ -34,8 +33,7 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     graph = load_dataset(config.dataset)
     planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
     batch = first_batch(config, graph)
-    _, plan = planner.plan(batch, plan_seed(config))
-    micro_batches = MicroBatches(batch, plan.layers)  # built one at a time, as training builds them
+    micro_batches, plan = planner.plan(batch, plan_seed(config))  # built one at a time, as training builds them
     report = plan_report(planner, batch, micro_batches, plan)
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
     if measure:

@@ -431,8 +431,7 @@ def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: Mi
     """
     min_k = 1
     while True:
-        _, plan = planner.plan(batch, seed, min_k)
-        micro_batches = MicroBatches(batch, plan.layers)
+        micro_batches, plan = planner.plan(batch, seed, min_k)
         optimizer.zero_grad(set_to_none=True)
         try:
             loss, correct = accumulate_gradients(model, micro_batches, features, labels, device)

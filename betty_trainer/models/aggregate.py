@@ -1,5 +1,6 @@
-"""Message aggregation over a block's in-edges (the gather–scatter every built-in layer uses):
-sum, mean, max, LSTM over in-degree groups, and edge softmax."""
+"""Message aggregation over a block's in-edges without per-edge feature tensors: weighted sums and
+means as one sparse matmul, max with its argmax, attention-weighted sums in edge chunks, LSTM over
+in-degree groups, and edge softmax."""
 
 from __future__ import annotations
 
@@ -109,21 +110,6 @@ def aggregate(block: Block, h_src: Tensor, values: Tensor, self_scale: Tensor | 
 def per_edge(block: Block, per_dst: Tensor) -> Tensor:
     """``(num_dst,)`` → ``(E,)``: each edge gets its dst node's value (CSC order)."""
     return torch.repeat_interleave(per_dst, block.in_degrees(), output_size=block.num_edges)
-
-
-def sum_neighbours(block: Block, h_src: Tensor, edge_weight: Tensor | None = None) -> Tensor:
-    """Sum of (optionally weighted) src features over each dst node's in-edges (:func:`aggregate`).
-
-    Args:
-        block: the block.
-        h_src: ``(num_src, F)`` src features.
-        edge_weight: optional ``(E,)`` per-edge multiplier.
-
-    Returns:
-        ``(num_dst, F)``, dtype of ``h_src``.
-    """
-    values = h_src.new_ones(block.num_edges) if edge_weight is None else edge_weight
-    return aggregate(block, h_src, values)
 
 
 def mean_neighbours(block: Block, h_src: Tensor) -> Tensor:
