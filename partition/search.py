@@ -1,6 +1,6 @@
-"""Memory-aware planning: the smallest K whose largest micro-batch fits a budget (Betty §4.4.3).
+"""The K search: the smallest K whose largest micro-batch fits a budget (Betty §4.4.3).
 
-The planner knows nothing of models: it takes an ``estimate`` callable mapping a
+The search knows nothing of models: it takes an ``estimate`` callable mapping a
 micro-batch's block structures to estimated peak bytes (the estimator, composed by
 the trainer) and searches K. Micro-batches run in plan order and accumulate their
 gradients, so the estimate is asked whether earlier micro-batches of the batch ran
