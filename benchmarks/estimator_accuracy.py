@@ -46,14 +46,14 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from betty_trainer import plan_micro_batches, sample_batch  # noqa: E402
-from betty_trainer.block import Batch  # noqa: E402
 from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
+from betty_trainer.data.block import Batch  # noqa: E402
+from betty_trainer.data.graph import Graph  # noqa: E402
 from betty_trainer.datasets import DATASETS, load_dataset, make_sbm  # noqa: E402
 from betty_trainer.errors import BettyError  # noqa: E402
-from betty_trainer.graph import Graph  # noqa: E402
-from betty_trainer.memory import measure_training_step  # noqa: E402
+from betty_trainer.memory.plan import model_spec  # noqa: E402
 from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
-from betty_trainer.planning import model_spec  # noqa: E402
+from betty_trainer.training.step import measure_training_step  # noqa: E402
 from estimator.counts import counts_of  # noqa: E402
 from estimator.estimate import estimate_micro_batch  # noqa: E402
 

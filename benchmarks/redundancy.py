@@ -37,15 +37,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from betty_trainer.block import Batch
 from betty_trainer.config import DatasetConfig, load_config
+from betty_trainer.data.block import Batch
+from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import BettyError
-from betty_trainer.graph import Graph
+from betty_trainer.memory.plan import MicroBatchPlanner, model_spec
 from betty_trainer.models import build_model
-from betty_trainer.planning import MicroBatchPlanner, model_spec
 from betty_trainer.sampling import sample_batch
-from betty_trainer.trainer import accumulate_gradients
+from betty_trainer.training.trainer import accumulate_gradients
 from partition import PARTITIONERS, OutputSplitter, partition_outputs, redundancy
 from partition.reg import build_reg
 

@@ -14,7 +14,7 @@ The graph is a seeded Chung–Lu graph: node ``i`` (in a random order) has expec
 degree ∝ ``(i + 1)^-α`` with ``α`` chosen so the largest expected degree is
 ``--max-degree``; ``--edges`` endpoint pairs are drawn independently ∝ those weights,
 symmetrised, deduplicated and self loops dropped (``Graph.from_edges``). The batch is
-``--outputs`` random distinct seeds sampled with ``betty_trainer.sampling.sample_batch``.
+``--outputs`` random distinct seeds sampled with ``betty_trainer.sampling.neighbor.sample_batch``.
 
 For each partitioner it runs ``partition.make_plan(blocks, k=K, partitioner=...)``
 (graph over the outputs, METIS, slicing of the K micro-batches) and prints wall time,
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from betty_trainer.block import Batch
-from betty_trainer.graph import Graph
+from betty_trainer.data.block import Batch
+from betty_trainer.data.graph import Graph
 from betty_trainer.sampling import sample_batch
 from partition import make_plan, redundancy
 from partition.partitioners import OutputSplitter

@@ -47,8 +47,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import restricted_load
-from betty_trainer.graph import Graph
 from betty_trainer.sampling import NeighborSampler, SampleKey, sample_block
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ Sections (``--sections``):
 ``memory``
     The measured peak of one full-batch step, full neighbourhood: ours at each K of
     ``--ks`` (the largest peak over the K micro-batches, each measured as training runs
-    it: ``betty_trainer.memory.measure_training_step``, later micro-batches accumulating)
+    it: ``betty_trainer.training.step.measure_training_step``, later micro-batches accumulating)
     vs DGL's ``SAGEConv`` on the whole graph (``dgl.graph``). Both sides measure with
     ``estimator.measure.measure_peak`` (DGL side: the same file loaded by path): the peak
     of live bytes replayed from ``torch.profiler``'s allocation records, after one warm-up
@@ -78,12 +78,12 @@ import torch  # noqa: E402
 
 from betty_trainer import NeighborSampler, SampleKey, sample_batch  # noqa: E402
 from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
+from betty_trainer.data.graph import Graph  # noqa: E402
 from betty_trainer.datasets import load_dataset  # noqa: E402
-from betty_trainer.graph import Graph  # noqa: E402
-from betty_trainer.memory import measure_training_step  # noqa: E402
+from betty_trainer.memory.plan import make_planner  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
-from betty_trainer.planning import make_planner  # noqa: E402
-from betty_trainer.trainer import accumulate_gradients, derive_seed, init_model, plan_seed, split_seeds  # noqa: E402
+from betty_trainer.training.step import measure_training_step  # noqa: E402
+from betty_trainer.training.trainer import accumulate_gradients, derive_seed, init_model, plan_seed, split_seeds  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "datasets"

@@ -5,18 +5,18 @@ Public API::
     from betty_trainer import Config, load_config, load_dataset, train, GraphSAGE
 """
 
-from betty_trainer.block import Batch, Block
-from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import Config, load_config
+from betty_trainer.data.block import Batch, Block
+from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats, as_feature_store
+from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import DATASETS, load_dataset, make_sbm
 from betty_trainer.errors import BettyError, CalibrationError, ConfigError, DatasetError, TrainingError
-from betty_trainer.feature_store import FeatureStore, HostFeatureStore, TransferStats, as_feature_store
-from betty_trainer.graph import Graph
+from betty_trainer.memory.custom import calibrate_model
+from betty_trainer.memory.plan import plan_micro_batches
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
-from betty_trainer.planning import plan_micro_batches
 from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch
-from betty_trainer.step import MicroBatches
-from betty_trainer.trainer import (
+from betty_trainer.training.step import MicroBatches
+from betty_trainer.training.trainer import (
     TrainResult,
     accumulate_gradients,
     evaluate,

@@ -18,7 +18,7 @@ from rich.table import Table
 from betty_trainer.config import Config, load_config
 from betty_trainer.datasets import DATASETS, cache_dir
 from betty_trainer.errors import BettyError, ConfigError
-from betty_trainer.rundir import write_text
+from betty_trainer.training.rundir import write_text
 
 EXIT_USER_ERROR = 2
 
@@ -68,7 +68,7 @@ def _resolve(args: argparse.Namespace) -> Config:
 
 
 def _train(args: argparse.Namespace, console: Console) -> None:
-    from betty_trainer.trainer import train  # heavy imports only when training
+    from betty_trainer.training.trainer import train  # heavy imports only when training
 
     config = _resolve(args)
     if args.print_config:
@@ -87,7 +87,7 @@ def _mib(nbytes: float) -> str:
 
 
 def _plan(args: argparse.Namespace, console: Console) -> None:
-    from betty_trainer.dry_run import dry_run
+    from betty_trainer.training.dry_run import dry_run
 
     config = _resolve(args)
     if args.print_config:

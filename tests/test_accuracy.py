@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-import betty_trainer.trainer as trainer_module
+import betty_trainer.training.trainer as trainer_module
 from betty_trainer.config import load_config
-from betty_trainer.trainer import train
+from betty_trainer.training.trainer import train
 from tests.conftest import REPO
 
 

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from betty_trainer import plan_micro_batches, sample_batch
-from betty_trainer import trainer as trainer_module
-from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import load_config
 from betty_trainer.errors import BettyError, CalibrationError
-from betty_trainer.memory import measure_training_step
+from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models.aggregate import mean_neighbours
+from betty_trainer.training import trainer as trainer_module
+from betty_trainer.training.step import measure_training_step
 from estimator.calibrate import CalibrationError as FitError
 from estimator.calibrate import fit
 from estimator.counts import LayerCounts, block_structure_bytes, counts_of
@@ -139,7 +139,7 @@ def test_train_calibrates_a_custom_model_and_keeps_its_micro_batches_within_the_
     config = load_config(None, ["dataset.name=cora", f"dataset.data_dir={planetoid_dir}", "optim.epochs=1",
                                 f"optim.lr={LR}", f"optim.weight_decay={WEIGHT_DECAY}", "train.device=cpu",
                                 "train.progress=false", f"micro_batch.budget={budget}"])
-    with caplog.at_level(logging.INFO, logger="betty_trainer.planning"):
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.plan"):
         trainer_module.train(config, model=model, graph=cora, run_dir=tmp_path)
     assert re.search(r"calibrated the memory estimate of NodeMLPThenMean in \d+\.\d\d s", caplog.text)
     assert len(measured) > 1, "half the full batch's peak needs several micro-batches"

@@ -13,11 +13,11 @@ import pytest
 import torch
 import yaml
 
-from betty_trainer.checkpoint import load_checkpoint
 from betty_trainer.cli import main
 from betty_trainer.config import load_config
 from betty_trainer.errors import ConfigError, TrainingError
-from betty_trainer.trainer import train
+from betty_trainer.training.checkpoint import load_checkpoint
+from betty_trainer.training.trainer import train
 from tests.conftest import REPO
 from tests.test_datasets import Evil
 

@@ -23,8 +23,8 @@ from betty_trainer import (
     plan_micro_batches,
     sample_batch,
 )
-from betty_trainer import trainer as trainer_module
-from betty_trainer.feature_store import same_device, transfer_bytes
+from betty_trainer.data.feature_store import same_device, transfer_bytes
+from betty_trainer.training import trainer as trainer_module
 from partition import make_plan
 
 CPU = torch.device("cpu")

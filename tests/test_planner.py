@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from betty_trainer import Batch, make_sbm, sample_batch
-from betty_trainer import trainer as trainer_module
-from betty_trainer.checkpoint import load_checkpoint
 from betty_trainer.cli import main
 from betty_trainer.config import load_config
 from betty_trainer.errors import CalibrationError, ConfigError, PlanningError
-from betty_trainer.memory import measure_training_step
+from betty_trainer.memory.plan import MicroBatchPlanner, model_spec
 from betty_trainer.models import build_model, set_dropout_key
-from betty_trainer.planning import MicroBatchPlanner, model_spec
-from betty_trainer.trainer import train
+from betty_trainer.training import trainer as trainer_module
+from betty_trainer.training.checkpoint import load_checkpoint
+from betty_trainer.training.step import measure_training_step
+from betty_trainer.training.trainer import train
 from partition import make_plan
 from tests.conftest import REPO
 

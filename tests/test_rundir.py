@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from betty_trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from betty_trainer.errors import RunDirError
-from betty_trainer.rundir import LOCK_NAME, RunDirectory, append_line, write_text
+from betty_trainer.training.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from betty_trainer.training.rundir import LOCK_NAME, RunDirectory, append_line, write_text
 from tests.conftest import REPO
 from tests.test_cli import QUICK, assert_one_line_error, betty_in_process
 
@@ -81,7 +81,7 @@ def metrics_lines(run: Path) -> list[dict]:
 
 def test_a_second_run_into_a_run_directory_in_use_is_refused_and_a_dead_holder_is_taken_over(tmp_path, capsys):
     run = tmp_path / "run"
-    hold = ("import sys; from pathlib import Path; from betty_trainer.rundir import RunDirectory; "
+    hold = ("import sys; from pathlib import Path; from betty_trainer.training.rundir import RunDirectory; "
             f"run = RunDirectory.open(Path({str(run)!r})); print('locked', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", hold], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from betty_trainer import Graph, sample_batch
 from betty_trainer.errors import DatasetError
-from betty_trainer.sampling import (
+from betty_trainer.sampling.neighbor import (
     NeighborSampler,
     SampleKey,
     _relabel,

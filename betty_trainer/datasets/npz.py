@@ -27,9 +27,9 @@ import torch
 from numpy.lib import format as npy_format
 from torch import Tensor
 
+from betty_trainer.data.graph import Graph
 from betty_trainer.datasets.safe_pickle import restricted_load
 from betty_trainer.errors import DatasetError
-from betty_trainer.graph import Graph
 
 TRAIN_PER_CLASS = 20
 VAL_PER_CLASS = 30

@@ -15,9 +15,9 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from betty_trainer.data.graph import Graph
 from betty_trainer.datasets.safe_pickle import restricted_load
 from betty_trainer.errors import DatasetError
-from betty_trainer.graph import Graph
 
 PICKLED_PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph")
 PARTS = PICKLED_PARTS + ("test.index",)

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from betty_trainer.data.graph import Graph
 from betty_trainer.datasets.npz import load_npz_graph
 from betty_trainer.datasets.planetoid import PARTS, load_planetoid
 from betty_trainer.datasets.synthetic import make_sbm
 from betty_trainer.errors import DatasetError
-from betty_trainer.graph import Graph
 
 _PLANETOID_URL = "https://raw.githubusercontent.com/kimiyoung/planetoid/af6abf468a772cc055bec88c52e4d6f51b7c37e3/data/"
 _GRAPHDATA_URL = "https://raw.githubusercontent.com/EdisonLeeeee/GraphData/f8022c26b917346f2a461ffec0ec5ae24b36de68/datasets/"

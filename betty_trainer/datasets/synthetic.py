@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from betty_trainer.graph import Graph
+from betty_trainer.data.graph import Graph
 
 
 def make_sbm(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from betty_trainer.graph import Graph
+from betty_trainer.data.graph import Graph
 from betty_trainer.models.dropout import NodeDropout, keyed_bits, keyed_uniform, set_dropout_key
 from betty_trainer.models.gat import GAT, GATConv
 from betty_trainer.models.gcn import GCN, GCNConv

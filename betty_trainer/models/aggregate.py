@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from betty_trainer.block import Block
+from betty_trainer.data.block import Block
 from betty_trainer.models.lstm import LSTM
 from betty_trainer.rng import compiled_kernels, jit, numba
 

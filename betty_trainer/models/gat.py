@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from betty_trainer.block import Block
+from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import attention_aggregate, edge_softmax
 from betty_trainer.models.stack import LayerStack, layer_widths
 

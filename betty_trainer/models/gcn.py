@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from betty_trainer.block import Block
+from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import aggregate, per_edge
 from betty_trainer.models.stack import LayerStack, layer_widths
 

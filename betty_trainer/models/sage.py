@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from betty_trainer.block import Block
+from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import aggregate, lstm_neighbours, max_neighbours, mean_neighbours, per_edge
 from betty_trainer.models.lstm import LSTM
 from betty_trainer.models.stack import LayerStack, layer_widths

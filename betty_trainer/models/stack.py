@@ -7,7 +7,7 @@ from typing import Callable
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from betty_trainer.block import Block
+from betty_trainer.data.block import Block
 from betty_trainer.models.dropout import NodeDropout
 
 

@@ -19,16 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from betty_trainer.block import Batch, Block
-from betty_trainer.graph import Graph
-from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key, numba
+from betty_trainer.data.block import Batch, Block
+from betty_trainer.data.graph import Graph
+from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
+from betty_trainer.sampling.base import SampleKey
 from partition.slicing import relabel_dst_first
 
 try:  # the CPU kernel; the tensor path below needs nothing beyond torch
@@ -37,42 +37,6 @@ except ImportError:  # pragma: no cover - numba is a declared dependency
     numba = None
 
 Kernel = Literal["auto", "tensor", "numba"]
-_SAMPLING_DOMAIN = 0x4E53  # "NS": keeps sampling keys apart from dropout's mix_key(seed, step, layer)
-
-
-@dataclass(frozen=True)
-class SampleKey:
-    """What keys one batch's randomness (DESIGN.md › Seams › Sampler).
-
-    Attributes:
-        seed: the run's seed (any non-negative int up to 64 bits).
-        epoch: the epoch, from 0.
-        step: the batch's index within the epoch, from 0.
-    """
-
-    seed: int
-    epoch: int = 0
-    step: int = 0
-
-    def layer_key(self, layer: int) -> int:
-        """The 32-bit key of block ``layer`` (input layer first) of this batch."""
-        return mix_key(self.seed, self.epoch, self.step, layer, _SAMPLING_DOMAIN)
-
-    @classmethod
-    def draw(cls, generator: torch.Generator | None = None) -> SampleKey:
-        """A key whose seed is one draw from ``generator`` (the global RNG if ``None``)."""
-        device = None if generator is None else generator.device
-        return cls(int(torch.randint(0, 2**62, (1,), generator=generator, device=device)))
-
-
-class Sampler(Protocol):
-    """A sampler (DESIGN.md › Seams): ``sample(seeds, key) -> Batch``.
-
-    The batch must be a pure function of ``(seeds, key)``; the blocks a seed
-    receives must not depend on the other seeds beyond the union they form.
-    """
-
-    def sample(self, seeds: Tensor, key: SampleKey) -> Batch: ...
 
 
 class NeighborSampler:

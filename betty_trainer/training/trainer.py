@@ -19,19 +19,19 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
 
-from betty_trainer.block import Batch
-from betty_trainer.checkpoint import load_checkpoint, save_checkpoint
 from betty_trainer.config import Config
+from betty_trainer.data.block import Batch
+from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, as_feature_store
+from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, TrainingError
-from betty_trainer.feature_store import FeatureStore, HostFeatureStore, as_feature_store
-from betty_trainer.graph import Graph
+from betty_trainer.memory.plan import MicroBatchPlanner, make_planner, plan_report
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.models.stack import LayerStack
-from betty_trainer.planning import MicroBatchPlanner, make_planner, plan_report
-from betty_trainer.rundir import RunDirectory, holds_run_directories, new_run_dir
 from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch, sample_block
-from betty_trainer.step import MicroBatches, micro_batch_backward
+from betty_trainer.training.checkpoint import load_checkpoint, save_checkpoint
+from betty_trainer.training.rundir import RunDirectory, holds_run_directories, new_run_dir
+from betty_trainer.training.step import MicroBatches, micro_batch_backward
 from partition import Plan, redundancy
 
 logger = logging.getLogger(__name__)
@@ -126,15 +126,15 @@ def accumulate_gradients(
     Micro-batch ``k`` contributes ``Σ_{i∈V_k} CE_i / |V|`` with ``|V|`` the batch's
     output count (Betty §4.2.3), so the sum equals the full-batch gradient. Each
     micro-batch is released before the next is read, so with
-    :class:`~betty_trainer.step.MicroBatches` (which builds a micro-batch when it is read)
+    :class:`~betty_trainer.training.step.MicroBatches` (which builds a micro-batch when it is read)
     one micro-batch is alive at a time.
 
     Args:
         model: ``forward(blocks, x)`` returning ``(num_outputs, C)`` logits.
         micro_batches: disjoint micro-batches of one batch.
-        features: the :class:`~betty_trainer.feature_store.FeatureStore` the input rows are
+        features: the :class:`~betty_trainer.data.feature_store.FeatureStore` the input rows are
             gathered from, or an ``(N, F)`` tensor (wrapped unpinned, see
-            :func:`~betty_trainer.feature_store.as_feature_store`).
+            :func:`~betty_trainer.data.feature_store.as_feature_store`).
         labels: ``(N,)`` int64 labels.
         device: where the model runs.
 

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from betty_trainer.block import Batch
-from betty_trainer.calibration import calibrate_model
 from betty_trainer.config import Config, MicroBatchConfig
+from betty_trainer.data.block import Batch
+from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
-from betty_trainer.graph import Graph
+from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
 from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, MAX_CHUNK_ELEMENTS
 from betty_trainer.models.dropout import MASK_CHUNK_ELEMENTS
 from betty_trainer.rng import compiled_kernels
-from betty_trainer.step import MicroBatches
+from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
@@ -49,7 +49,7 @@ def model_spec(config: Config, graph: Graph, device: torch.device | str = "cpu")
 
 def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu") -> ModelSpec:
     """The estimator's description of a built-in model **instance** trained on ``device`` as
-    :func:`~betty_trainer.trainer.train` trains it: its kind, widths, aggregator, heads, dropout,
+    :func:`~betty_trainer.training.trainer.train` trains it: its kind, widths, aggregator, heads, dropout,
     parameter tensors (in ``model.parameters()`` order) and buffers read off the instance; Adam with
     ``config.optim.weight_decay`` on the foreach or single-tensor path PyTorch picks for the device;
     the kernels dropout and aggregation use there; the chunk sizes of the layers' ops.
@@ -129,7 +129,7 @@ class MicroBatchPlanner:
         self.budget = resolve_budget(config, device)
         if self.budget is not None and spec is None:
             raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "
-                              "betty_trainer.calibration.calibrate_model (train() does), or set "
+                              "betty_trainer.memory.custom.calibrate_model (train() does), or set "
                               "micro_batch.num_micro_batches instead")
         if self.spec is not None:
             self.resident = sum(model_state_bytes(self.spec).values())
@@ -236,7 +236,7 @@ def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, s
 def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: torch.device) -> MicroBatchPlanner:
     """The planner of a training run on ``graph``: the closed form for the built-in model
     (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is calibrated first,
-    once (:func:`~betty_trainer.calibration.calibrate_model` with the run's Adam settings and
+    once (:func:`~betty_trainer.memory.custom.calibrate_model` with the run's Adam settings and
     ``config.model.num_layers`` layers), and the time it took is logged at INFO level.
 
     Raises:

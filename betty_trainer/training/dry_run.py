@@ -5,17 +5,17 @@ from __future__ import annotations
 import torch
 
 from betty_trainer.config import Config
+from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
-from betty_trainer.feature_store import HostFeatureStore
-from betty_trainer.memory import measure_training_step
+from betty_trainer.memory.plan import MicroBatchPlanner, model_spec, plan_report
 from betty_trainer.models import set_dropout_key
-from betty_trainer.planning import MicroBatchPlanner, model_spec, plan_report
-from betty_trainer.trainer import first_batch, init_model, plan_seed, resolve_device
+from betty_trainer.training.step import measure_training_step
+from betty_trainer.training.trainer import first_batch, init_model, plan_seed, resolve_device
 
 
 def dry_run(config: Config, measure: bool = False) -> dict:
-    """Sample epoch 0's first batch exactly as :func:`~betty_trainer.trainer.train` does, plan it,
-    and report (see :func:`~betty_trainer.planning.plan_report`).
+    """Sample epoch 0's first batch exactly as :func:`~betty_trainer.training.trainer.train` does, plan it,
+    and report (see :func:`~betty_trainer.memory.plan.plan_report`).
 
     With ``measure``, one real training step per micro-batch runs on copies of the model
     and a fresh Adam (stepped once first, so its state is resident as in training), the

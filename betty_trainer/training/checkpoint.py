@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from betty_trainer.errors import TrainingError
-from betty_trainer.rundir import write_bytes
+from betty_trainer.training.rundir import write_bytes
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> Path:
     """Write ``state`` to ``run_dir/checkpoint.pt`` atomically (serialised in memory, then
-    :func:`betty_trainer.rundir.write_bytes`: temp file, fsync, rename), so a crash, a full disk
+    :func:`betty_trainer.training.rundir.write_bytes`: temp file, fsync, rename), so a crash, a full disk
     or a read-only file system mid-write leaves the previous checkpoint intact.
 
     Args:

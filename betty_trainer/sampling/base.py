@@ -1,0 +1,52 @@
+"""The sampler seam (DESIGN.md › Seams › Sampler): a batch's randomness is keyed by
+``(seed, epoch, step)``, never drawn from a generator stream shared across batches, so a
+batch is a pure function of its seed nodes and its key (resume, micro-batch slicing and
+cooperative training rely on it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from betty_trainer.data.block import Batch
+from betty_trainer.rng import mix_key
+
+_SAMPLING_DOMAIN = 0x4E53  # "NS": keeps sampling keys apart from dropout's mix_key(seed, step, layer)
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """What keys one batch's randomness (DESIGN.md › Seams › Sampler).
+
+    Attributes:
+        seed: the run's seed (any non-negative int up to 64 bits).
+        epoch: the epoch, from 0.
+        step: the batch's index within the epoch, from 0.
+    """
+
+    seed: int
+    epoch: int = 0
+    step: int = 0
+
+    def layer_key(self, layer: int) -> int:
+        """The 32-bit key of block ``layer`` (input layer first) of this batch."""
+        return mix_key(self.seed, self.epoch, self.step, layer, _SAMPLING_DOMAIN)
+
+    @classmethod
+    def draw(cls, generator: torch.Generator | None = None) -> SampleKey:
+        """A key whose seed is one draw from ``generator`` (the global RNG if ``None``)."""
+        device = None if generator is None else generator.device
+        return cls(int(torch.randint(0, 2**62, (1,), generator=generator, device=device)))
+
+
+class Sampler(Protocol):
+    """A sampler (DESIGN.md › Seams): ``sample(seeds, key) -> Batch``.
+
+    The batch must be a pure function of ``(seeds, key)``; the blocks a seed
+    receives must not depend on the other seeds beyond the union they form.
+    """
+
+    def sample(self, seeds: Tensor, key: SampleKey) -> Batch: ...

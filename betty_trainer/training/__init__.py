@@ -1,0 +1,1 @@
+"""Training: one micro-batch step, the epoch loop, evaluation, checkpoints and the run directory."""
