@@ -82,8 +82,10 @@ from betty_trainer.data.graph import Graph  # noqa: E402
 from betty_trainer.datasets import load_dataset  # noqa: E402
 from betty_trainer.memory.plan import make_planner  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
+from betty_trainer.rng import derive_seed  # noqa: E402
+from betty_trainer.sampling.schedule import plan_seed, split_seeds  # noqa: E402
 from betty_trainer.training.step import measure_training_step  # noqa: E402
-from betty_trainer.training.trainer import accumulate_gradients, derive_seed, init_model, plan_seed, split_seeds  # noqa: E402
+from betty_trainer.training.trainer import accumulate_gradients, init_model  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "datasets"

@@ -15,16 +15,9 @@ from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.plan import plan_micro_batches
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
 from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch
+from betty_trainer.training.evaluation import evaluate, evaluate_splits, full_neighbourhood_batches, layerwise_logits
 from betty_trainer.training.step import MicroBatches
-from betty_trainer.training.trainer import (
-    TrainResult,
-    accumulate_gradients,
-    evaluate,
-    evaluate_splits,
-    full_neighbourhood_batches,
-    layerwise_logits,
-    train,
-)
+from betty_trainer.training.trainer import TrainResult, accumulate_gradients, train
 
 __version__ = "0.1.0"
 

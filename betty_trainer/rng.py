@@ -114,3 +114,7 @@ def hash_id_scalar(key, node):
     v = np.uint64(node)
     return mix32_scalar(mix32_scalar((v & _U32) ^ np.uint64(key)) ^ ((v >> np.uint64(32)) & _U32))
 
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (numpy ``SeedSequence``), e.g. ``(seed, epoch)``."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))

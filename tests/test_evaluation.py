@@ -18,7 +18,7 @@ from betty_trainer import (
 )
 from betty_trainer.models import GAT
 from betty_trainer.models.stack import LayerStack
-from betty_trainer.training.trainer import evaluates_layerwise
+from betty_trainer.training.evaluation import evaluates_layerwise
 
 CPU = torch.device("cpu")
 MODELS = {

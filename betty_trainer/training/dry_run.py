@@ -9,8 +9,9 @@ from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
 from betty_trainer.memory.plan import MicroBatchPlanner, model_spec, plan_report
 from betty_trainer.models import set_dropout_key
+from betty_trainer.sampling.schedule import first_batch, plan_seed
 from betty_trainer.training.step import measure_training_step
-from betty_trainer.training.trainer import first_batch, init_model, plan_seed, resolve_device
+from betty_trainer.training.trainer import init_model, resolve_device
 
 
 def dry_run(config: Config, measure: bool = False) -> dict:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
@@ -27,17 +26,17 @@ from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.memory.plan import MicroBatchPlanner, make_planner, plan_report
 from betty_trainer.models import build_model, set_dropout_key
-from betty_trainer.models.stack import LayerStack
-from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch, sample_block
+from betty_trainer.rng import derive_seed
+from betty_trainer.sampling import SampleKey
+from betty_trainer.sampling.schedule import epoch_seeds, make_sampler, plan_seed
 from betty_trainer.training.checkpoint import load_checkpoint, save_checkpoint
+from betty_trainer.training.evaluation import evaluate_splits
 from betty_trainer.training.rundir import RunDirectory, holds_run_directories, new_run_dir
 from betty_trainer.training.step import MicroBatches, micro_batch_backward
 from partition import Plan, redundancy
 
 logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
-_PLAN_STREAM = (0, 2)  # derive_seed(seed, 0, 2) seeds the partitioner
-EVAL_CHUNK = 8192  # dst nodes per block (layer-wise evaluation) or seeds per batch (batch evaluation)
 
 
 @dataclass
@@ -68,50 +67,12 @@ class TrainResult:
     last: EpochMetrics
 
 
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed derived from integer keys (numpy ``SeedSequence``), e.g. ``(seed, epoch)``."""
-    return int(np.random.SeedSequence(list(keys)).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
-
-
 def init_model(config: Config, graph: Graph) -> nn.Module:
     """The built-in model of ``config.model``, initialised from ``config.seed`` alone
     (the caller's global RNG state is left as it was)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))
         return build_model(config.model, graph)
-
-
-def split_seeds(train_idx: Tensor, batch_size: int | None, generator: torch.Generator) -> list[Tensor]:
-    """The batches of one epoch: the full batch (``batch_size=None``) or shuffled mini-batches."""
-    if batch_size is None or batch_size >= train_idx.numel():
-        return [train_idx]
-    return list(train_idx[torch.randperm(train_idx.numel(), generator=generator)].split(batch_size))
-
-
-def make_sampler(config: Config, graph: Graph) -> Sampler:
-    """The sampler of ``config.sampling`` on ``graph``: neighbour sampling with ``fanouts`` (input layer
-    first; ``None`` everywhere, the default, is the full neighbourhood)."""
-    return NeighborSampler(graph, config.sampling.fanouts or [None] * config.model.num_layers)
-
-
-def epoch_seeds(config: Config, graph: Graph, epoch: int) -> list[Tensor]:
-    """The seed nodes of each batch of ``epoch``, in training order: the full batch of training nodes, or
-    mini-batches of ``sampling.batch_size`` shuffled by ``(seed, epoch)`` (:func:`split_seeds`)."""
-    generator = torch.Generator().manual_seed(derive_seed(config.seed, epoch))
-    return split_seeds(graph.train_idx, config.sampling.batch_size, generator)
-
-
-def plan_seed(config: Config) -> int:
-    """The seed of the partitioner's randomness (a 31-bit int, as METIS takes). The same in every epoch,
-    so a batch identical to the last one (a full-neighbourhood full batch) reuses its plan, in a resumed
-    run as in an uninterrupted one."""
-    return derive_seed(config.seed, *_PLAN_STREAM) % 2**31
-
-
-def first_batch(config: Config, graph: Graph) -> Batch:
-    """The batch training starts with (epoch 0, batch 0), as ``train`` samples it: what
-    ``betty-train plan`` plans."""
-    return make_sampler(config, graph).sample(epoch_seeds(config, graph, 0)[0], SampleKey(config.seed, 0, 0))
 
 
 def accumulate_gradients(
@@ -158,141 +119,6 @@ def accumulate_gradients(
         del micro_batch  # gone before the next one is built
         loss_sum, correct, index = loss_sum + loss, correct + right, index + 1
     return loss_sum, correct
-
-
-def full_neighbourhood_batches(graph: Graph, nodes: Tensor, num_layers: int,
-                               batch_size: int = EVAL_CHUNK) -> Iterator[Batch]:
-    """Full-neighbourhood batches over ``nodes`` in chunks of ``batch_size`` seeds, each sampled
-    when it is read (for :func:`evaluate`)."""
-    return (sample_batch(graph, chunk, [None] * num_layers) for chunk in nodes.split(batch_size))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[Batch], features: Tensor | FeatureStore, labels: Tensor,
-             device: torch.device) -> float:
-    """Accuracy over the output nodes of ``batches``, in eval mode (no dropout).
-
-    This is batch evaluation (any model); :func:`evaluate_splits` evaluates the built-in
-    models layer by layer instead.
-
-    Args:
-        model: the model.
-        batches: e.g. from :func:`full_neighbourhood_batches`.
-        features: the feature store, or an ``(N, F)`` tensor.
-        labels: ``(N,)`` int64 labels.
-        device: where the model runs.
-
-    Returns:
-        Fraction in ``[0, 1]`` of outputs whose argmax logit is the label; ``nan`` with no outputs.
-    """
-    features = as_feature_store(features)
-    was_training = model.training
-    model.eval()
-    correct, total = 0, 0
-    for batch in batches:
-        logits = model(batch.to(device).blocks, features.gather(batch.input_nodes, device))
-        correct += int((logits.argmax(1).cpu() == labels[batch.output_nodes]).sum())
-        total += batch.output_nodes.numel()
-    model.train(was_training)
-    return correct / total if total else float("nan")
-
-
-def evaluates_layerwise(model: nn.Module) -> bool:
-    """Whether :func:`layerwise_logits` computes ``model``'s function: a
-    :class:`~betty_trainer.models.stack.LayerStack` (every built-in model) whose ``forward``
-    is the stack's own."""
-    return isinstance(model, LayerStack) and type(model).forward is LayerStack.forward
-
-
-@torch.no_grad()
-def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | FeatureStore, device: torch.device,
-                     nodes: Tensor | None = None, chunk_size: int = EVAL_CHUNK) -> Tensor:
-    """Logits of ``nodes`` computed one layer at a time over the whole graph, in eval mode.
-
-    Layer ``l`` of an ``L``-layer stack is computed for every node of the graph (the
-    output layer only for ``nodes``), ``chunk_size`` dst nodes at a time: a one-layer block
-    holding each chunk's full in-neighbourhood reads the previous layer's output of all
-    nodes (layer 0: the features, gathered from ``features``). Every node's hidden
-    representation is computed once per layer, not once per evaluation batch whose
-    ``L``-hop neighbourhood holds it, and no multi-layer batch is built (the layer-wise
-    inference of DGL's GraphSAGE example). The result equals ``model`` applied to
-    full-neighbourhood batches of ``nodes`` up to floating-point reassociation. Each
-    layer's output for all nodes is kept in host memory (pinned when ``device`` is CUDA):
-    ``N × hidden`` values, two layers at a time.
-
-    Args:
-        model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`evaluates_layerwise`).
-        graph: the graph (its CSC in-edges give the neighbourhoods).
-        features: the feature store, or an ``(N, F)`` tensor.
-        device: where the model runs.
-        nodes: ``(n,)`` int64 ids whose logits are returned; default: every node.
-        chunk_size: dst nodes per one-layer block.
-
-    Returns:
-        ``(n, C)`` logits on the CPU, in the order of ``nodes``.
-
-    Raises:
-        ValueError: if ``nodes`` is empty or ``chunk_size < 1``.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    nodes = torch.arange(graph.num_nodes) if nodes is None else nodes
-    if nodes.numel() == 0:
-        raise ValueError("layerwise_logits needs at least one node")
-    store, pin = as_feature_store(features), device.type == "cuda"
-    last = len(model.layers) - 1
-    was_training = model.training
-    model.eval()
-    try:
-        for index in range(last + 1):
-            dst = nodes if index == last else torch.arange(graph.num_nodes)
-            out = None
-            for chunk in dst.split(chunk_size):
-                block = sample_block(graph, chunk, None)
-                h = model.layer_forward(index, block.to(device), store.gather(block.src_nodes, device))
-                if out is None:
-                    out, start = torch.empty(dst.numel(), h.shape[1], dtype=h.dtype, pin_memory=pin), 0
-                out[start:start + chunk.numel()].copy_(h)
-                start += chunk.numel()
-            store = HostFeatureStore(out, pin=pin)  # this layer's output is the next layer's input
-    finally:
-        model.train(was_training)
-    return out
-
-
-def evaluate_splits(model: nn.Module, graph: Graph, features: Tensor | FeatureStore, device: torch.device,
-                    splits: Mapping[str, Tensor], num_layers: int, chunk_size: int = EVAL_CHUNK) -> dict[str, float]:
-    """Accuracy of ``model`` on each split of node ids, in eval mode (no dropout).
-
-    Built-in models (:func:`evaluates_layerwise`) are evaluated layer by layer, once for all
-    splits together (:func:`layerwise_logits`); any other model on full-neighbourhood
-    batches of each split, sampled one chunk at a time (:func:`full_neighbourhood_batches`,
-    :func:`evaluate`). Both compute the same logits.
-
-    Args:
-        model: the model.
-        graph: the graph (labels ``graph.y``).
-        features: the feature store, or an ``(N, F)`` tensor.
-        device: where the model runs.
-        splits: name → ``(n,)`` int64 node ids, e.g. ``{"val": graph.val_idx, "test": graph.test_idx}``.
-        num_layers: blocks per batch (batch evaluation only).
-        chunk_size: dst nodes per block (layer-wise) or seeds per batch.
-
-    Returns:
-        name → fraction in ``[0, 1]`` of the split's nodes whose argmax logit is the label;
-        ``nan`` for an empty split.
-    """
-    features = as_feature_store(features)
-    if not evaluates_layerwise(model):
-        return {name: evaluate(model, full_neighbourhood_batches(graph, nodes, num_layers, chunk_size),
-                               features, graph.y, device) for name, nodes in splits.items()}
-    accuracy = {name: float("nan") for name in splits}
-    present = {name: nodes for name, nodes in splits.items() if nodes.numel()}
-    if present:
-        logits = layerwise_logits(model, graph, features, device, torch.cat(list(present.values())), chunk_size)
-        for (name, nodes), part in zip(present.items(), logits.split([n.numel() for n in present.values()])):
-            accuracy[name] = int((part.argmax(1) == graph.y[nodes]).sum()) / nodes.numel()
-    return accuracy
 
 
 def resolve_device(name: str) -> torch.device:
