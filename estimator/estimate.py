@@ -864,7 +864,7 @@ def model_state_bytes(model: ModelSpec) -> dict[str, int]:
 def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumulate: bool = False) -> MemoryEstimate:
     """Estimate the memory of one training step of a micro-batch, itemised (Betty §4.4.3).
 
-    The step is the one :func:`betty_trainer.memory.measure_training_step` measures:
+    The step is the one :func:`betty_trainer.training.step.measure_training_step` measures:
     gather input features and labels, forward, cross-entropy, backward, the accuracy
     count, optimizer step. Resident before it: parameters, optimizer state (Adam:
     2 × parameters + a step counter per tensor) and the blocks' structure. A batch's

@@ -6,9 +6,9 @@ imports the trainer.
 """
 
 from partition.partitioners import PARTITIONERS, OutputSplitter, partition_outputs
-from partition.search import BudgetError, Plan, make_plan
 from partition.redundancy import redundancy
 from partition.reg import build_reg
+from partition.search import BudgetError, Plan, make_plan
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
 __all__ = [
