@@ -36,11 +36,11 @@ FIT_TOLERANCE = 0.05  # largest relative error of the fitted peak on a calibrati
 FLOOR_MARGIN = 0.02  # a sample within this fraction of the floor may be the optimizer step's peak
 
 
-class CalibrationError(ValueError):
+class FitError(ValueError):
     """The measured peaks do not follow the model ``peak = resident + blocks + step(counts)`` (see the module)."""
 
 
-class SamplesTooSmallError(CalibrationError):
+class SamplesTooSmallError(FitError):
     """Too few samples rise above the optimizer step's floor to fit the coefficients: larger micro-batches are needed."""
 
 
@@ -130,7 +130,7 @@ def fit(
 
     Raises:
         ValueError: no samples, or samples with different numbers of layers.
-        CalibrationError: a peak below ``resident_bytes`` plus the block structure, or a
+        FitError: a peak below ``resident_bytes`` plus the block structure, or a
             fitted peak off by more than ``tolerance`` (the message names the sample and the numbers).
         SamplesTooSmallError: too few samples above the floor to over-determine the fit.
     """
@@ -144,7 +144,7 @@ def fit(
     steps = np.array([peak - resident_bytes - block_structure_bytes(layers) for layers, peak in samples], dtype=float)
     for (layers, peak), step in zip(samples, steps):
         if step < 0:
-            raise CalibrationError(f"a measured peak ({peak} bytes) is below the resident bytes ({resident_bytes}) "
+            raise FitError(f"a measured peak ({peak} bytes) is below the resident bytes ({resident_bytes}) "
                                    f"plus the block structure ({block_structure_bytes(layers)}) of {_describe(layers)}; "
                                    "the resident bytes do not match the measured model")
     floor = float(steps.min())
@@ -168,7 +168,7 @@ def fit(
     worst = int(errors.argmax())
     if errors[worst] > tolerance:
         layers, peak = samples[worst]
-        raise CalibrationError(
+        raise FitError(
             f"the measured peaks are not a linear function of the micro-batch's node and edge counts: the best fit is "
             f"off by {errors[worst]:.1%} (allowed {tolerance:.0%}) on {_describe(layers)} (measured {peak} bytes, "
             f"fitted {int(peak - steps[worst] + fitted[worst])}); does the model allocate memory whose size depends "

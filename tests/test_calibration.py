@@ -19,8 +19,7 @@ from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models.aggregate import mean_neighbours
 from betty_trainer.training import trainer as trainer_module
 from betty_trainer.training.step import measure_training_step
-from estimator.calibrate import CalibrationError as FitError
-from estimator.calibrate import fit
+from estimator.calibrate import FitError, fit
 from estimator.counts import LayerCounts, block_structure_bytes, counts_of
 
 LR, WEIGHT_DECAY = 0.01, 5e-4

@@ -25,8 +25,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import CalibrationError
 from betty_trainer.sampling import sample_batch
 from betty_trainer.training.step import measure_training_step, training_state
-from estimator.calibrate import CalibratedModel, SamplesTooSmallError, fit
-from estimator.calibrate import CalibrationError as FitError
+from estimator.calibrate import CalibratedModel, FitError, SamplesTooSmallError, fit
 from estimator.counts import LayerCounts, block_structure_bytes, counts_of
 from estimator.measure import storage_bytes
 
