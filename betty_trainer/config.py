@@ -128,11 +128,54 @@ ModelConfig = Annotated[
 (``aggregator`` under ``arch: gcn``) is refused."""
 
 
-class SamplingConfig(_Section):
-    """``sampling``: per-layer fanouts (input layer first) and the seed nodes per batch."""
+SAMPLERS = ("full", "ns", "labor", "gns")
+"""The built-in samplers ``sampling.sampler`` names (betty_trainer/sampling/schedule.py › make_sampler)."""
 
+
+class LaborConfig(_Section):
+    """``sampling.labor``: LABOR sampling (Balin & Çatalyürek; cooperative-minibatching paper A.1.2, A.7)."""
+
+    importance_iterations: int = Field(
+        0, ge=-1, description="fixed-point iterations of LABOR-*'s importance probabilities: 0 = LABOR-0, "
+                              "n = LABOR-n, -1 = until the expected sampled vertices stop falling")
+    layer_dependency: bool = Field(False, description="the same per-vertex variate r_t in every layer")
+    batch_dependency: int | Literal["inf"] = Field(
+        1, description="kappa: consecutive batches interpolate their variates over this many batches "
+                       "(1 = independent batches, inf = the same variates in every batch)")
+
+    @field_validator("batch_dependency", mode="before")
+    @classmethod
+    def _kappa(cls, value: Any) -> Any:
+        if isinstance(value, float) and value == float("inf"):
+            return "inf"
+        if isinstance(value, str) and value.strip().lower() in ("inf", ".inf", "infinity"):
+            return "inf"
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"batch_dependency must be a positive integer or inf, got {value!r}")
+        return value
+
+
+class GNSConfig(_Section):
+    """``sampling.gns``: global neighbour sampling (Dong et al., GNS, §3)."""
+
+    cache_fraction: float = Field(0.01, gt=0, le=1, description="nodes in the global node cache, as a "
+                                                                "fraction of the graph's nodes (paper: 1%)")
+    refresh_every: int = Field(100, ge=1, description="the cache is sampled again every this many batches")
+    cache_only_input_layer: bool = Field(False, description="the input layer samples only cached neighbours")
+    cache_probability: Literal["auto", "degree", "random_walk"] = Field(
+        "auto", description="the cache's sampling probability: degree (Eq. 6), random_walk (Eq. 7-9), or auto "
+                            "(degree when training nodes are at least half the graph, else random_walk)")
+
+
+class SamplingConfig(_Section):
+    """``sampling``: the sampler, its per-layer fanouts (input layer first) and the seed nodes per batch."""
+
+    sampler: Literal[SAMPLERS] = Field("ns", description="full, ns (uniform neighbour sampling; with null fanouts "
+                                                         "the full neighbourhood), labor or gns")
     fanouts: list[int] | None = Field(None, description="per layer, input layer first; null or -1 = full neighbourhood")
     batch_size: int | None = Field(None, ge=1, description="seed nodes per mini-batch; null = the full batch")
+    labor: LaborConfig = LaborConfig()
+    gns: GNSConfig = GNSConfig()
 
     @field_validator("fanouts", mode="before")
     @classmethod
@@ -149,6 +192,16 @@ class SamplingConfig(_Section):
         if value is not None and any(f == 0 or f < -1 for f in value):
             raise ValueError("each fanout must be positive, or -1 for the full neighbourhood")
         return value
+
+    @model_validator(mode="after")
+    def _fanouts_fit_sampler(self) -> "SamplingConfig":
+        if self.sampler == "full" and self.fanouts is not None and any(f != -1 for f in self.fanouts):
+            raise ValueError("sampler 'full' takes every in-edge: set sampling.fanouts to null (or -1 per layer), "
+                             "or choose sampler ns, labor or gns")
+        if self.sampler in ("labor", "gns") and self.fanouts is None:
+            raise ValueError(f"sampler {self.sampler!r} needs sampling.fanouts (one per layer, input layer first), "
+                             "e.g. sampling.fanouts=[10,10]")
+        return self
 
 
 _SIZE_HINT = "expected a size in bytes such as 8000000000, '6GiB' or '512 MB'"
