@@ -48,6 +48,24 @@ class SyntheticConfig(_Section):
     seed: int = Field(0, ge=0, description="seed of the generated graph (independent of the run seed)")
 
 
+class PowerLawConfig(_Section):
+    """The synthetic power-law graph (used when ``dataset.name`` is ``powerlaw``): a degree-corrected
+    planted partition with Chung-Lu weights, streamed into the on-disk cache (products-scale by default)."""
+
+    num_nodes: int = Field(2_000_000, ge=10, description="number of nodes")
+    num_edges: int = Field(52_000_000, ge=1, description="directed edges drawn (both directions of each pair; "
+                                                         "duplicates and self loops are then removed)")
+    num_classes: int = Field(47, ge=2, description="number of classes = planted blocks")
+    num_features: int = Field(100, ge=1, description="feature width")
+    exponent: float = Field(2.1, gt=1, description="power-law exponent of the expected degrees")
+    homophily: float = Field(0.8, ge=0, le=1, description="probability that an edge stays inside its class")
+    feature_signal: float = Field(0.3, ge=0, description="class-mean separation of the features, in noise std units")
+    train_fraction: float = Field(0.1, gt=0, lt=1, description="share of nodes in the training split")
+    val_fraction: float = Field(0.02, ge=0, lt=1, description="share of nodes in the validation split")
+    test_fraction: float = Field(0.1, ge=0, lt=1, description="share of nodes in the test split")
+    seed: int = Field(0, ge=0, description="seed of the generated graph (independent of the run seed)")
+
+
 class DatasetConfig(_Section):
     """``dataset``: which graph, where its raw files are, and how they are checked and preprocessed."""
 
@@ -56,7 +74,11 @@ class DatasetConfig(_Section):
         None, description="folder holding the raw files (else BETTY_DATA_DIR, else the download cache)")
     verify_checksums: bool = Field(True, description="check every raw file's sha256 before parsing it")
     normalize_features: bool = Field(True, description="row-normalise features (as DGL/GCN do for Planetoid)")
+    to_undirected: bool | None = Field(
+        None, description="add every reverse edge (null = the dataset's default; OGB: only ogbn-products)")
+    mmap: bool = Field(True, description="memory-map cached arrays (features read on demand) instead of reading them")
     synthetic: SyntheticConfig = SyntheticConfig()
+    powerlaw: PowerLawConfig = PowerLawConfig()
 
 
 class _ModelSection(_Section):
