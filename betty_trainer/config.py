@@ -284,24 +284,37 @@ class MicroBatchConfig(_Section):
 
 
 class OptimConfig(_Section):
-    """``optim``: Adam's learning rate and weight decay, and the number of epochs."""
+    """``optim``: Adam's learning rate and weight decay, the number of epochs and the learning-rate
+    schedule (``torch.optim.lr_scheduler``, stepped once per epoch; off by default)."""
 
     lr: float = Field(0.01, gt=0)
     weight_decay: float = Field(5e-4, ge=0)
     epochs: int = Field(200, ge=1)
+    scheduler: Literal["none", "step", "cosine"] = Field(
+        "none", description="none; step (StepLR: lr × gamma every step_size epochs); cosine (CosineAnnealingLR "
+                            "from lr down to min_lr over optim.epochs)")
+    step_size: int = Field(50, ge=1, description="epochs between two decays of the step scheduler")
+    gamma: float = Field(0.5, gt=0, le=1, description="decay factor of the step scheduler")
+    min_lr: float = Field(0.0, ge=0, description="last learning rate of the cosine scheduler")
 
 
 _DEVICE = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
 
 class TrainConfig(_Section):
-    """``train``: run directory, device, evaluation frequency and progress bars."""
+    """``train``: run directory, device, evaluation frequency, progress display, early stopping and
+    TensorBoard logging."""
 
     run_dir: Path | None = Field(None, description="run directory; null = runs/<config name>-<timestamp>")
     device: str = Field("auto", pattern=_DEVICE, description="auto, cpu, cuda or cuda:N (whether a GPU is there "
                                                              "is checked when the run starts)")
     eval_every: int = Field(1, ge=1, description="evaluate every this many epochs")
-    progress: bool = Field(True, description="show progress bars")
+    progress: bool = Field(True, description="show a live progress bar on a terminal (else one line per epoch)")
+    patience: int | None = Field(
+        None, ge=1, description="early stopping: stop when validation accuracy has not improved for this many "
+                                "epochs; null = train all optim.epochs")
+    tensorboard: bool = Field(False, description="also log the metrics for TensorBoard in <run_dir>/tensorboard "
+                                                 "(needs the tensorboard package)")
 
 
 class Config(_Section):
