@@ -57,7 +57,7 @@ class PowerLawConfig(_Section):
                                                          "duplicates and self loops are then removed)")
     num_classes: int = Field(47, ge=2, description="number of classes = planted blocks")
     num_features: int = Field(100, ge=1, description="feature width")
-    exponent: float = Field(2.1, gt=1, description="power-law exponent of the expected degrees")
+    exponent: float = Field(2.5, gt=1, description="power-law exponent of the expected degrees (clipped at 200× the mean)")
     homophily: float = Field(0.8, ge=0, le=1, description="probability that an edge stays inside its class")
     feature_signal: float = Field(0.3, ge=0, description="class-mean separation of the features, in noise std units")
     train_fraction: float = Field(0.1, gt=0, lt=1, description="share of nodes in the training split")
