@@ -1,0 +1,199 @@
+"""The on-disk cache of converted graphs: one ``.npy`` file per array, memory-mapped when loaded.
+
+A dataset whose raw form is slow to parse (OGB's gzip CSVs, a generated power-law graph)
+is converted **once** into a folder of ``.npy`` files — ``indptr`` (int64), ``indices``
+(int32 when ``N < 2³¹``), ``x`` (float32), ``y`` (int64, ``-1`` = unlabelled),
+``train_idx``/``val_idx``/``test_idx`` (int64) — plus ``meta.json``. Later runs map the
+files (``np.load(mmap_mode="c")``: copy-on-write, pages are read on demand from the page
+cache, nothing is copied into the process until written), so a products-scale graph opens
+in well under a second and its features need not fit in RAM.
+
+``meta.json`` records the format version, each array's dtype and shape, and a *source*
+description (the raw files' paths, sizes and modification times, or a generator's
+parameters). A folder is used only if its meta matches the source asked for and every
+array file has the size its header promises; otherwise it is rebuilt. A folder is
+written under a temporary name and renamed into place when complete, so an interrupted
+conversion never leaves a folder that looks usable.
+
+Where: ``$BETTY_CACHE_DIR`` (default ``~/.cache/betty-trainer``) ``/<dataset>/processed/<variant>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.lib import format as npy_format
+
+from betty_trainer.data.graph import Graph
+from betty_trainer.errors import DatasetError
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+ARRAYS = ("indptr", "indices", "x", "y", "train_idx", "val_idx", "test_idx")
+
+
+def cache_dir() -> Path:
+    """The download and conversion cache: ``$BETTY_CACHE_DIR`` or ``~/.cache/betty-trainer``."""
+    return Path(os.environ.get("BETTY_CACHE_DIR", Path.home() / ".cache" / "betty-trainer"))
+
+
+def processed_dir(name: str, variant: str = "default") -> Path:
+    """The folder of dataset ``name``'s converted arrays for one preprocessing ``variant``."""
+    return cache_dir() / name / "processed" / variant
+
+
+def file_fingerprint(paths: list[Path]) -> list[list[Any]]:
+    """``[[resolved path, size in bytes, mtime in ns], ...]`` of ``paths``: what a cached conversion of
+    those files depends on (cheap: no file is read).
+
+    Raises:
+        DatasetError: a file is missing.
+    """
+    out = []
+    for path in paths:
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            raise DatasetError(f"missing dataset file {path}") from None
+        out.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    return out
+
+
+class CacheWriter:
+    """Writes one cached graph folder: arrays into a temporary folder, renamed into place by :meth:`commit`.
+
+    Use as a context manager; leaving the block without :meth:`commit` (an exception)
+    deletes the temporary folder.
+
+    Args:
+        folder: the final folder (replaced if it exists when committing).
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir(parents=True)
+        self.arrays: dict[str, dict[str, Any]] = {}
+
+    def __enter__(self) -> CacheWriter:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def open(self, name: str, shape: tuple[int, ...], dtype) -> np.memmap:
+        """A writable ``np.memmap`` backed by ``<name>.npy`` (filled by the caller, e.g. chunk by chunk)."""
+        self.arrays[name] = {"dtype": np.dtype(dtype).str, "shape": list(shape)}
+        return npy_format.open_memmap(self.tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
+
+    def save(self, name: str, array: np.ndarray) -> None:
+        """Write ``array`` as ``<name>.npy``."""
+        array = np.ascontiguousarray(array)
+        self.arrays[name] = {"dtype": array.dtype.str, "shape": list(array.shape)}
+        np.save(self.tmp / f"{name}.npy", array, allow_pickle=False)
+
+    def commit(self, meta: dict[str, Any]) -> Path:
+        """Write ``meta.json`` (with the arrays' dtypes and shapes) and move the folder into place.
+
+        Raises:
+            DatasetError: an array of :data:`ARRAYS` was not written.
+        """
+        missing = [name for name in ARRAYS if name not in self.arrays]
+        if missing:
+            raise DatasetError(f"cache of {self.folder} lacks {', '.join(missing)} (a bug in its builder)")
+        meta = {**meta, "format": CACHE_FORMAT, "arrays": self.arrays}
+        (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if self.folder.exists():
+            shutil.rmtree(self.folder)
+        os.replace(self.tmp, self.folder)
+        return self.folder
+
+
+def save_graph(graph: Graph, folder: Path, source: Any) -> Path:
+    """Cache an in-memory :class:`Graph` in ``folder`` (see the module docstring).
+
+    Args:
+        graph: the graph.
+        folder: target folder (replaced).
+        source: JSON-serialisable description of what the graph was built from.
+
+    Returns:
+        ``folder``.
+    """
+    with CacheWriter(folder) as writer:
+        for name in ARRAYS:
+            writer.save(name, getattr(graph, name).numpy())
+        return writer.commit({"name": graph.name, "num_classes": graph.num_classes, "source": source})
+
+
+def read_meta(folder: Path) -> dict[str, Any] | None:
+    """``folder/meta.json`` if it exists and parses, else ``None``."""
+    try:
+        return json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _complete(folder: Path, meta: dict[str, Any]) -> bool:
+    """Whether every array file exists with the size its recorded dtype and shape need."""
+    for name in ARRAYS:
+        spec = meta.get("arrays", {}).get(name)
+        if spec is None:
+            return False
+        path = folder / f"{name}.npy"
+        try:
+            with open(path, "rb") as handle:
+                version = npy_format.read_magic(handle)
+                header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+                shape, _, dtype = header(handle)
+                offset = handle.tell()
+            size = path.stat().st_size
+        except (OSError, ValueError):
+            return False
+        if list(shape) != spec["shape"] or dtype.str != spec["dtype"]:
+            return False
+        if size != offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            return False
+    return True
+
+
+def load_cached(folder: Path, source: Any, mmap: bool = True) -> Graph | None:
+    """The graph cached in ``folder`` if it was built from ``source`` and is complete, else ``None``.
+
+    Args:
+        folder: a folder written by :class:`CacheWriter` / :func:`save_graph`.
+        source: the source description the cache must have been built from (compared with
+            the one in ``meta.json`` after a JSON round trip).
+        mmap: map the arrays copy-on-write (``np.load(mmap_mode="c")``) instead of reading them.
+
+    Returns:
+        A :class:`Graph` whose tensors share memory with the mapped files, or ``None``
+        (no cache, another source, another format version, or a truncated file: the caller
+        rebuilds it).
+    """
+    meta = read_meta(folder)
+    if meta is None:
+        return None
+    if meta.get("format") != CACHE_FORMAT or meta.get("source") != json.loads(json.dumps(source)):
+        log.info("cache %s is stale (format or source changed); rebuilding", folder)
+        return None
+    if not _complete(folder, meta):
+        log.warning("cache %s is incomplete or truncated; rebuilding", folder)
+        return None
+    arrays = {}
+    for name in ARRAYS:
+        empty = 0 in meta["arrays"][name]["shape"]  # an empty file cannot be mapped
+        arrays[name] = np.load(folder / f"{name}.npy", mmap_mode="c" if mmap and not empty else None,
+                               allow_pickle=False)
+    return Graph(**{name: torch.from_numpy(array) for name, array in arrays.items()},
+                 num_classes=int(meta["num_classes"]), name=str(meta["name"]))

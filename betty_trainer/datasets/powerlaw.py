@@ -1,0 +1,161 @@
+"""A large synthetic power-law graph with class structure, generated straight into the on-disk cache.
+
+The model is a degree-corrected planted partition (Karrer & Newman 2011) with Chung-Lu
+expected degrees (Chung & Lu 2002): node ``i`` has weight ``w_i ∝ rank_i^(-1/(γ-1))``
+(the expected-degree sequence of a power law with exponent ``γ``; ranks are a random
+permutation of the nodes, weights clipped at :data:`MAX_DEGREE_FACTOR` times the mean so
+hubs stay below ``N``), and a uniform class ``y_i``. Each undirected pair draws ``u ∝ w``;
+with probability ``homophily`` its partner ``v`` is drawn ``∝ w`` among ``u``'s class, else
+``∝ w`` among all nodes. Both directions are stored, duplicates and self loops removed,
+so the graph has somewhat fewer than ``num_edges`` directed edges (duplicates concentrate
+between hubs). Features are ``N(μ_y, I)`` with class means of per-coordinate scale
+``feature_signal``, like :func:`~betty_trainer.datasets.synthetic.make_sbm`, so both the
+graph and the features carry the class.
+
+Everything is drawn from counter-keyed generators (``default_rng([seed, stream, chunk])``),
+so a graph is a function of its parameters alone. Memory: the
+edge list is built in chunks into two int32 arrays of ``num_edges / 2``, then
+:func:`~betty_trainer.data.graph.csc_from_edges` (three int64 arrays of ``num_edges``);
+features are written chunk by chunk into the cache's memory-mapped ``x.npy``. At 2M nodes
+and 52M edges that is about 2 GB of RAM beyond the 0.8 GB feature file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from betty_trainer.data.graph import Graph, csc_from_edges
+from betty_trainer.datasets.cache import CacheWriter, load_cached, processed_dir
+from betty_trainer.errors import DatasetError
+
+log = logging.getLogger(__name__)
+
+GENERATOR_VERSION = 1
+MAX_DEGREE_FACTOR = 200  # expected degrees are clipped at this many times the mean
+BLOCK = 1 << 20  # pairs (and feature values) per generator: memory per step, and the unit the draws are keyed by
+_CLASSES, _WEIGHTS, _EDGES, _FEATURES, _SPLIT = range(5)  # generator streams
+
+
+def _rng(seed: int, stream: int, chunk: int = 0) -> np.random.Generator:
+    return np.random.default_rng([seed, stream, chunk])
+
+
+def expected_degrees(num_nodes: int, num_edges: int, exponent: float, seed: int) -> np.ndarray:
+    """``(N,)`` float64 Chung-Lu weights: a clipped power law of mean ``num_edges / N``, randomly
+    assigned to nodes (see the module docstring)."""
+    mean = num_edges / num_nodes
+    weights = np.arange(1, num_nodes + 1, dtype=np.float64) ** (-1.0 / (exponent - 1.0))
+    weights *= mean / weights.mean()
+    np.minimum(weights, MAX_DEGREE_FACTOR * mean, out=weights)
+    weights *= mean / weights.mean()
+    return weights[_rng(seed, _WEIGHTS).permutation(num_nodes)]
+
+
+def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes: int, num_features: int,
+                   exponent: float, homophily: float, feature_signal: float, train_fraction: float,
+                   val_fraction: float, test_fraction: float, seed: int, source: object = None) -> Path:
+    """Generate the graph (module docstring) into cache folder ``target``.
+
+    Args:
+        target: cache folder (replaced when complete).
+        num_nodes: ``N``. num_edges: directed edges drawn (``num_edges // 2`` pairs, both directions).
+        num_classes, num_features: ``C`` and ``F``.
+        exponent: power-law exponent ``γ > 1`` of the expected degrees.
+        homophily: probability that a pair stays inside its class.
+        feature_signal: scale of the class means (noise has unit variance).
+        train_fraction, val_fraction, test_fraction: disjoint random splits (shares of ``N``).
+        seed: generator seed.
+        source: the ``meta.json`` source description.
+
+    Returns:
+        ``target``.
+
+    Raises:
+        DatasetError: the split shares add up to more than 1.
+    """
+    if train_fraction + val_fraction + test_fraction > 1:
+        raise DatasetError(f"powerlaw split shares add up to {train_fraction + val_fraction + test_fraction} > 1; "
+                           "lower dataset.powerlaw.train/val/test_fraction")
+    y = _rng(seed, _CLASSES).integers(num_classes, size=num_nodes)
+    weights = expected_degrees(num_nodes, num_edges, exponent, seed)
+    everyone = np.cumsum(weights)
+    by_class = np.argsort(y, kind="stable")
+    in_class = np.cumsum(weights[by_class])
+    class_end = np.cumsum(np.bincount(y, minlength=num_classes))
+    class_high = in_class[class_end - 1]
+    class_low = np.concatenate([[0.0], class_high[:-1]])
+
+    pairs = num_edges // 2
+    index_type = np.int32 if num_nodes < 2**31 else np.int64
+    src, dst = np.empty(pairs, index_type), np.empty(pairs, index_type)
+    block = BLOCK
+    for start in range(0, pairs, block):
+        stop = min(start + block, pairs)
+        rng = _rng(seed, _EDGES, start // block)
+        count = stop - start
+        u = np.minimum(np.searchsorted(everyone, rng.random(count) * everyone[-1], side="right"), num_nodes - 1)
+        inside = rng.random(count) < homophily
+        pick = rng.random(count)
+        c = y[u]
+        local = class_low[c] + pick * (class_high[c] - class_low[c])
+        v_inside = by_class[np.minimum(np.searchsorted(in_class, local, side="right"), num_nodes - 1)]
+        v_any = np.minimum(np.searchsorted(everyone, pick * everyone[-1], side="right"), num_nodes - 1)
+        src[start:stop] = u
+        dst[start:stop] = np.where(inside, v_inside, v_any)
+    del everyone, in_class, by_class, weights
+    indptr, indices = csc_from_edges(src, dst, num_nodes, symmetric=True, drop_self_loops=True)
+    del src, dst
+
+    with CacheWriter(target) as writer:
+        writer.save("indptr", indptr)
+        writer.save("indices", indices)
+        del indices
+        means = (_rng(seed, _FEATURES).standard_normal((num_classes, num_features)) * feature_signal).astype(np.float32)
+        x = writer.open("x", (num_nodes, num_features), np.float32)
+        rows = max(1, block // max(num_features, 1))
+        for start in range(0, num_nodes, rows):
+            stop = min(start + rows, num_nodes)
+            noise = _rng(seed, _FEATURES, 1 + start // rows).standard_normal((stop - start, num_features),
+                                                                               dtype=np.float32)
+            x[start:stop] = means[y[start:stop]] + noise
+        x.flush()
+        del x
+        writer.save("y", y.astype(np.int64))
+        order = _rng(seed, _SPLIT).permutation(num_nodes)
+        cuts = np.cumsum([int(train_fraction * num_nodes), int(val_fraction * num_nodes), int(test_fraction * num_nodes)])
+        writer.save("train_idx", np.sort(order[: cuts[0]]))
+        writer.save("val_idx", np.sort(order[cuts[0]: cuts[1]]))
+        writer.save("test_idx", np.sort(order[cuts[1]: cuts[2]]))
+        return writer.commit({"name": "powerlaw", "num_classes": num_classes, "source": source})
+
+
+def make_powerlaw(*, mmap: bool = True, **params) -> Graph:
+    """The power-law graph of ``params`` (the keys of :func:`write_powerlaw` from ``num_nodes`` to
+    ``seed``; ``dataset.powerlaw`` in a config), generated into the cache on first use and
+    memory-mapped from it afterwards.
+
+    The cache folder is ``powerlaw/processed/<hash of the parameters>``; a folder built
+    from other parameters or an older generator version is never reused.
+
+    Returns:
+        A :class:`Graph` whose ``x`` (``(N, F)`` float32) is a copy-on-write memory map when ``mmap``.
+
+    Raises:
+        DatasetError: inconsistent parameters.
+    """
+    source = {"generator": "powerlaw", "version": GENERATOR_VERSION, **params}
+    variant = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
+    folder = processed_dir("powerlaw", variant)
+    graph = load_cached(folder, source, mmap=mmap)
+    if graph is None:
+        log.info("generating the power-law graph %s into %s (once)", params, folder)
+        write_powerlaw(folder, source=source, **params)
+        graph = load_cached(folder, source, mmap=mmap)
+        if graph is None:
+            raise DatasetError(f"the cache {folder} could not be read back after writing it; is the disk full?")
+    return graph
