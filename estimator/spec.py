@@ -1,8 +1,10 @@
-"""What the estimator needs to know about a model: its kind, widths, dtype and optimizer."""
+"""What the estimator needs to know about a model: its kind, widths, dtype, optimizer, and the memory terms
+its layers declare beside their code."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -37,23 +39,19 @@ class ModelSpec:
             ``model.parameters()`` order, read off the model instance (``L`` tuples).
         buffer_bytes: bytes of the model's non-parameter state (GCN's per-node degree normalisation).
         weight_decay: the optimizer adds weight decay to the gradients (a temporary per update).
-        mask_chunk_elements: elements the model's keyed dropout hashes at once
-            (``betty_trainer.models.dropout.MASK_CHUNK_ELEMENTS``); required when ``dropout > 0``.
-        attention_chunk_elements: (edge, head, feature) products GAT's attention aggregation makes at
-            once (``betty_trainer.models.aggregate.ATTENTION_CHUNK_ELEMENTS``); required for ``gat``.
-        max_chunk_elements: gathered values the pool aggregator's tensor path makes at once
-            (``betty_trainer.models.aggregate.MAX_CHUNK_ELEMENTS``); required for ``pool``.
         compiled_kernels: the compiled CPU kernels run (``betty_trainer.rng.compiled_kernels``): keyed
             dropout allocates nothing but its output, and the aggregation's backward builds ``Aᵀ`` by a
             counting sort into int32 arrays; else both are tensor ops (GPU), with their temporaries.
         foreach: Adam runs its multi-tensor (``foreach``) path, as PyTorch chooses by default on CUDA
             (:func:`adam_uses_foreach`); else its single-tensor path (the CPU default).
+        forward_terms: ``(tape, layers, x) -> (logits, backward)``: the model's forward written as
+            memory terms on an :class:`estimator.tape.StepTape` (a built-in model's
+            ``memory_terms``, declared beside its ``forward``); the estimate replays it. Not
+            compared: two specs of equal fields describe the same model.
 
     Raises:
         ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, parameter counts
-            for another number of layers, dropout
-            without ``mask_chunk_elements``, GAT without ``attention_chunk_elements`` or pool without
-            ``max_chunk_elements``.
+            for another number of layers.
     """
 
     arch: str
@@ -67,10 +65,8 @@ class ModelSpec:
     buffer_bytes: int = 0
     weight_decay: bool = False
     foreach: bool = False
-    mask_chunk_elements: int | None = None
-    attention_chunk_elements: int | None = None
-    max_chunk_elements: int | None = None
     compiled_kernels: bool = False
+    forward_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -83,25 +79,10 @@ class ModelSpec:
             raise ValueError("a model needs at least one layer (two widths)")
         if len(self.parameter_numels) != self.num_layers:
             raise ValueError(f"parameter_numels gives {len(self.parameter_numels)} layers for {self.num_layers}")
-        if self.arch == "gat" and not self.attention_chunk_elements:
-            raise ValueError("a GAT needs attention_chunk_elements (its attention aggregation's chunk size)")
-        if self.aggregator == "pool" and self.arch == "sage" and not self.max_chunk_elements:
-            raise ValueError("a pool aggregator needs max_chunk_elements (its tensor path's chunk size)")
-        if self.dropout > 0 and not self.mask_chunk_elements:
-            raise ValueError("a model with dropout needs mask_chunk_elements (its keyed dropout's chunk size)")
 
     @property
     def num_layers(self) -> int:
         return len(self.widths) - 1
-
-    def layer_dims(self, layer: int) -> tuple[int, int]:
-        """``(input width, output width)`` of a layer, heads included (GAT hidden layers concatenate)."""
-        a, b = self.widths[layer], self.widths[layer + 1]
-        if self.arch == "gat" and layer > 0:
-            a *= self.heads
-        if self.arch == "gat" and layer < self.num_layers - 1:
-            b *= self.heads
-        return a, b
 
     @property
     def num_parameters(self) -> int:

@@ -25,8 +25,6 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
-from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, MAX_CHUNK_ELEMENTS
-from betty_trainer.models.dropout import MASK_CHUNK_ELEMENTS
 from betty_trainer.rng import compiled_kernels
 from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
@@ -52,7 +50,8 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
     :func:`~betty_trainer.training.trainer.train` trains it: its kind, widths, aggregator, heads, dropout,
     parameter tensors (in ``model.parameters()`` order) and buffers read off the instance; Adam with
     ``config.optim.weight_decay`` on the foreach or single-tensor path PyTorch picks for the device;
-    the kernels dropout and aggregation use there; the chunk sizes of the layers' ops.
+    the kernels dropout and aggregation use there; and the model's own memory terms (each layer's
+    ``memory_terms`` beside its ``forward``), which the estimate replays.
 
     Raises:
         PlanningError: ``model`` is not a built-in model (custom models are calibrated instead).
@@ -69,8 +68,7 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
         parameter_numels=tuple(tuple(p.numel() for p in layer.parameters()) for layer in model.layers),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
-        mask_chunk_elements=MASK_CHUNK_ELEMENTS, attention_chunk_elements=ATTENTION_CHUNK_ELEMENTS,
-        max_chunk_elements=MAX_CHUNK_ELEMENTS, compiled_kernels=compiled_kernels(device, parameter.dtype))
+        compiled_kernels=compiled_kernels(device, parameter.dtype), forward_terms=model.memory_terms)
 
 
 def resolve_budget(config: MicroBatchConfig, device: torch.device) -> int | None:

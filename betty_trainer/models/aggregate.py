@@ -10,8 +10,10 @@ import torch
 from torch import Tensor
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.lstm import LSTM
+from betty_trainer.models.lstm import LSTM, lstm_terms
 from betty_trainer.rng import compiled_kernels, jit, numba
+from estimator.counts import INDEX_BYTES, LayerCounts
+from estimator.tape import AGG, GRAD, OVER, SharedGradient, StepTape
 
 
 class _SparseAggregate(torch.autograd.Function):
@@ -365,3 +367,222 @@ def attention_aggregate(z: Tensor, alpha: Tensor, edge_src: Tensor, edge_dst: Te
     """
     return _AttentionAggregate.apply(z, alpha, edge_src, edge_dst, num_dst)
 
+# ----- memory terms (estimator.tape): what the code above allocates, op by op -----------------------
+# The closed-form estimate replays these; tests/test_estimator.py checks them against measured peaks,
+# so a change to the code above without its terms here fails there.
+
+
+def edge_dst_terms(tape: StepTape, c: LayerCounts) -> int:
+    r, d, e = tape.r, c.num_dst, c.num_edges
+    arange, degrees = r.alloc(d * INDEX_BYTES, OVER), r.alloc(d * INDEX_BYTES, OVER)
+    cumsum = r.alloc(d * INDEX_BYTES, OVER)
+    buffer = r.alloc(e * INDEX_BYTES, OVER)
+    r.drop(cumsum)
+    result = r.alloc(e * INDEX_BYTES, AGG)
+    r.drop(buffer, arange, degrees)
+    return result
+
+
+def per_edge_terms(tape: StepTape, c: LayerCounts) -> int:
+    """aggregate.per_edge: ``repeat_interleave(per_dst, in_degrees, output_size=E)``: the degrees,
+    their cumsum and the ``(E,)`` int64 positions, then the ``(E,)`` gathered values."""
+    r, d, e = tape.r, c.num_dst, c.num_edges
+    degrees, cumsum = r.alloc(d * INDEX_BYTES, OVER), r.alloc(d * INDEX_BYTES, OVER)
+    positions = r.alloc(e * INDEX_BYTES, OVER)
+    r.drop(cumsum)
+    values = r.alloc(e * tape.f, AGG)
+    r.drop(positions, degrees)
+    return values
+
+
+def per_dst_scale_terms(tape: StepTape, c: LayerCounts) -> int:
+    """``block.in_degrees().to(dtype)`` (then scaled in place): ``(D,)`` floats."""
+    degrees = tape.r.alloc(c.num_dst * INDEX_BYTES, OVER)
+    scale = tape.r.alloc(c.num_dst * tape.f, AGG)
+    tape.r.drop(degrees)
+    return scale
+
+
+def mean_values_terms(tape: StepTape, c: LayerCounts) -> int:
+    """aggregate.mean_values: ``1/deg(d)`` per edge, or ``w_e / Σ w`` on a weighted block."""
+    r = tape.r
+    if not c.weighted:
+        inverse = per_dst_scale_terms(tape, c)
+        values = per_edge_terms(tape, c)
+        r.drop(inverse)
+        return values
+    total = r.alloc(c.num_dst * tape.f, OVER)
+    edge_dst = edge_dst_terms(tape, c)
+    r.drop(edge_dst)
+    spread = per_edge_terms(tape, c)
+    values = r.alloc(c.num_edges * tape.f, AGG)
+    r.drop(spread, total)
+    return values
+
+
+def csr_matmul_terms(tape: StepTape, rows: int, c: LayerCounts, width: int, component: str) -> int:
+    """aggregate._csr_matmul: the ``(rows, width)`` result; MKL's int32 copies of the CSR pointer and
+    indices are made and freed inside ``addmm``."""
+    r = tape.r
+    zero = r.alloc(tape.f, OVER)
+    out = r.alloc(rows * width * tape.f, component)
+    pointer, indices = r.alloc((rows + 1) * 4, OVER), r.alloc(c.num_edges * 4, OVER)
+    r.drop(indices, pointer, zero)
+    return out
+
+
+def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, values: int, self_scale: int | None = None):
+    """aggregate.aggregate (one sparse matmul; autograd keeps ``values`` and ``self_scale``).
+    Returns (out, backward); backward gives the ``(S, width)`` gradient of ``h_src``."""
+    r = tape.r
+    out = csr_matmul_terms(tape, c.num_dst, c, width, AGG)
+    if record:
+        r.keep(values, self_scale)
+
+    def backward(grad: int) -> int:
+        e, s = c.num_edges, c.num_src
+        if tape.compiled_kernels:  # the counting sort writes int32 pointer and positions: no copies
+            transposed = [r.alloc((s + 1) * 4, OVER), r.alloc(e * 4, OVER), r.alloc(e * tape.f, OVER)]
+            zero = r.alloc(tape.f, OVER)
+            grad_src = r.alloc(s * width * tape.f, GRAD)
+            r.drop(zero, *transposed, grad, values, self_scale)
+            return grad_src
+        order = r.alloc(e * INDEX_BYTES, OVER)  # argsort(indices, stable): keys, order, iota
+        sorting = [r.alloc(e * INDEX_BYTES, OVER) for _ in range(2)]
+        r.drop(*sorting)
+        pointer = r.alloc((s + 1) * INDEX_BYTES, OVER)
+        for _ in range(2):  # bincount's min and max
+            r.transient(INDEX_BYTES, OVER)
+        r.transient(s * INDEX_BYTES, OVER)  # the counts, cumsummed into the pointer
+        edge_dst = edge_dst_terms(tape, c)
+        transposed = r.alloc(e * INDEX_BYTES, OVER)  # edge_dst[order]
+        r.drop(edge_dst)
+        transposed_values = r.alloc(e * tape.f, OVER)  # values[order]
+        grad_src = csr_matmul_terms(tape, s, c, width, GRAD)
+        r.drop(transposed_values, transposed, order, pointer, grad, values, self_scale)
+        return grad_src
+
+    return out, backward
+
+
+def segment_max_terms(tape: StepTape, c: LayerCounts, width: int):
+    """max_neighbours: the ``(D, w)`` maxima and their int32 argmax (kept for backward). The compiled
+    kernel makes nothing else; the tensor path makes one chunk of rows' gathered values, their
+    comparison and first-hit positions at a time. Returns (out, backward); backward gives the
+    ``(S + 1, w)`` gradient buffer whose first ``S`` rows are ``h``'s gradient."""
+    r, f = tape.r, tape.f
+    d, s = c.num_dst, c.num_src
+    out, argmax = r.alloc(d * width * f, AGG), r.alloc(d * width * 4, AGG)
+    if not tape.compiled_kernels:
+        segment_max_chunks_terms(tape, c, width)
+
+    def backward(grad: int) -> int:
+        grad_src = r.alloc((s + 1) * width * f, GRAD)
+        if not tape.compiled_kernels:
+            r.transient(d * width * INDEX_BYTES, GRAD)  # argmax.long() for scatter_add_
+        r.drop(grad, argmax)
+        return grad_src
+
+    return out, backward
+
+
+def segment_max_chunks_terms(tape: StepTape, c: LayerCounts, width: int) -> None:
+    """aggregate._segment_max_chunks' temporaries: the degrees, then one chunk of rows' segment ids,
+    gathered values, maxima, comparison, positions and first hits. With one chunk (the rows fit
+    MAX_CHUNK_ELEMENTS) this is exact; with several, the chunk's edges are bounded by its rows'
+    widest in-degrees, so the estimate is an upper bound."""
+    r, f = tape.r, tape.f
+    widest = max((length for length, _ in c.degree_histogram), default=1)
+    rows = min(c.num_dst, max(1, MAX_CHUNK_ELEMENTS // max(width, 1) // widest))
+    edges, left = 0, rows  # one chunk's edges: all of them, or at most those of its rows' widest degrees
+    for length, count in sorted(c.degree_histogram, reverse=True):
+        edges, left = edges + min(count, left) * length, left - min(count, left)
+    degrees = r.alloc(c.num_dst * INDEX_BYTES, OVER)
+    r.transient(INDEX_BYTES, OVER)  # degrees.max()
+    if edges == 0:
+        r.drop(degrees)
+        return
+    ids, cumsum = r.alloc(rows * INDEX_BYTES, OVER), r.alloc(rows * INDEX_BYTES, OVER)
+    positions = r.alloc(edges * INDEX_BYTES, OVER)
+    r.drop(cumsum)
+    segment = r.alloc(edges * INDEX_BYTES, OVER)
+    r.drop(positions, ids)
+    gathered = r.alloc(edges * width * f, AGG)
+    peak = r.alloc(rows * width * f, AGG)
+    peak_gathered = r.alloc(edges * width * f, AGG)
+    equal = r.alloc(edges * width, AGG)  # bool
+    r.drop(peak_gathered)
+    iota = r.alloc(edges * INDEX_BYTES, OVER)
+    position = r.alloc(edges * width * INDEX_BYTES, AGG)
+    r.drop(equal, iota)
+    first_hit = r.alloc(rows * width * INDEX_BYTES, AGG)
+    has_edges = r.alloc(rows, OVER)  # bool
+    clamped = r.alloc(rows * width * INDEX_BYTES, AGG)
+    chosen = r.alloc(rows * width * INDEX_BYTES, AGG)
+    r.drop(clamped)
+    r.transient(rows * width * INDEX_BYTES, AGG)  # torch.where, copied into the int32 argmax
+    r.drop(chosen, segment, gathered, peak, position, first_hit, has_edges, degrees)
+
+
+def in_degree_groups_terms(tape: StepTape, c: LayerCounts) -> int:
+    """in_degree_groups: degrees, a stable argsort (kept: the groups are views of it), the sorted
+    degrees and unique_consecutive's two outputs. Returns the argsort's handle."""
+    r, d = tape.r, c.num_dst
+    degrees = r.alloc(d * INDEX_BYTES, OVER)
+    values, indices, order = (r.alloc(d * INDEX_BYTES, OVER) for _ in range(3))
+    r.drop(values, indices)
+    scratch = [r.alloc(d * INDEX_BYTES, OVER) for _ in range(3)]  # degrees[order], lengths, counts
+    r.drop(degrees, *scratch)
+    return order
+
+
+def lstm_neighbours_terms(tape: StepTape, c: LayerCounts, hd: int, a: int, hd_grad: bool):
+    """lstm_neighbours: per in-degree group, gather the ``(B, L, a)`` sequences and run the LSTM;
+    then ``index_copy_`` the final states into a zero ``(D, a)``. Returns (out, backward)."""
+    r, f = tape.r, tape.f
+    d = c.num_dst
+    active = sum(rows for _, rows in c.degree_histogram)
+    out = r.alloc(d * a * f, AGG)  # zeros, filled in place
+    order = in_degree_groups_terms(tape, c)
+    steps = sum(length for length, _ in c.degree_histogram)  # each LSTM step uses W_ih and b once
+    grads = {"W_ih": SharedGradient(r, steps, tape.accumulating),
+             "W_hh": SharedGradient(r, steps - len(c.degree_histogram), tape.accumulating),
+             "b": SharedGradient(r, steps, tape.accumulating, out_of_place_at=2)}  # as the profiler shows
+    groups, finals, edges = [], [], None
+    for length, rows in c.degree_histogram:
+        starts, steps = r.alloc(rows * INDEX_BYTES, OVER), r.alloc(length * INDEX_BYTES, OVER)
+        new_edges = r.alloc(rows * length * INDEX_BYTES, OVER)
+        r.drop(starts, steps, edges)
+        edges = new_edges
+        index = r.alloc(rows * length * INDEX_BYTES, AGG)  # indices[edges]
+        seq = r.alloc(rows * length * a * f, AGG)
+        if hd_grad:
+            r.keep(index)  # IndexSelectBackward keeps the index
+        r.drop(index)
+        final, lstm_bwd = lstm_terms(tape, seq, rows, length, a, a, grads)
+        r.drop(seq)
+        groups.append((rows, length, index, lstm_bwd))
+        finals.append(final)
+    rows_cat, finals_cat = r.alloc(active * INDEX_BYTES, AGG), r.alloc(active * a * f, AGG)
+    r.keep(rows_cat, finals_cat)  # IndexCopyBackward keeps the index and the source
+    r.drop(rows_cat, finals_cat, *finals, order, edges)
+
+    def backward(grad: int, grad_h: int | None) -> int | None:
+        """``grad_h``: the gradient ``h`` already has (from the self term), which every group's
+        gather gradient is added into."""
+        source = r.alloc(active * a * f, GRAD)  # IndexCopyBackward: grad.index_select
+        r.drop(grad, rows_cat, finals_cat)
+        for position, (rows, length, index, lstm_bwd) in reversed(list(enumerate(groups))):
+            # each group's final state's gradient is a view of it; the last group processed frees it
+            grad_x = lstm_bwd(source, hd_grad, position == 0)
+            if not hd_grad:
+                continue
+            stacked = r.alloc(rows * length * a * f, GRAD)  # UnbindBackward: stack
+            r.drop(*grad_x)
+            grad_h = tape.accumulate(grad_h, r.alloc(c.num_src * a * f, GRAD))  # IndexSelectBackward
+            r.drop(stacked, index)
+        if not groups:
+            r.drop(source)
+        return grad_h
+
+    return out, backward

@@ -7,8 +7,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.aggregate import attention_aggregate, edge_softmax
+from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, attention_aggregate, edge_dst_terms, edge_softmax
 from betty_trainer.models.stack import LayerStack, layer_widths
+from estimator.counts import INDEX_BYTES, LayerCounts
+from estimator.tape import AGG, GRAD, HID, OVER, StepTape
 
 
 class GATConv(nn.Module):
@@ -82,6 +84,119 @@ class GATConv(nn.Module):
         if return_attention_weights:
             return out, (torch.stack([edge_src, edge_dst]), alpha)
         return out
+
+    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
+        """What :meth:`forward` allocates (:class:`estimator.tape.StepTape`), returned as
+        :meth:`SAGEConv.memory_terms <betty_trainer.models.sage.SAGEConv.memory_terms>` does: z = W h,
+        per-edge scores, edge softmax, Σ α z. Blocks are assumed free of self edges (betty_trainer
+        drops self loops when it builds a graph), so the layer attends over E + D edges: the
+        block's and one self edge per dst node."""
+        a, heads, width, concat = self.in_feats, self.heads, self.out_feats, self.concat
+        r, f = tape.r, tape.f
+        s, d, e = c.num_src, c.num_dst, c.num_edges
+        e2, hf = e + d, heads * width
+        z, linear_bwd = tape.linear(hd, s, a, hf, hd_grad, AGG)
+        edge_dst = edge_dst_terms(tape, c)
+        not_self, loops = r.alloc(e, OVER), r.alloc(d * INDEX_BYTES, OVER)
+        ends = []
+        for _ in range(2):  # torch.cat([ids[not_self], loops]) for src and for dst
+            nonzero = r.alloc(e * INDEX_BYTES, OVER)
+            kept = r.alloc(e * INDEX_BYTES, OVER)
+            r.drop(nonzero)
+            ends.append(r.alloc(e2 * INDEX_BYTES, AGG))
+            r.drop(kept)
+        edge_src2, edge_dst2 = ends
+        r.drop(edge_dst)
+        product = r.alloc(s * hf * f, AGG)  # z * att_src
+        score_src = r.alloc(s * heads * f, AGG)
+        r.keep(z, z)  # both score products save z (the dst one a view of it)
+        r.drop(product)
+        product = r.alloc(d * hf * f, AGG)  # z[:D] * att_dst
+        score_dst = r.alloc(d * heads * f, AGG)
+        r.drop(product)
+        gathered = [r.alloc(e2 * heads * f, AGG) for _ in range(2)]
+        scores = r.alloc(e2 * heads * f, AGG)
+        r.keep(edge_src2, edge_dst2)  # the two IndexSelectBackwards
+        r.drop(*gathered)
+        activated = r.alloc(e2 * heads * f, AGG)  # leaky_relu saves its input
+        r.keep(scores)
+        r.drop(scores)
+        peak = r.alloc(d * heads * f, AGG)
+        peak_gathered = r.alloc(e2 * heads * f, AGG)
+        shifted = r.alloc(e2 * heads * f, AGG)
+        r.drop(peak_gathered)
+        weights = r.alloc(e2 * heads * f, AGG)  # exp, saved (its result)
+        r.keep(weights, weights, edge_dst2)  # ExpBackward; IndexAddBackward of the sum (source, index)
+        r.drop(shifted)
+        total = r.alloc(d * heads * f, AGG)
+        total_gathered = r.alloc(e2 * heads * f, AGG)
+        r.keep(edge_dst2)
+        alpha = r.alloc(e2 * heads * f, AGG)  # weights / total_gathered, both saved
+        r.keep(weights)
+        r.drop(weights, total, peak)
+        out = r.alloc(d * hf * f, AGG)  # attention_aggregate: new_zeros, then one chunk's products at a time
+        chunk = min(e2, max(1, ATTENTION_CHUNK_ELEMENTS // hf))
+        r.transient(chunk * hf * f, AGG)
+        r.keep(z, edge_src2, edge_dst2)  # it saves z, alpha (the local's reference) and the edge ends
+        r.drop(edge_dst2, edge_src2)
+        if concat:
+            result = r.alloc(d * hf * f, HID)  # + bias
+        else:
+            averaged = r.alloc(d * width * f, HID)
+            result = r.alloc(d * width * f, HID)
+            r.drop(averaged)
+        r.drop(out, not_self, loops, score_src, score_dst, activated)
+
+        def backward(grad: int) -> int | None:
+            tape.param_grad(hf if concat else width)  # bias
+            tape.settle()
+            if not concat:  # MeanBackward materialises the expanded gradient
+                expanded = r.alloc(d * hf * f, GRAD)
+                r.drop(grad)
+                grad = expanded
+            grad_z = r.alloc(s * hf * f, GRAD)  # attention_aggregate's backward: zeros_like(z)
+            grad_alpha = r.alloc(e2 * heads * f, GRAD)  # empty_like(alpha), filled chunk by chunk
+            grad_messages = r.alloc(chunk * hf * f, GRAD)  # grad.index_select(dst)
+            gathered = r.alloc(chunk * hf * f, GRAD)  # z.index_select(src)
+            product = r.alloc(chunk * hf * f, GRAD)
+            r.drop(gathered)
+            r.transient(chunk * heads * f, GRAD)  # .sum(-1), copied into grad_alpha
+            r.drop(product, grad_messages, grad, z, alpha, edge_src2, edge_dst2)
+            grad_weights = r.alloc(e2 * heads * f, GRAD)  # DivBackward: grad / other, and -grad·self/other²
+            temporaries = [r.alloc(e2 * heads * f, GRAD) for _ in range(3)]
+            r.drop(temporaries[0], temporaries[1], grad_alpha)
+            grad_total_gathered = r.alloc(e2 * heads * f, GRAD)
+            r.drop(temporaries[2], total_gathered, weights)
+            grad_total = r.alloc(d * heads * f, GRAD)  # IndexSelectBackward of total_gathered
+            r.drop(grad_total_gathered, edge_dst2)
+            grad_weights = tape.accumulate(grad_weights, r.alloc(e2 * heads * f, GRAD))  # IndexAddBackward
+            r.drop(grad_total, weights, edge_dst2)
+            grad_shifted = r.alloc(e2 * heads * f, GRAD)  # ExpBackward: grad · result
+            r.drop(grad_weights, weights)
+            grad_scores = r.alloc(e2 * heads * f, GRAD)  # LeakyReluBackward
+            r.drop(grad_shifted, scores)
+            grad_score_dst = r.alloc(d * heads * f, GRAD)
+            r.drop(edge_dst2)
+            grad_score_src = r.alloc(s * heads * f, GRAD)
+            r.drop(grad_scores, edge_src2)
+            grad_z_dst = r.alloc(d * hf * f, GRAD)  # (z[:D] * att_dst).sum backward
+            r.transient(d * hf * f, GRAD)
+            tape.param_grad(hf)
+            tape.settle()
+            r.drop(grad_score_dst)
+            sliced = r.alloc(s * hf * f, GRAD)  # SliceBackward
+            r.drop(grad_z_dst)
+            grad_z = tape.accumulate(grad_z, sliced)
+            grad_z_src = r.alloc(s * hf * f, GRAD)  # (z * att_src).sum backward
+            r.transient(s * hf * f, GRAD)
+            tape.param_grad(hf)
+            tape.settle()
+            r.drop(grad_score_src)
+            grad_z = tape.accumulate(grad_z, grad_z_src)
+            r.drop(z, z)
+            return linear_bwd(grad_z)
+
+        return result, backward
 
     def __repr__(self) -> str:
         return f"GATConv({self.in_feats}, {self.out_feats}, heads={self.heads}, concat={self.concat})"

@@ -6,8 +6,10 @@ import torch
 from torch import Tensor, nn
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.aggregate import aggregate, per_edge
+from betty_trainer.models.aggregate import aggregate, aggregate_terms, per_edge, per_edge_terms
 from betty_trainer.models.stack import LayerStack, layer_widths
+from estimator.counts import LayerCounts
+from estimator.tape import AGG, HID, StepTape
 
 
 class GCNConv(nn.Module):
@@ -47,6 +49,42 @@ class GCNConv(nn.Module):
             values.mul_(block.edge_weight)
         out = aggregate(block, h, values, self_scale=dst_norm * dst_norm)
         return (out if project_first else self.linear(out)) + self.bias
+
+    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
+        """What :meth:`forward` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
+        tape; ``hd_grad``: it requires grad), the normalisation gathered from the model's buffer
+        included, op by op (:class:`estimator.tape.StepTape`). Returns ``(output handle, backward)``
+        as :meth:`SAGEConv.memory_terms <betty_trainer.models.sage.SAGEConv.memory_terms>` does."""
+        a, b = self.in_feats, self.out_feats
+        r, f = tape.r, tape.f
+        s, d = c.num_src, c.num_dst
+        project_first, w, record = tape.aggregation_width(a, b, hd_grad)
+        norm = r.alloc(s * f, AGG)  # inv_sqrt_degree[src_nodes]
+        h, lin_in_bwd = tape.linear(hd, s, a, b, hd_grad, AGG) if project_first else (hd, None)
+        values = r.alloc(c.num_edges * f, AGG)  # norm[indices], times the dst norm per edge in place
+        r.drop(per_edge_terms(tape, c))
+        scale = r.alloc(d * f, AGG)  # dst norm²
+        out, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
+        r.drop(scale)
+        lin_out, lin_out_bwd = (None, None) if project_first else tape.linear(out, d, a, b, True)
+        result = r.alloc(d * b * f, HID)  # + bias
+        r.drop(out, lin_out, values, norm)
+        if project_first:
+            r.drop(h)
+
+        def backward(grad: int) -> int | None:
+            tape.param_grad(b)
+            tape.settle()
+            if lin_out_bwd is not None:
+                grad = lin_out_bwd(grad, True, record)
+            if not record:
+                return None
+            grad_h = agg_bwd(grad)
+            if lin_in_bwd is not None:
+                return lin_in_bwd(grad_h)
+            return grad_h if hd_grad else r.drop(grad_h)
+
+        return result, backward
 
     def __repr__(self) -> str:
         return f"GCNConv({self.in_feats}, {self.out_feats})"

@@ -8,9 +8,23 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.aggregate import aggregate, lstm_neighbours, max_neighbours, mean_neighbours, per_edge
+from betty_trainer.models.aggregate import (
+    aggregate,
+    aggregate_terms,
+    lstm_neighbours,
+    lstm_neighbours_terms,
+    max_neighbours,
+    mean_neighbours,
+    mean_values_terms,
+    per_dst_scale_terms,
+    per_edge,
+    per_edge_terms,
+    segment_max_terms,
+)
 from betty_trainer.models.lstm import LSTM
 from betty_trainer.models.stack import LayerStack, layer_widths
+from estimator.counts import LayerCounts
+from estimator.tape import AGG, GRAD, HID, StepTape
 
 AGGREGATORS = ("mean", "gcn", "pool", "lstm")
 _LINEAR = ("mean", "gcn")  # aggregators that commute with W_neigh
@@ -92,6 +106,126 @@ class SAGEConv(nn.Module):
         if self.aggregator == "pool":
             return max_neighbours(block, F.relu(self.fc_pool(h_src)))
         return lstm_neighbours(block, h_src, self.lstm)
+
+    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
+        """What :meth:`forward` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
+        tape; ``hd_grad``: it requires grad), op by op (:class:`estimator.tape.StepTape`).
+
+        Returns:
+            ``(output handle, backward)``; ``backward(grad)`` emits the layer's backward and returns
+            the handle of ``hd``'s gradient, or ``None``.
+        """
+        terms = {"pool": self._pool_terms, "lstm": self._lstm_terms}.get(self.aggregator, self._mean_gcn_terms)
+        return terms(tape, c, hd, self.in_feats, self.out_feats, hd_grad)
+
+    def _mean_gcn_terms(self, tape: StepTape, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+        r, f = tape.r, tape.f
+        d = c.num_dst
+        project_first, w, record = tape.aggregation_width(a, b, hd_grad)
+        h, lin_neigh_bwd = tape.linear(hd, c.num_src, a, b, hd_grad, AGG) if project_first else (hd, None)
+        if self.aggregator == "mean":
+            values, scale = mean_values_terms(tape, c), None
+        else:  # gcn: 1/(deg + 1) per dst node, spread over its edges (times the edge weights in place)
+            scale = per_dst_scale_terms(tape, c)
+            values = per_edge_terms(tape, c)
+        neigh, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
+        r.drop(values, scale)
+        if project_first:
+            r.drop(h)  # the projected features die with the statement: the aggregation keeps none of them
+            out, lin_out_bwd = neigh, None
+        else:
+            out, lin_out_bwd = tape.linear(neigh, d, a, b, True)
+            r.drop(neigh)
+        self_bwd = None
+        if self.aggregator == "mean":
+            self_out, self_bwd = tape.linear(hd, d, a, b, hd_grad)
+            summed = r.alloc(d * b * f, HID)
+            r.drop(out, self_out)
+            out = summed
+        result = r.alloc(d * b * f, HID)  # + bias
+        r.drop(out)
+
+        def backward(grad: int) -> int | None:
+            tape.param_grad(b)  # bias
+            tape.settle()
+            grad_hd = None
+            if self_bwd is not None:
+                grad_self = self_bwd(grad, free_grad=False)
+                if grad_self is not None:  # SliceBackward: zeros(S, a) then copy
+                    grad_hd = r.alloc(c.num_src * a * f, GRAD)
+                    r.drop(grad_self)
+            grad_neigh = lin_out_bwd(grad, True, record) if lin_out_bwd is not None else grad
+            if not record:
+                return grad_hd
+            grad_h = agg_bwd(grad_neigh)
+            if lin_neigh_bwd is not None:
+                grad_h_in = lin_neigh_bwd(grad_h)
+            else:
+                grad_h_in = grad_h if hd_grad else r.drop(grad_h)
+            return tape.accumulate(grad_hd, grad_h_in)
+
+        return result, backward
+
+    def _combine_terms(self, tape: StepTape, c: LayerCounts, hd: int, neigh: int, a: int, b: int, hd_grad: bool):
+        """``fc_neigh(neigh) + fc_self(h[:num_dst]) + bias`` (SAGE pool and lstm). Returns (result,
+        backward); backward gives (the gradient of ``h`` from the self term or ``None``, that of ``neigh``)."""
+        r, f = tape.r, tape.f
+        s, d = c.num_src, c.num_dst
+        neigh_out, neigh_bwd = tape.linear(neigh, d, a, b, True)
+        r.drop(neigh)
+        self_out, self_bwd = tape.linear(hd, d, a, b, hd_grad)
+        summed = r.alloc(d * b * f, HID)
+        r.drop(neigh_out, self_out)
+        result = r.alloc(d * b * f, HID)  # + bias
+        r.drop(summed)
+
+        def backward(grad: int) -> tuple[int | None, int]:
+            tape.param_grad(b)
+            tape.settle()
+            grad_hd = self_bwd(grad, free_grad=False)
+            if grad_hd is not None:  # SliceBackward
+                sliced = r.alloc(s * a * f, GRAD)
+                r.drop(grad_hd)
+                grad_hd = sliced
+            return grad_hd, neigh_bwd(grad)
+
+        return result, backward
+
+    def _pool_terms(self, tape: StepTape, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+        r, f = tape.r, tape.f
+        s = c.num_src
+        pooled = r.alloc(s * a * f, AGG)  # fc_pool (addmm)
+        r.keep(hd)
+        activated = r.alloc(s * a * f, AGG)  # relu, saved
+        r.keep(activated)
+        r.drop(pooled)
+        neigh, max_bwd = segment_max_terms(tape, c, a)
+        r.drop(activated)
+        result, combine_bwd = self._combine_terms(tape, c, hd, neigh, a, b, hd_grad)
+
+        def backward(grad: int) -> int | None:
+            grad_hd, grad_neigh = combine_bwd(grad)
+            grad_activated = max_bwd(grad_neigh)
+            grad_pooled = r.alloc(s * a * f, GRAD)  # ReluBackward
+            r.drop(grad_activated, activated)
+            grad_in = r.alloc(s * a * f, GRAD) if hd_grad else None  # AddmmBackward
+            tape.param_grad(a * a)
+            tape.param_grad(a)
+            tape.settle()
+            r.drop(grad_pooled, hd)
+            return tape.accumulate(grad_hd, grad_in)
+
+        return result, backward
+
+    def _lstm_terms(self, tape: StepTape, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
+        neigh, lstm_bwd = lstm_neighbours_terms(tape, c, hd, a, hd_grad)
+        result, combine_bwd = self._combine_terms(tape, c, hd, neigh, a, b, hd_grad)
+
+        def backward(grad: int) -> int | None:
+            grad_hd, grad_neigh = combine_bwd(grad)
+            return lstm_bwd(grad_neigh, grad_hd)
+
+        return result, backward
 
     def __repr__(self) -> str:
         return f"SAGEConv({self.in_feats}, {self.out_feats}, aggregator={self.aggregator!r})"

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.dropout import NodeDropout
+from betty_trainer.models.dropout import NodeDropout, dropout_terms, keyed_mask_terms
+from estimator.counts import LayerCounts
+from estimator.tape import StepTape
 
 
 class LayerStack(nn.Module):
@@ -37,6 +39,7 @@ class LayerStack(nn.Module):
         hidden = [make_layer(a, b) for a, b in zip(widths[:-2], widths[1:-1])]
         self.layers = nn.ModuleList(hidden + [(make_output_layer or make_layer)(widths[-2], widths[-1])])
         self.dropout = NodeDropout(dropout)
+        self.widths = tuple(widths)
 
     def apply_layer(self, layer: nn.Module, block: Block, h: Tensor) -> Tensor:
         """Run one layer; subclasses pass extra per-node inputs here."""
@@ -74,6 +77,52 @@ class LayerStack(nn.Module):
                              self.dropout(h, block.src_nodes, index, consume_input and index == 0))
         return F.relu(h) if index < len(self.layers) - 1 else h
 
+
+    def memory_terms(self, tape: StepTape, layers: Sequence[LayerCounts], x: int):
+        """What :meth:`forward` allocates when the training step calls it (``consume_input=True``) on
+        blocks of counts ``layers`` (input layer first) and the gathered features ``x`` (a handle on
+        the tape), op by op: per layer, node-keyed dropout (on the input features in place), the
+        layer's own ``memory_terms``, ReLU (:class:`estimator.tape.StepTape`; the estimate of Betty
+        §4.4.3 replays these).
+
+        Returns:
+            ``(logits handle, backward)``; ``backward(grad)`` emits the stack's backward from the
+            logits' gradient and returns the handle of what is left of it (``None`` when the
+            input features take no gradient).
+        """
+        r = tape.r
+        h, h_grad, backwards = x, False, []
+        for index, (layer, counts) in enumerate(zip(self.layers, layers)):
+            width_in, width_out = self.widths[index], self.widths[index + 1]
+            if self.dropout.p > 0 and h is x:  # the step hands x over: input dropout overwrites it in place
+                keyed_mask_terms(tape, counts.num_src, width_in)
+                hd, dropout_bwd = x, None
+                r.keep(x)
+            elif self.dropout.p > 0:
+                hd, dropout_bwd = dropout_terms(tape, h, counts.num_src, width_in, h_grad)
+                r.drop(h)
+            else:
+                hd, dropout_bwd = h, None
+                if h is x:
+                    r.keep(x)
+            out, layer_bwd = layer.memory_terms(tape, counts, hd, h_grad)
+            r.drop(hd)
+            relu_bwd = None
+            if index < len(self.layers) - 1:
+                out, relu_bwd = tape.relu(out, counts.num_dst, width_out)
+            backwards.append((dropout_bwd if h_grad else None, layer_bwd, relu_bwd))
+            h, h_grad = out, True
+
+        def backward(grad: int) -> int | None:
+            for dropout_bwd, layer_bwd, relu_bwd in reversed(backwards):
+                if relu_bwd is not None:
+                    grad = relu_bwd(grad)
+                grad = layer_bwd(grad)
+                if grad is not None and dropout_bwd is not None:
+                    grad = dropout_bwd(grad)
+            return grad
+
+        return h, backward
 
 def layer_widths(in_feats: int, hidden: int, out_feats: int, num_layers: int) -> list[int]:
     """``[in_feats, hidden × (num_layers − 1), out_feats]``."""

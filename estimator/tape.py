@@ -1,0 +1,219 @@
+"""The replay the memory estimate runs on (Betty §4.4.3): live bytes with reference counts, and the
+tape a layer's memory terms write to (DESIGN.md › Memory estimate).
+
+No tensor is allocated: a tensor is a handle with a size and a component; the peak and what is
+live at the peak fall out of replaying the allocations and frees of one training step in order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from estimator.counts import INDEX_BYTES
+from estimator.spec import OPTIMIZER_STATES, ModelSpec
+
+AGG = "aggregator_intermediates"
+HID = "hidden_outputs"
+GRAD = "gradients"
+DROP = "dropout_masks"
+OVER = "framework_overheads"
+__all__ = ["AGG", "DROP", "GRAD", "HID", "INDEX_BYTES", "OVER", "Replay", "SharedGradient", "StepTape"]
+
+
+class Replay:
+    """Live-byte bookkeeping with reference counts: a tensor is freed when its last holder
+    (a Python variable, or autograd keeping it for backward) lets go; tracks the peak."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list] = {}  # handle → [bytes, component, references]
+        self.by_component: dict[str, int] = defaultdict(int)
+        self.totals: dict[str, int] = defaultdict(int)
+        self.current = self.peak = 0
+        self.at_peak: dict[str, int] = {}
+        self.phase_peak: dict[str, int] = defaultdict(int)
+        self.phase = "resident"
+        self._next = 0
+
+    def alloc(self, nbytes: float, component: str) -> int:
+        """A new tensor held by one reference."""
+        nbytes = int(nbytes)
+        handle, self._next = self._next, self._next + 1
+        self.live[handle] = [nbytes, component, 1]
+        self.by_component[component] += nbytes
+        self.totals[component] += nbytes
+        self.current += nbytes
+        self.phase_peak[self.phase] = max(self.phase_peak[self.phase], self.current)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.at_peak = dict(self.by_component)
+        return handle
+
+    def keep(self, *handles: int | None) -> None:
+        """One more holder (e.g. autograd saving the tensor for backward)."""
+        for handle in handles:
+            if handle is not None:
+                self.live[handle][2] += 1
+
+    def drop(self, *handles: int | None) -> None:
+        """One holder fewer; frees the tensor when none is left."""
+        for handle in handles:
+            if handle is None:
+                continue
+            entry = self.live[handle]
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self.live[handle]
+                self.by_component[entry[1]] -= entry[0]
+                self.current -= entry[0]
+
+    def transient(self, nbytes: float, component: str) -> None:
+        """An op's temporary: allocated and freed within the op."""
+        self.drop(self.alloc(nbytes, component))
+
+
+class SharedGradient:
+    """The gradient of a parameter used many times in one backward (the LSTM's weights, once per
+    step): autograd sums the contributions in a buffer (the first one made; later ones are
+    added in place and freed, except that the ``out_of_place_at``-th is added out of place)
+    and, after the last one, hands it to ``.grad``, or when accumulating adds it into
+    ``.grad`` and frees it."""
+
+    def __init__(self, replay: Replay, uses: int, accumulating: bool, out_of_place_at: int = 0):
+        self.r, self.remaining, self.accumulating, self.out_of_place_at = replay, uses, accumulating, out_of_place_at
+        self.buffer: int | None = None
+        self.count = 0
+
+    def add(self, made: int, nbytes: int) -> None:
+        self.count += 1
+        if self.buffer is None:
+            self.buffer = made
+        elif self.count == self.out_of_place_at:
+            total = self.r.alloc(nbytes, GRAD)
+            self.r.drop(self.buffer, made)
+            self.buffer = total
+        else:
+            self.r.drop(made)
+        self.remaining -= 1
+        if self.remaining == 0 and self.accumulating:
+            self.r.drop(self.buffer)
+
+
+class StepTape:
+    """What a layer's memory terms write to: the :class:`Replay` of one training step (``r``), the
+    bytes per element (``f``), which kernels run (``compiled_kernels``), whether the step
+    accumulates into resident gradients, and the terms of the torch ops every layer uses
+    (``linear``, ``relu``, the loss, the optimizer step, parameter gradients).
+
+    A built-in layer's ``memory_terms(tape, counts, h, h_grad)`` sits beside its ``forward``
+    (``betty_trainer.models``) and mirrors it op by op: ``r.alloc`` for an op's output,
+    ``r.keep`` where autograd saves a tensor for backward, ``r.drop`` when a Python variable
+    goes out of scope. It returns the output's handle and a closure emitting that piece's
+    backward, which receives the output's gradient and returns the input's (or ``None``).
+    """
+
+    def __init__(self, replay: Replay, model: ModelSpec, accumulate: bool):
+        self.r, self.model, self.f, self.accumulating = replay, model, model.dtype_bytes, accumulate
+        self.pending: list[int] = []
+        self.compiled_kernels = model.compiled_kernels
+
+    def param_grad(self, numel: int) -> int:
+        """A parameter's gradient, made by a backward node. It becomes ``.grad`` and lives to the end
+        of the step, or, when accumulating, is added into the resident ``.grad`` once the node that
+        made it is done (:meth:`settle`)."""
+        made = self.r.alloc(numel * self.f, GRAD)
+        if self.accumulating:
+            self.pending.append(made)
+        return made
+
+    def settle(self) -> None:
+        """The end of a backward node: accumulating, the gradients it made are added into ``.grad`` and freed."""
+        self.r.drop(*self.pending)
+        self.pending.clear()
+
+    def accumulate(self, first: int | None, second: int | None) -> int | None:
+        """Autograd summing two gradients of one tensor in place: the second is freed."""
+        if first is None or second is None:
+            return first if second is None else second
+        self.r.drop(second)
+        return first
+
+    # ----- Linear without bias (F.linear → mm) ---------------------------------------------------
+    def linear(self, x: int, rows: int, a: int, b: int, x_grad: bool, component: str = HID):
+        r = self.r
+        out = r.alloc(rows * b * self.f, component)
+        r.keep(x)  # MmBackward saves the input (for the weight's gradient)
+
+        def backward(grad: int, free_grad: bool = True, x_grad: bool = x_grad) -> int | None:
+            self.param_grad(a * b)
+            grad_x = r.alloc(rows * a * self.f, GRAD) if x_grad else None
+            self.settle()
+            r.drop(x)
+            if free_grad:
+                r.drop(grad)
+            return grad_x
+
+        return out, backward
+
+    @staticmethod
+    def aggregation_width(a: int, b: int, hd_grad: bool) -> tuple[bool, int, bool]:
+        """``(project_first, width aggregated, record)``: layers apply their linear map before
+        aggregating when ``a > b``; the aggregation is recorded by autograd when its input
+        requires grad (projected, or a hidden layer's input)."""
+        project_first = a > b
+        return project_first, (b if project_first else a), project_first or hd_grad
+
+    def relu(self, x: int, rows: int, width: int):
+        out = self.r.alloc(rows * width * self.f, HID)
+        self.r.keep(out)  # ReluBackward saves its result
+        self.r.drop(x)
+
+        def backward(grad: int) -> int:
+            grad_x = self.r.alloc(rows * width * self.f, GRAD)
+            self.r.drop(grad, out)
+            return grad_x
+
+        return out, backward
+
+    def cross_entropy(self, rows: int, classes: int, labels: int):
+        r = self.r
+        log_probs = r.alloc(rows * classes * self.f, HID)
+        r.keep(log_probs, labels)  # LogSoftmaxBackward saves its result; NLLLoss saves both
+        r.keep(log_probs)
+        r.drop(log_probs)
+
+        def backward() -> int:
+            grad_nll = r.alloc(rows * classes * self.f, GRAD)
+            r.drop(log_probs, labels)
+            grad_logits = r.alloc(rows * classes * self.f, GRAD)
+            r.drop(grad_nll, log_probs)
+            return grad_logits
+
+        return backward
+
+    def optimizer_step(self) -> None:
+        """Adam/AdamW, on the path PyTorch takes (:attr:`ModelSpec.foreach`).
+
+        Single-tensor (CPU's default), parameter by parameter: with weight decay the gradient
+        plus decay is a new tensor, freed at the end of that parameter's update; ``denom =
+        sqrt(v) / c`` is made (sqrt, then div) while the previous parameter's ``denom`` is
+        still referenced. ``foreach`` (CUDA's default), all parameters at once: with weight
+        decay a copy of every gradient (freed before the moments' square roots), then
+        ``sqrt(v)`` of every parameter, divided and used in place."""
+        if OPTIMIZER_STATES[self.model.optimizer] == 0:
+            return
+        r, f = self.r, self.f
+        if self.model.foreach:
+            total = self.model.num_parameters * f
+            if self.model.weight_decay:
+                r.transient(total, OVER)
+            r.transient(total, OVER)
+            return
+        previous = None
+        for layer in self.model.parameter_numels:
+            for numel in layer:
+                decayed = r.alloc(numel * f, OVER) if self.model.weight_decay else None
+                root = r.alloc(numel * f, OVER)
+                denom = r.alloc(numel * f, OVER)
+                r.drop(root, previous, decayed)
+                previous = denom
+        r.drop(previous)
