@@ -35,6 +35,18 @@ class SampleKey:
         """The 32-bit key of block ``layer`` (input layer first) of this batch."""
         return mix_key(self.seed, self.epoch, self.step, layer, _SAMPLING_DOMAIN)
 
+    def position(self, batches_per_epoch: int | None) -> tuple[int, int]:
+        """Where this batch lies in the run's sequence of batches: ``(sequence, index)``.
+
+        With ``batches_per_epoch`` the run is one sequence (``0``) and the batch is its
+        ``epoch · batches_per_epoch + step``-th; without it every epoch is its own sequence
+        (``epoch + 1``) and the index is ``step``. Samplers whose randomness spans batches (LABOR's
+        batch dependency, GNS's cache refresh) key it by this pair.
+        """
+        if batches_per_epoch is None:
+            return self.epoch + 1, self.step
+        return 0, self.epoch * batches_per_epoch + self.step
+
     @classmethod
     def draw(cls, generator: torch.Generator | None = None) -> SampleKey:
         """A key whose seed is one draw from ``generator`` (the global RNG if ``None``)."""
@@ -45,8 +57,11 @@ class SampleKey:
 class Sampler(Protocol):
     """A sampler (DESIGN.md › Seams): ``sample(seeds, key) -> Batch``.
 
-    The batch must be a pure function of ``(seeds, key)``; the blocks a seed
-    receives must not depend on the other seeds beyond the union they form.
+    The batch must be a pure function of ``(seeds, key)``. With NS, LABOR-0 and GNS
+    the blocks a seed receives do not depend on the other seeds beyond the union they
+    form; LABOR-*'s importance probabilities are a function of the whole dst set of a
+    layer (cooperative paper A.1.2), its variates are not. Micro-batches are slices of
+    the sampled batch, so gradient exactness holds for every sampler.
     """
 
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch: ...

@@ -5,6 +5,8 @@ batch training starts with."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -13,6 +15,8 @@ from betty_trainer.data.block import Batch
 from betty_trainer.data.graph import Graph
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import SampleKey, Sampler
+from betty_trainer.sampling.gns import GNSSampler
+from betty_trainer.sampling.labor import LaborSampler
 from betty_trainer.sampling.neighbor import NeighborSampler
 
 _PLAN_STREAM = (0, 2)  # derive_seed(seed, 0, 2) seeds the partitioner; epochs use (seed, epoch)
@@ -26,9 +30,43 @@ def split_seeds(train_idx: Tensor, batch_size: int | None, generator: torch.Gene
 
 
 def make_sampler(config: Config, graph: Graph) -> Sampler:
-    """The sampler of ``config.sampling`` on ``graph``: neighbour sampling with ``fanouts`` (input layer
-    first; ``None`` everywhere, the default, is the full neighbourhood)."""
-    return NeighborSampler(graph, config.sampling.fanouts or [None] * config.model.num_layers)
+    """The sampler ``config.sampling.sampler`` names, on ``graph`` (DESIGN.md › Seams › Sampler).
+
+    * ``full``: every in-edge (:class:`NeighborSampler` with no fanouts);
+    * ``ns``: uniform neighbour sampling with ``fanouts`` (input layer first; ``None``, the
+      default, is the full neighbourhood);
+    * ``labor``: :class:`LaborSampler` with ``sampling.labor``'s importance iterations, layer and
+      batch dependency;
+    * ``gns``: :class:`GNSSampler` with ``sampling.gns``'s cache.
+
+    LABOR's batch groups and GNS's cache refreshes run across epochs: the samplers are told how
+    many batches an epoch has.
+    """
+    sampling = config.sampling
+    layers = config.model.num_layers
+    fanouts = sampling.fanouts or [None] * layers
+    if sampling.sampler == "full":
+        return NeighborSampler(graph, [None] * layers)
+    if sampling.sampler == "ns":
+        return NeighborSampler(graph, fanouts)
+    batches = batches_per_epoch(config, graph)
+    if sampling.sampler == "labor":
+        labor = sampling.labor
+        kappa = math.inf if labor.batch_dependency == "inf" else labor.batch_dependency
+        return LaborSampler(graph, fanouts, importance_iterations=labor.importance_iterations,
+                            layer_dependency=labor.layer_dependency, batch_dependency=kappa,
+                            batches_per_epoch=batches)
+    gns = sampling.gns
+    return GNSSampler(graph, fanouts, cache_fraction=gns.cache_fraction, refresh_every=gns.refresh_every,
+                      cache_only_input_layer=gns.cache_only_input_layer, cache_probability=gns.cache_probability,
+                      batches_per_epoch=batches)
+
+
+def batches_per_epoch(config: Config, graph: Graph) -> int:
+    """How many batches one epoch has: ``⌈|train| / batch_size⌉`` (1 for the full batch)."""
+    size = config.sampling.batch_size
+    total = graph.train_idx.numel()
+    return 1 if size is None or size >= total else -(-total // size)
 
 
 def epoch_seeds(config: Config, graph: Graph, epoch: int) -> list[Tensor]:

@@ -1,0 +1,329 @@
+"""Global neighbour sampling (GNS; Dong et al., "Global Neighbor Sampling for Mixed CPU-GPU
+Training on Giant Graphs", KDD 2021, §3; DESIGN.md › GNS).
+
+Every ``refresh_every`` batches a **global node cache** ``C`` of ``⌈cache_fraction · N⌉``
+nodes is sampled with probability ``p_t``: ∝ degree (§3.2, Eq. 6), or from short random
+walks from the training nodes (Eq. 7–9) when those are a small part of the graph. The
+cache's features are meant to live on the training device: :meth:`GNSSampler.cache_nodes`
+hands out the node set a GPU feature cache holds, so the two are one and the same.
+
+Neighbour sampling (§3.3) then takes, for a dst node ``s`` of in-degree ``d_s > k``, up to
+``k`` of its cached neighbours uniformly, and tops up uniformly from its other neighbours;
+optionally the input layer takes cached neighbours only. Importance weights (§3.4) make
+the aggregation unbiased: with ``c_s`` cached neighbours and ``m_s = min(k, c_s)`` of them
+sampled,
+
+* only cached neighbours sampled (``c_s ≥ k``, or the cache-only input layer): edge
+  ``t → s`` is kept with probability about ``p^C_t · m_s / c_s``, with
+  ``p^C_t = 1 − (1 − p_t)^{|C|}`` the probability that ``t`` is in the cache (Eq. 11),
+  and weighs ``c_s / (m_s · p^C_t)`` (Eq. 10, 12);
+* all ``c_s < k`` cached neighbours and ``k − c_s`` of the ``d_s − c_s`` others: given the
+  cache, a cached edge weighs ``1`` and a topped-up one ``(d_s − c_s) / (k − c_s)``
+  (the inverse of its inclusion probability).
+
+Rows with ``d_s ≤ k`` keep every in-edge with weight ``1`` (except in the cache-only layer).
+The uniform choices rank the candidates of a row by a counter-based hash of
+``(key, s, t)`` (:mod:`betty_trainer.rng`), so a dst node's sample does not depend on the
+other seeds of its batch. The cache is a pure function of ``(seed, refresh index)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from betty_trainer.data.block import Batch, Block
+from betty_trainer.data.graph import Graph
+from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
+from betty_trainer.sampling.base import SampleKey
+from betty_trainer.sampling.neighbor import Kernel, _check_fanout, _relabel, _use_numba
+from partition.slicing import relabel_dst_first
+
+CacheProbability = Literal["auto", "degree", "random_walk"]
+_GNS_DOMAIN = 0x474E  # "GN"
+
+
+@dataclass(frozen=True)
+class NodeCache:
+    """One sample of GNS's global node cache (§3.2).
+
+    Attributes:
+        nodes: ``(|C|,)`` int64 cached node ids, ascending.
+        mask: ``(N,)`` bool, ``mask[v]`` iff ``v`` is cached.
+        inclusion: ``(N,)`` float64 ``p^C_v = 1 − (1 − p_v)^{|C|}`` (Eq. 11).
+        refresh: the refresh index ``(sequence, ⌊index / refresh_every⌋)`` it was drawn for.
+    """
+
+    nodes: Tensor
+    mask: Tensor
+    inclusion: Tensor
+    refresh: tuple[int, int]
+
+
+class GNSSampler:
+    """Cache-first neighbour sampling with importance weights (GNS §3, Alg. 1).
+
+    Args:
+        graph: the graph (any device; blocks come out on the same device).
+        fanouts: one entry per layer, **input layer first**; ``None``/``-1`` keeps every in-edge.
+        cache_fraction: cache size as a fraction of the nodes, in ``(0, 1]`` (paper: 1%).
+        refresh_every: the cache is sampled again every this many batches (``P``).
+        cache_only_input_layer: the input layer (block 0) samples cached neighbours only.
+        cache_probability: ``"degree"`` (Eq. 6), ``"random_walk"`` (Eq. 7–9), or ``"auto"``:
+            degree when the training nodes are at least half the graph, else random walks.
+        batches_per_epoch: as :class:`~betty_trainer.sampling.labor.LaborSampler` (refreshes run
+            across epochs when given; else every epoch starts with a fresh cache).
+        kernel: ``"auto"``, ``"tensor"`` or ``"numba"``; all give the same sample.
+
+    Raises:
+        ValueError: a bad fanout, ``cache_fraction`` outside ``(0, 1]``, ``refresh_every < 1``,
+            an unknown ``cache_probability`` or kernel.
+    """
+
+    def __init__(self, graph: Graph, fanouts: Sequence[int | None], *, cache_fraction: float = 0.01,
+                 refresh_every: int = 100, cache_only_input_layer: bool = False,
+                 cache_probability: CacheProbability = "auto", batches_per_epoch: int | None = None,
+                 kernel: Kernel = "auto") -> None:
+        if not 0 < cache_fraction <= 1:
+            raise ValueError(f"cache_fraction must be in (0, 1]; got {cache_fraction}")
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be at least 1; got {refresh_every}")
+        if cache_probability not in ("auto", "degree", "random_walk"):
+            raise ValueError(f"cache_probability must be auto, degree or random_walk; got {cache_probability!r}")
+        self.graph = graph
+        self.fanouts = [_check_fanout(f) for f in fanouts]
+        self.cache_size = max(1, math.ceil(cache_fraction * graph.num_nodes))
+        self.refresh_every = int(refresh_every)
+        self.cache_only_input_layer = bool(cache_only_input_layer)
+        if cache_probability == "auto":
+            cache_probability = "degree" if 2 * graph.train_idx.numel() >= graph.num_nodes else "random_walk"
+        self.cache_probability = cache_probability
+        self.batches_per_epoch = batches_per_epoch
+        _use_numba(kernel, graph.indptr)
+        self.kernel = kernel
+        self._probability: Tensor | None = None
+        self._cache: NodeCache | None = None
+
+    def probability(self) -> Tensor:
+        """``(N,)`` float64 cache sampling probability ``p`` (sums to 1): Eq. 6 or Eq. 7–9."""
+        if self._probability is None:
+            if self.cache_probability == "degree":
+                weight = self.graph.in_degrees().double()
+            else:
+                weight = random_walk_probability(self.graph, self.graph.train_idx, self.fanouts)
+            self._probability = weight / weight.sum()
+        return self._probability
+
+    def cache(self, key: SampleKey) -> NodeCache:
+        """The node cache batch ``key`` samples with (drawn again every ``refresh_every`` batches).
+
+        ``|C|`` distinct nodes are drawn without replacement with probabilities ∝ ``p``
+        (Efraimidis & Spirakis, IPL 97(5), 2006: the largest ``log(u_v) / p_v`` with ``u_v`` a
+        hashed uniform of ``(seed, refresh index, v)``).
+        """
+        sequence, index = key.position(self.batches_per_epoch)
+        refresh = (sequence, index // self.refresh_every)
+        if self._cache is None or self._cache.refresh != refresh:
+            p = self.probability()
+            n = p.numel()
+            ids = torch.arange(n, device=p.device)
+            u = (hash_ids(mix_key(key.seed, _GNS_DOMAIN, *refresh), ids).double() + 0.5) / 2**32
+            score = torch.where(p > 0, torch.log(u) / p, -math.inf)
+            nodes = torch.sort(torch.topk(score, min(self.cache_size, n)).indices).values
+            mask = torch.zeros(n, dtype=torch.bool, device=p.device)
+            mask[nodes] = True
+            inclusion = -torch.expm1(nodes.numel() * torch.log1p(-p.clamp(max=1 - 1e-12)))
+            self._cache = NodeCache(nodes, mask, inclusion, refresh)
+        return self._cache
+
+    def cache_nodes(self, key: SampleKey) -> Tensor:
+        """``(|C|,)`` int64 ascending ids of the cache batch ``key`` samples with: the node set whose
+        features a device cache should hold (GNS §3.1)."""
+        return self.cache(key).nodes
+
+    def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
+        """The batch computing ``seeds`` under ``key``.
+
+        Args:
+            seeds: ``(B,)`` int64 distinct output node ids.
+            key: the batch's :class:`SampleKey`.
+
+        Returns:
+            A :class:`Batch` of ``len(fanouts)`` blocks, input layer first; sampled layers carry
+            float32 ``edge_weight`` (see the module docstring).
+        """
+        cache = self.cache(key)
+        dst = seeds.long()
+        blocks = []
+        for layer in reversed(range(len(self.fanouts))):
+            only_cached = self.cache_only_input_layer and layer == 0
+            block = gns_block(self.graph, dst, self.fanouts[layer], cache, key.layer_key(layer) ^ _GNS_DOMAIN,
+                              only_cached, kernel=self.kernel)
+            blocks.append(block)
+            dst = block.src_nodes
+        blocks.reverse()
+        return Batch(blocks)
+
+    def __repr__(self) -> str:
+        return (f"GNSSampler(fanouts={self.fanouts}, cache_size={self.cache_size}, refresh_every={self.refresh_every}, "
+                f"cache_only_input_layer={self.cache_only_input_layer}, "
+                f"cache_probability={self.cache_probability!r})")
+
+
+def random_walk_probability(graph: Graph, train_idx: Tensor, fanouts: Sequence[int | None]) -> Tensor:
+    """GNS's random-walk cache probability (§3.2, Eq. 7–9), unnormalised ``(N,)`` float64.
+
+    ``P⁰`` is uniform on the training nodes (Eq. 9); each layer, output side first, passes
+    ``P_s · d_s`` from every dst node ``s`` to each of its in-neighbours, with
+    ``d_s = min(k, deg s) / deg s`` the chance NS keeps one of ``s``'s in-edges (Eq. 7), and
+    keeps ``P`` itself: ``P^ℓ = (DA + I) P^{ℓ−1}`` (Eq. 8). Returns ``P^L``.
+    """
+    n = graph.num_nodes
+    degree = graph.in_degrees()
+    dst_of_edge = torch.repeat_interleave(torch.arange(n, device=degree.device), degree)
+    p = torch.zeros(n, dtype=torch.float64, device=degree.device)
+    p[train_idx] = 1.0 / max(train_idx.numel(), 1)
+    for fanout in reversed(list(fanouts)):
+        keep = torch.ones(n, dtype=torch.float64, device=degree.device) if fanout is None else \
+            torch.clamp(fanout / degree.double().clamp(min=1), max=1.0)
+        flow = (p * keep)[dst_of_edge]
+        p = p.clone()
+        p.index_add_(0, graph.indices.long(), flow)
+    return p
+
+
+def gns_block(graph: Graph, dst: Tensor, fanout: int | None, cache: NodeCache, key: int, only_cached: bool = False,
+              *, kernel: Kernel = "auto") -> Block:
+    """One GNS block whose dst nodes are ``dst`` (see the module docstring).
+
+    Args:
+        graph: the graph.
+        dst: ``(n,)`` int64 distinct dst ids.
+        fanout: ``k``; ``None`` keeps every in-edge (no weights) unless ``only_cached``.
+        cache: the batch's :class:`NodeCache`.
+        key: the layer's 32-bit key.
+        only_cached: sample cached neighbours only (the cache-only input layer).
+        kernel: ``"auto"``, ``"tensor"`` or ``"numba"``.
+
+    Returns:
+        A :class:`Block` (kept edges in CSC order) with float32 ``edge_weight`` when sampled.
+    """
+    dst = dst.long()
+    if fanout is None and not only_cached:
+        from betty_trainer.sampling.neighbor import sample_block
+
+        return sample_block(graph, dst, None, key=0, kernel=kernel)
+    k = -1 if fanout is None else fanout
+    if _use_numba(kernel, graph.indptr):
+        pointer, src, weight = _gns_rows(graph.indptr.numpy(), graph.indices.numpy(), dst.numpy(), k,
+                                         cache.mask.numpy(), cache.inclusion.numpy(), key, only_cached)
+        src_nodes, local = _relabel(dst.numpy(), src)
+        return Block(torch.from_numpy(src_nodes), dst.numel(), torch.from_numpy(pointer), torch.from_numpy(local),
+                     torch.from_numpy(weight))
+    return _gns_tensor(graph, dst, k, cache, key, only_cached)
+
+
+def _gns_tensor(graph: Graph, dst: Tensor, k: int, cache: NodeCache, key: int, only_cached: bool) -> Block:
+    from betty_trainer.sampling.labor import _candidates
+
+    device = dst.device
+    n, num_nodes = dst.numel(), graph.num_nodes
+    pointer, src = _candidates(graph, dst)
+    degree = pointer[1:] - pointer[:-1]
+    total = src.numel()
+    row = torch.repeat_interleave(torch.arange(n, device=device), degree, output_size=total)
+    cached = cache.mask[src]
+    cached_count = torch.zeros(n, dtype=torch.int64, device=device)
+    cached_count.index_add_(0, row, cached.long())
+    k_row = degree if k < 0 else torch.full_like(degree, k)
+    # rank each row's candidates: cached first, then by the hash of (key, s, t)
+    priority = hash_ids(key, dst[row] * num_nodes + src)
+    order = torch.argsort(row * 2**33 + (~cached).long() * 2**32 + priority, stable=True)
+    rank = torch.empty(total, dtype=torch.int64, device=device)
+    rank[order] = torch.arange(total, device=device) - pointer[:-1][row[order]]
+    whole = (degree <= k_row)[row] & ~torch.tensor(only_cached, device=device)
+    keep = whole | (rank < k_row[row])
+    if only_cached:
+        keep &= cached
+    c = cached_count[row].double()
+    m = torch.minimum(k_row[row], cached_count[row]).double()
+    d, kk = degree[row].double(), k_row[row].double()
+    cached_only_regime = only_cached | (cached_count >= k_row)[row]
+    weight = torch.where(
+        whole, 1.0,
+        torch.where(cached_only_regime, c / (m.clamp(min=1) * cache.inclusion[src]),
+                    torch.where(cached, 1.0, (d - c) / (kk - c).clamp(min=1))))
+    kept_per_row = torch.zeros(n, dtype=torch.int64, device=device)
+    kept_per_row.index_add_(0, row, keep.long())
+    out_pointer = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    torch.cumsum(kept_per_row, 0, out=out_pointer[1:])
+    src_nodes, local = relabel_dst_first(dst, src[keep])
+    return Block(src_nodes, n, out_pointer, local, weight[keep].float())
+
+
+@jit
+def _gns_rows(indptr, indices, dst, k, mask, inclusion, key, only_cached):
+    """:func:`_gns_tensor` row by row: the same ranks, kept edges and weights."""
+    n = dst.shape[0]
+    num_nodes = indptr.shape[0] - 1
+    pointer = np.zeros(n + 1, np.int64)
+    cached_count = np.zeros(n, np.int64)
+    for r in range(n):
+        start, end = indptr[dst[r]], indptr[dst[r] + 1]
+        d = end - start
+        c = 0
+        for e in range(start, end):
+            if mask[indices[e]]:
+                c += 1
+        cached_count[r] = c
+        kr = d if k < 0 else k
+        if only_cached:
+            kept = min(kr, c)
+        else:
+            kept = min(kr, d)
+        pointer[r + 1] = pointer[r] + kept
+    src = np.empty(pointer[n], np.int64)
+    weight = np.empty(pointer[n], np.float32)
+    for r in range(n):
+        start, end = indptr[dst[r]], indptr[dst[r] + 1]
+        d = end - start
+        c = cached_count[r]
+        kr = d if k < 0 else k
+        out = pointer[r]
+        if d <= kr and not only_cached:
+            for e in range(start, end):
+                src[out] = indices[e]
+                weight[out] = 1.0
+                out += 1
+            continue
+        rank_key = np.empty(d, np.int64)
+        for e in range(start, end):
+            t = indices[e]
+            h = np.int64(hash_id_scalar(key, dst[r] * num_nodes + t))
+            rank_key[e - start] = h + (np.int64(0) if mask[t] else np.int64(1) << 32)
+        order = np.argsort(rank_key, kind="mergesort")
+        chosen = np.zeros(d, np.bool_)
+        limit = kr
+        for q in range(min(limit, d)):
+            chosen[order[q]] = True
+        m = min(kr, c)
+        cached_only_regime = only_cached or c >= kr
+        for e in range(start, end):
+            t = indices[e]
+            if not chosen[e - start] or (only_cached and not mask[t]):
+                continue
+            src[out] = t
+            if cached_only_regime:
+                weight[out] = c / (max(m, 1) * inclusion[t])
+            elif mask[t]:
+                weight[out] = 1.0
+            else:
+                weight[out] = (d - c) / max(kr - c, 1)
+            out += 1
+    return pointer, src, weight
