@@ -1,13 +1,16 @@
-"""The ``betty-train`` command line: ``train``, ``plan``, ``validate``, ``datasets``.
+"""The ``betty-train`` command line: ``train``, ``evaluate``, ``predict``, ``plan``, ``validate``, ``datasets``.
 
 Every :class:`~betty_trainer.errors.BettyError` is caught here once and printed as
-one line (``error: …``) with exit status 2; no traceback reaches the user.
+one line (``error: …``) with exit status 2; no traceback reaches the user. ``logging``
+is configured here (``--log-level``): messages of betty-trainer's modules (re-plans,
+calibration, warnings) go to stderr as ``level: message`` lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +24,8 @@ from betty_trainer.errors import BettyError, ConfigError
 from betty_trainer.training.rundir import write_text
 
 EXIT_USER_ERROR = 2
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_PACKAGES = ("betty_trainer", "partition", "estimator")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Train GNNs with memory-fitting micro-batches (REG partitioning, Betty).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                        help="messages shown on stderr (default warning; info adds planning and calibration)")
 
     def add_config_args(sub: argparse.ArgumentParser, required: bool) -> None:
         sub.add_argument("--config", type=Path, required=required, help="YAML config file (see configs/)")
@@ -37,18 +45,53 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--data-dir", type=Path, help="folder holding the dataset's raw files (sets dataset.data_dir)")
         sub.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
 
-    train = commands.add_parser("train", help="train a model")
+    train = commands.add_parser("train", help="train a model", parents=[common])
     add_config_args(train, required=False)
-    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
-    plan = commands.add_parser("plan", help="plan the first batch's micro-batches and their memory; no training")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR from its last.pt")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the run train.run_dir already holds (default: refuse)")
+    evaluate = commands.add_parser("evaluate", help="accuracy of a finished run's checkpoint", parents=[common])
+    evaluate.add_argument("--run", type=Path, required=True, metavar="RUN_DIR", help="the run directory")
+    evaluate.add_argument("--checkpoint", choices=("best", "last"), default="best",
+                          help="best.pt (chosen on validation; default) or last.pt")
+    evaluate.add_argument("--split", choices=("val", "test", "all"), default="test", help="nodes to evaluate on")
+    predict = commands.add_parser("predict", help="write every node's predicted class and probabilities",
+                                  parents=[common])
+    predict.add_argument("--run", type=Path, required=True, metavar="RUN_DIR", help="the run directory")
+    predict.add_argument("--output", type=Path, required=True, metavar="FILE",
+                         help="a .pt, .csv or .parquet file (one row per node)")
+    predict.add_argument("--checkpoint", choices=("best", "last"), default="best", help="best.pt (default) or last.pt")
+    plan = commands.add_parser("plan", help="plan the first batch's micro-batches and their memory; no training",
+                               parents=[common])
     add_config_args(plan, required=True)
     plan.add_argument("--measure", action="store_true", help="also run one step per micro-batch and measure its peak")
     plan.add_argument("--output", type=Path, default=Path("plan.json"),
                       help="where to write the plan (default plan.json)")
-    validate = commands.add_parser("validate", help="check a config and say whether it is well-formed")
+    validate = commands.add_parser("validate", help="check a config as train would, before loading data",
+                                   parents=[common])
     add_config_args(validate, required=True)
-    commands.add_parser("datasets", help="list known datasets and where their files are")
+    commands.add_parser("datasets", help="list known datasets and where their files are", parents=[common])
     return parser
+
+
+class _StderrHandler(logging.Handler):
+    """Writes ``level: message`` to the current ``sys.stderr`` (looked up at every record, so a test's
+    captured stream works too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(f"{record.levelname.lower()}: {record.getMessage()}\n")
+        except Exception:  # noqa: BLE001 - logging must never break the run
+            self.handleError(record)
+
+
+def configure_logging(level: str) -> None:
+    """Send the records of betty-trainer's packages at ``level`` and above to stderr (idempotent)."""
+    for name in _PACKAGES:
+        package = logging.getLogger(name)
+        package.setLevel(level.upper())
+        package.handlers = [h for h in package.handlers if not isinstance(h, _StderrHandler)] + [_StderrHandler()]
+        package.propagate = False
 
 
 def _resolve(args: argparse.Namespace) -> Config:
@@ -74,12 +117,32 @@ def _train(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
-    result = train(config, run_dir=args.resume, resume=args.resume is not None)
+    result = train(config, run_dir=args.resume, resume=args.resume is not None, overwrite=args.overwrite,
+                   command=["betty-train", *sys.argv[1:]] if args.argv is None else ["betty-train", *args.argv],
+                   console=console)
+    last = "-" if result.last.test_acc is None else f"{result.last.test_acc:.4f}"
     console.print(
         f"final test accuracy {result.test_acc:.4f} (model chosen on validation: epoch {result.best_epoch}, "
-        f"val {result.best_val_acc:.4f}); last epoch test {result.last.test_acc:.4f}; run dir {result.run_dir}",
-        highlight=False,
+        f"val {result.best_val_acc:.4f}; best.pt); last epoch test {last} (last.pt); run dir {result.run_dir}",
+        highlight=False, soft_wrap=True,
     )
+
+
+def _evaluate(args: argparse.Namespace, console: Console) -> None:
+    from betty_trainer.training.inference import evaluate_run
+
+    run, accuracy = evaluate_run(args.run, args.checkpoint, args.split)
+    shown = "; ".join(f"{name} accuracy {value:.4f}" for name, value in accuracy.items())
+    console.print(f"{shown} ({args.checkpoint}.pt, epoch {run.epoch}; run dir {args.run})", highlight=False,
+                  soft_wrap=True)
+
+
+def _predict(args: argparse.Namespace, console: Console) -> None:
+    from betty_trainer.training.inference import predict_run
+
+    path = predict_run(args.run, args.output, args.checkpoint)
+    console.print(f"predictions of {args.checkpoint}.pt for every node written to {path}", highlight=False,
+                  soft_wrap=True)
 
 
 def _mib(nbytes: float) -> str:
@@ -93,8 +156,14 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
+    output = args.output
+    if output.is_dir():
+        raise ConfigError(f"--output {output} is a folder; give a file name such as {output / 'plan.json'}")
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another "
+                          "--output")
     report = dry_run(config, measure=args.measure)
-    write_text(args.output, json.dumps(report, indent=2))
+    write_text(output, json.dumps(report, indent=2))
     budget = report["budget_bytes"]
     table = Table(title=f"plan: {report['dataset']}, {report['num_micro_batches']} micro-batches "
                         f"({report['partitioner']}), sizes in MiB")
@@ -133,11 +202,15 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
 
 
 def _validate(args: argparse.Namespace, console: Console) -> None:
+    from betty_trainer.training.preflight import check_config
+
     config = _resolve(args)
     if args.print_config:
         print(config.to_yaml(), end="")
-    else:
-        console.print(f"{args.config}: well-formed", highlight=False)
+        return
+    checked = check_config(config)
+    console.print(f"{args.config}: well-formed; checked as train would before loading data: {', '.join(checked)}",
+                  highlight=False, soft_wrap=True)
 
 
 def _datasets(args: argparse.Namespace, console: Console) -> None:
@@ -158,8 +231,11 @@ def _datasets(args: argparse.Namespace, console: Console) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``betty-train``; returns the exit status."""
     args = _parser().parse_args(argv)
+    args.argv = None if argv is None else list(argv)
+    configure_logging(args.log_level)
     console = Console()
-    command = {"train": _train, "plan": _plan, "validate": _validate, "datasets": _datasets}[args.command]
+    command = {"train": _train, "evaluate": _evaluate, "predict": _predict, "plan": _plan, "validate": _validate,
+               "datasets": _datasets}[args.command]
     try:
         command(args, console)
     except BettyError as error:

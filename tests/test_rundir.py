@@ -123,7 +123,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_good_checkpoint_and_the_
     disk.fail("write", code, second_checkpoint, partial=True)
     failed = betty_in_process(capsys, *train_args(run, "optim.epochs=3"))
     assert_one_line_error(failed, f"cannot write {run / CHECKPOINT_NAME}: ", cause,
-                          "the previous checkpoint.pt is unchanged")
+                          f"the previous {CHECKPOINT_NAME} is unchanged")
     assert (run / CHECKPOINT_NAME).read_bytes() == good["bytes"]
     assert load_checkpoint(run)["epoch"] == 0
     assert not (run / (CHECKPOINT_NAME + ".partial")).exists()

@@ -1,50 +1,220 @@
-"""Atomic per-epoch checkpoints, loaded without unpickling arbitrary objects (``weights_only=True``)."""
+"""Checkpoints: ``last.pt`` and ``best.pt``, each with a sha256 beside it, loaded without unpickling
+arbitrary objects (``weights_only=True``) and refused when damaged, incomplete or diverged.
+
+Files in a run directory:
+
+- ``last.pt``: ``{"format", "kind": "last", "epoch", "model", "optimizer", "scheduler", "best", "identity"}``,
+  replaced after every epoch; ``--resume`` continues from it.
+- ``best.pt``: ``{"format", "kind": "best", "epoch", "model", "metrics", "identity"}``, the model chosen on
+  validation accuracy with its epoch's metrics line; replaced when validation accuracy improves.
+- ``last.sha256`` / ``best.sha256``: ``<hex digest>  <file name>`` lines in ``sha256sum`` format
+  (``sha256sum -c best.sha256`` checks a file by hand).
+
+A checkpoint is written in three atomic steps: its ``.sha256`` listing the new digest and the digest of
+the file it replaces, the checkpoint, then the ``.sha256`` listing the new digest alone. A crash or a full
+disk between any two steps leaves a checkpoint whose digest is listed, so a run killed at any moment
+resumes; a changed byte matches no listed digest and is refused.
+
+``identity`` records what the parameters belong to: the dataset's name and sizes, the model section of
+the config (or a custom model's class) and every parameter's shape, so a resume or a load with another
+model or dataset is refused with one line naming what differs (:func:`identity_difference`).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from betty_trainer.errors import TrainingError
-from betty_trainer.training.rundir import write_bytes
+from betty_trainer.training.rundir import write_bytes, write_text
 
-CHECKPOINT_NAME = "checkpoint.pt"
+FORMAT = 1
+LAST_NAME = "last.pt"
+BEST_NAME = "best.pt"
+CHECKPOINT_NAME = LAST_NAME  # the checkpoint --resume reads
+CHECKPOINTS = {"last": LAST_NAME, "best": BEST_NAME}
+REQUIRED_KEYS = {
+    "last": ("epoch", "model", "optimizer", "best", "identity"),
+    "best": ("epoch", "model", "metrics", "identity"),
+}
 
 
-def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` to ``run_dir/checkpoint.pt`` atomically (serialised in memory, then
-    :func:`betty_trainer.training.rundir.write_bytes`: temp file, fsync, rename), so a crash, a full disk
-    or a read-only file system mid-write leaves the previous checkpoint intact.
+def checksum_path(path: Path) -> Path:
+    """``last.pt`` → ``last.sha256``: the digest file beside a checkpoint."""
+    path = Path(path)
+    return path.with_name(path.stem + ".sha256")
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    """Hex sha256 digest of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def save_checkpoint(run_dir: Path, state: Mapping[str, Any], name: str = LAST_NAME) -> Path:
+    """Write ``state`` to ``run_dir/name`` and its digest to ``name``'s ``.sha256`` file.
+
+    The state is serialised in memory, then written with
+    :func:`betty_trainer.training.rundir.write_bytes` (temp file, fsync, rename) in the three steps of the
+    module docstring, so a crash, a full disk or a read-only file system mid-write leaves the previous
+    checkpoint in place and verifiable.
 
     Args:
         run_dir: the run directory.
-        state: tensors, numbers, strings, lists and dicts only.
+        state: tensors, numbers, strings, lists and dicts only; its ``"model"`` (a state dict) must be
+            finite.
+        name: ``last.pt`` or ``best.pt``.
 
     Returns:
         The checkpoint path.
 
     Raises:
-        RunDirError: the file cannot be written (the message names the path and the cause).
+        TrainingError: a parameter of ``state["model"]`` is NaN or infinite (nothing is written).
+        RunDirError: a file cannot be written (the message names the path and the cause).
     """
+    path = Path(run_dir) / name
+    bad = non_finite(state.get("model", {}))
+    if bad:
+        raise TrainingError(f"not saving {path}: {bad}")
     buffer = io.BytesIO()
-    torch.save(state, buffer)  # in memory: a failing disk then raises OSError with its errno, not torch's RuntimeError
-    return write_bytes(Path(run_dir) / CHECKPOINT_NAME, buffer.getbuffer())
+    torch.save(dict(state), buffer)  # in memory: a failing disk then raises OSError with its errno
+    digest = sha256_hex(buffer.getbuffer())
+    sums = checksum_path(path)
+    previous = [d for d in _listed_digests(sums, name) if d != digest] if path.exists() else []
+    write_text(sums, "".join(f"{d}  {name}\n" for d in [digest, *previous[:1]]))  # both stay valid in transit
+    write_bytes(path, buffer.getbuffer())
+    if previous:
+        write_text(sums, f"{digest}  {name}\n")
+    return path
 
 
-def load_checkpoint(run_dir: Path) -> dict[str, Any]:
-    """Read ``run_dir/checkpoint.pt`` with ``weights_only=True`` (no arbitrary code runs).
+def load_checkpoint(run_dir: Path, name: str = LAST_NAME) -> dict[str, Any]:
+    """Read and check ``run_dir/name``: its sha256 must be one its ``.sha256`` file lists, it is
+    unpickled with ``weights_only=True`` from the bytes that were checked (no arbitrary code runs),
+    it must hold the keys its kind needs (:data:`REQUIRED_KEYS`) and finite model parameters.
+
+    Args:
+        run_dir: the run directory.
+        name: ``last.pt`` (what ``--resume`` reads) or ``best.pt``.
+
+    Returns:
+        The checkpoint's state dict (tensors on the CPU).
 
     Raises:
-        TrainingError: if the file is missing or unreadable.
+        TrainingError: one line naming the file: missing, no or mismatching sha256, corrupt, holding
+            objects other than tensors and plain data, lacking keys, or non-finite parameters.
     """
-    path = run_dir / CHECKPOINT_NAME
+    path = Path(run_dir) / name
     if not path.is_file():
-        raise TrainingError(f"no checkpoint to resume from in {run_dir}")
+        raise TrainingError(f"no checkpoint {name} in {run_dir}" +
+                            ("; nothing to resume from" if name == LAST_NAME else ""))
+    data = _read(path)
+    sums = checksum_path(path)
+    listed = _listed_digests(sums, name)
+    if not sums.is_file():
+        raise TrainingError(f"checkpoint {path} has no checksum file {sums.name}, so it cannot be verified; "
+                            "it was not written by betty-train")
+    if sha256_hex(data) not in listed:
+        raise TrainingError(f"checkpoint {path} does not match its sha256 in {sums.name}: the file is damaged "
+                            "or was changed; it is refused")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as error:
-        raise TrainingError(f"checkpoint {path} is corrupt or unreadable: {error}") from None
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only" in str(error).lower():
+            raise TrainingError(f"checkpoint {path} holds objects other than tensors and plain data; "
+                                "it is refused (betty-train never writes such files)") from None
+        raise TrainingError(f"checkpoint {path} is corrupt: {_first_line(error)}") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as error:
+        raise TrainingError(f"checkpoint {path} is corrupt or unreadable: {_first_line(error)}") from None
+    kind = "best" if name == BEST_NAME else "last"
+    if not isinstance(state, dict):
+        raise TrainingError(f"checkpoint {path} holds a {type(state).__name__}, not a betty-train checkpoint")
+    missing = [key for key in REQUIRED_KEYS[kind] if key not in state]
+    if missing:
+        raise TrainingError(f"checkpoint {path} lacks {', '.join(map(repr, missing))}; it is not a betty-train "
+                            f"{name} of this version (start a new run)")
+    if not isinstance(state["model"], dict) or not all(isinstance(v, Tensor) for v in state["model"].values()):
+        raise TrainingError(f"checkpoint {path}: 'model' is not a state dict of tensors")
+    bad = non_finite(state["model"])
+    if bad:
+        raise TrainingError(f"checkpoint {path} is refused: {bad}")
+    return state
+
+
+def non_finite(tensors: Mapping[str, Any]) -> str | None:
+    """``None`` when every floating tensor of ``tensors`` is finite, else a phrase naming the first one
+    with NaN or infinite values and how many it holds."""
+    for key, value in tensors.items():
+        if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            count = int((~torch.isfinite(value)).sum())
+            return f"parameter {key!r} has {count} NaN or infinite value{'s' if count > 1 else ''}"
+    return None
+
+
+def identity(dataset: Mapping[str, Any], model: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> dict:
+    """What a checkpoint's parameters belong to (see the module docstring).
+
+    Args:
+        dataset: e.g. ``{"name": ..., "num_nodes": ..., "num_edges": ..., "num_features": ..., "num_classes": ...}``.
+        model: the config's ``model`` section as a dict, or ``{"custom": "<module>.<class>"}``.
+        state_dict: the model's state dict (its shapes are recorded).
+    """
+    return {"dataset": dict(dataset), "model": dict(model),
+            "shapes": {key: list(value.shape) for key, value in state_dict.items()}}
+
+
+def identity_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """``None`` when ``current`` matches ``saved`` (both from :func:`identity`), else a phrase naming the
+    first difference, e.g. ``"model.hidden is 32 here but 64 in the checkpoint"``."""
+    for section in ("dataset", "model"):
+        for key in _keys(saved.get(section, {}), current.get(section, {})):
+            here, there = current.get(section, {}).get(key), saved.get(section, {}).get(key)
+            if here != there:
+                return f"{section}.{key} is {here!r} here but {there!r} in the checkpoint"
+    shapes, saved_shapes = current.get("shapes", {}), saved.get("shapes", {})
+    for key in _keys(saved_shapes, shapes):
+        if shapes.get(key) != saved_shapes.get(key):
+            return (f"model parameter {key!r} has shape {shapes.get(key)} here but {saved_shapes.get(key)} "
+                    "in the checkpoint")
+    return None
+
+
+def _keys(one: Mapping[str, Any], two: Mapping[str, Any]) -> Iterable[str]:
+    return list(one) + [key for key in two if key not in one]
+
+
+def _listed_digests(sums: Path, name: str) -> list[str]:
+    try:
+        lines = sums.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    digests = []
+    for line in lines:
+        digest, _, listed = line.partition("  ")
+        if listed.strip().lstrip("*") == name and len(digest) == 64:
+            digests.append(digest.lower())
+    return digests
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise TrainingError(f"cannot read checkpoint {path}: {error.strerror or error}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def dataset_identity(graph: Any) -> dict[str, Any]:
+    """The ``identity["dataset"]`` of a :class:`~betty_trainer.data.graph.Graph`: its name and sizes."""
+    return {"name": graph.name, "num_nodes": int(graph.num_nodes), "num_edges": int(graph.indices.numel()),
+            "num_features": int(graph.num_features), "num_classes": int(graph.num_classes)}

@@ -10,8 +10,10 @@ from betty_trainer.datasets import load_dataset
 from betty_trainer.memory.plan import MicroBatchPlanner, model_spec, plan_report
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, plan_seed
+from betty_trainer.training.output import quiet_native_stderr
+from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.step import measure_training_step
-from betty_trainer.training.trainer import init_model, resolve_device
+from betty_trainer.training.trainer import init_model
 
 
 def dry_run(config: Config, measure: bool = False) -> dict:
@@ -22,7 +24,8 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     and a fresh Adam (stepped once first, so its state is resident as in training), the
     micro-batches after the first with the earlier ones' gradients resident as in
     training, and each row gets ``measured_peak_bytes`` and ``error`` =
-    (estimate − measured) / measured.
+    (estimate − measured) / measured. The profiler's own stderr lines are hidden
+    (:func:`~betty_trainer.training.output.quiet_native_stderr`).
 
     Returns:
         The report dict (what ``plan.json`` holds).
@@ -30,23 +33,31 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     Raises:
         BettyError: bad config or dataset, impossible budget.
     """
+    check_config(config)  # the checks train makes before loading data
     device = resolve_device(config.train.device)
     graph = load_dataset(config.dataset)
+    check_model_size(config, graph, device)
     planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
     batch = first_batch(config, graph)
     micro_batches, plan = planner.plan(batch, plan_seed(config))  # built one at a time, as training builds them
     report = plan_report(planner, batch, micro_batches, plan)
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
     if measure:
-        model = init_model(config, graph).to(device)
-        set_dropout_key(model, config.seed, 0)
-        optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-        features = HostFeatureStore(graph.x, pin=device.type == "cuda")  # the store training gathers from
-        measure_training_step(model, optimizer, micro_batches[0], features, graph.y, device)  # Adam state exists
-        for index, (row, micro_batch) in enumerate(zip(report["micro_batches"], micro_batches)):
-            measured = measure_training_step(model, optimizer, micro_batch, features, graph.y, device,
-                                             num_outputs=batch.output_nodes.numel(), accumulate=index > 0)
-            row["measured_peak_bytes"] = measured.peak_bytes
-            if "estimate" in row:
-                row["error"] = (row["estimate"]["peak_bytes"] - measured.peak_bytes) / measured.peak_bytes
+        with quiet_native_stderr():
+            _measure(config, graph, device, batch, micro_batches, report)
     return report
+
+
+def _measure(config: Config, graph, device: torch.device, batch, micro_batches, report: dict) -> None:
+    """Add ``measured_peak_bytes`` and ``error`` to each row of ``report`` (see :func:`dry_run`)."""
+    model = init_model(config, graph).to(device)
+    set_dropout_key(model, config.seed, 0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    features = HostFeatureStore(graph.x, pin=device.type == "cuda")  # the store training gathers from
+    measure_training_step(model, optimizer, micro_batches[0], features, graph.y, device)  # Adam state exists
+    for index, (row, micro_batch) in enumerate(zip(report["micro_batches"], micro_batches)):
+        measured = measure_training_step(model, optimizer, micro_batch, features, graph.y, device,
+                                         num_outputs=batch.output_nodes.numel(), accumulate=index > 0)
+        row["measured_peak_bytes"] = measured.peak_bytes
+        if "estimate" in row:
+            row["error"] = (row["estimate"]["peak_bytes"] - measured.peak_bytes) / measured.peak_bytes

@@ -14,6 +14,11 @@ permission) removes the partial file, leaves the previous version of the file as
 it was and raises a one-line :class:`RunDirError` naming the path and the cause.
 ``metrics.jsonl`` grows by appends; an append that fails is cut back to the
 previous end of the file, so no half line is left.
+
+A run is never lost: a new run into a directory that already holds one (any of
+:data:`RUN_FILES`) is refused unless it is resumed or explicitly overwritten, and an
+overwrite removes only the files a run writes (:meth:`RunDirectory.clear`), once the
+new run really starts.
 """
 
 from __future__ import annotations
@@ -24,15 +29,26 @@ import fcntl
 import functools
 import json
 import os
+import platform
+import shlex
+import shutil
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Mapping, Sequence
 from datetime import datetime
+from importlib import metadata as _metadata
 from pathlib import Path
 from typing import Any, Callable, TypeVar, cast
 
 from betty_trainer.errors import RunDirError
 
 LOCK_NAME = "run.lock"
+RUN_FILES = ("config.yaml", "metrics.jsonl", "plan.json", "last.pt", "last.sha256", "best.pt", "best.sha256",
+             "environment.json", "resumes.yaml", "checkpoint.pt")
+"""Files a run writes; a directory holding any of them holds a run (``checkpoint.pt``: earlier versions)."""
+TENSORBOARD_DIR = "tensorboard"
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SCOPE: contextvars.ContextVar[list[RunDirectory] | None] = contextvars.ContextVar("run_dir_scope", default=None)
@@ -68,23 +84,27 @@ class RunDirectory:
         self._lock_fd: int | None = lock_fd
 
     @classmethod
-    def open(cls, path: Path, *, create: bool = True) -> RunDirectory:
+    def open(cls, path: Path, *, create: bool = True, overwrite: bool = False) -> RunDirectory:
         """Create ``path`` (with ``create``) and take its lock.
 
         Args:
             path: the run directory.
-            create: make the directory (and its parents) if missing; ``False`` to resume, where
-                it must exist.
+            create: a new run: make the directory (and its parents) if missing; it must not hold a
+                run unless ``overwrite``. ``False`` to resume, where it must exist.
+            overwrite: a new run may replace the run the directory holds (call :meth:`clear` once
+                the new run starts).
 
         Returns:
             The held run directory (registered with the enclosing :func:`holds_run_directories`).
 
         Raises:
-            RunDirError: another process (or another open in this one) holds the lock, or the
-                directory cannot be created or its lock file written; the message names the
+            RunDirError: another process (or another open in this one) holds the lock; the path or
+                one of its parents is a file; a new run without ``overwrite`` finds a run there; or
+                the directory cannot be created or its lock file written. The message names the
                 path, the cause and the fix.
         """
         path = Path(path)
+        check_run_dir_path(path)
         if create:
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -105,6 +125,11 @@ class RunDirectory:
             raise RunDirError(f"run directory {path} is in use by another run ({holder}); wait for it to end, "
                               "or choose another train.run_dir") from None
         run = cls(path, fd)
+        if create and not overwrite and holds_run(path):
+            run.close()
+            raise RunDirError(f"run directory {path} already holds a run ({', '.join(run_files(path))}); continue it "
+                              f"with betty-train train --resume {path}, replace it with --overwrite, or choose "
+                              "another train.run_dir")
         try:
             os.ftruncate(fd, 0)
             _write_all(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -123,6 +148,26 @@ class RunDirectory:
             os.close(self._lock_fd)  # closing the descriptor drops its flock
             self._lock_fd = None
 
+    def clear(self) -> None:
+        """Remove the files a run writes (:data:`RUN_FILES`, their ``.partial`` leftovers and the
+        TensorBoard folder); the lock and any other file stay.
+
+        Raises:
+            RunDirError: a file cannot be removed (the message names it and the cause).
+        """
+        for name in RUN_FILES:
+            for path in (self.path / name, self.path / (name + ".partial")):
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as error:
+                    raise RunDirError(_failure("cannot remove", path, error)) from None
+        board = self.path / TENSORBOARD_DIR
+        if board.is_dir():
+            try:
+                shutil.rmtree(board)
+            except OSError as error:
+                raise RunDirError(_failure("cannot remove", board, error)) from None
+
     def __enter__(self) -> RunDirectory:
         return self
 
@@ -140,6 +185,95 @@ class RunDirectory:
     def append_line(self, name: str, line: str) -> None:
         """Append ``line`` and a newline to ``path/name``; see :func:`append_line`."""
         append_line(self.path / name, line)
+
+
+def run_files(path: Path) -> list[str]:
+    """The :data:`RUN_FILES` present in ``path``."""
+    return [name for name in RUN_FILES if (Path(path) / name).is_file()]
+
+
+def holds_run(path: Path) -> bool:
+    """Whether ``path`` is a folder holding a run (any of :data:`RUN_FILES`)."""
+    return Path(path).is_dir() and bool(run_files(path))
+
+
+def check_run_dir_path(path: Path, what: str = "train.run_dir") -> None:
+    """Refuse a run directory that is a file or lies under a file (checked before anything is written).
+
+    Raises:
+        RunDirError: naming ``what``, the file and the fix.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"{what} {path} is a file, not a folder; choose another {what}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RunDirError(f"{what} {path} lies under {parent}, which is a file; choose another {what}")
+            break
+
+
+def environment(device: Any, command: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a run ran on, for ``environment.json`` and ``resumes.yaml``: time, command line, working
+    folder, host, Python, torch (and its CUDA), betty-trainer and its main dependencies' versions, the
+    device (and the GPU's name), and the git commit of the source when it is a git checkout.
+
+    Args:
+        device: the ``torch.device`` training runs on.
+        command: the command line; default ``sys.argv``.
+    """
+    import torch  # the run directory's other helpers need no torch
+
+    versions = {}
+    for package in ("betty-trainer", "numpy", "scipy", "pymetis", "pydantic", "rich", "numba", "pyyaml"):
+        try:
+            versions[package] = _metadata.version(package)
+        except _metadata.PackageNotFoundError:
+            continue
+    device_name = None
+    if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(device)
+    return {
+        "time": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(list(command) if command is not None else sys.argv),
+        "cwd": os.getcwd(),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": str(torch.__version__),
+        "cuda": torch.version.cuda,
+        "packages": versions,
+        "device": str(device),
+        "device_name": device_name,
+        "git": git_commit(Path(__file__).resolve().parents[2]),
+    }
+
+
+def git_commit(folder: Path) -> dict[str, Any] | None:
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding ``folder``, or ``None`` when it is
+    not one (an installed wheel) or git is missing."""
+    try:
+        commit = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10)
+        if commit.returncode != 0:
+            return None
+        status = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
+
+
+def config_changes(before: Mapping[str, Any], after: Mapping[str, Any], prefix: str = "") -> dict[str, list]:
+    """Dotted keys whose values differ between two nested dicts: ``{"optim.epochs": [200, 400]}``."""
+    changes: dict[str, list] = {}
+    for key in list(before) + [k for k in after if k not in before]:
+        one, two = before.get(key), after.get(key)
+        if isinstance(one, Mapping) and isinstance(two, Mapping):
+            changes.update(config_changes(one, two, f"{prefix}{key}."))
+        elif one != two:
+            changes[f"{prefix}{key}"] = [one, two]
+    return changes
 
 
 def holds_run_directories(function: _F) -> _F:

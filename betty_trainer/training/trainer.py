@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+import yaml
+from rich.console import Console
 from torch import Tensor, nn
 
 from betty_trainer.config import Config
@@ -29,9 +30,30 @@ from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling import SampleKey
 from betty_trainer.sampling.schedule import epoch_seeds, make_sampler, plan_seed
-from betty_trainer.training.checkpoint import load_checkpoint, save_checkpoint
+from betty_trainer.training.checkpoint import (
+    BEST_NAME,
+    CHECKPOINT_NAME,
+    FORMAT,
+    LAST_NAME,
+    dataset_identity,
+    identity,
+    identity_difference,
+    load_checkpoint,
+    non_finite,
+    save_checkpoint,
+)
 from betty_trainer.training.evaluation import evaluate_splits
-from betty_trainer.training.rundir import RunDirectory, holds_run_directories, new_run_dir
+from betty_trainer.training.output import EpochProgress, quiet_native_stderr
+from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
+from betty_trainer.training.rundir import (
+    TENSORBOARD_DIR,
+    RunDirectory,
+    config_changes,
+    environment,
+    holds_run_directories,
+    new_run_dir,
+    write_text,
+)
 from betty_trainer.training.step import MicroBatches, micro_batch_backward
 from partition import Plan, redundancy
 
@@ -43,7 +65,8 @@ _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialis
 class EpochMetrics:
     """One line of ``metrics.jsonl``. Accuracies are fractions in ``[0, 1]``; ``seconds`` is wall time;
     ``host_to_device_bytes`` is what training's feature gathers copied host→device in the epoch (the
-    feature store's counter; 0 when training runs on the CPU; evaluation's gathers are not included)."""
+    feature store's counter; 0 when training runs on the CPU; evaluation's gathers are not included);
+    ``lr`` is the learning rate of the epoch's optimizer steps."""
 
     epoch: int
     loss: float
@@ -54,17 +77,20 @@ class EpochMetrics:
     input_redundancy: float
     seconds: float
     host_to_device_bytes: int = 0
+    lr: float | None = None
 
 
 @dataclass
 class TrainResult:
-    """Summary of a run: the epoch with the best validation accuracy and its test accuracy."""
+    """Summary of a run: the epoch with the best validation accuracy (the model in ``best.pt``) and its
+    test accuracy, the last epoch's metrics, and whether early stopping ended the run."""
 
     run_dir: Path
     best_epoch: int
     best_val_acc: float
     test_acc: float
     last: EpochMetrics
+    stopped_early: bool = False
 
 
 def init_model(config: Config, graph: Graph) -> nn.Module:
@@ -121,23 +147,6 @@ def accumulate_gradients(
     return loss_sum, correct
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → ``cuda`` when available, else ``cpu``.
-
-    Raises:
-        ConfigError: for an unknown device or CUDA requested without a GPU.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"invalid config value for 'train.device' ({name!r}): use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device is cuda but no CUDA GPU is available; use train.device=cpu")
-    return device
-
-
 @holds_run_directories  # the run directory's lock is released when train() returns or raises
 def train(
     config: Config,
@@ -146,96 +155,306 @@ def train(
     graph: Graph | None = None,
     run_dir: Path | None = None,
     resume: bool = False,
+    overwrite: bool = False,
+    command: Sequence[str] | None = None,
+    console: Console | None = None,
 ) -> TrainResult:
     """Train a model with micro-batch gradient accumulation, writing a run directory.
 
-    The run directory holds ``config.yaml`` (resolved config), ``metrics.jsonl``
-    (one :class:`EpochMetrics` per epoch), ``plan.json`` (the first batch's micro-batch
-    plan) and ``checkpoint.pt`` (replaced atomically after every epoch). ``resume=True``
-    continues from that checkpoint and gives the same parameters as an uninterrupted run
-    (sampling and dropout are keyed by ``(seed, epoch, step)``, not by RNG state).
+    The run directory holds ``config.yaml`` (resolved config), ``environment.json`` (device, versions,
+    git commit, command line), ``metrics.jsonl`` (one :class:`EpochMetrics` per epoch), ``plan.json``
+    (the first batch's micro-batch plan), ``last.pt`` (replaced atomically after every epoch) and
+    ``best.pt`` (the model chosen on validation accuracy), each checkpoint with its sha256 beside it
+    (:mod:`betty_trainer.training.checkpoint`), and after a resume ``resumes.yaml``. Nothing is written
+    before every check has passed and the data, the model and (on resume) the checkpoint are loaded,
+    so a refused run leaves the directory as it was. ``resume=True`` continues from ``last.pt`` and
+    gives the same parameters as an uninterrupted run (sampling and dropout are keyed by
+    ``(seed, epoch, step)``, not by RNG state).
+
+    Optional (off by default): a learning-rate schedule (``optim.scheduler``), early stopping when
+    validation accuracy has not improved for ``train.patience`` epochs, and TensorBoard scalars in
+    ``<run_dir>/tensorboard`` (``train.tensorboard``).
 
     Args:
         config: the run configuration.
         model: a custom ``nn.Module`` with ``forward(blocks, x)``; default: built from ``config.model``.
+            Dropout must be :class:`~betty_trainer.models.NodeDropout` for micro-batches to give the
+            full batch's gradient (``torch.nn.Dropout`` draws new masks per micro-batch: a warning).
         graph: a graph to train on; default: loaded from ``config.dataset``.
         run_dir: overrides ``config.train.run_dir``.
         resume: continue the run in ``run_dir``.
+        overwrite: a new run may replace the run ``run_dir`` holds (its files are removed once training
+            starts).
+        command: the command line recorded in ``environment.json`` (default ``sys.argv``).
+        console: where progress is printed (default: a ``rich`` console on stdout).
 
     Returns:
         A :class:`TrainResult` (model chosen on validation accuracy).
 
     Raises:
-        BettyError: bad dataset or config, NaN loss (:class:`TrainingError`), unusable checkpoint.
-        RunDirError: the run directory is held by another run (its ``run.lock`` names the holder),
-            is read-only, or its disk is full (the last good checkpoint is kept).
+        BettyError: bad dataset or config, NaN loss or diverged parameters (:class:`TrainingError`,
+            naming the last good checkpoint), unusable checkpoint, or a resume whose model or dataset
+            differs from the checkpoint's.
+        RunDirError: the run directory already holds a run (without ``resume`` or ``overwrite``), is held
+            by another run (its ``run.lock`` names the holder), is a file, is read-only, or its disk is full
+            (the last good checkpoint is kept).
     """
+    console = console if console is not None else Console()
+    if resume and overwrite:
+        raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
     device = resolve_device(config.train.device)
+    path = Path(run_dir or new_run_dir(config))
+    check_config(config, dataset=graph is None, run_dir=path)
+    run = RunDirectory.open(path, create=not resume, overwrite=overwrite)  # refused if another run holds it
+    state = load_checkpoint(path) if resume else None  # verified before any data is loaded
+    if state is not None:
+        _check_resumable(config, state, path)
+
     graph = graph if graph is not None else load_dataset(config.dataset)
     if graph.train_idx.numel() == 0:
         raise ConfigError(f"dataset {graph.name!r} has no training nodes")
-    planner = make_planner(config, graph, model, device)
-    model = (model if model is not None else init_model(config, graph)).to(device)
+    builtin = model is None
+    if builtin:
+        check_model_size(config, graph, device)
+    with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
+        planner = make_planner(config, graph, model, device)
+    model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    scheduler = make_scheduler(config, optimizer)
     sampler = make_sampler(config, graph)
     features = HostFeatureStore(graph.x, pin=device.type == "cuda")
     splits = {"val": graph.val_idx, "test": graph.test_idx}
+    model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
+    ident = identity(dataset_identity(graph), model_id, model.state_dict())
 
-    run = RunDirectory.open(run_dir or new_run_dir(config), create=not resume)  # refused if another run holds it
-    run_dir, metrics_path = run.path, run.path / "metrics.jsonl"
+    metrics_path = path / "metrics.jsonl"
     start_epoch, best = 0, {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")}
-    if resume:
-        state = load_checkpoint(run_dir)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    if state is not None:
+        difference = identity_difference(state["identity"], ident)
+        if difference is not None:
+            raise TrainingError(f"cannot resume {path}: {difference}; resume with the run's own model and dataset, "
+                                "or start a new run (--overwrite, or another train.run_dir)")
+        if (state.get("scheduler") is None) != (scheduler is None):
+            raise TrainingError(f"cannot resume {path}: optim.scheduler differs from the run's "
+                                f"({config.optim.scheduler!r} here); resume with the run's optim.scheduler")
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            if scheduler is not None:
+                scheduler.load_state_dict(state["scheduler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} does not fit this model "
+                                f"({str(error).strip().splitlines()[0]}); start a new run") from None
         start_epoch, best = state["epoch"] + 1, state["best"]
+
+    # Everything is checked and loaded: the run really starts (or resumes) here.
+    if state is not None:
         _truncate_metrics(metrics_path, state["epoch"])
+        _record_resume(run, config, start_epoch, environment(device, command))
     else:
+        if overwrite:
+            run.clear()
+        run.write_text("environment.json", json.dumps(environment(device, command), indent=2) + "\n")
         run.write_text("metrics.jsonl", "")
     run.write_text("config.yaml", config.to_yaml())
+    _print_start(console, config, graph, device, model, path, start_epoch, resume)
+    board = _tensorboard(config, path)
 
-    last = None
+    last, stopped_early, warned_dropout = None, False, False
     model.train()
-    with _progress(config.train.progress) as progress:
-        task = progress.add_task(f"{graph.name} · {config.micro_batch.partitioner}", total=config.optim.epochs,
-                                 completed=start_epoch, status="")
-        for epoch in range(start_epoch, config.optim.epochs):
-            started = time.perf_counter()
-            seed_batches = epoch_seeds(config, graph, epoch)
-            loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
-            moved_before = features.stats.host_to_device_bytes
-            for index, seeds in enumerate(seed_batches):
-                batch = sampler.sample(seeds, SampleKey(config.seed, epoch, index))
-                set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
-                outcome = _train_batch(model, optimizer, planner, batch, features, graph.y, device,
-                                       plan_seed(config), where=f"epoch {epoch}, batch {index}",
-                                       run_dir=run_dir)
-                optimizer.step()
-                if epoch == 0 and index == 0:  # the plan of the first batch, as `betty-train plan` prints it
-                    report = plan_report(planner, batch, outcome.batches, outcome.plan)
-                    run.write_text("plan.json", json.dumps(report, indent=2))
-                loss_sum += outcome.loss * seeds.numel()
-                correct += outcome.correct
-                k_used = max(k_used, len(outcome.batches))
-                input_redundancy = max(input_redundancy, redundancy(batch.blocks, outcome.plan.layers)[0])
-            moved = features.stats.host_to_device_bytes - moved_before
+    try:
+        with EpochProgress(console, f"{graph.name} · {config.micro_batch.partitioner}", config.optim.epochs,
+                           start_epoch, live=config.train.progress) as progress:
+            for epoch in range(start_epoch, config.optim.epochs):
+                started = time.perf_counter()
+                seed_batches = epoch_seeds(config, graph, epoch)
+                loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
+                moved_before = features.stats.host_to_device_bytes
+                lr = optimizer.param_groups[0]["lr"]
+                for index, seeds in enumerate(seed_batches):
+                    batch = sampler.sample(seeds, SampleKey(config.seed, epoch, index))
+                    set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
+                    outcome = _train_batch(model, optimizer, planner, batch, features, graph.y, device,
+                                           plan_seed(config), where=f"epoch {epoch}, batch {index}",
+                                           last_good=_last_good(path, epoch))
+                    optimizer.step()
+                    if epoch == start_epoch and index == 0:  # the plan of the first batch, as `betty-train plan` prints it
+                        report = plan_report(planner, batch, outcome.batches, outcome.plan)
+                        if epoch == 0:
+                            run.write_text("plan.json", json.dumps(report, indent=2))
+                        _print_plan(console, report)
+                    if not warned_dropout and len(outcome.batches) > 1:
+                        warned_dropout = _warn_torch_dropout(model, len(outcome.batches))
+                    loss_sum += outcome.loss * seeds.numel()
+                    correct += outcome.correct
+                    k_used = max(k_used, len(outcome.batches))
+                    input_redundancy = max(input_redundancy, redundancy(batch.blocks, outcome.plan.layers)[0])
+                moved = features.stats.host_to_device_bytes - moved_before
+                if scheduler is not None:
+                    scheduler.step()
+                diverged = non_finite(model.state_dict())
+                if diverged:
+                    raise TrainingError(f"epoch {epoch}: {diverged} after the optimizer step (training diverged); "
+                                        f"try a lower optim.lr; {_last_good(path, epoch)}")
 
-            evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
-            accuracy = evaluate_splits(model, graph, features, device, splits, config.model.num_layers) if evaluate_now else {}
-            val_acc, test_acc = accuracy.get("val"), accuracy.get("test")
-            if val_acc is not None and val_acc > best["val_acc"]:
-                best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
-            last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),
-                                val_acc, test_acc, k_used, input_redundancy, time.perf_counter() - started,
-                                host_to_device_bytes=moved)
-            run.append_line("metrics.jsonl", json.dumps(asdict(last)))
-            save_checkpoint(run_dir, {"epoch": epoch, "model": model.state_dict(),
-                                      "optimizer": optimizer.state_dict(), "best": best})
-            progress.update(task, advance=1, status=_status(last, best))
+                evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
+                accuracy = (evaluate_splits(model, graph, features, device, splits, config.model.num_layers)
+                            if evaluate_now else {})
+                val_acc, test_acc = accuracy.get("val"), accuracy.get("test")
+                last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),
+                                    val_acc, test_acc, k_used, input_redundancy, time.perf_counter() - started,
+                                    host_to_device_bytes=moved, lr=lr)
+                run.append_line("metrics.jsonl", json.dumps(asdict(last)))
+                if val_acc is not None and val_acc > best["val_acc"]:
+                    best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
+                    save_checkpoint(path, {"format": FORMAT, "kind": "best", "epoch": epoch,
+                                           "model": model.state_dict(), "metrics": asdict(last),
+                                           "identity": ident}, BEST_NAME)
+                save_checkpoint(path, {"format": FORMAT, "kind": "last", "epoch": epoch, "model": model.state_dict(),
+                                       "optimizer": optimizer.state_dict(),
+                                       "scheduler": None if scheduler is None else scheduler.state_dict(),
+                                       "best": best, "identity": ident}, LAST_NAME)
+                if board is not None:
+                    _log_tensorboard(board, last)
+                progress.advance(epoch, _status(last, best))
+                if _patience_exhausted(config, epoch, best) and val_acc is not None:
+                    stopped_early = True
+                    console.print(f"early stopping after epoch {epoch}: validation accuracy has not improved for "
+                                  f"{epoch - best['epoch']} epochs (train.patience={config.train.patience})",
+                                  highlight=False, soft_wrap=True)
+                    break
+    finally:
+        if board is not None:
+            board.close()
 
     if last is None:
-        raise TrainingError(f"run in {run_dir} already finished {config.optim.epochs} epochs; raise optim.epochs to continue")
-    return TrainResult(run_dir, best["epoch"], best["val_acc"], best["test_acc"], last)
+        raise TrainingError(f"run in {path} already finished {config.optim.epochs} epochs; raise optim.epochs to continue")
+    return TrainResult(path, best["epoch"], best["val_acc"], best["test_acc"], last, stopped_early)
+
+
+def make_scheduler(config: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The learning-rate scheduler of ``config.optim.scheduler`` (stepped once per epoch), or ``None``.
+
+    ``step``: ``StepLR(step_size, gamma)``; ``cosine``: ``CosineAnnealingLR(T_max=optim.epochs,
+    eta_min=optim.min_lr)``.
+    """
+    optim = config.optim
+    if optim.scheduler == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=optim.step_size, gamma=optim.gamma)
+    if optim.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=optim.epochs, eta_min=optim.min_lr)
+    return None
+
+
+def _patience_exhausted(config: Config, epoch: int, best: dict) -> bool:
+    patience = config.train.patience
+    return patience is not None and best["epoch"] >= 0 and epoch - best["epoch"] >= patience
+
+
+def _check_resumable(config: Config, state: dict, path: Path) -> None:
+    """Refuse a resume that cannot train another epoch, before any data is loaded."""
+    if state["epoch"] + 1 >= config.optim.epochs:
+        raise TrainingError(f"run in {path} already finished {config.optim.epochs} epochs; "
+                            "raise optim.epochs to continue")
+    if _patience_exhausted(config, state["epoch"], state["best"]):
+        raise TrainingError(f"run in {path} stopped early at epoch {state['epoch']} (validation accuracy has not "
+                            f"improved since epoch {state['best']['epoch']}); raise train.patience to continue")
+
+
+def _allocate(build: Callable[[], nn.Module], device: torch.device) -> nn.Module:
+    """``build()``, with an allocation failure as a one-line error."""
+    try:
+        return build()
+    except torch.OutOfMemoryError as error:
+        raise TrainingError(f"cannot allocate the model on {device}: {str(error).splitlines()[0]}; "
+                            "lower model.hidden or model.num_layers") from None
+    except RuntimeError as error:
+        if "allocate" not in str(error):
+            raise
+        raise TrainingError(f"cannot allocate the model on {device} ({str(error).splitlines()[0][-120:]}); "
+                            "lower model.hidden or model.num_layers") from None
+
+
+def _last_good(path: Path, epoch: int) -> str:
+    """Where the run can go on from when epoch ``epoch`` fails (the checkpoints hold earlier epochs only)."""
+    if epoch == 0 or not (path / LAST_NAME).exists():
+        return "no checkpoint was written yet"
+    return (f"last good checkpoint: {path / LAST_NAME} (epoch {epoch - 1}; continue with betty-train train "
+            f"--resume {path} and a lower optim.lr)")
+
+
+def _record_resume(run: RunDirectory, config: Config, start_epoch: int, env: dict) -> None:
+    """Append this resume (its epoch, the config keys it changed, its environment) to ``resumes.yaml``."""
+    saved = run.path / "config.yaml"
+    before = yaml.safe_load(saved.read_text()) if saved.is_file() else {}
+    history = []
+    if (run.path / "resumes.yaml").is_file():
+        history = yaml.safe_load((run.path / "resumes.yaml").read_text()) or []
+    history.append({"from_epoch": start_epoch,
+                    "changes": config_changes(before or {}, config.model_dump(mode="json")),
+                    "environment": env})
+    run.write_text("resumes.yaml", yaml.safe_dump(history, sort_keys=False))
+
+
+def _warn_torch_dropout(model: nn.Module, k: int) -> bool:
+    """Warn once when ``model`` holds a ``torch.nn`` dropout layer and a batch runs as ``k > 1`` micro-batches."""
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.modules.dropout._DropoutNd)]
+    if names:
+        logger.warning(
+            "the model uses torch.nn dropout (%s) and batches run as %d micro-batches: each micro-batch draws its "
+            "own masks, so the gradient is not the full batch's and --resume is not bit-exact; use "
+            "betty_trainer.NodeDropout, whose mask is keyed by node id", ", ".join(names), k)
+    return True
+
+
+def _qualname(model: nn.Module) -> str:
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+def _print_start(console: Console, config: Config, graph: Graph, device: torch.device, model: nn.Module,
+                 path: Path, start_epoch: int, resume: bool) -> None:
+    state = f"resuming at epoch {start_epoch}" if resume else "new run"
+    budget = config.micro_batch.budget
+    split = (f"K = {config.micro_batch.num_micro_batches}" if budget is None else
+             f"the smallest K under a budget of {budget if budget == 'auto' else f'{budget / 2**20:.1f} MiB'}")
+    params = sum(p.numel() for p in model.parameters())
+    lines = [
+        f"run directory {path} ({state})",
+        f"device {device} · torch {torch.__version__} · dataset {graph.name}: {graph.num_nodes:,} nodes, "
+        f"{graph.indices.numel():,} edges, {graph.num_features} features, {graph.num_classes} classes; "
+        f"{graph.train_idx.numel()} train / {graph.val_idx.numel()} val / {graph.test_idx.numel()} test nodes",
+        f"model {type(model).__name__} ({params:,} parameters) · {config.optim.epochs} epochs · micro-batches: "
+        f"{split} ({config.micro_batch.partitioner})",
+    ]
+    for line in lines:
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+def _print_plan(console: Console, report: dict) -> None:
+    rows = report["micro_batches"]
+    peaks = [row["estimate"]["peak_bytes"] for row in rows if "estimate" in row]
+    peak = f", largest estimated peak {max(peaks) / 2**20:.2f} MiB" if peaks else ""
+    console.print(f"first batch: {report['full_batch']['outputs']} outputs in {report['num_micro_batches']} "
+                  f"micro-batches{peak}, input redundancy {report['redundancy_per_layer'][0]:.3f}",
+                  highlight=False, soft_wrap=True)
+
+
+def _tensorboard(config: Config, path: Path):
+    if not config.train.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(log_dir=str(path / TENSORBOARD_DIR))
+
+
+def _log_tensorboard(board, metrics: EpochMetrics) -> None:
+    for name in ("loss", "train_acc", "val_acc", "test_acc", "lr", "micro_batches", "input_redundancy", "seconds"):
+        value = getattr(metrics, name)
+        if value is not None:
+            board.add_scalar(name, value, metrics.epoch)
+    board.flush()
 
 
 @dataclass
@@ -248,7 +467,7 @@ class _BatchOutcome:
 
 def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: MicroBatchPlanner, batch: Batch,
                  features: FeatureStore, labels: Tensor, device: torch.device, seed: int, where: str,
-                 run_dir: Path) -> _BatchOutcome:
+                 last_good: str) -> _BatchOutcome:
     """Plan, accumulate gradients over the micro-batches, each built when it runs (no optimizer step).
 
     A CUDA out-of-memory error in a micro-batch discards that batch's partial
@@ -271,7 +490,7 @@ def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: Mi
             min_k = plan.k + 1
             logger.warning("%s: out of memory with K=%d micro-batches; re-planning with K ≥ %d", where, plan.k, min_k)
         except TrainingError as error:
-            raise TrainingError(f"{where}: {error}; last checkpoint: {run_dir}") from None
+            raise TrainingError(f"{where}: {error}; {last_good}") from None
 
 
 def _status(metrics: EpochMetrics, best: dict) -> str:
@@ -279,17 +498,27 @@ def _status(metrics: EpochMetrics, best: dict) -> str:
     return f"loss {metrics.loss:.4f} · val {val} · best val {best['val_acc']:.3f} (test {best['test_acc']:.3f})"
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
-        TimeElapsedColumn(), TextColumn("{task.fields[status]}"), disable=not enabled,
-    )
-
-
 def _truncate_metrics(path: Path, last_epoch: int) -> None:
-    """Drop metric lines written after the checkpoint's epoch (a crash between the two writes)."""
+    """Drop metric lines written after the checkpoint's epoch (a crash between the two writes), and an
+    unparseable last line (a crash mid-append on a file system that does not cut it back).
+
+    Raises:
+        TrainingError: a line before the last is not JSON (the file was edited or damaged).
+    """
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["epoch"] <= last_epoch]
-    path.write_text("".join(line + "\n" for line in kept))
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                logger.warning("dropping the unreadable last line of %s (a write cut short)", path)
+                break
+            raise TrainingError(f"{path} line {number} is not JSON; repair or remove that line to resume") from None
+        if not isinstance(record, dict) or "epoch" not in record:
+            raise TrainingError(f"{path} line {number} is not a metrics record; repair or remove it to resume")
+        if record["epoch"] <= last_epoch:
+            kept.append(line)
+    write_text(path, "".join(line + "\n" for line in kept))

@@ -1,0 +1,227 @@
+"""Using a finished run: load its model, evaluate a checkpoint, write per-node predictions.
+
+Everything here reads a run directory written by :func:`~betty_trainer.training.trainer.train`: its
+``config.yaml`` rebuilds the model and loads the dataset, and ``best.pt`` or ``last.pt`` (checked
+against its sha256, :func:`~betty_trainer.training.checkpoint.load_checkpoint`) gives the parameters.
+Evaluation is the one training runs (:func:`~betty_trainer.training.evaluation.evaluate_splits`), so
+``betty-train evaluate`` prints exactly the accuracies training reported for that checkpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from betty_trainer.config import Config, load_config
+from betty_trainer.data.feature_store import HostFeatureStore
+from betty_trainer.data.graph import Graph
+from betty_trainer.datasets import load_dataset
+from betty_trainer.errors import ConfigError, TrainingError
+from betty_trainer.training.checkpoint import (
+    CHECKPOINTS,
+    dataset_identity,
+    identity,
+    identity_difference,
+    load_checkpoint,
+)
+from betty_trainer.training.evaluation import (
+    evaluate_splits,
+    evaluates_layerwise,
+    full_neighbourhood_batches,
+    layerwise_logits,
+)
+from betty_trainer.training.preflight import resolve_device
+from betty_trainer.training.trainer import init_model
+
+PREDICTION_FORMATS = (".pt", ".csv", ".parquet")
+
+
+@dataclass
+class LoadedRun:
+    """A run's model with its checkpoint loaded, in eval mode.
+
+    Attributes:
+        model: the model on ``device``.
+        config: the run's ``config.yaml``.
+        graph: the dataset it was trained on.
+        checkpoint: ``"best"`` or ``"last"``.
+        epoch: the checkpoint's epoch (0-based).
+        metrics: the ``metrics.jsonl`` line of that epoch as stored in ``best.pt`` (``None`` for ``last``).
+        device: where the model is.
+    """
+
+    model: nn.Module
+    config: Config
+    graph: Graph
+    checkpoint: str
+    epoch: int
+    metrics: dict[str, Any] | None
+    device: torch.device
+
+
+def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module | None = None,
+             graph: Graph | None = None, device: str | torch.device = "cpu") -> LoadedRun:
+    """Load a run's model from ``best.pt`` or ``last.pt`` (see :func:`load_model`).
+
+    Raises:
+        ConfigError: unknown ``checkpoint``, or ``run_dir`` is not a run directory.
+        TrainingError: the checkpoint is missing, damaged, or belongs to another model or dataset.
+        DatasetError: the dataset cannot be loaded.
+    """
+    if checkpoint not in CHECKPOINTS:
+        raise ConfigError(f"--checkpoint must be best or last, got {checkpoint!r}")
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    config = load_config(saved)
+    state = load_checkpoint(run_dir, CHECKPOINTS[checkpoint])
+    device = resolve_device(str(device))
+    graph = graph if graph is not None else load_dataset(config.dataset)
+    builtin = model is None
+    if builtin and "custom" in state["identity"].get("model", {}):
+        raise ConfigError(f"{run_dir} was trained with the custom model {state['identity']['model']['custom']}; "
+                          "pass an instance of it as model=")
+    model = model if model is not None else init_model(config, graph)
+    model_id = config.model.model_dump(mode="json") if builtin else state["identity"].get("model", {})
+    difference = identity_difference(state["identity"], identity(dataset_identity(graph), model_id,
+                                                                  model.state_dict()))
+    if difference is not None:
+        raise TrainingError(f"cannot load {run_dir / CHECKPOINTS[checkpoint]}: {difference}")
+    model.load_state_dict(state["model"])
+    model.to(device).eval()
+    return LoadedRun(model, config, graph, checkpoint, int(state["epoch"]), state.get("metrics"), device)
+
+
+def load_model(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module | None = None,
+               graph: Graph | None = None, device: str | torch.device = "cpu") -> nn.Module:
+    """The trained model of a run directory, ready for inference (eval mode).
+
+    The built-in model is rebuilt from the run's ``config.yaml`` and sized for its dataset (which is
+    loaded unless ``graph`` is given: GCN needs its degrees); a custom model is passed as ``model``, an
+    instance of the class that was trained, and gets the checkpoint's parameters. The checkpoint is
+    verified against its sha256 and must be finite and belong to this model and dataset.
+
+    Example::
+
+        model = load_model("runs/cora-sage-20261122-101500")            # best.pt
+        logits = layerwise_logits(model, graph, graph.x, torch.device("cpu"))
+
+    Args:
+        run_dir: a run directory written by :func:`~betty_trainer.training.trainer.train`.
+        checkpoint: ``"best"`` (the model chosen on validation accuracy) or ``"last"``.
+        model: an instance of the custom model the run trained; default: the built-in model of the config.
+        graph: the dataset, if already loaded; default: loaded from the run's config.
+        device: where to put the model.
+
+    Returns:
+        The model (``forward(blocks, x)`` → ``(num_outputs, num_classes)`` logits), in eval mode.
+
+    Raises:
+        ConfigError: not a run directory, unknown ``checkpoint``, or a custom-model run without ``model``.
+        TrainingError: the checkpoint is missing, damaged, non-finite, or belongs to another model or dataset.
+    """
+    return load_run(run_dir, checkpoint, model=model, graph=graph, device=device).model
+
+
+def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "test") -> tuple[LoadedRun, dict]:
+    """Accuracy of a run's checkpoint on ``val``, ``test`` or ``all`` (train, val and test).
+
+    Returns:
+        The loaded run and ``{split: fraction in [0, 1]}``, computed as training computes them (on the
+        CPU; layer by layer for built-in models), so they equal the accuracies training reported for
+        that epoch.
+
+    Raises:
+        ConfigError, TrainingError: see :func:`load_run`; ``splits`` not val, test or all.
+    """
+    names = {"val": ["val"], "test": ["test"], "all": ["train", "val", "test"]}.get(splits)
+    if names is None:
+        raise ConfigError(f"--split must be val, test or all, got {splits!r}")
+    run = load_run(run_dir, checkpoint)
+    nodes = {"train": run.graph.train_idx, "val": run.graph.val_idx, "test": run.graph.test_idx}
+    features = HostFeatureStore(run.graph.x, pin=False)
+    accuracy = evaluate_splits(run.model, run.graph, features, run.device, {name: nodes[name] for name in names},
+                               run.config.model.num_layers)
+    return run, accuracy
+
+
+@torch.no_grad()
+def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best") -> Path:
+    """Write every node's predicted class and class probabilities (softmax of the logits) to ``output``.
+
+    Formats, by ``output``'s suffix (one row per node, in node-id order):
+
+    - ``.pt``: ``{"node": (N,) int64, "prediction": (N,) int64, "probabilities": (N, C) float32}``, read with
+      ``torch.load(path, weights_only=True)``;
+    - ``.csv``: header ``node,prediction,prob_0,…,prob_{C-1}``;
+    - ``.parquet``: the same columns (needs ``pyarrow``).
+
+    Returns:
+        ``output``.
+
+    Raises:
+        ConfigError: unknown suffix, a missing output folder, or ``.parquet`` without pyarrow.
+        TrainingError: see :func:`load_run`.
+    """
+    output = Path(output)
+    suffix = output.suffix.lower()
+    if suffix not in PREDICTION_FORMATS:
+        raise ConfigError(f"--output {output}: use a .pt, .csv or .parquet file")
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another")
+    if suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError("--output *.parquet needs pyarrow (pip install pyarrow); or write .csv or .pt")
+    run = load_run(run_dir, checkpoint)
+    probabilities = torch.softmax(node_logits(run), dim=1).float()
+    table = {"node": torch.arange(run.graph.num_nodes), "prediction": probabilities.argmax(1),
+             "probabilities": probabilities}
+    try:
+        if suffix == ".pt":
+            torch.save(table, output)
+        elif suffix == ".csv":
+            _write_csv(output, table)
+        else:
+            _write_parquet(output, table)
+    except OSError as error:
+        raise ConfigError(f"cannot write --output {output}: {error.strerror or error}") from None
+    return output
+
+
+def node_logits(run: LoadedRun) -> Tensor:
+    """``(N, C)`` logits of every node of ``run.graph``, on the CPU (layer-wise for built-in models, else
+    full-neighbourhood batches)."""
+    features = HostFeatureStore(run.graph.x, pin=False)
+    if evaluates_layerwise(run.model):
+        return layerwise_logits(run.model, run.graph, features, run.device)
+    parts = []
+    for batch in full_neighbourhood_batches(run.graph, torch.arange(run.graph.num_nodes),
+                                            run.config.model.num_layers):
+        parts.append(run.model(batch.to(run.device).blocks, features.gather(batch.input_nodes, run.device)).cpu())
+    return torch.cat(parts)
+
+
+def _write_csv(path: Path, table: dict[str, Tensor]) -> None:
+    classes = table["probabilities"].shape[1]
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["node", "prediction", *(f"prob_{c}" for c in range(classes))])
+        for node, prediction, row in zip(table["node"].tolist(), table["prediction"].tolist(),
+                                         table["probabilities"].tolist()):
+            writer.writerow([node, prediction, *(f"{p:.7g}" for p in row)])
+
+
+def _write_parquet(path: Path, table: dict[str, Tensor]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"node": pa.array(table["node"].numpy()), "prediction": pa.array(table["prediction"].numpy())}
+    for c, column in enumerate(table["probabilities"].T.contiguous().numpy()):
+        columns[f"prob_{c}"] = pa.array(column)
+    pq.write_table(pa.table(columns), path)
