@@ -208,7 +208,7 @@ def _validate(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
-    checked = check_config(config)
+    checked = check_config(config, strict_device=False)
     console.print(f"{args.config}: well-formed; checked as train would before loading data: {', '.join(checked)}",
                   highlight=False, soft_wrap=True)
 

@@ -47,16 +47,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None = None) -> list[str]:
+def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None = None,
+                 strict_device: bool = True) -> list[str]:
     """Every check of a run that needs no data; returns the names of the checks made.
 
     Args:
         config: the run's config.
         dataset: check ``config.dataset`` (``False`` when the caller passes its own graph).
         run_dir: the run directory to check (default ``config.train.run_dir`` when set).
+        strict_device: a CUDA device this machine lacks is an error (``train``); ``False`` reports it
+            instead (``validate``: a config may be checked on a laptop and run on a GPU node), and the
+            budget is then checked only as far as the config goes.
 
     Returns:
-        What was checked, e.g. ``["dataset name", "device", "synthetic split sizes", "budget", ...]``.
+        What was checked, e.g. ``["dataset name", "device (cpu)", "synthetic split sizes", "budget", ...]``.
 
     Raises:
         ConfigError: naming the key and the fix. RunDirError: the run directory is or lies under a file.
@@ -66,8 +70,14 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
         if config.dataset.name not in DATASETS:
             raise ConfigError(f"unknown dataset {config.dataset.name!r} (dataset.name); known: {', '.join(DATASETS)}")
         checked.append("dataset name")
-    device = resolve_device(config.train.device)
-    checked.append(f"device ({device})")
+    try:
+        device = resolve_device(config.train.device)
+        checked.append(f"device ({device})")
+    except ConfigError as error:
+        if strict_device:
+            raise
+        device = None
+        checked.append(f"device ({config.train.device}: not on this machine, train would refuse it here: {error})")
     if dataset and config.dataset.name == "synthetic":
         synthetic = config.dataset.synthetic
         needed = synthetic.train_per_class * synthetic.num_classes + synthetic.num_val + synthetic.num_test
@@ -78,7 +88,8 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
                 "lower dataset.synthetic.num_val / num_test")
         checked.append("synthetic split sizes")
     if config.micro_batch.budget is not None:
-        resolve_budget(config.micro_batch, device)
+        if device is not None:
+            resolve_budget(config.micro_batch, device)
         checked.append("budget")
     path = run_dir if run_dir is not None else config.train.run_dir
     if path is not None:
