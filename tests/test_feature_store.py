@@ -189,3 +189,62 @@ def test_metrics_record_the_bytes_training_moved_in_each_epoch(tmp_path, monkeyp
     per_epoch = [sum(log[:start0]), sum(log[end0:start1])]
     assert all(value > 0 for value in per_epoch)
     assert [line["host_to_device_bytes"] for line in lines] == per_epoch, "training's gathers only, per epoch"
+
+
+# --- memory-mapped features (issue 9): read on demand, never copied whole ---------------------------------
+
+
+def _rss_anon_bytes() -> int:
+    """Anonymous resident memory of this process (what a copy of the features would add; pages of a
+    mapped file are counted apart, as RssFile)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+@pytest.fixture(scope="module")
+def mapped_graph(tmp_path_factory):
+    """A power-law graph generated into the on-disk cache and mapped from it: x is (16000, 1024) float32, 65.5 MB."""
+    from betty_trainer.datasets import make_powerlaw
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BETTY_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        return make_powerlaw(num_nodes=16_000, num_edges=160_000, num_classes=4, num_features=1024, exponent=2.5,
+                             homophily=0.8, feature_signal=0.3, train_fraction=0.05, val_fraction=0.01,
+                             test_fraction=0.01, seed=0)
+
+
+def test_a_cached_graph_s_features_are_a_file_mapping_and_in_memory_ones_are_not(mapped_graph):
+    from betty_trainer.data.feature_store import is_file_backed
+
+    assert is_file_backed(mapped_graph.x) and is_file_backed(mapped_graph.x[100:])
+    assert not is_file_backed(mapped_graph.x.clone()) and not is_file_backed(torch.ones(10**6))
+
+
+def test_pinning_a_memory_mapped_matrix_keeps_the_mapping_instead_of_copying_it(mapped_graph):
+    store = HostFeatureStore(mapped_graph.x, pin=True)  # an in-RAM matrix would be copied into pinned memory
+    assert store.memory_mapped and store.pinned and store.x is mapped_graph.x
+    ids = torch.tensor([5, 15_999, 5, 77])
+    assert torch.equal(store.gather(ids, CPU), mapped_graph.x[ids])
+
+
+def test_training_on_memory_mapped_features_reads_only_the_batch_rows(mapped_graph):
+    graph = mapped_graph
+    batch = sample_batch(graph, graph.train_idx[:64], [5, 5], torch.Generator().manual_seed(0))
+
+    def gradients(features):
+        torch.manual_seed(0)
+        model = GraphSAGE(graph.num_features, 16, graph.num_classes, 2, "mean", 0.0)
+        accumulate_gradients(model, plan_micro_batches(batch, 2, "range", 0), features, graph.y, CPU)
+        return [p.grad for p in model.parameters()]
+
+    before = _rss_anon_bytes()
+    store = HostFeatureStore(graph.x, pin=False)
+    mapped = gradients(store)
+    grown = _rss_anon_bytes() - before
+    assert store.memory_mapped and store.stats.misses >= batch.blocks[0].num_src
+    assert grown < graph.x.nbytes // 4, f"anonymous memory grew by {grown} bytes: a copy of the features?"
+    in_memory = gradients(graph.x.clone())
+    assert all(torch.equal(a, b) for a, b in zip(mapped, in_memory)), "same gradients as from an in-RAM matrix"

@@ -76,6 +76,30 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
+def is_file_backed(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s storage lies in a memory-mapped *file* (e.g. ``torch.from_numpy`` of an
+    ``np.memmap`` or of ``np.load(mmap_mode=...)``), read on demand by the kernel's page cache.
+
+    Such a matrix may be larger than RAM, so a store must not copy it (pinning copies).
+    Decided from ``/proc/self/maps`` (Linux); ``False`` elsewhere, for CUDA tensors and for
+    empty tensors.
+    """
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    address = tensor.untyped_storage().data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                low, high = (int(bound, 16) for bound in fields[0].split("-"))
+                if low <= address < high:
+                    path = fields[5].strip() if len(fields) > 5 else ""
+                    return path.startswith("/") and not path.startswith("/dev/") and fields[4] != "0"
+    except OSError:
+        return False
+    return False
+
+
 def transfer_bytes(rows: int, row_bytes: int, source: torch.device | str, target: torch.device | str) -> int:
     """Bytes a gather of ``rows`` rows of ``row_bytes`` bytes each moves from ``source`` to
     ``target``: ``rows × row_bytes`` when they are different devices, else 0."""
@@ -93,14 +117,20 @@ class HostFeatureStore:
     gather needs more rows (to :data:`STAGING_GROWTH` times its size, or the request) and is
     reused by every smaller gather.
 
+    A memory-mapped ``x`` (:func:`is_file_backed`: features cached on disk, possibly larger
+    than RAM) is never copied: its rows are read on demand by the gathers, through the page
+    cache, and only the staging buffer is pinned.
+
     Args:
         x: ``(N, F)`` features (float32 or float16), normally on the CPU; a tensor already on
             a GPU is gathered there (``index_select``) and copied if another device asks.
-        pin: pin ``x`` (a copy of it, unless it is pinned already) and the staging buffer.
-            Default: ``torch.cuda.is_available()``. Pinning needs CUDA; ``x`` must be on the CPU.
+        pin: pin the staging buffer, and ``x`` (a copy of it, unless it is pinned already or
+            memory-mapped from a file). Default: ``torch.cuda.is_available()``. Pinning needs
+            CUDA; ``x`` must be on the CPU.
 
     Attributes:
         x: the stored features.
+        memory_mapped: ``x`` is a file mapping, read on demand (and never pinned).
         stats: the :class:`TransferStats` of every gather so far.
 
     Raises:
@@ -112,7 +142,8 @@ class HostFeatureStore:
         if x.dim() != 2:
             raise ValueError(f"features must be (N, F), got shape {tuple(x.shape)}")
         self.pinned = (torch.cuda.is_available() if pin is None else pin) and x.device.type == "cpu"
-        self.x = x.pin_memory() if self.pinned and not x.is_pinned() else x
+        self.memory_mapped = is_file_backed(x)
+        self.x = x.pin_memory() if self.pinned and not x.is_pinned() and not self.memory_mapped else x
         self.stats = TransferStats()
         self._staging: Tensor | None = None  # flat buffer of ``capacity`` elements
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of the staging buffer
@@ -172,7 +203,8 @@ class HostFeatureStore:
 
     def __repr__(self) -> str:
         n, f = self.x.shape
-        return f"HostFeatureStore(nodes={n}, features={f}, dtype={self.x.dtype}, pinned={self.pinned})"
+        return (f"HostFeatureStore(nodes={n}, features={f}, dtype={self.x.dtype}, pinned={self.pinned}, "
+                f"memory_mapped={self.memory_mapped})")
 
 
 def as_feature_store(features: Tensor | FeatureStore) -> FeatureStore:
