@@ -1,0 +1,175 @@
+"""GNS (Dong et al. 2021, §3): the global node cache, cache-first neighbour sampling, importance weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from betty_trainer.config import DatasetConfig
+from betty_trainer.data.graph import Graph
+from betty_trainer.datasets import load_dataset
+from betty_trainer.sampling import GNSSampler, NeighborSampler, SampleKey
+from betty_trainer.sampling.gns import random_walk_probability
+from tests.conftest import shared_data
+
+FANOUT = 10
+
+
+@pytest.fixture(scope="module")
+def computers():
+    return load_dataset(DatasetConfig(name="amazon-computers", data_dir=shared_data("graphdata-npz", "amazon_cs.npz")))
+
+
+def seeds_of(graph, count, seed=0):
+    return torch.randperm(graph.num_nodes, generator=torch.Generator().manual_seed(seed))[:count]
+
+
+def test_cache_size_refresh_and_determinism(computers):
+    """|C| = ⌈fraction · N⌉ distinct nodes; the same cache for every batch of a refresh window, a new one
+    after ``refresh_every`` batches (also across epochs when batches_per_epoch is known)."""
+    sampler = GNSSampler(computers, [FANOUT], cache_fraction=0.02, refresh_every=5, batches_per_epoch=8)
+    first = sampler.cache_nodes(SampleKey(1, 0, 0))
+    assert first.numel() == math.ceil(0.02 * computers.num_nodes) == torch.unique(first).numel()
+    assert torch.equal(first, sampler.cache_nodes(SampleKey(1, 0, 4)))
+    fifth = sampler.cache_nodes(SampleKey(1, 0, 5))
+    assert not torch.equal(first, fifth)
+    assert torch.equal(fifth, sampler.cache_nodes(SampleKey(1, 1, 1)))  # run batch 9 is in window 1, with batch 5
+    again = GNSSampler(computers, [FANOUT], cache_fraction=0.02, refresh_every=5, batches_per_epoch=8)
+    assert torch.equal(first, again.cache_nodes(SampleKey(1, 0, 3)))
+
+
+def test_degree_cache_favours_high_degree_nodes(computers):
+    """Eq. 6: a node's chance to be cached grows with its degree. Over 40 caches, the top-decile-degree nodes
+    are cached far more often than the bottom half, and the mean cached frequency tracks p^C (Eq. 11) within
+    its binomial standard error on aggregate."""
+    sampler = GNSSampler(computers, [FANOUT], cache_fraction=0.01, refresh_every=1, cache_probability="degree")
+    counts = torch.zeros(computers.num_nodes)
+    draws = 40
+    for step in range(draws):
+        counts[sampler.cache_nodes(SampleKey(2, 0, step))] += 1
+    degree = computers.in_degrees().double()
+    order = torch.argsort(degree)
+    bottom, top = order[: computers.num_nodes // 2], order[-computers.num_nodes // 10:]
+    assert float(counts[top].mean()) > 10 * float(counts[bottom].mean())
+    inclusion = sampler.cache(SampleKey(2, 0, 0)).inclusion
+    assert torch.allclose(sampler.probability(), degree / degree.sum())
+    # Σ_v frequency_v = |C| exactly; Σ_v p^C_v ≥ |C| (Eq. 11 counts draws with replacement), within 20%
+    assert abs(float(inclusion.sum()) / sampler.cache_size - 1) < 0.2
+
+
+def test_random_walk_probability_is_eq_8():
+    """P^ℓ = (DA + I) P^{ℓ−1} with d_s = min(k, deg s)/deg s and P⁰ uniform on the training nodes (Eq. 7–9),
+    against dense matrices on a small graph."""
+    src = torch.tensor([0, 1, 1, 2, 3, 4, 4, 5, 0])
+    dst = torch.tensor([1, 2, 3, 3, 4, 5, 0, 0, 3])
+    n = 6
+    graph = Graph.from_edges(src, dst, n, x=torch.zeros(n, 1), y=torch.zeros(n, dtype=torch.int64),
+                             train_idx=torch.tensor([0, 3]), val_idx=torch.arange(0), test_idx=torch.arange(0),
+                             num_classes=1)
+    adjacency = torch.zeros(n, n, dtype=torch.float64)  # adjacency[t, s] = 1 for an in-edge t → s
+    for s in range(n):
+        adjacency[graph.indices[graph.indptr[s]:graph.indptr[s + 1]].long(), s] = 1
+    degree = adjacency.sum(0)
+    p = torch.zeros(n, dtype=torch.float64)
+    p[[0, 3]] = 0.5
+    for k in (1, 2):  # output layer first: fanouts [2, 1] input layer first
+        p = adjacency @ (torch.clamp(k / degree, max=1) * p) + p
+    assert torch.allclose(random_walk_probability(graph, graph.train_idx, [2, 1]), p)
+
+
+def test_cached_neighbours_come_first(computers):
+    """§3.3: a dst node with at least k cached neighbours takes k of them and nothing else; one with fewer
+    takes all of them and tops up to k from the others; a node of degree ≤ k keeps every in-edge."""
+    sampler = GNSSampler(computers, [FANOUT], cache_fraction=0.05, cache_probability="degree")
+    key = SampleKey(3, 0, 0)
+    cache = sampler.cache(key)
+    dst = seeds_of(computers, 500)
+    block = sampler.sample(dst, key).blocks[0]
+    cases = set()
+    for row, s in enumerate(dst.tolist()):
+        neighbours = computers.indices[computers.indptr[s]:computers.indptr[s + 1]].long()
+        kept = block.src_nodes[block.indices[block.indptr[row]:block.indptr[row + 1]]]
+        cached = int(cache.mask[neighbours].sum())
+        if neighbours.numel() <= FANOUT:
+            assert torch.equal(kept, neighbours)
+            cases.add("whole")
+        elif cached >= FANOUT:
+            assert kept.numel() == FANOUT and bool(cache.mask[kept].all())
+            cases.add("cached only")
+        else:
+            assert kept.numel() == FANOUT and int(cache.mask[kept].sum()) == cached
+            cases.add("topped up")
+    assert cases == {"whole", "cached only", "topped up"}
+
+
+def test_cache_only_input_layer_reads_only_cached_neighbours(computers):
+    sampler = GNSSampler(computers, [FANOUT, FANOUT], cache_fraction=0.02, cache_only_input_layer=True)
+    key = SampleKey(4, 0, 0)
+    batch = sampler.sample(seeds_of(computers, 256), key)
+    first = batch.blocks[0]
+    new_inputs = first.src_nodes[first.num_dst:]
+    assert new_inputs.numel() > 0 and bool(sampler.cache(key).mask[new_inputs].all())
+    sources = first.src_nodes[first.indices]
+    assert bool(sampler.cache(key).mask[sources].all())
+
+
+def test_topped_up_weights_are_unbiased_given_the_cache(computers):
+    """Given the cache, rows that top up (c_s < k < d_s) estimate their neighbourhood sum without bias:
+    Σ_kept w_ts h_t averaged over R samples is within a Bonferroni bound of its standard error."""
+    sampler = GNSSampler(computers, [FANOUT], cache_fraction=0.01, refresh_every=10_000, cache_probability="degree")
+    cache = sampler.cache(SampleKey(5, 0, 0))
+    dst = seeds_of(computers, 300, seed=1)
+    degree = computers.indptr[dst + 1] - computers.indptr[dst]
+    cached = torch.tensor([int(cache.mask[computers.indices[computers.indptr[s]:computers.indptr[s + 1]].long()].sum())
+                           for s in dst.tolist()])
+    topping = (degree > FANOUT) & (cached < FANOUT)
+    h = computers.x[:, :8].double() @ torch.linspace(1, 2, 8, dtype=torch.float64) * 10
+    full = torch.stack([h[computers.indices[computers.indptr[s]:computers.indptr[s + 1]].long()].sum() for s in dst])
+    repetitions = 200
+    estimates = torch.empty(repetitions, dst.numel(), dtype=torch.float64)
+    for rep in range(repetitions):
+        block = sampler.sample(dst, SampleKey(5, 0, rep)).blocks[0]
+        sums = torch.zeros(dst.numel(), dtype=torch.float64)
+        sums.index_add_(0, block.edge_dst(), block.edge_weight.double() * h[block.src_nodes[block.indices]])
+        estimates[rep] = sums
+    z = (estimates.mean(0) - full)[topping] / (estimates.std(0)[topping] / math.sqrt(repetitions))
+    tests = int(topping.sum())
+    assert tests > 50
+    assert float(z.abs().max()) < -float(torch.special.ndtri(torch.tensor(1e-3 / (2 * tests), dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("only_cached", [False, True])
+@pytest.mark.parametrize("probability", ["degree", "random_walk"])
+def test_numba_and_tensor_kernels_sample_the_same_block(computers, only_cached, probability):
+    seeds = seeds_of(computers, 200, seed=2)
+    batches = [GNSSampler(computers, [FANOUT, 5], cache_fraction=0.02, cache_only_input_layer=only_cached,
+                          cache_probability=probability, kernel=kernel).sample(seeds, SampleKey(6, 0, 1))
+               for kernel in ("tensor", "numba")]
+    for a, b in zip(*(batch.blocks for batch in batches)):
+        assert torch.equal(a.src_nodes, b.src_nodes) and torch.equal(a.indptr, b.indptr)
+        assert torch.equal(a.indices, b.indices)
+        assert torch.allclose(a.edge_weight, b.edge_weight, rtol=1e-6)
+
+
+def test_gns_samples_fewer_uncached_inputs_than_ns(computers):
+    """With the input layer cache-only, a GNS batch reads fewer input nodes outside its cache than NS reads
+    in all (the nodes whose features cross PCIe when the cache is on the device)."""
+    seeds = seeds_of(computers, 256, seed=3)
+    fanouts = [FANOUT, FANOUT]
+    gns = GNSSampler(computers, fanouts, cache_fraction=0.05, cache_only_input_layer=True)
+    key = SampleKey(7, 0, 0)
+    inputs = gns.sample(seeds, key).input_nodes
+    uncached = int((~gns.cache(key).mask[inputs]).sum())
+    ns_inputs = NeighborSampler(computers, fanouts).sample(seeds, key).input_nodes.numel()
+    assert uncached < 0.5 * ns_inputs, (uncached, ns_inputs)
+
+
+def test_bad_arguments_are_refused(computers):
+    with pytest.raises(ValueError, match="cache_fraction"):
+        GNSSampler(computers, [5], cache_fraction=0)
+    with pytest.raises(ValueError, match="refresh_every"):
+        GNSSampler(computers, [5], refresh_every=0)
+    with pytest.raises(ValueError, match="cache_probability"):
+        GNSSampler(computers, [5], cache_probability="pagerank")
