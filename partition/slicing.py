@@ -7,8 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
+
+try:
+    import numba
+except ImportError:  # pragma: no cover - numba is a declared dependency
+    numba = None
 
 
 class BlockStructure(Protocol):
@@ -61,7 +67,11 @@ def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list
     nodes in the parent's order); those src nodes are the previous layer's dst
     nodes. The result holds exactly the parent's edges reachable from the
     outputs and nothing else, so a micro-batch computes the same math as the
-    full batch for its outputs. Vectorised; no Python loop over nodes.
+    full batch for its outputs. No Python loop over nodes: on the CPU one compiled
+    pass per block (:func:`slice_block_compiled`; serial, so it does not stall when
+    other processes hold the cores, as many small multi-threaded tensor ops do),
+    elsewhere tensor ops (:func:`slice_block_tensors`, which run on GPUs); both give
+    the same slices.
 
     Args:
         blocks: the full batch's blocks, input layer first. Consecutive blocks
@@ -101,11 +111,79 @@ def whole_batch(blocks: Sequence[BlockStructure]) -> list[LayerSlice]:
 
 
 def _slice_block(block: BlockStructure, dst: Tensor) -> LayerSlice:
-    new_indptr, edge_ids = gather_rows(block.indptr, dst)
-    touched = block.indices[edge_ids]
+    if numba is not None and block.indptr.device.type == "cpu":
+        return slice_block_compiled(block, dst)
+    return slice_block_tensors(block, dst)
 
+
+def slice_block_tensors(block: BlockStructure, dst: Tensor) -> LayerSlice:
+    """One block of :func:`slice_layers` by tensor ops, on the block's device (any, GPUs included).
+
+    Args:
+        block: the parent block.
+        dst: ``(n,)`` int64 distinct dst positions to keep, on the block's device.
+
+    Returns:
+        The :class:`LayerSlice` of those rows: src nodes numbered dst first, then the other touched
+        src positions in ascending order; edges row by row in the parent's order.
+    """
+    new_indptr, edge_ids = gather_rows(block.indptr, dst)
+    touched = block.indices.index_select(0, edge_ids)
     src_index, local = relabel_dst_first(dst, touched, block.num_src)
     return LayerSlice(src_index=src_index, num_dst=dst.numel(), indptr=new_indptr, indices=local, edge_ids=edge_ids)
+
+
+def slice_block_compiled(block: BlockStructure, dst: Tensor) -> LayerSlice:
+    """:func:`slice_block_tensors` by one compiled pass over the kept edges (CPU tensors; needs numba).
+
+    Work O(e + num_src) for ``e`` kept edges, one ``(num_src,)`` int32 scratch array (int64 from 2³¹
+    src nodes); the result equals :func:`slice_block_tensors`'s, tensor for tensor.
+    """
+    label = np.empty(block.num_src, dtype=np.int32 if block.num_src < 2**31 else np.int64)  # scratch
+    pointer, edge_ids, src_index, local = _slice_kernel(block.indptr.numpy(), block.indices.numpy(), dst.numpy(), label)
+    return LayerSlice(src_index=torch.from_numpy(src_index), num_dst=dst.numel(), indptr=torch.from_numpy(pointer),
+                      indices=torch.from_numpy(local), edge_ids=torch.from_numpy(edge_ids))
+
+
+def _jit(function):
+    """numba's ``njit`` (compiled on first call, cached on disk); ``function`` itself without numba."""
+    return function if numba is None else numba.njit(cache=True, nogil=True)(function)
+
+
+@_jit
+def _slice_kernel(indptr, indices, dst, label):  # pragma: no cover - compiled
+    n, num_src = dst.shape[0], label.shape[0]
+    pointer = np.empty(n + 1, dtype=np.int64)
+    pointer[0] = 0
+    for i in range(n):
+        pointer[i + 1] = pointer[i] + indptr[dst[i] + 1] - indptr[dst[i]]
+    label[:] = -1  # -1 untouched, -2 touched (not dst), else the new position
+    for i in range(n):
+        label[dst[i]] = i
+    edge_ids = np.empty(pointer[n], dtype=np.int64)
+    local = np.empty(pointer[n], dtype=np.int64)
+    extra = 0
+    position = 0
+    for i in range(n):
+        for edge in range(indptr[dst[i]], indptr[dst[i] + 1]):
+            src = indices[edge]
+            edge_ids[position] = edge
+            local[position] = src
+            if label[src] == -1:
+                label[src] = -2
+                extra += 1
+            position += 1
+    src_index = np.empty(n + extra, dtype=np.int64)
+    src_index[:n] = dst
+    next_label = n
+    for src in range(num_src):  # the other touched src positions in ascending order
+        if label[src] == -2:
+            label[src] = next_label
+            src_index[next_label] = src
+            next_label += 1
+    for position in range(local.shape[0]):
+        local[position] = label[local[position]]
+    return pointer, edge_ids, src_index, local
 
 
 def gather_rows(indptr: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -119,12 +197,15 @@ def gather_rows(indptr: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
         ``pointer`` ``(n + 1,)`` int64 of the chosen rows' edges and ``edge_ids`` ``(e,)``
         int64 positions of those edges in the original structure, row by row.
     """
-    start = indptr[rows]
-    degree = indptr[rows + 1] - start
+    start = indptr.index_select(0, rows)  # index_select: a faster CPU kernel than advanced indexing
+    degree = indptr.index_select(0, rows + 1) - start
     pointer = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(degree, 0, out=pointer[1:])
-    offset = torch.arange(int(pointer[-1]), device=rows.device) - torch.repeat_interleave(pointer[:-1], degree)
-    return pointer, torch.repeat_interleave(start, degree) + offset
+    total = int(pointer[-1])
+    # edge j of row i sits at start[i] + (j - pointer[i]): one repeat of the per-row shift, plus an arange
+    edge_ids = torch.repeat_interleave(start - pointer[:-1], degree, output_size=total)
+    edge_ids += torch.arange(total, device=rows.device)
+    return pointer, edge_ids
 
 
 def relabel_dst_first(dst: Tensor, touched: Tensor, id_space: int | None = None) -> tuple[Tensor, Tensor]:
@@ -147,11 +228,15 @@ def relabel_dst_first(dst: Tensor, touched: Tensor, id_space: int | None = None)
     """
     n, device = dst.numel(), dst.device
     if id_space is not None:
-        local = torch.full((id_space,), -1, dtype=torch.int64, device=device)
-        local[dst] = torch.arange(n, device=device)
-        extra = torch.unique(touched[local[touched] < 0])
-        local[extra] = torch.arange(n, n + extra.numel(), device=device)
-        return torch.cat([dst, extra]), local[touched]
+        # mark the touched ids, unmark the dst ids: the others, in ascending order, without a sort
+        seen = torch.zeros(id_space, dtype=torch.bool, device=device)
+        seen.index_fill_(0, touched, True)
+        seen.index_fill_(0, dst, False)
+        extra = torch.nonzero(seen).flatten()
+        local = torch.empty(id_space, dtype=torch.int64, device=device)  # read only at dst and extra ids
+        local.index_copy_(0, dst, torch.arange(n, device=device))
+        local.index_copy_(0, extra, torch.arange(n, n + extra.numel(), device=device))
+        return torch.cat([dst, extra]), local.index_select(0, touched)
     unique, inverse = torch.unique(torch.cat([dst, touched]), return_inverse=True)
     is_extra = torch.ones(unique.numel(), dtype=torch.bool, device=device)
     is_extra[inverse[:n]] = False

@@ -59,6 +59,21 @@ def cycle_with_weights(weights):
     return sp.csr_matrix((np.array(weights * 2, dtype=np.int64), (rows, cols)), shape=(4, 4))
 
 
+def test_metis_refines_graphs_above_the_size_bound_less(monkeypatch):
+    """METIS's default 10 refinement passes up to LARGE_GRAPH_ENTRIES stored entries, 3 above (and the two
+    settings give different partitions of this graph, so the test sees which one ran)."""
+    import partition.metis as metis_module
+
+    graph = sp.random(3000, 3000, density=2e-3, format="csr", random_state=0)
+    graph = ((graph + graph.T) > 0).astype(np.int64).tocsr()
+    graph = drop_diagonal(graph)
+    default, ten, three = (metis_kway(graph, 8, seed=0, niter=n) for n in (None, 10, 3))
+    assert graph.nnz <= metis_module.LARGE_GRAPH_ENTRIES and np.array_equal(default, ten)
+    assert not np.array_equal(ten, three)
+    monkeypatch.setattr(metis_module, "LARGE_GRAPH_ENTRIES", graph.nnz - 1)
+    assert np.array_equal(metis_kway(graph, 8, seed=0), three)
+
+
 def test_metis_uses_edge_weights():
     """On a 4-cycle both 2-2 cuts cut two edges; only the weights decide which pair stays together."""
     parts = metis_kway(cycle_with_weights([100, 1, 100, 1]), 2, seed=0)
@@ -263,3 +278,37 @@ def test_whole_batch_slices_equal_slicing_every_output(cora, fanouts):
         assert whole.num_dst == sliced.num_dst
         for name in ("src_index", "indptr", "indices", "edge_ids"):
             assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
+
+
+
+def assert_same_slices(left, right):
+    assert len(left) == len(right)
+    for one, two in zip(left, right):
+        assert one.num_dst == two.num_dst
+        for name in ("src_index", "indptr", "indices", "edge_ids"):
+            a, b = getattr(one, name), getattr(two, name)
+            assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name
+
+
+def slice_with(slice_block, blocks, outputs):
+    """:func:`slice_layers` with a given per-block kernel (output layer to input layer)."""
+    layers, dst = [], outputs
+    for block in reversed(blocks):
+        layers.append(slice_block(block, dst))
+        dst = layers[-1].src_index
+    return layers[::-1]
+
+
+@pytest.mark.parametrize("fanouts", [[None, None], [3, 5], [2, 4, 6]])
+def test_compiled_slicing_equals_tensor_slicing(cora, fanouts):
+    """The CPU kernel and the tensor ops (the GPU path) give the same slices, tensor for tensor, and
+    ``slice_layers`` on CPU tensors is the kernel's (the first test checks its edges by set traversal)."""
+    from partition.slicing import slice_block_compiled, slice_block_tensors
+
+    batch = sample_batch(cora, cora.train_idx, fanouts, torch.Generator().manual_seed(0))
+    groups = partition_outputs(batch.blocks[-1], 5, "random", seed=1)
+    groups += [torch.arange(batch.blocks[-1].num_dst), torch.zeros(0, dtype=torch.int64)]
+    for group in groups:
+        compiled = slice_with(slice_block_compiled, batch.blocks, group)
+        assert_same_slices(compiled, slice_with(slice_block_tensors, batch.blocks, group))
+        assert_same_slices(compiled, slice_layers(batch.blocks, group))
