@@ -21,6 +21,11 @@ For each partitioner it runs ``partition.make_plan(blocks, k=K, partitioner=...)
 extra peak resident memory (``VmHWM`` from ``/proc/self/status``, reset through
 ``/proc/self/clear_refs`` before each plan, minus the resident memory before it; Linux
 only) and the per-layer redundancy (Σ_k |src nodes of micro-batch k| / |src nodes|).
+It then times make_plan's stages apart (vertex weights, METIS, slicing), each beside its
+former form, measured side by side in the same run: METIS with its default 10 refinement
+passes (``partition.metis.REFINEMENT_ITERATIONS`` applies above 10⁶ entries) and slicing
+by tensor ops (the GPU path) instead of the compiled CPU kernel. The machine's load
+average is printed with each row: wall times on a shared machine move with it.
 
 Run:
     python benchmarks/reg_scale.py                          # the issue's 2M-node case, K = 16
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -45,8 +51,11 @@ from betty_trainer.data.block import Batch
 from betty_trainer.data.graph import Graph
 from betty_trainer.sampling import sample_batch
 from partition import make_plan, redundancy
+from partition.metis import metis_kway
 from partition.partitioners import OutputSplitter
 from partition.reg import MAX_PAIRS, build_reg, hub_threshold, reader_counts
+from partition.search import integer_weights, output_costs
+from partition.slicing import slice_block_tensors, slice_layers
 
 
 def power_law_graph(num_nodes: int, num_edges: int, max_degree: float, seed: int = 0) -> Graph:
@@ -104,8 +113,10 @@ def measured(fn) -> tuple[Any, float, int, float]:
 
 
 def plan_row(batch: Batch, method: str, k: int, seed: int) -> dict[str, Any]:
-    """Plan ``batch`` into ``k`` micro-batches with ``method``: time (graph over the outputs, then METIS and
-    slicing inside ``make_plan``), extra peak memory, redundancy; and METIS alone, timed apart."""
+    """Plan ``batch`` into ``k`` micro-batches with ``method``: time (graph over the outputs, then
+    ``make_plan``: vertex weights, METIS and slicing), extra peak memory, redundancy; then the plan's
+    stages timed apart, each beside its former form (METIS with its default 10 refinement passes, slicing
+    by tensor ops, as before the compiled CPU kernel)."""
     block = batch.blocks[-1]
     name = "reg" if method == "reg_unclipped" else method
     splitter, graph_s, graph_peak, graph_cpu = measured(
@@ -113,14 +124,28 @@ def plan_row(batch: Batch, method: str, k: int, seed: int) -> dict[str, Any]:
         else _built(OutputSplitter(block, method)))
     plan, plan_s, plan_peak, plan_cpu = measured(
         lambda: make_plan(batch.blocks, k=k, partitioner=name, seed=seed, splitter=splitter))
-    _, metis_s, _, _ = measured(lambda: splitter.split(k, seed))  # unweighted METIS alone, for the breakdown
-    layers = redundancy(batch.blocks, plan.layers)
+    # the stages of make_plan, timed apart (with the same vertex weights)
+    weights, weights_s, _, _ = measured(lambda: integer_weights(output_costs(batch.blocks)))
+    groups, metis_s, _, _ = measured(lambda: splitter.split(k, seed, weights))
+    _, slicing_s, _, _ = measured(lambda: [slice_layers(batch.blocks, group) for group in groups])
     graph = splitter.graph
+    _, metis10_s, _, _ = measured(lambda: metis_kway(graph, k, seed, weights, niter=10) if graph is not None else None)
+    _, tensor_slicing_s, _, _ = measured(lambda: [_slice_by_tensor_ops(batch.blocks, group) for group in groups])
+    layers = redundancy(batch.blocks, plan.layers)
     return {"method": method, "k": plan.k, "seconds": graph_s + plan_s, "cpu_seconds": graph_cpu + plan_cpu,
-            "graph_seconds": graph_s, "metis_seconds": metis_s, "plan_seconds": plan_s,
+            "graph_seconds": graph_s, "plan_seconds": plan_s, "weights_seconds": weights_s,
+            "metis_seconds": metis_s, "slicing_seconds": slicing_s,
+            "metis_10_passes_seconds": metis10_s, "tensor_slicing_seconds": tensor_slicing_s,
             "graph_entries": 0 if graph is None else int(graph.nnz),
             "extra_peak_bytes": max(graph_peak, plan_peak),
-            "input_redundancy": layers[0], "layer_redundancy": layers}
+            "input_redundancy": layers[0], "layer_redundancy": layers, "load_average": os.getloadavg()}
+
+
+def _slice_by_tensor_ops(blocks, outputs):
+    """``slice_layers`` through the tensor path (the one GPUs take) instead of the compiled CPU kernel."""
+    dst = outputs
+    for block in reversed(blocks):
+        dst = slice_block_tensors(block, dst).src_index
 
 
 def _built(splitter: OutputSplitter) -> OutputSplitter:
@@ -161,9 +186,13 @@ def main() -> None:
         row = plan_row(batch, method, args.k, args.seed)
         rows.append(row)
         print(f"{method:>14}: K={row['k']}  plan {row['seconds']:6.2f} s wall ({row['cpu_seconds']:.2f} s CPU; graph "
-              f"{row['graph_seconds']:.2f} s, {row['graph_entries']} entries; METIS + slicing {row['plan_seconds']:.2f} s, "
-              f"of which METIS alone {row['metis_seconds']:.2f} s)  extra peak {row['extra_peak_bytes'] / 2**30:5.2f} GiB  "
-              f"redundancy per layer {', '.join(f'{r:.3f}' for r in row['layer_redundancy'])}", flush=True)
+              f"{row['graph_seconds']:.2f} s, {row['graph_entries']} entries; make_plan {row['plan_seconds']:.2f} s)  "
+              f"extra peak {row['extra_peak_bytes'] / 2**30:5.2f} GiB  "
+              f"redundancy per layer {', '.join(f'{r:.3f}' for r in row['layer_redundancy'])}\n"
+              f"{'':>16}make_plan's stages apart: vertex weights {row['weights_seconds']:.2f} s, METIS "
+              f"{row['metis_seconds']:.2f} s (10 refinement passes: {row['metis_10_passes_seconds']:.2f} s), slicing "
+              f"{row['slicing_seconds']:.2f} s (by tensor ops: {row['tensor_slicing_seconds']:.2f} s); "
+              f"load average {', '.join(f'{x:.1f}' for x in row['load_average'])}", flush=True)
     by_method = {row["method"]: row for row in rows}
     if {"reg", "metis"} <= by_method.keys():
         reg, metis = by_method["reg"], by_method["metis"]

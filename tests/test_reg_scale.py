@@ -38,3 +38,16 @@ def test_clipped_reg_stays_sparse_and_beats_induced_metis(power_law_batch, monke
     assert reg_redundancy <= metis_redundancy, (reg_redundancy, metis_redundancy)
     paper = make_plan(batch.blocks, k=k, partitioner="reg", splitter=OutputSplitter(block, "reg", graph=unclipped))
     assert reg_redundancy <= redundancy(batch.blocks, paper.layers)[0], "clipping costs no redundancy here"
+
+
+def test_plan_slices_equal_the_tensor_path_on_a_power_law_batch(power_law_batch):
+    """The compiled CPU slicing the plan uses and the tensor path GPUs take agree on a batch with hubs
+    (src nodes read by thousands of outputs, so every micro-batch shares them)."""
+    from partition.slicing import slice_block_tensors
+    from tests.test_partition import assert_same_slices, slice_with
+
+    batch = power_law_batch
+    plan = make_plan(batch.blocks, k=8, partitioner="reg")
+    assert plan.k == 8
+    for group, layers in zip(plan.groups, plan.layers):
+        assert_same_slices(layers, slice_with(slice_block_tensors, batch.blocks, group))
