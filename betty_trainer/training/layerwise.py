@@ -1,0 +1,125 @@
+"""Layer-wise chunked execution of one batch with recomputation: exact, and without Betty's redundancy
+(issue 10; the layer-by-layer order of ROC, NeutronStar and HongTu, with exact gradients).
+
+Betty's micro-batches (:mod:`betty_trainer.training.step`) each carry all ``L`` layers of their
+receptive field, so a hidden node read by several micro-batches is gathered and computed once per
+micro-batch. Here the batch's blocks run one layer at a time, each layer's dst nodes a chunk at
+a time (:func:`partition.chunks.chunk_layers`):
+
+- **Forward**, layers 1 … L, without autograd: a chunk gathers its src rows of ``h_{l−1}`` (layer
+  1: the input features, from the feature store) and computes its rows of ``h_l``, which is kept
+  whole. The logits give the loss ``Σ CE / |V|`` and its gradient ``∂L/∂h_L``.
+- **Backward**, layers L … 1: each chunk recomputes its forward from the stored ``h_{l−1}`` with
+  autograd on and backpropagates its rows of ``∂L/∂h_l``; the parameter gradients add into
+  ``.grad`` and its input rows' gradients into ``∂L/∂h_{l−1}`` (not at layer 1). Then ``h_l`` and
+  ``∂L/∂h_l`` are freed.
+
+Node-keyed dropout (:class:`~betty_trainer.models.dropout.NodeDropout`) draws the same mask for a
+node in every chunk and in the recompute, so the result is the full batch's gradient up to
+floating-point reassociation, as with micro-batches. Live at the peak: the stored ``h_{l−1}``
+and ``h_l`` (or its gradient), ``∂L/∂h_{l−1}``, and one chunk's one-layer step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from betty_trainer.data.block import Batch
+from betty_trainer.data.feature_store import FeatureStore, as_feature_store
+from betty_trainer.errors import TrainingError
+from betty_trainer.models.stack import LayerStack
+from partition.chunks import LayerChunks
+
+
+def runs_layerwise(model: object) -> bool:
+    """Whether ``model`` can run layer by layer: a :class:`~betty_trainer.models.stack.LayerStack`
+    (every built-in model, or a user model built on it) whose ``forward`` is the stack's own, so
+    that ``layer_forward`` one layer at a time computes what ``forward`` computes."""
+    return isinstance(model, LayerStack) and type(model).forward is LayerStack.forward
+
+
+def layerwise_backward(
+    model: LayerStack,
+    batch: Batch,
+    chunks: LayerChunks,
+    features: Tensor | FeatureStore,
+    labels: Tensor,
+    device: torch.device,
+) -> tuple[float, int]:
+    """Forward and backward ``batch`` layer by layer in ``chunks``, adding ``∇ mean_{i∈V} CE_i`` to ``.grad``.
+
+    Args:
+        model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`runs_layerwise`), in the
+            mode it trains in (dropout keyed by :func:`~betty_trainer.models.set_dropout_key`).
+        batch: the batch (blocks input layer first; block ``l``'s src nodes are block ``l − 1``'s
+            dst nodes, as every sampler here builds them).
+        chunks: :func:`partition.chunks.chunk_layers` of ``batch.blocks``.
+        features: the feature store (or an ``(N, F)`` tensor) the input rows are gathered from.
+        labels: ``(N,)`` int64 labels.
+        device: where the model runs; ``h_l`` and its gradient are kept there.
+
+    Returns:
+        The batch's mean loss and its number of correctly classified outputs.
+
+    Raises:
+        ValueError: ``model`` cannot run layer by layer, or ``chunks`` has another number of layers.
+        TrainingError: the loss is NaN or infinite (no gradient is added).
+    """
+    if not runs_layerwise(model):
+        raise ValueError(f"{type(model).__name__} cannot run layer by layer: layer-wise execution needs a "
+                         "LayerStack whose forward is the stack's own (use micro_batch.mode=betty)")
+    blocks = batch.blocks
+    if len(chunks.layers) != len(blocks) or len(blocks) != len(model.layers):
+        raise ValueError(f"{len(chunks.layers)} chunked layers for a batch of {len(blocks)} blocks and a model of "
+                         f"{len(model.layers)} layers")
+    store = as_feature_store(features)
+    num_outputs = batch.output_nodes.numel()
+    last = len(blocks) - 1
+
+    def run(index: int, piece, h_prev: Tensor | None, grad: bool) -> tuple[Tensor, Tensor | None]:
+        """One chunk's one-layer step: its sub-block, its input rows and its output rows."""
+        block = blocks[index].restrict(piece).to(device)
+        if index == 0:  # a fresh gather: input dropout may overwrite it
+            return model.layer_forward(0, block, store.gather(block.src_nodes, device), consume_input=True), None
+        rows = h_prev[piece.src_index.to(device)]
+        if grad:
+            rows.requires_grad_()
+        return model.layer_forward(index, block, rows), rows
+
+    stored: list[Tensor | None] = []
+    h_prev = None
+    with torch.no_grad():
+        for index, pieces in enumerate(chunks.layers):
+            out = None
+            for piece in pieces:
+                h, _ = run(index, piece, h_prev, grad=False)
+                if out is None:
+                    out = h.new_empty(blocks[index].num_dst, h.shape[1])
+                out[piece.src_index[: piece.num_dst].to(device)] = h
+                del h
+            stored.append(out)
+            h_prev = out
+
+    logits = stored[last].requires_grad_()
+    y = labels[batch.output_nodes].to(device)
+    loss = F.cross_entropy(logits, y, reduction="sum") / num_outputs
+    if not torch.isfinite(loss):
+        raise TrainingError(f"loss is {loss.item()}")
+    loss.backward()
+    grad_out, correct = logits.grad, int((logits.detach().argmax(1) == y).sum())
+    stored[last] = logits = None
+
+    for index in range(last, -1, -1):
+        h_prev = stored[index - 1] if index > 0 else None
+        grad_in = torch.zeros_like(h_prev) if h_prev is not None else None
+        for piece in chunks.layers[index]:
+            h, rows = run(index, piece, h_prev, grad=True)
+            h.backward(grad_out[piece.src_index[: piece.num_dst].to(device)])
+            if grad_in is not None:
+                grad_in.index_add_(0, piece.src_index.to(device), rows.grad)
+            del h, rows
+        stored[index] = None
+        grad_out = grad_in
+    return loss.item(), correct

@@ -1,0 +1,71 @@
+"""Layer-wise chunks: each block's dst nodes split into chunks that share few src nodes (issue 10).
+
+Betty's micro-batches split the *outputs* and carry every layer of their receptive field,
+so a hidden node shared by several micro-batches is computed once per micro-batch.
+Layer-wise execution instead runs one layer at a time over all of that layer's dst nodes,
+a chunk at a time; every hidden node is computed once per pass. Its chunks are made here:
+block by block, the dst nodes are partitioned by the same partitioners as the outputs
+(REG or METIS on the block, :class:`~partition.partitioners.OutputSplitter`), so a chunk
+gathers few src rows, and each chunk is sliced into its one-layer sub-block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from partition.partitioners import OutputSplitter
+from partition.slicing import BlockStructure, LayerSlice, slice_layers
+
+
+@dataclass
+class LayerChunks:
+    """The chunks of every layer of one batch.
+
+    Attributes:
+        layers: per block (input layer first), per chunk, its :class:`LayerSlice` (the block
+            restricted to the chunk's dst nodes; ``src_index[:num_dst]`` are those dst nodes'
+            positions, dst first).
+        seconds: wall time of partitioning and slicing.
+    """
+
+    layers: list[list[LayerSlice]]
+    seconds: float = 0.0
+
+    @property
+    def k(self) -> int:
+        """Chunks per layer (the largest, when a small layer has fewer dst nodes than asked)."""
+        return max(len(chunks) for chunks in self.layers)
+
+
+def chunk_layers(blocks: Sequence[BlockStructure], k: int, partitioner: str = "metis", seed: int = 0) -> LayerChunks:
+    """Split each block's dst nodes into ``min(k, num_dst)`` chunks and slice each chunk's sub-block.
+
+    Args:
+        blocks: the batch's blocks, input layer first.
+        k: chunks per layer (≥ 1).
+        partitioner: a name in :data:`partition.PARTITIONERS` (``metis`` or ``reg`` keep the
+            chunks' src sets small; ``range`` is contiguous ids).
+        seed: partitioner seed.
+
+    Returns:
+        The :class:`LayerChunks`.
+
+    Raises:
+        ValueError: if ``k < 1``.
+    """
+    if k < 1:
+        raise ValueError(f"chunks per layer must be at least 1, got {k}")
+    started = time.perf_counter()
+    layers = []
+    for block in blocks:
+        parts = min(k, block.num_dst)
+        if parts <= 1:
+            groups = [torch.arange(block.num_dst)]
+        else:
+            groups = OutputSplitter(block, partitioner).split(parts, seed)
+        layers.append([slice_layers([block], group)[0] for group in groups if group.numel()])
+    return LayerChunks(layers, time.perf_counter() - started)

@@ -1,0 +1,126 @@
+"""Layer-wise chunked execution with recomputation equals the full-batch gradient (issue 10), for every
+built-in model, dropout on, full neighbourhood and sampled, on Cora and Amazon Computers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from betty_trainer import GCN, GraphSAGE, accumulate_gradients, sample_batch
+from betty_trainer.config import DatasetConfig
+from betty_trainer.datasets import load_dataset
+from betty_trainer.models import set_dropout_key
+from betty_trainer.models.gat import GAT
+from betty_trainer.training.layerwise import layerwise_backward, runs_layerwise
+from partition.chunks import chunk_layers
+from tests.conftest import shared_data
+
+CPU = torch.device("cpu")
+# the micro-batch exactness bound of tests/test_exactness.py (1e-5 of the largest entry), taken over the whole
+# gradient: per tensor, a bias of 7 entries that cancel to 1e-5 of their summands turns float32 round-off
+# (2⁻²⁴ per addition) into a relative error of 1e-5 on its own
+BOUND = 1e-5
+
+
+@pytest.fixture(scope="module")
+def computers():
+    graph = load_dataset(DatasetConfig(name="amazon-computers", data_dir=shared_data("graphdata-npz", "amazon_cs.npz")))
+    return dataclasses.replace(graph, x=graph.x[:, :64].contiguous())  # 767 features: 64 keep the LSTM fast
+
+
+def make(arch: str, graph, seed: int = 0):
+    torch.manual_seed(seed)
+    f, c = graph.num_features, graph.num_classes
+    if arch == "gcn":
+        return GCN(f, 16, c, graph.in_degrees(), 2, 0.5)
+    if arch == "gat":
+        return GAT(f, 8, c, 2, heads=2, dropout=0.5)
+    return GraphSAGE(f, 16, c, 2, arch.removeprefix("sage-"), 0.5)
+
+
+def full_batch_gradients(model, batch, graph):
+    model.zero_grad(set_to_none=True)
+    loss, correct = accumulate_gradients(model, [batch], graph.x, graph.y, CPU)
+    return [p.grad.clone() for p in model.parameters()], loss, correct
+
+
+def layerwise_gradients(model, batch, graph, k):
+    model.zero_grad(set_to_none=True)
+    loss, correct = layerwise_backward(model, batch, chunk_layers(batch.blocks, k, "metis", seed=1), graph.x,
+                                       graph.y, CPU)
+    return [p.grad.clone() for p in model.parameters()], loss, correct
+
+
+def assert_same(reference, candidate):
+    (ref_grads, ref_loss, ref_correct), (grads, loss, correct) = reference, candidate
+    assert correct == ref_correct
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    scale = max(ref.abs().max() for ref in ref_grads)
+    assert scale > 0
+    for ref, got in zip(ref_grads, grads):
+        assert ref.abs().max() > 0
+        assert (ref - got).abs().max() <= BOUND * scale
+
+
+ARCHS = ["sage-mean", "sage-gcn", "sage-pool", "sage-lstm", "gcn", "gat"]
+
+
+@pytest.mark.parametrize("fanouts", [[None, None], [10, 25]], ids=["full-neighbourhood", "sampled-10-25"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layerwise_equals_full_batch_on_cora(cora64, arch, fanouts):
+    seeds = cora64.train_idx
+    if arch == "sage-lstm":  # one LSTM step per in-degree: Cora's hubs (168) make the full neighbourhood slow
+        fanouts, seeds = [10, 10] if fanouts[0] is None else fanouts, seeds[:20]
+    model = make(arch, cora64)
+    set_dropout_key(model, seed=3, step=11)
+    batch = sample_batch(cora64, seeds, fanouts, torch.Generator().manual_seed(5))
+    reference = full_batch_gradients(model, batch, cora64)
+    for k in (2, 8, 32):
+        assert_same(reference, layerwise_gradients(model, batch, cora64, k))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layerwise_equals_full_batch_on_amazon_computers(computers, arch):
+    model = make(arch, computers)
+    set_dropout_key(model, seed=1, step=4)
+    seeds = torch.randperm(computers.num_nodes, generator=torch.Generator().manual_seed(0))[:150]
+    fanouts = [None, None]
+    if arch == "sage-lstm":
+        fanouts, seeds = [5, 5], seeds[:20]
+    batch = sample_batch(computers, seeds, fanouts, torch.Generator().manual_seed(2))
+    reference = full_batch_gradients(model, batch, computers)
+    for k in (2, 8, 32):
+        assert_same(reference, layerwise_gradients(model, batch, computers, k))
+
+
+def test_layerwise_dropout_really_applies(cora):
+    """Guards the tests above: with dropout the recomputed masks matter (the gradient differs from p=0)."""
+    model = make("sage-mean", cora)
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    with_dropout = layerwise_gradients(model, batch, cora, 4)[0]
+    model.dropout.p = 0.0
+    without = layerwise_gradients(model, batch, cora, 4)[0]
+    assert (with_dropout[0] - without[0]).abs().max() > 1e-3 * without[0].abs().max()
+
+
+def test_a_model_that_cannot_run_layer_by_layer_is_refused(cora):
+    class Custom(GraphSAGE):
+        def forward(self, blocks, x, consume_input=False):
+            return super().forward(blocks, x) * 2
+
+    model = Custom(cora.num_features, 8, cora.num_classes)
+    assert not runs_layerwise(model) and runs_layerwise(make("gcn", cora))
+    batch = sample_batch(cora, cora.train_idx[:10], [None, None])
+    with pytest.raises(ValueError, match="cannot run layer by layer.*micro_batch.mode=betty"):
+        layerwise_backward(model, batch, chunk_layers(batch.blocks, 2), cora.x, cora.y, CPU)
+
+
+def test_every_hidden_node_is_computed_once_per_pass(cora):
+    """The chunks of a layer partition its dst nodes: no node is computed twice, none is left out."""
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    chunks = chunk_layers(batch.blocks, 8, "metis", seed=0)
+    for block, pieces in zip(batch.blocks, chunks.layers):
+        dst = torch.cat([piece.src_index[: piece.num_dst] for piece in pieces])
+        assert torch.equal(dst.sort().values, torch.arange(block.num_dst))
