@@ -234,6 +234,11 @@ def train(
         if difference is not None:
             raise TrainingError(f"cannot resume {path}: {difference}; resume with the run's own model and dataset, "
                                 "or start a new run (--overwrite, or another train.run_dir)")
+        if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) and state.get("scheduler") \
+                and state["scheduler"].get("T_max") != config.optim.epochs:
+            raise TrainingError(f"cannot resume {path}: optim.scheduler=cosine anneals over optim.epochs "
+                                f"({state['scheduler'].get('T_max')} in the run, {config.optim.epochs} here); "
+                                "resume with the run's optim.epochs, or start a new run")
         if (state.get("scheduler") is None) != (scheduler is None):
             raise TrainingError(f"cannot resume {path}: optim.scheduler differs from the run's "
                                 f"({config.optim.scheduler!r} here); resume with the run's optim.scheduler")

@@ -1,0 +1,375 @@
+"""A run's life (issue 12): never lost, best and last checkpoints verified by sha256, resume refusals,
+one-line errors for every failure, evaluate and predict, readable logs outside a terminal.
+
+Runs are tiny synthetic ones (600 nodes, a few epochs); one test trains on Cora for the evaluate check.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from betty_trainer.config import load_config
+from betty_trainer.errors import TrainingError
+from betty_trainer.training.checkpoint import BEST_NAME, LAST_NAME, checksum_path, load_checkpoint, sha256_hex
+from betty_trainer.training.inference import evaluate_run, load_model, load_run, node_logits
+from betty_trainer.training.trainer import train
+from tests.conftest import REPO
+from tests.test_cli import QUICK, assert_one_line_error, betty, betty_in_process
+from tests.test_datasets import Evil
+
+QUICKSTART = str(REPO / "configs/quickstart.yaml")
+SMALL = [q for q in QUICK if not q.startswith("optim.epochs")]  # 600 nodes, no progress bar
+
+
+def train_cli(run: Path, *extra: str) -> list[str]:
+    return ["train", "--config", QUICKSTART, *SMALL, f"train.run_dir={run}", *extra]
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def rewrite_checkpoint(path: Path, state) -> None:
+    """Replace a checkpoint by ``state`` (any picklable object) with a matching sha256 file, so only
+    the content checks can refuse it."""
+    if isinstance(state, bytes):
+        data = state
+    else:
+        import io
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+    path.write_bytes(data)
+    checksum_path(path).write_text(f"{sha256_hex(data)}  {path.name}\n")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 3-epoch quickstart run (copy it before changing it)."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    train(load_config(QUICKSTART, SMALL + ["optim.epochs=3"]), run_dir=run)
+    return run
+
+
+@pytest.fixture
+def run_copy(finished, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(finished, copy)
+    return copy
+
+
+def test_a_rerun_into_an_existing_run_is_refused_and_overwrite_replaces_it(run_copy, capsys):
+    before = {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file() and p.name != "run.lock"}
+    refused = betty_in_process(capsys, *train_cli(run_copy, "optim.epochs=2"))
+    assert_one_line_error(refused, f"run directory {run_copy} already holds a run", "--resume", "--overwrite")
+    assert {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file() and p.name != "run.lock"} == before
+
+    replaced = betty_in_process(capsys, *train_cli(run_copy, "optim.epochs=2", "seed=1"), "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert [m["epoch"] for m in metrics(run_copy)] == [0, 1]
+    assert yaml.safe_load((run_copy / "config.yaml").read_text())["seed"] == 1
+    assert load_checkpoint(run_copy)["epoch"] == 1 and not (run_copy / "resumes.yaml").exists()
+    environment = json.loads((run_copy / "environment.json").read_text())
+    assert "--overwrite" in environment["command"] and environment["device"] == "cpu"
+    assert environment["torch"] == str(torch.__version__) and environment["git"]["commit"]
+
+
+def test_the_run_directory_records_what_the_run_ran_on(finished):
+    environment = json.loads((finished / "environment.json").read_text())
+    assert set(environment) >= {"time", "command", "host", "python", "torch", "packages", "device", "git"}
+    assert environment["packages"]["betty-trainer"]
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert environment["git"]["commit"] == commit.strip()
+
+
+def test_best_and_last_checkpoints_reload_and_give_the_reported_accuracies_exactly(tmp_path):
+    config = load_config(QUICKSTART, SMALL + ["optim.epochs=6", "optim.lr=1.0"])
+    result = train(config, run_dir=tmp_path / "run")
+    lines = metrics(tmp_path / "run")
+    best_line = max(lines, key=lambda m: m["val_acc"])  # the first epoch with the highest validation accuracy
+    assert result.best_epoch == best_line["epoch"] < lines[-1]["epoch"]  # best and last differ here
+
+    best, accuracy = evaluate_run(tmp_path / "run", "best", "all")
+    assert best.epoch == result.best_epoch and best.metrics == best_line
+    assert (accuracy["val"], accuracy["test"]) == (result.best_val_acc, result.test_acc)
+    assert 0 <= accuracy["train"] <= 1  # train_acc in metrics.jsonl is measured in training mode (dropout on)
+    last, accuracy = evaluate_run(tmp_path / "run", "last", "all")
+    assert last.epoch == lines[-1]["epoch"]
+    assert (accuracy["val"], accuracy["test"]) == (lines[-1]["val_acc"], lines[-1]["test_acc"])
+
+    model = load_model(tmp_path / "run")  # best.pt
+    saved = load_checkpoint(tmp_path / "run", BEST_NAME)["model"]
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in model.state_dict().items())
+    assert not model.training
+
+
+def test_evaluate_on_a_finished_cora_run_prints_the_test_accuracy_training_reported(planetoid_dir, tmp_path, capsys):
+    args = ["--config", str(REPO / "configs/cora-sage.yaml"), "--data-dir", str(planetoid_dir), "optim.epochs=8",
+            "train.progress=false", "micro_batch.num_micro_batches=2", f"train.run_dir={tmp_path / 'cora'}"]
+    trained = betty_in_process(capsys, "train", *args)
+    assert trained.returncode == 0, trained.stderr
+    reported = trained.stdout.split("final test accuracy ")[1].split()[0]
+    evaluated = betty_in_process(capsys, "evaluate", "--run", str(tmp_path / "cora"))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert evaluated.stdout.startswith(f"test accuracy {reported} (best.pt, epoch ")
+    last = metrics(tmp_path / "cora")[-1]
+    evaluated_last = betty_in_process(capsys, "evaluate", "--run", str(tmp_path / "cora"), "--checkpoint", "last",
+                                      "--split", "val")
+    assert evaluated_last.stdout.startswith(f"val accuracy {last['val_acc']:.4f} (last.pt, epoch {last['epoch']}")
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".csv", ".parquet"])
+def test_predict_writes_one_row_per_node_that_reads_back(finished, tmp_path, capsys, suffix):
+    output = tmp_path / f"predictions{suffix}"
+    result = betty_in_process(capsys, "predict", "--run", str(finished), "--output", str(output))
+    assert result.returncode == 0, result.stderr
+    run = load_run(finished)
+    expected = torch.softmax(node_logits(run), dim=1)
+    n, classes = run.graph.num_nodes, run.graph.num_classes
+    if suffix == ".pt":
+        table = torch.load(output, weights_only=True)
+        assert torch.equal(table["node"], torch.arange(n))
+        assert torch.equal(table["probabilities"], expected) and torch.equal(table["prediction"], expected.argmax(1))
+        return
+    if suffix == ".csv":
+        with open(output, newline="") as handle:
+            rows = list(csv.reader(handle))
+        header, rows = rows[0], rows[1:]
+        columns = {name: [row[i] for row in rows] for i, name in enumerate(header)}
+    else:
+        columns = pq.read_table(output).to_pydict()
+    assert len(columns["node"]) == n and [int(v) for v in columns["node"]] == list(range(n))
+    assert [int(v) for v in columns["prediction"]] == expected.argmax(1).tolist()
+    probabilities = torch.tensor([[float(v) for v in columns[f"prob_{c}"]] for c in range(classes)]).T
+    assert torch.allclose(probabilities, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_partial_metrics_line_is_dropped_and_resume_completes_bit_exactly(tmp_path, capsys):
+    overrides = SMALL + ["sampling.fanouts=5,5", "sampling.batch_size=40", "optim.scheduler=step", "optim.step_size=1"]
+    train(load_config(QUICKSTART, overrides + ["optim.epochs=4"]), run_dir=tmp_path / "straight")
+    train(load_config(QUICKSTART, overrides + ["optim.epochs=2"]), run_dir=tmp_path / "cut")
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as handle:
+        handle.write('{"epoch": 2, "loss": 0.4')  # a crash mid-append
+    resumed = betty_in_process(capsys, "train", "--resume", str(tmp_path / "cut"), "optim.epochs=4")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "warning: dropping the unreadable last line" in resumed.stderr
+    assert [m["epoch"] for m in metrics(tmp_path / "cut")] == [0, 1, 2, 3]
+    one, two = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "cut")
+    for name, tensor in one["model"].items():
+        assert torch.equal(tensor, two["model"][name]), name
+    assert [m["lr"] for m in metrics(tmp_path / "straight")] == [m["lr"] for m in metrics(tmp_path / "cut")]
+    history = yaml.safe_load((tmp_path / "cut" / "resumes.yaml").read_text())
+    assert history[0]["from_epoch"] == 2 and history[0]["changes"] == {"optim.epochs": [2, 4]}
+    assert "--resume" in history[0]["environment"]["command"]
+    assert len({m["lr"] for m in metrics(tmp_path / "cut")}) == 4  # the schedule really changed the rate
+
+    train(load_config(QUICKSTART, SMALL + ["optim.epochs=2", "optim.scheduler=cosine"]), run_dir=tmp_path / "cosine")
+    assert_one_line_error(betty_in_process(capsys, "train", "--resume", str(tmp_path / "cosine"), "optim.epochs=4"),
+                          "optim.scheduler=cosine anneals over optim.epochs (2 in the run, 4 here)")
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_refused_on_resume_and_on_load(run_copy, capsys):
+    config_before = (run_copy / "config.yaml").read_bytes()
+    for name in (LAST_NAME, BEST_NAME):
+        data = bytearray((run_copy / name).read_bytes())
+        data[len(data) // 2] ^= 0x40  # one flipped bit in the middle of the tensor data
+        (run_copy / name).write_bytes(bytes(data))
+    refused = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=5")
+    assert_one_line_error(refused, f"checkpoint {run_copy / LAST_NAME} does not match its sha256 in last.sha256")
+    assert (run_copy / "config.yaml").read_bytes() == config_before
+    assert_one_line_error(betty_in_process(capsys, "evaluate", "--run", str(run_copy)),
+                          f"checkpoint {run_copy / BEST_NAME} does not match its sha256")
+
+
+def test_a_checkpoint_written_halfway_is_still_verified(run_copy):
+    """The sha256 file lists the old and the new digest while the checkpoint is replaced (crash window)."""
+    old = (run_copy / LAST_NAME).read_bytes()
+    state = load_checkpoint(run_copy)
+    from betty_trainer.training.checkpoint import save_checkpoint
+
+    state["epoch"] = 7
+    save_checkpoint(run_copy, state)
+    new = (run_copy / LAST_NAME).read_bytes()
+    assert (run_copy / "last.sha256").read_text() == f"{sha256_hex(new)}  {LAST_NAME}\n"
+    (run_copy / "last.sha256").write_text(f"{sha256_hex(new)}  {LAST_NAME}\n{sha256_hex(old)}  {LAST_NAME}\n")
+    assert load_checkpoint(run_copy)["epoch"] == 7
+    (run_copy / LAST_NAME).write_bytes(old)  # killed after the first step: the old file with both digests listed
+    assert load_checkpoint(run_copy)["epoch"] == 2
+
+
+def test_a_failed_resume_leaves_config_yaml_unchanged(run_copy, capsys):
+    before = (run_copy / "config.yaml").read_bytes()
+    refused = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=10", "model.hidden=32")
+    assert_one_line_error(refused, "model.hidden is 32 here but 64 in the checkpoint")
+    assert (run_copy / "config.yaml").read_bytes() == before
+    assert not (run_copy / "resumes.yaml").exists() and [m["epoch"] for m in metrics(run_copy)] == [0, 1, 2]
+
+
+def _evil_checkpoint(run: Path) -> None:
+    rewrite_checkpoint(run / LAST_NAME, pickle.dumps(Evil(), protocol=2))
+
+
+def _keyless_checkpoint(run: Path) -> None:
+    rewrite_checkpoint(run / LAST_NAME, {"epoch": 2, "model": {}})
+
+
+def _non_finite_checkpoint(run: Path) -> None:
+    state = load_checkpoint(run)
+    name = next(iter(state["model"]))
+    state["model"][name].view(-1)[0] = float("inf")
+    rewrite_checkpoint(run / LAST_NAME, state)
+
+
+def _file(run: Path) -> None:
+    (run.parent / "a-file").write_text("x")
+
+
+RESUME = ["train", "--resume", "{run}", "optim.epochs=5"]
+TRAIN = ["train", "--config", QUICKSTART, *SMALL, "train.run_dir={tmp}/new"]
+
+
+@pytest.mark.parametrize("setup, args, fragments", [
+    (None, ["train", "--config", QUICKSTART, *SMALL, "dataset.synthetic.num_nodes=100"],
+     ["dataset.synthetic.num_nodes is 100 but its split needs 300 nodes"]),
+    (None, ["validate", "--config", QUICKSTART, "dataset.synthetic.num_nodes=100"],
+     ["dataset.synthetic.num_nodes is 100"]),
+    (_file, ["train", "--config", QUICKSTART, *SMALL, "train.run_dir={tmp}/a-file"], ["is a file, not a folder"]),
+    (_file, ["train", "--config", QUICKSTART, *SMALL, "train.run_dir={tmp}/a-file/run"],
+     ["lies under {tmp}/a-file, which is a file"]),
+    (_file, ["validate", "--config", QUICKSTART, "train.run_dir={tmp}/a-file/run"], ["which is a file"]),
+    (None, ["plan", "--config", QUICKSTART, *SMALL, "--output", "{tmp}/missing/plan.json"],
+     ["--output {tmp}/missing/plan.json: folder {tmp}/missing does not exist"]),
+    (None, [*RESUME, "model.hidden=16"], ["cannot resume", "model.hidden is 16 here but 64 in the checkpoint"]),
+    (None, [*RESUME, "dataset.synthetic.num_nodes=700"], ["dataset.num_nodes is 700 here but 600 in the checkpoint"]),
+    (None, [*RESUME, "model.arch=gcn"], ["model.arch is 'gcn' here but 'sage'"]),
+    (_keyless_checkpoint, RESUME, ["lacks 'optimizer', 'best', 'identity'"]),
+    (_evil_checkpoint, RESUME, ["holds objects other than tensors and plain data; it is refused"]),
+    (_non_finite_checkpoint, RESUME, ["is refused: parameter", "1 NaN or infinite value"]),
+    (None, [*TRAIN, "train.device=meta"], ["'train.device' ('meta')"]),
+    (None, [*TRAIN, "model.hidden=1000000000"], ["model.hidden=1000000000", "GiB of cpu memory"]),
+    (None, ["evaluate", "--run", "{tmp}"], ["is not a run directory"]),
+    (None, ["predict", "--run", "{run}", "--output", "{tmp}/p.txt"], ["use a .pt, .csv or .parquet file"]),
+    (None, ["predict", "--run", "{run}", "--output", "{tmp}/missing/p.csv"], ["folder {tmp}/missing does not exist"]),
+    (None, [*RESUME, "--overwrite"], ["give one of them"]),
+])
+def test_every_failure_is_one_error_line_and_exit_status_2(run_copy, tmp_path, capsys, setup, args, fragments):
+    if setup is not None:
+        setup(run_copy)
+    fill = {"run": str(run_copy), "tmp": str(tmp_path)}
+    result = betty_in_process(capsys, *(arg.format(**fill) for arg in args))
+    assert_one_line_error(result, *(fragment.format(**fill) for fragment in fragments))
+
+
+def test_validate_runs_the_checks_train_runs_before_loading_data(capsys, tmp_path):
+    ok = betty_in_process(capsys, "validate", "--config", QUICKSTART, "micro_batch.budget=4MiB",
+                          f"train.run_dir={tmp_path / 'run'}")
+    assert ok.returncode == 0, ok.stderr
+    for check in ("well-formed", "checked as train would before loading data", "dataset name", "device (cpu)",
+                  "synthetic split sizes", "budget", "run directory"):
+        assert check in ok.stdout
+    unknown = betty_in_process(capsys, "validate", "--config", QUICKSTART, "dataset.name=nope")
+    assert_one_line_error(unknown, "unknown dataset 'nope'")
+
+
+def test_diverged_parameters_are_never_saved_and_the_error_names_the_last_good_checkpoint(tmp_path):
+    class Diverging(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(32, 5))
+            self.scale = torch.nn.Parameter(torch.ones(1))
+            self.calls = 0
+
+        def forward(self, blocks, x):
+            self.calls += self.training  # training steps only, not evaluation
+            if self.calls > 8:  # epoch 2 of 4 micro-batches: a parameter overflows, the loss stays finite
+                with torch.no_grad():
+                    self.scale.fill_(float("inf"))
+            return x[: blocks[-1].num_dst] @ self.weight
+
+    config = load_config(QUICKSTART, SMALL + ["optim.epochs=5"])
+    with pytest.raises(TrainingError, match=r"epoch 2: parameter 'scale' has 1 NaN or infinite value after the "
+                                            r"optimizer step .*last good checkpoint: .*last\.pt \(epoch 1"):
+        train(config, model=Diverging(), run_dir=tmp_path)
+    assert load_checkpoint(tmp_path)["epoch"] == 1  # finite, loadable
+    assert [m["epoch"] for m in metrics(tmp_path)] == [0, 1]
+
+
+def test_a_custom_model_with_torch_dropout_warns_when_batches_are_split(tmp_path, caplog):
+    class WithDropout(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 5)
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, blocks, x):
+            return self.linear(self.drop(x[: blocks[-1].num_dst]))
+
+    config = load_config(QUICKSTART, SMALL + ["optim.epochs=2"])
+    with caplog.at_level("WARNING", logger="betty_trainer"):
+        train(config, model=WithDropout(), run_dir=tmp_path / "k4")
+    warnings = [r.getMessage() for r in caplog.records if "torch.nn dropout" in r.getMessage()]
+    assert len(warnings) == 1 and "(drop)" in warnings[0] and "4 micro-batches" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="betty_trainer"):
+        train(load_config(QUICKSTART, SMALL + ["optim.epochs=2", "micro_batch.num_micro_batches=1"]),
+              model=WithDropout(), run_dir=tmp_path / "k1")
+    assert not [r for r in caplog.records if "torch.nn dropout" in r.getMessage()]
+
+
+def test_early_stopping_and_the_lr_scheduler(tmp_path):
+    config = load_config(QUICKSTART, SMALL + ["optim.epochs=30", "train.patience=2", "optim.lr=0.2",
+                                              "optim.scheduler=step", "optim.step_size=2", "optim.gamma=0.5"])
+    result = train(config, run_dir=tmp_path / "run")
+    lines = metrics(tmp_path / "run")
+    assert result.stopped_early and len(lines) < 30
+    assert lines[-1]["epoch"] - result.best_epoch == 2  # stopped as soon as patience ran out
+    assert all(m["val_acc"] <= result.best_val_acc for m in lines[result.best_epoch + 1:])
+    assert [m["lr"] for m in lines] == [0.2 * 0.5 ** (epoch // 2) for epoch in range(len(lines))]
+    refused = betty("train", "--resume", str(tmp_path / "run"), cwd=tmp_path)
+    assert_one_line_error(refused, "stopped early at epoch", "raise train.patience to continue")
+
+
+def test_tensorboard_is_off_by_default_and_asks_for_its_package(tmp_path, finished, capsys):
+    assert not (finished / "tensorboard").exists()
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        result = betty_in_process(capsys, *train_cli(tmp_path / "run", "optim.epochs=1", "train.tensorboard=true"))
+        assert_one_line_error(result, "train.tensorboard=true needs the tensorboard package")
+        return
+    train(load_config(QUICKSTART, SMALL + ["optim.epochs=2", "train.tensorboard=true"]), run_dir=tmp_path / "run")
+    events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+
+
+def test_a_run_under_nohup_logs_one_line_per_epoch_with_the_run_directory_first_and_no_profiler_noise(tmp_path):
+    log = tmp_path / "log"
+    with open(log, "w") as handle:  # stdout and stderr into a file, as `nohup … > log 2>&1`
+        status = subprocess.run([sys.executable, "-m", "betty_trainer.cli", "train", "--config", QUICKSTART,
+                                 *[q for q in SMALL if q != "train.progress=false"], "optim.epochs=3",
+                                 f"train.run_dir={tmp_path / 'run'}"], cwd=tmp_path, stdout=handle,
+                                stderr=subprocess.STDOUT, timeout=300).returncode
+    lines = log.read_text().splitlines()
+    assert status == 0, lines
+    assert lines[0] == f"run directory {tmp_path / 'run'} (new run)"
+    assert lines[1].startswith("device cpu · torch ")
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert [line.split()[1] for line in epochs] == ["1/3", "2/3", "3/3"] and all("ETA" in line for line in epochs)
+    assert lines[-1].startswith("final test accuracy ")
+    assert all(len(line) < 400 for line in lines)
+
+    measured = betty("plan", "--config", QUICKSTART, *SMALL, "--measure", "--output", str(tmp_path / "plan.json"),
+                     cwd=tmp_path)
+    assert measured.returncode == 0, measured.stderr
+    assert "USDT" not in measured.stderr and "profiler_st" not in measured.stderr
