@@ -79,12 +79,19 @@ class Graph:
     ) -> Graph:
         """Build a graph from an edge list, deduplicating and sorting edges.
 
+        The public "graph from arrays" entry point; :func:`csc_from_edges` does the work in
+        numpy (one int64 key per edge, sorted in place), so a 50M-edge list needs about
+        1.2 GB beyond itself.
+
         Args:
-            src, dst: ``(E,)`` integer tensors, edge ``src[i] -> dst[i]``.
+            src, dst: ``(E,)`` integer tensors or numpy arrays, edge ``src[i] -> dst[i]``.
             num_nodes: ``N``.
             symmetric: also add every reverse edge (undirected graph).
             drop_self_loops: remove ``v -> v`` edges.
             **fields: ``x``, ``y``, split indices, ``num_classes``, ``name``.
+
+        Raises:
+            DatasetError: an endpoint outside ``[0, N)``, or fields inconsistent with the graph.
         """
         indptr, indices = csc_from_edges(_as_numpy(src), _as_numpy(dst), num_nodes,
                                          symmetric=symmetric, drop_self_loops=drop_self_loops)
