@@ -247,3 +247,16 @@ def test_bad_arguments_are_refused(computers):
         LaborSampler(computers, [5], importance_iterations=-2)
     with pytest.raises(ValueError, match="batch_dependency"):
         LaborSampler(computers, [5], batch_dependency=0)
+
+
+def test_threaded_numba_rows_equal_the_tensor_path(computers):
+    """Above 2 × 4096 dst rows the LABOR-0 kernel splits rows over threads; the block is unchanged."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dst = dst_nodes(computers, 10_000, seed=8)
+        a, b = (labor_block(computers, dst, FANOUT, Variates(77), 0, kernel=kernel) for kernel in ("tensor", "numba"))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(a.src_nodes, b.src_nodes) and torch.equal(a.indptr, b.indptr)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.edge_weight, b.edge_weight)

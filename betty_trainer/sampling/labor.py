@@ -48,7 +48,7 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.graph import Graph
 from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
 from betty_trainer.sampling.base import SampleKey
-from betty_trainer.sampling.neighbor import Kernel, _check_fanout, _relabel, _use_numba
+from betty_trainer.sampling.neighbor import _ROWS_PER_THREAD, Kernel, _check_fanout, _relabel, _thread_pool, _use_numba
 from partition.slicing import relabel_dst_first
 
 _LABOR_DOMAIN = 0x4C42  # "LB": keeps LABOR's variate keys apart from NS's and dropout's
@@ -322,12 +322,16 @@ def _labor_tensor(graph: Graph, dst: Tensor, fanout: int, variates: Variates, it
 def _labor_numba(graph: Graph, dst: Tensor, fanout: int, variates: Variates, iterations: int) -> Block:
     indptr, indices, ids = graph.indptr.numpy(), graph.indices.numpy(), dst.numpy()
     v = (variates.key1, variates.key2, variates.cos_c, variates.sin_c, variates.smooth)
-    if iterations == 0:
+    if iterations == 0 and not variates.smooth:
         pointer, src, weight = _labor0_rows(indptr, indices, ids, fanout, *v)
-    else:
+    else:  # one variate per distinct source: the smoothed variates cost two logs, cosines and an erfc each
         cand_pointer, cand = _gather_candidates(indptr, indices, ids)
         nodes, local = _relabel(ids, cand)
-        c, pi = _importance(cand_pointer, local, nodes.size, fanout, iterations)
+        if iterations == 0:  # LABOR-0 is c_s = k / d_s, π = 1
+            c = fanout / np.maximum(np.diff(cand_pointer), 1).astype(np.float64)
+            pi = np.ones(nodes.size, np.float64)
+        else:
+            c, pi = _importance(cand_pointer, local, nodes.size, fanout, iterations)
         r = _variates_of(nodes, *v)
         pointer, src, weight = _keep_importance(cand_pointer, local, nodes, c, pi, r)
     src_nodes, local_src = _relabel(ids, src)
@@ -365,26 +369,51 @@ def _variates_of(nodes, key1, key2, cos_c, sin_c, smooth):
     return out
 
 
-@jit
 def _labor0_rows(indptr, indices, dst, fanout, key1, key2, cos_c, sin_c, smooth):
-    """LABOR-0 over every row: keep ``t → s`` iff ``r_t ≤ min(1, k/d_s)``; returns pointer, sources, weights."""
+    """LABOR-0 over every row: keep ``t → s`` iff ``r_t ≤ min(1, k/d_s)``; returns pointer, sources, weights.
+    Rows split over the sampler's Python threads (the kernels release the GIL), as NS does."""
     n = dst.shape[0]
-    pointer = np.zeros(n + 1, np.int64)
-    for r in range(n):  # counting pass: the hashes are cheap next to a second allocation
+    counts = np.zeros(n + 1, np.int64)
+    threads = min(torch.get_num_threads(), n // _ROWS_PER_THREAD)
+    bounds = np.linspace(0, n, max(threads, 1) + 1).astype(np.int64)
+    keys = (key1, key2, cos_c, sin_c, smooth)
+
+    def run(kernel, *arrays):
+        if threads > 1:
+            list(_thread_pool().map(lambda lo, hi: kernel(indptr, indices, dst, fanout, *keys, *arrays, lo, hi),
+                                    bounds[:-1], bounds[1:]))
+        else:
+            kernel(indptr, indices, dst, fanout, *keys, *arrays, 0, n)
+
+    run(_labor0_count, counts)
+    pointer = np.cumsum(counts)
+    src = np.empty(pointer[n], np.int64)
+    weight = np.empty(pointer[n], np.float32)
+    run(_labor0_fill, pointer, src, weight)
+    return pointer, src, weight
+
+
+@jit
+def _labor0_count(indptr, indices, dst, fanout, key1, key2, cos_c, sin_c, smooth, counts, lo, hi):
+    """``counts[r + 1]`` = kept in-edges of row ``r`` for rows ``lo … hi − 1``."""
+    for r in range(lo, hi):
         start, end = indptr[dst[r]], indptr[dst[r] + 1]
         d = end - start
         if d <= fanout:
-            pointer[r + 1] = pointer[r] + d
+            counts[r + 1] = d
             continue
         p = fanout / d
         kept = 0
         for e in range(start, end):
             if _variate_scalar(key1, key2, cos_c, sin_c, smooth, indices[e]) <= p:
                 kept += 1
-        pointer[r + 1] = pointer[r] + kept
-    src = np.empty(pointer[n], np.int64)
-    weight = np.empty(pointer[n], np.float32)
-    for r in range(n):
+        counts[r + 1] = kept
+
+
+@jit
+def _labor0_fill(indptr, indices, dst, fanout, key1, key2, cos_c, sin_c, smooth, pointer, src, weight, lo, hi):
+    """Write the kept sources and weights ``1/p`` of rows ``lo … hi − 1`` at ``pointer[r]``."""
+    for r in range(lo, hi):
         start, end = indptr[dst[r]], indptr[dst[r] + 1]
         d = end - start
         out = pointer[r]
@@ -401,7 +430,6 @@ def _labor0_rows(indptr, indices, dst, fanout, key1, key2, cos_c, sin_c, smooth)
                 src[out] = t
                 weight[out] = 1.0 / p
                 out += 1
-    return pointer, src, weight
 
 
 @jit
