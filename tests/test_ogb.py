@@ -153,6 +153,16 @@ def test_a_damaged_or_missing_file_is_named_in_one_line(arxiv, cache, file, dama
     assert not list(processed_dir("ogbn-arxiv", "directed").parent.glob(".*tmp*")), "temporary folder removed"
 
 
+def test_betty_data_dir_is_searched_and_skipped_when_it_lacks_the_dataset(arxiv, cache, monkeypatch, tmp_path):
+    directory, arrays = arxiv
+    monkeypatch.setenv("BETTY_DATA_DIR", str(directory.parent))  # holds arxiv/raw
+    assert_same_graph(load_ogb("ogbn-arxiv"), reference_graph(arrays, symmetric=False))
+    monkeypatch.setenv("BETTY_DATA_DIR", str(tmp_path / "elsewhere"))  # holds nothing: the cache is next, offline
+    monkeypatch.setattr("urllib.request.urlopen", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    with pytest.raises(DatasetError, match="cannot download http://snap.stanford.edu/ogb/data/nodeproppred/arxiv.zip"):
+        load_ogb("ogbn-arxiv")
+
+
 def test_products_adds_the_reverse_edges_it_stores_once(tmp_path, cache):
     arrays = make_ogb_arrays(seed=1)
     directory = write_ogb_dir(tmp_path / "products", arrays, split="sales_ranking")

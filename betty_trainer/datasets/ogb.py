@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
 import shutil
 import zipfile
 from dataclasses import dataclass
@@ -296,12 +297,18 @@ def _safe_extract(archive_path: Path, into: Path) -> None:
 def find_ogb_directory(spec: OgbNodeDataset, data_dir: Path | None, fetch: bool = True) -> Path:
     """The extracted dataset directory of ``spec`` (holding ``raw/``), looked for in order:
     ``data_dir`` itself, ``data_dir/<folder>``, ``data_dir/<archive>`` (extracted into the cache),
-    the cache's extracted folder, the cache's archive, a download of :attr:`OgbNodeDataset.url`.
+    the same in ``$BETTY_DATA_DIR`` when ``data_dir`` is ``None`` (skipped if it holds none of
+    them), the cache's extracted folder, the cache's archive, a download of
+    :attr:`OgbNodeDataset.url`.
 
     Raises:
         DatasetError: ``data_dir`` holds none of these, or the download fails (offline).
     """
     home = cache_dir() / spec.name
+    if data_dir is None and os.environ.get("BETTY_DATA_DIR"):  # the environment's folder, if it holds this dataset
+        shared = Path(os.environ["BETTY_DATA_DIR"])
+        if any((place / "raw").is_dir() for place in (shared, shared / spec.folder)) or (shared / spec.archive).is_file():
+            data_dir = shared
     if data_dir is not None:
         for candidate in (data_dir, data_dir / spec.folder):
             if (candidate / "raw").is_dir():
