@@ -325,7 +325,7 @@ def train(
                 if _patience_exhausted(config, epoch, best) and val_acc is not None:
                     stopped_early = True
                     console.print(f"early stopping after epoch {epoch}: validation accuracy has not improved for "
-                                  f"{epoch - best['epoch']} epochs (train.patience={config.train.patience})",
+                                  f"{epoch - best['epoch']} epoch(s) (train.patience={config.train.patience})",
                                   highlight=False, soft_wrap=True)
                     break
     finally:
