@@ -253,7 +253,7 @@ def convert_ogb_directory(directory: Path, target: Path, *, name: str, split: st
         else:
             num_nodes = int(_read_csv(raw / "num-node-list.csv.gz", 1, "int64").sum())
             num_edges = int(_read_csv(raw / "num-edge-list.csv.gz", 1, "int64").sum())
-            edges = _read_csv(raw / "edge.csv.gz", 2, "int64", rows=num_edges)
+            edges = _read_csv(raw / "edge.csv.gz", 2, "int64", out=np.empty((num_edges, 2), np.int64))
             src, dst = edges[:, 0], edges[:, 1]
             width = _csv_width(raw / "node-feat.csv.gz")
             x = _read_csv(raw / "node-feat.csv.gz", width, "float32", out=writer.open("x", (num_nodes, width), np.float32))
