@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from betty_trainer.config import DatasetConfig
+from betty_trainer.data.feature_store import is_file_backed
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import download, load_dataset, load_ogb
 from betty_trainer.datasets import ogb as ogb_module
@@ -91,6 +92,10 @@ def test_ogb_directory_loads_identically_through_the_cache(arxiv, cache):
     assert_same_graph(graph, reference_graph(arrays, symmetric=False))
     assert graph.indices.dtype == torch.int32 and graph.x.dtype == torch.float32
     assert (processed_dir("ogbn-arxiv", "directed") / "x.npy").is_file()
+    assert is_file_backed(graph.x) and is_file_backed(graph.indices), "mapped from the cache, not read"
+    in_memory = load_dataset(DatasetConfig(name="ogbn-arxiv", data_dir=directory, mmap=False))
+    assert_same_graph(in_memory, graph)
+    assert not is_file_backed(in_memory.x)
     undirected = load_dataset(DatasetConfig(name="ogbn-arxiv", data_dir=directory, to_undirected=True))
     assert_same_graph(undirected, reference_graph(arrays, symmetric=True))
     assert graph.num_edges < undirected.num_edges
