@@ -2,7 +2,7 @@
 
 Public API::
 
-    from betty_trainer import Config, load_config, load_dataset, train, GraphSAGE
+    from betty_trainer import Config, load_config, load_dataset, train, GraphSAGE, load_model
 """
 
 from betty_trainer.config import Config, load_config
@@ -10,12 +10,21 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats, as_feature_store
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import DATASETS, load_dataset, make_sbm
-from betty_trainer.errors import BettyError, CalibrationError, ConfigError, DatasetError, TrainingError
+from betty_trainer.errors import (
+    BettyError,
+    CalibrationError,
+    ConfigError,
+    DatasetError,
+    PlanningError,
+    RunDirError,
+    TrainingError,
+)
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.plan import plan_micro_batches
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
 from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch
 from betty_trainer.training.evaluation import evaluate, evaluate_splits, full_neighbourhood_batches, layerwise_logits
+from betty_trainer.training.inference import load_model
 from betty_trainer.training.step import MicroBatches
 from betty_trainer.training.trainer import TrainResult, accumulate_gradients, train
 
@@ -24,8 +33,8 @@ __version__ = "0.1.0"
 __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",
     "FeatureStore", "Graph", "GraphSAGE", "HostFeatureStore", "MicroBatches", "NeighborSampler", "NodeDropout",
-    "SampleKey", "Sampler", "TrainResult",
+    "PlanningError", "RunDirError", "SampleKey", "Sampler", "TrainResult",
     "TrainingError", "TransferStats", "accumulate_gradients", "as_feature_store", "build_model", "calibrate_model",
-    "evaluate", "evaluate_splits", "full_neighbourhood_batches", "layerwise_logits", "load_config", "load_dataset",
+    "evaluate", "evaluate_splits", "full_neighbourhood_batches", "layerwise_logits", "load_config", "load_dataset", "load_model",
     "make_sbm", "plan_micro_batches", "sample_batch", "train",
 ]

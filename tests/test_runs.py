@@ -7,6 +7,7 @@ Runs are tiny synthetic ones (600 nodes, a few epochs); one test trains on Cora 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import pickle
@@ -343,17 +344,27 @@ def test_early_stopping_and_the_lr_scheduler(tmp_path, capsys):
     assert_one_line_error(refused, "stopped early at epoch", "raise train.patience to continue")
 
 
-def test_tensorboard_is_off_by_default_and_asks_for_its_package(tmp_path, finished, capsys):
+def test_tensorboard_is_off_by_default_and_asks_for_its_package(tmp_path, finished, capsys, monkeypatch):
     assert not (finished / "tensorboard").exists()
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        result = betty_in_process(capsys, *train_cli(tmp_path / "run", "optim.epochs=1", "train.tensorboard=true"))
-        assert_one_line_error(result, "train.tensorboard=true needs the tensorboard package")
-        return
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else
+                        real_find_spec(name, *a))
+    result = betty_in_process(capsys, *train_cli(tmp_path / "run", "optim.epochs=1", "train.tensorboard=true"))
+    assert_one_line_error(result, "train.tensorboard=true needs the tensorboard package: pip install tensorboard")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("*.yaml"))
+
+
+def test_tensorboard_logs_the_metrics_of_every_epoch(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     train(load_config(QUICKSTART, SMALL + ["optim.epochs=2", "train.tensorboard=true"]), run_dir=tmp_path / "run")
-    events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
-    assert len(events) == 1 and events[0].stat().st_size > 0
+    board = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    board.Reload()
+    lines = metrics(tmp_path / "run")
+    for name in ("loss", "val_acc", "test_acc", "lr"):
+        events = board.Scalars(name)
+        assert [e.step for e in events] == [0, 1]
+        assert [e.value for e in events] == pytest.approx([m[name] for m in lines], rel=1e-6)  # stored as float32
 
 
 def test_a_run_under_nohup_logs_one_line_per_epoch_with_the_run_directory_first_and_no_profiler_noise(tmp_path):
