@@ -85,13 +85,27 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def configure_logging(level: str) -> None:
-    """Send the records of betty-trainer's packages at ``level`` and above to stderr (idempotent)."""
+def configure_logging(level: str) -> list[tuple[logging.Logger, int, list[logging.Handler]]]:
+    """Send the records of betty-trainer's packages at ``level`` and above to stderr.
+
+    Returns:
+        What to give :func:`restore_logging` to undo it (``main`` does, so calling it in a process leaves
+        logging as it was).
+    """
+    saved = []
     for name in _PACKAGES:
         package = logging.getLogger(name)
+        saved.append((package, package.level, list(package.handlers)))
         package.setLevel(level.upper())
         package.handlers = [h for h in package.handlers if not isinstance(h, _StderrHandler)] + [_StderrHandler()]
-        package.propagate = False
+    return saved
+
+
+def restore_logging(saved: list[tuple[logging.Logger, int, list[logging.Handler]]]) -> None:
+    """Undo :func:`configure_logging`."""
+    for package, level, handlers in saved:
+        package.setLevel(level)
+        package.handlers = handlers
 
 
 def _resolve(args: argparse.Namespace) -> Config:
@@ -232,7 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``betty-train``; returns the exit status."""
     args = _parser().parse_args(argv)
     args.argv = None if argv is None else list(argv)
-    configure_logging(args.log_level)
+    saved = configure_logging(args.log_level)
+    try:
+        return _run(args)
+    finally:
+        restore_logging(saved)
+
+
+def _run(args: argparse.Namespace) -> int:
     console = Console()
     command = {"train": _train, "evaluate": _evaluate, "predict": _predict, "plan": _plan, "validate": _validate,
                "datasets": _datasets}[args.command]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -20,13 +22,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from rich.console import Console
 
 from betty_trainer.cli import main
 from betty_trainer.config import load_config
 from betty_trainer.errors import TrainingError
 from betty_trainer.training.checkpoint import BEST_NAME, LAST_NAME, checksum_path, load_checkpoint, sha256_hex
 from betty_trainer.training.inference import evaluate_run, load_model, load_run, node_logits
-from betty_trainer.training.output import quiet_native_stderr
+from betty_trainer.training.output import EpochProgress, quiet_native_stderr
 from betty_trainer.training.trainer import train
 from tests.conftest import REPO
 from tests.test_cli import QUICK, assert_one_line_error, betty_in_process
@@ -399,3 +402,33 @@ def test_quiet_native_stderr_hides_profiler_lines_and_passes_the_others_on(capfd
         os.write(2, b"a native warning\n")
         print("a python line", file=sys.stderr)
     assert sorted(capfd.readouterr().err.splitlines()) == ["a native warning", "a python line"]
+
+
+def test_log_level_sends_the_package_messages_to_stderr(capsys, monkeypatch):
+    def checks_that_log(config, **kwargs):
+        logging.getLogger("betty_trainer.memory.plan").info("calibrated in 1 s")
+        logging.getLogger("betty_trainer.memory.plan").warning("re-planning with K ≥ 5")
+        logging.getLogger("estimator.calibrate").debug("a detail")
+        return ["nothing"]
+
+    monkeypatch.setattr("betty_trainer.training.preflight.check_config", checks_that_log)
+    level = logging.getLogger("betty_trainer").level
+    assert main(["validate", "--config", QUICKSTART]) == 0
+    assert capsys.readouterr().err == "warning: re-planning with K ≥ 5\n"  # the default level: warning
+    assert main(["validate", "--config", QUICKSTART, "--log-level", "info"]) == 0
+    assert capsys.readouterr().err == "info: calibrated in 1 s\nwarning: re-planning with K ≥ 5\n"
+    assert main(["validate", "--config", QUICKSTART, "--log-level", "debug"]) == 0
+    assert capsys.readouterr().err.endswith("debug: a detail\n")
+    assert logging.getLogger("betty_trainer").level == level  # main() leaves logging as it was
+
+
+def test_on_a_terminal_the_progress_is_a_live_bar_with_an_eta():
+    console = Console(file=io.StringIO(), force_terminal=True, width=200)
+    with EpochProgress(console, "synthetic", total=4, completed=1) as progress:
+        progress.advance(1, "loss 1.0")
+    shown = console.file.getvalue()
+    assert "ETA" in shown and "2/4" in shown and "epoch 2/4" not in shown  # the bar, not the plain lines
+    plain = Console(file=io.StringIO(), force_terminal=False, width=80)
+    with EpochProgress(plain, "synthetic", total=4, completed=1) as progress:
+        progress.advance(1, "loss 1.0 · " + "x" * 100)
+    assert plain.file.getvalue().startswith("epoch 2/4 · loss 1.0 · ") and plain.file.getvalue().count("\n") == 1
