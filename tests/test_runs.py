@@ -432,3 +432,14 @@ def test_on_a_terminal_the_progress_is_a_live_bar_with_an_eta():
     with EpochProgress(plain, "synthetic", total=4, completed=1) as progress:
         progress.advance(1, "loss 1.0 · " + "x" * 100)
     assert plain.file.getvalue().startswith("epoch 2/4 · loss 1.0 · ") and plain.file.getvalue().count("\n") == 1
+
+
+def test_host_memory_running_out_mid_step_is_one_error_line(tmp_path, capsys, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 128000000000 bytes. Error code 12")
+
+    monkeypatch.setattr("betty_trainer.training.trainer.micro_batch_backward", out_of_memory)
+    result = betty_in_process(capsys, *train_cli(tmp_path / "run", "optim.epochs=1"))
+    assert_one_line_error(result, "epoch 0, batch 0: out of host memory", "raise micro_batch.num_micro_batches",
+                          "no checkpoint was written yet")

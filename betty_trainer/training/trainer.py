@@ -496,6 +496,12 @@ def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: Mi
             logger.warning("%s: out of memory with K=%d micro-batches; re-planning with K ≥ %d", where, plan.k, min_k)
         except TrainingError as error:
             raise TrainingError(f"{where}: {error}; {last_good}") from None
+        except RuntimeError as error:
+            if "can't allocate memory" not in str(error):
+                raise
+            raise TrainingError(f"{where}: out of host memory ({str(error).splitlines()[0][-100:]}); lower "
+                                "model.hidden or sampling.batch_size, or raise micro_batch.num_micro_batches; "
+                                f"{last_good}") from None
 
 
 def _status(metrics: EpochMetrics, best: dict) -> str:
