@@ -64,6 +64,8 @@ class PowerLawConfig(_Section):
     val_fraction: float = Field(0.02, ge=0, lt=1, description="share of nodes in the validation split")
     test_fraction: float = Field(0.1, ge=0, lt=1, description="share of nodes in the test split")
     seed: int = Field(0, ge=0, description="seed of the generated graph (independent of the run seed)")
+    num_communities: int = Field(0, ge=0, description="0: edges cluster by class; else by this many smaller blocks "
+                                                      "(block b has class b mod num_classes)")
 
 
 class DatasetConfig(_Section):
