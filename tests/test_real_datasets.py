@@ -201,3 +201,16 @@ def test_listing_shows_where_raw_files_and_converted_caches_are(cache, tmp_path)
     (folder, size), = dataset_status(DATASETS["powerlaw"]).processed
     assert folder.parent == cache / "powerlaw" / "processed"
     assert size == sum(path.stat().st_size for path in folder.iterdir())
+
+
+def test_powerlaw_communities_cluster_edges_in_blocks_of_one_class(cache):
+    sparse = {**SMALL, "num_edges": 100_000, "num_communities": 100}  # 200-node blocks, few repeated pairs
+    graph = make_powerlaw(**sparse)
+    block = torch.from_numpy(powerlaw_module._rng(SMALL["seed"], powerlaw_module._COMMUNITIES).integers(
+        100, size=SMALL["num_nodes"]))  # the generator's block of each node, redrawn from its keyed stream
+    assert torch.equal(graph.y, block % SMALL["num_classes"])
+    pairs = _edge_pairs(graph)
+    inside = (block[pairs[:, 0]] == block[pairs[:, 1]]).double().mean()
+    # an inside draw stays in the block; an outside draw lands in it with probability ~ its weight share (~1/100);
+    # merging repeated pairs (hubs inside a block) lowers the share a little
+    assert abs(inside - SMALL["homophily"]) < 0.03, inside

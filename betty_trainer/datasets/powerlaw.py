@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 GENERATOR_VERSION = 1
 MAX_DEGREE_FACTOR = 200  # expected degrees are clipped at this many times the mean
 BLOCK = 1 << 20  # pairs (and feature values) per generator: memory per step, and the unit the draws are keyed by
-_CLASSES, _WEIGHTS, _EDGES, _FEATURES, _SPLIT = range(5)  # generator streams
+_CLASSES, _WEIGHTS, _EDGES, _FEATURES, _SPLIT, _COMMUNITIES = range(6)  # generator streams
 
 
 def _rng(seed: int, stream: int, chunk: int = 0) -> np.random.Generator:
@@ -58,7 +58,8 @@ def expected_degrees(num_nodes: int, num_edges: int, exponent: float, seed: int)
 
 def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes: int, num_features: int,
                    exponent: float, homophily: float, feature_signal: float, train_fraction: float,
-                   val_fraction: float, test_fraction: float, seed: int, source: object = None) -> Path:
+                   val_fraction: float, test_fraction: float, seed: int, num_communities: int = 0,
+                   source: object = None) -> Path:
     """Generate the graph (module docstring) into cache folder ``target``.
 
     Args:
@@ -70,6 +71,11 @@ def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes:
         feature_signal: scale of the class means (noise has unit variance).
         train_fraction, val_fraction, test_fraction: disjoint random splits (shares of ``N``).
         seed: generator seed.
+        num_communities: ``0``: the planted blocks are the classes. Otherwise ``num_communities``
+            uniform blocks, block ``b`` of class ``b mod C``: edges stay inside the (smaller)
+            block with probability ``homophily``, so the graph has the local structure of
+            co-purchase or citation graphs (Betty's REG exploits it) and the labels stay
+            homophilous.
         source: the ``meta.json`` source description.
 
     Returns:
@@ -81,13 +87,21 @@ def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes:
     if train_fraction + val_fraction + test_fraction > 1:
         raise DatasetError(f"powerlaw split shares add up to {train_fraction + val_fraction + test_fraction} > 1; "
                            "lower dataset.powerlaw.train/val/test_fraction")
-    y = _rng(seed, _CLASSES).integers(num_classes, size=num_nodes)
+    if num_communities:
+        block_of = _rng(seed, _COMMUNITIES).integers(num_communities, size=num_nodes)
+        y = block_of % num_classes
+    else:
+        y = _rng(seed, _CLASSES).integers(num_classes, size=num_nodes)
+        block_of = y
+    num_blocks = num_communities or num_classes
     weights = expected_degrees(num_nodes, num_edges, exponent, seed)
     everyone = np.cumsum(weights)
-    by_class = np.argsort(y, kind="stable")
+    by_class = np.argsort(block_of, kind="stable")
     in_class = np.cumsum(weights[by_class])
-    class_end = np.cumsum(np.bincount(y, minlength=num_classes))
-    class_high = in_class[class_end - 1]
+    class_end = np.cumsum(np.bincount(block_of, minlength=num_blocks))
+    class_high = in_class[np.maximum(class_end - 1, 0)]
+    class_high[class_end == 0] = 0.0
+    class_high = np.maximum.accumulate(class_high)
     class_low = np.concatenate([[0.0], class_high[:-1]])
 
     pairs = num_edges // 2
@@ -101,7 +115,7 @@ def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes:
         u = np.minimum(np.searchsorted(everyone, rng.random(count) * everyone[-1], side="right"), num_nodes - 1)
         inside = rng.random(count) < homophily
         pick = rng.random(count)
-        c = y[u]
+        c = block_of[u]
         local = class_low[c] + pick * (class_high[c] - class_low[c])
         v_inside = by_class[np.minimum(np.searchsorted(in_class, local, side="right"), num_nodes - 1)]
         v_any = np.minimum(np.searchsorted(everyone, pick * everyone[-1], side="right"), num_nodes - 1)
