@@ -38,9 +38,9 @@ def make_ogb_arrays(seed: int = 0, nan_labels: bool = False) -> dict[str, np.nda
     src, dst = rng.integers(N, size=E), rng.integers(N, size=E)
     labels = rng.integers(C, size=N).astype(np.float64)
     labels[-1] = C - 1  # every class present
-    if nan_labels:
-        labels[::3] = np.nan
     order = rng.permutation(N)
+    if nan_labels:
+        labels[order[55:]] = np.nan  # the nodes in no split, as in papers100M
     return {"src": src, "dst": dst, "x": rng.standard_normal((N, F)).astype(np.float32), "y": labels,
             "train": order[:30], "valid": order[30:40], "test": order[40:55]}
 
@@ -168,6 +168,14 @@ def test_betty_data_dir_is_searched_and_skipped_when_it_lacks_the_dataset(arxiv,
         load_ogb("ogbn-arxiv")
 
 
+def test_a_split_naming_an_unlabelled_node_is_refused(tmp_path, cache):
+    arrays = make_ogb_arrays(nan_labels=True)
+    arrays["y"][arrays["valid"][0]] = np.nan
+    directory = write_ogb_dir(tmp_path / "arxiv", arrays)
+    with pytest.raises(DatasetError, match=r"split/time/valid.csv.gz lists 1 node\(s\) without a label"):
+        load_ogb("ogbn-arxiv", directory)
+
+
 def test_products_adds_the_reverse_edges_it_stores_once(tmp_path, cache):
     arrays = make_ogb_arrays(seed=1)
     directory = write_ogb_dir(tmp_path / "products", arrays, split="sales_ranking")
@@ -185,7 +193,7 @@ def test_papers100m_binary_layout_with_unlabelled_nodes(tmp_path, cache):
         _gz_csv(root / "split" / "time" / f"{part}.csv.gz", arrays[part][:, None], "%d")
     graph = load_ogb("ogbn-papers100M", tmp_path)  # data_dir may also be the folder holding the dataset directory
     assert_same_graph(graph, reference_graph(arrays, symmetric=False))
-    assert (graph.y == -1).sum() == 20
+    assert (graph.y == -1).sum() == 5
 
 
 def _zip_dir(directory: Path, top: str) -> bytes:

@@ -271,8 +271,12 @@ def convert_ogb_directory(directory: Path, target: Path, *, name: str, split: st
         writer.save("y", y)
         for field, part in SPLITS:
             ids = _read_csv(directory / "split" / split / f"{part}.csv.gz", 1, "int64").reshape(-1)
+            path = directory / "split" / split / f"{part}.csv.gz"
             if ids.size and (ids.min() < 0 or ids.max() >= num_nodes):
-                raise DatasetError(f"{directory / 'split' / split / (part + '.csv.gz')} names nodes outside [0, {num_nodes})")
+                raise DatasetError(f"{path} names nodes outside [0, {num_nodes})")
+            unlabelled = int((y[ids] < 0).sum())
+            if unlabelled:
+                raise DatasetError(f"{path} lists {unlabelled} node(s) without a label in node-label; the files disagree")
             writer.save(field, np.sort(ids))
         num_classes = int(y.max()) + 1 if (y >= 0).any() else 0
         return writer.commit({"name": name, "num_classes": num_classes, "source": source})
