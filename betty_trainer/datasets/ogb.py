@@ -24,7 +24,6 @@ directed citation graphs too (as GraphSAGE-style training on ogbn-arxiv usually 
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
 import shutil
@@ -132,17 +131,23 @@ def _csv_blocks(path: Path, columns: int, dtype: str) -> Iterator[np.ndarray]:
 
 
 def _csv_width(path: Path) -> int:
-    """Columns of the first row of a gzip CSV (a peek at one line; the parsing is pyarrow's)."""
+    """Columns of a header-less (gzip) CSV, from the schema pyarrow infers on its first block.
+
+    Raises:
+        DatasetError: the file is missing, empty or unreadable (named).
+    """
+    pa, pa_csv = _pyarrow_csv()
+    if not path.is_file():
+        raise DatasetError(f"missing dataset file {path}")
     try:
-        with gzip.open(path, "rt") as handle:
-            first = handle.readline()
-    except FileNotFoundError:
-        raise DatasetError(f"missing dataset file {path}") from None
-    except (OSError, EOFError) as error:
-        raise DatasetError(f"{path} is truncated or corrupt ({error}); re-extract or re-download it") from None
-    if not first.strip():
-        raise DatasetError(f"{path} is empty; re-extract or re-download it")
-    return first.count(",") + 1
+        reader = pa_csv.open_csv(str(path), read_options=pa_csv.ReadOptions(autogenerate_column_names=True,
+                                                                           block_size=1 << 16))
+        width = len(reader.schema)
+        reader.close()
+    except (pa.ArrowException, OSError, EOFError, ValueError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DatasetError(f"{path} is truncated, empty or corrupt ({message}); re-extract or re-download it") from None
+    return width
 
 
 def _read_csv(path: Path, columns: int, dtype: str, rows: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
