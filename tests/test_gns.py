@@ -173,3 +173,20 @@ def test_bad_arguments_are_refused(computers):
         GNSSampler(computers, [5], refresh_every=0)
     with pytest.raises(ValueError, match="cache_probability"):
         GNSSampler(computers, [5], cache_probability="pagerank")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tensor_path_on_cuda_samples_the_cpu_block(computers):
+    from dataclasses import replace
+
+    on_gpu = replace(computers, indptr=computers.indptr.cuda(), indices=computers.indices.cuda(),
+                     train_idx=computers.train_idx.cuda())
+    seeds = seeds_of(computers, 1024, seed=9)
+    key = SampleKey(4, 0, 3)
+    cpu = GNSSampler(computers, [FANOUT, FANOUT], cache_fraction=0.02, kernel="numba").sample(seeds, key)
+    sampler = GNSSampler(on_gpu, [FANOUT, FANOUT], cache_fraction=0.02, kernel="tensor")
+    gpu = sampler.sample(seeds.cuda(), key)
+    assert sampler.cache_nodes(key).is_cuda
+    for a, b in zip(cpu.blocks, gpu.blocks):
+        assert torch.equal(a.src_nodes, b.src_nodes.cpu()) and torch.equal(a.indices, b.indices.cpu())
+        assert torch.allclose(a.edge_weight, b.edge_weight.cpu(), rtol=1e-6)

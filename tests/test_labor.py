@@ -260,3 +260,22 @@ def test_threaded_numba_rows_equal_the_tensor_path(computers):
         torch.set_num_threads(threads)
     assert torch.equal(a.src_nodes, b.src_nodes) and torch.equal(a.indptr, b.indptr)
     assert torch.equal(a.indices, b.indices) and torch.equal(a.edge_weight, b.edge_weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("iterations,kappa", [(0, 1), (0, 16), (-1, 4)])
+def test_tensor_path_on_cuda_samples_the_cpu_block(computers, iterations, kappa):
+    """The tensor path on a GPU draws the same variates and keeps the same edges as the CPU kernel."""
+    from dataclasses import replace
+
+    on_gpu = replace(computers, indptr=computers.indptr.cuda(), indices=computers.indices.cuda())
+    seeds = dst_nodes(computers, 1024, seed=9)
+    key = SampleKey(4, 0, 3)
+    cpu = LaborSampler(computers, [FANOUT, FANOUT], importance_iterations=iterations, batch_dependency=kappa,
+                       kernel="numba").sample(seeds, key)
+    gpu = LaborSampler(on_gpu, [FANOUT, FANOUT], importance_iterations=iterations, batch_dependency=kappa,
+                       kernel="tensor").sample(seeds.cuda(), key)
+    for a, b in zip(cpu.blocks, gpu.blocks):
+        assert b.src_nodes.is_cuda
+        assert torch.equal(a.src_nodes, b.src_nodes.cpu()) and torch.equal(a.indices, b.indices.cpu())
+        assert torch.allclose(a.edge_weight, b.edge_weight.cpu(), rtol=1e-6)
