@@ -37,6 +37,7 @@ from tests.test_datasets import Evil
 
 QUICKSTART = str(REPO / "configs/quickstart.yaml")
 SMALL = [q for q in QUICK if not q.startswith("optim.epochs")]  # 600 nodes, no progress bar
+FINISHED = ["optim.epochs=6", "optim.lr=1.0"]  # a high rate: validation accuracy peaks before the last epoch
 
 
 def train_cli(run: Path, *extra: str) -> list[str]:
@@ -63,9 +64,9 @@ def rewrite_checkpoint(path: Path, state) -> None:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    """A finished 3-epoch quickstart run (copy it before changing it)."""
+    """A finished 6-epoch quickstart run whose best epoch (3) is not its last (copy it before changing it)."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    train(load_config(QUICKSTART, SMALL + ["optim.epochs=3"]), run_dir=run)
+    train(load_config(QUICKSTART, SMALL + FINISHED), run_dir=run)
     return run
 
 
@@ -87,6 +88,7 @@ def test_a_rerun_into_an_existing_run_is_refused_and_overwrite_replaces_it(run_c
     assert [m["epoch"] for m in metrics(run_copy)] == [0, 1]
     assert yaml.safe_load((run_copy / "config.yaml").read_text())["seed"] == 1
     assert load_checkpoint(run_copy)["epoch"] == 1 and not (run_copy / "resumes.yaml").exists()
+    assert not (run_copy / BEST_NAME).exists() or load_checkpoint(run_copy, BEST_NAME)["epoch"] <= 1
     environment = json.loads((run_copy / "environment.json").read_text())
     assert "--overwrite" in environment["command"] and environment["device"] == "cpu"
     assert environment["torch"] == str(torch.__version__) and environment["git"]["commit"]
@@ -100,23 +102,24 @@ def test_the_run_directory_records_what_the_run_ran_on(finished):
     assert environment["git"]["commit"] == commit.strip()
 
 
-def test_best_and_last_checkpoints_reload_and_give_the_reported_accuracies_exactly(tmp_path):
-    config = load_config(QUICKSTART, SMALL + ["optim.epochs=6", "optim.lr=1.0"])
-    result = train(config, run_dir=tmp_path / "run")
-    lines = metrics(tmp_path / "run")
+def test_best_and_last_checkpoints_reload_and_give_the_reported_accuracies_exactly(finished):
+    reported = load_checkpoint(finished)["best"]  # what train() returned: TrainResult is built from it
+    lines = metrics(finished)
     best_line = max(lines, key=lambda m: m["val_acc"])  # the first epoch with the highest validation accuracy
-    assert result.best_epoch == best_line["epoch"] < lines[-1]["epoch"]  # best and last differ here
+    assert reported["epoch"] == best_line["epoch"] < lines[-1]["epoch"]  # best and last differ here
 
-    best, accuracy = evaluate_run(tmp_path / "run", "best", "all")
-    assert best.epoch == result.best_epoch and best.metrics == best_line
-    assert (accuracy["val"], accuracy["test"]) == (result.best_val_acc, result.test_acc)
+    best, accuracy = evaluate_run(finished, "best", "all")
+    assert best.epoch == reported["epoch"] and best.metrics == best_line
+    assert (accuracy["val"], accuracy["test"]) == (reported["val_acc"], reported["test_acc"])
+    assert (accuracy["val"], accuracy["test"]) == (best_line["val_acc"], best_line["test_acc"])
     assert 0 <= accuracy["train"] <= 1  # train_acc in metrics.jsonl is measured in training mode (dropout on)
-    last, accuracy = evaluate_run(tmp_path / "run", "last", "all")
+    last, accuracy = evaluate_run(finished, "last", "all")
     assert last.epoch == lines[-1]["epoch"]
     assert (accuracy["val"], accuracy["test"]) == (lines[-1]["val_acc"], lines[-1]["test_acc"])
+    assert accuracy["test"] != reported["test_acc"] or accuracy["val"] != reported["val_acc"]  # a different model
 
-    model = load_model(tmp_path / "run")  # best.pt
-    saved = load_checkpoint(tmp_path / "run", BEST_NAME)["model"]
+    model = load_model(finished)  # best.pt
+    saved = load_checkpoint(finished, BEST_NAME)["model"]
     assert all(torch.equal(tensor, saved[name]) for name, tensor in model.state_dict().items())
     assert not model.training
 
@@ -192,7 +195,7 @@ def test_a_flipped_byte_in_a_checkpoint_is_refused_on_resume_and_on_load(run_cop
         data = bytearray((run_copy / name).read_bytes())
         data[len(data) // 2] ^= 0x40  # one flipped bit in the middle of the tensor data
         (run_copy / name).write_bytes(bytes(data))
-    refused = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=5")
+    refused = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=8")
     assert_one_line_error(refused, f"checkpoint {run_copy / LAST_NAME} does not match its sha256 in last.sha256")
     assert (run_copy / "config.yaml").read_bytes() == config_before
     assert_one_line_error(betty_in_process(capsys, "evaluate", "--run", str(run_copy)),
@@ -212,7 +215,7 @@ def test_a_checkpoint_written_halfway_is_still_verified(run_copy):
     (run_copy / "last.sha256").write_text(f"{sha256_hex(new)}  {LAST_NAME}\n{sha256_hex(old)}  {LAST_NAME}\n")
     assert load_checkpoint(run_copy)["epoch"] == 7
     (run_copy / LAST_NAME).write_bytes(old)  # killed after the first step: the old file with both digests listed
-    assert load_checkpoint(run_copy)["epoch"] == 2
+    assert load_checkpoint(run_copy)["epoch"] == 5
 
 
 def test_a_failed_resume_leaves_config_yaml_unchanged(run_copy, capsys):
@@ -220,7 +223,7 @@ def test_a_failed_resume_leaves_config_yaml_unchanged(run_copy, capsys):
     refused = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=10", "model.hidden=32")
     assert_one_line_error(refused, "model.hidden is 32 here but 64 in the checkpoint")
     assert (run_copy / "config.yaml").read_bytes() == before
-    assert not (run_copy / "resumes.yaml").exists() and [m["epoch"] for m in metrics(run_copy)] == [0, 1, 2]
+    assert not (run_copy / "resumes.yaml").exists() and [m["epoch"] for m in metrics(run_copy)] == list(range(6))
 
 
 def _evil_checkpoint(run: Path) -> None:
@@ -228,7 +231,7 @@ def _evil_checkpoint(run: Path) -> None:
 
 
 def _keyless_checkpoint(run: Path) -> None:
-    rewrite_checkpoint(run / LAST_NAME, {"epoch": 2, "model": {}})
+    rewrite_checkpoint(run / LAST_NAME, {"epoch": 5, "model": {}})
 
 
 def _non_finite_checkpoint(run: Path) -> None:
@@ -242,7 +245,7 @@ def _file(run: Path) -> None:
     (run.parent / "a-file").write_text("x")
 
 
-RESUME = ["train", "--resume", "{run}", "optim.epochs=5"]
+RESUME = ["train", "--resume", "{run}", "optim.epochs=8"]
 TRAIN = ["train", "--config", QUICKSTART, *SMALL, "train.run_dir={tmp}/new"]
 
 
