@@ -175,6 +175,9 @@ def identity_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) ->
     for section in ("dataset", "model"):
         for key in _keys(saved.get(section, {}), current.get(section, {})):
             here, there = current.get(section, {}).get(key), saved.get(section, {}).get(key)
+            if here != there and key == "fingerprint":
+                return ("the dataset's content differs from the checkpoint's (same name and sizes, other structure, "
+                        "labels, split or features)")
             if here != there:
                 return f"{section}.{key} is {here!r} here but {there!r} in the checkpoint"
     shapes, saved_shapes = current.get("shapes", {}), saved.get("shapes", {})
@@ -214,7 +217,18 @@ def _first_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
+FINGERPRINT_ROWS = 1024  # feature rows hashed into a dataset's fingerprint (a memory-mapped matrix is not read whole)
+
+
 def dataset_identity(graph: Any) -> dict[str, Any]:
-    """The ``identity["dataset"]`` of a :class:`~betty_trainer.data.graph.Graph`: its name and sizes."""
+    """The ``identity["dataset"]`` of a :class:`~betty_trainer.data.graph.Graph`: its name, sizes and a
+    fingerprint: 16 hex digits of the sha256 of its CSC structure, labels, splits and first
+    :data:`FINGERPRINT_ROWS` feature rows, so another split or another feature preprocessing of the same
+    dataset is told apart too."""
+    digest = hashlib.sha256()
+    for tensor in (graph.indptr, graph.indices, graph.y, graph.train_idx, graph.val_idx, graph.test_idx,
+                   graph.x[:FINGERPRINT_ROWS]):
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return {"name": graph.name, "num_nodes": int(graph.num_nodes), "num_edges": int(graph.indices.numel()),
-            "num_features": int(graph.num_features), "num_classes": int(graph.num_classes)}
+            "num_features": int(graph.num_features), "num_classes": int(graph.num_classes),
+            "fingerprint": digest.hexdigest()[:16]}
