@@ -263,7 +263,7 @@ TRAIN = ["train", "--config", QUICKSTART, *SMALL, "train.run_dir={tmp}/new"]
     (None, [*RESUME, "model.hidden=16"], ["cannot resume", "model.hidden is 16 here but 64 in the checkpoint"]),
     (None, [*RESUME, "dataset.synthetic.num_nodes=700"], ["dataset.num_nodes is 700 here but 600 in the checkpoint"]),
     (None, [*RESUME, "model.arch=gcn"], ["model.arch is 'gcn' here but 'sage'"]),
-    (None, [*RESUME, "dataset.synthetic.seed=1"], ["the dataset's content differs from the checkpoint's"]),
+    (None, [*RESUME, "dataset.synthetic.num_val=90"], ["the dataset's content differs from the checkpoint's"]),
     (_keyless_checkpoint, RESUME, ["lacks 'optimizer', 'best', 'identity'"]),
     (_evil_checkpoint, RESUME, ["holds objects other than tensors and plain data; it is refused"]),
     (_non_finite_checkpoint, RESUME, ["is refused: parameter", "1 NaN or infinite value"]),
