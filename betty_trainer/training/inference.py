@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from betty_trainer.training.evaluation import (
 from betty_trainer.training.preflight import resolve_device
 from betty_trainer.training.trainer import init_model
 
+logger = logging.getLogger(__name__)
 PREDICTION_FORMATS = (".pt", ".csv", ".parquet")
 
 
@@ -130,13 +132,33 @@ def load_model(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Modul
     return load_run(run_dir, checkpoint, model=model, graph=graph, device=device).model
 
 
-def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "test") -> tuple[LoadedRun, dict]:
+def run_device(run_dir: str | Path) -> torch.device:
+    """The device the run's ``train.device`` names on this machine; the CPU when it names a GPU this
+    machine lacks (a run trained on a GPU node, evaluated on a laptop)."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    try:
+        return resolve_device(load_config(saved).train.device)
+    except ConfigError:
+        logger.info("the run's device is not on this machine; evaluating on the CPU")
+        return torch.device("cpu")
+
+
+def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "test",
+                 device: str | torch.device | None = None) -> tuple[LoadedRun, dict]:
     """Accuracy of a run's checkpoint on ``val``, ``test`` or ``all`` (train, val and test).
 
+    Args:
+        run_dir: the run directory.
+        checkpoint: ``"best"`` or ``"last"``.
+        splits: ``"val"``, ``"test"`` or ``"all"``.
+        device: where to evaluate; default: where the run trained (:func:`run_device`).
+
     Returns:
-        The loaded run and ``{split: fraction in [0, 1]}``, computed as training computes them (on the
-        CPU; layer by layer for built-in models), so they equal the accuracies training reported for
-        that epoch.
+        The loaded run and ``{split: fraction in [0, 1]}``, computed as training computes them (layer by
+        layer for built-in models, on the run's device), so they equal the accuracies training reported
+        for that epoch.
 
     Raises:
         ConfigError, TrainingError: see :func:`load_run`; ``splits`` not val, test or all.
@@ -144,9 +166,9 @@ def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "t
     names = {"val": ["val"], "test": ["test"], "all": ["train", "val", "test"]}.get(splits)
     if names is None:
         raise ConfigError(f"--split must be val, test or all, got {splits!r}")
-    run = load_run(run_dir, checkpoint)
+    run = load_run(run_dir, checkpoint, device=device if device is not None else run_device(run_dir))
     nodes = {"train": run.graph.train_idx, "val": run.graph.val_idx, "test": run.graph.test_idx}
-    features = HostFeatureStore(run.graph.x, pin=False)
+    features = HostFeatureStore(run.graph.x, pin=run.device.type == "cuda")  # as training builds it
     accuracy = evaluate_splits(run.model, run.graph, features, run.device, {name: nodes[name] for name in names},
                                run.config.model.num_layers)
     return run, accuracy
