@@ -38,6 +38,7 @@ from tests.test_datasets import Evil
 QUICKSTART = str(REPO / "configs/quickstart.yaml")
 SMALL = [q for q in QUICK if not q.startswith("optim.epochs")]  # 600 nodes, no progress bar
 FINISHED = ["optim.epochs=6", "optim.lr=1.0"]  # a high rate: validation accuracy peaks before the last epoch
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # what train.device=auto picks
 
 
 def train_cli(run: Path, *extra: str) -> list[str]:
@@ -90,7 +91,7 @@ def test_a_rerun_into_an_existing_run_is_refused_and_overwrite_replaces_it(run_c
     assert load_checkpoint(run_copy)["epoch"] == 1 and not (run_copy / "resumes.yaml").exists()
     assert not (run_copy / BEST_NAME).exists() or load_checkpoint(run_copy, BEST_NAME)["epoch"] <= 1
     environment = json.loads((run_copy / "environment.json").read_text())
-    assert "--overwrite" in environment["command"] and environment["device"] == "cpu"
+    assert "--overwrite" in environment["command"] and environment["device"] == DEVICE
     assert environment["torch"] == str(torch.__version__) and environment["git"]["commit"]
 
 
@@ -268,7 +269,7 @@ TRAIN = ["train", "--config", QUICKSTART, *SMALL, "train.run_dir={tmp}/new"]
     (_evil_checkpoint, RESUME, ["holds objects other than tensors and plain data; it is refused"]),
     (_non_finite_checkpoint, RESUME, ["is refused: parameter", "1 NaN or infinite value"]),
     (None, [*TRAIN, "train.device=meta"], ["'train.device' ('meta')"]),
-    (None, [*TRAIN, "model.hidden=1000000000"], ["model.hidden=1000000000", "GiB of cpu memory"]),
+    (None, [*TRAIN, "model.hidden=1000000000"], ["model.hidden=1000000000", f"GiB of {DEVICE} memory"]),
     (None, ["evaluate", "--run", "{tmp}"], ["is not a run directory"]),
     (None, ["predict", "--run", "{run}", "--output", "{tmp}/p.txt"], ["use a .pt, .csv or .parquet file"]),
     (None, ["predict", "--run", "{run}", "--output", "{tmp}/missing/p.csv"], ["folder {tmp}/missing does not exist"]),
@@ -286,7 +287,7 @@ def test_validate_runs_the_checks_train_runs_before_loading_data(capsys, tmp_pat
     ok = betty_in_process(capsys, "validate", "--config", QUICKSTART, "micro_batch.budget=4MiB",
                           f"train.run_dir={tmp_path / 'run'}")
     assert ok.returncode == 0, ok.stderr
-    for check in ("well-formed", "checked as train would before loading data", "dataset name", "device (cpu)",
+    for check in ("well-formed", "checked as train would before loading data", "dataset name", f"device ({DEVICE})",
                   "synthetic split sizes", "budget", "run directory"):
         assert check in ok.stdout
     unknown = betty_in_process(capsys, "validate", "--config", QUICKSTART, "dataset.name=nope")
@@ -384,7 +385,7 @@ def test_a_run_under_nohup_logs_one_line_per_epoch_with_the_run_directory_first_
     lines = log.read_text().splitlines()
     assert status == 0, lines
     assert lines[0] == f"run directory {tmp_path / 'run'} (new run)"
-    assert lines[1].startswith("device cpu · torch ")
+    assert lines[1].startswith(f"device {DEVICE} · torch ")
     epochs = [line for line in lines if line.startswith("epoch ")]
     assert [line.split()[1] for line in epochs] == ["1/3", "2/3", "3/3"] and all("ETA" in line for line in epochs)
     assert lines[-1].startswith("final test accuracy ")

@@ -229,7 +229,8 @@ def environment(device: Any, command: Sequence[str] | None = None) -> dict[str, 
         try:
             versions[package] = _metadata.version(package)
         except _metadata.PackageNotFoundError:
-            continue
+            if package == "betty-trainer":
+                versions[package] = "source checkout, not installed"
     device_name = None
     if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
         device_name = torch.cuda.get_device_name(device)
