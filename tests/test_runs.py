@@ -448,3 +448,13 @@ def test_host_memory_running_out_mid_step_is_one_error_line(tmp_path, capsys, mo
     result = betty_in_process(capsys, *train_cli(tmp_path / "run", "optim.epochs=1"))
     assert_one_line_error(result, "epoch 0, batch 0: out of host memory", "raise micro_batch.num_micro_batches",
                           "no checkpoint was written yet")
+
+
+def test_a_run_of_an_earlier_version_is_named_as_such(tmp_path, capsys):
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(QUICKSTART, SMALL).to_yaml())
+    torch.save({"epoch": 0}, run / "checkpoint.pt")
+    assert_one_line_error(betty_in_process(capsys, "train", "--resume", str(run)),
+                          "holds a checkpoint.pt of an earlier betty-train", "start a new run")
+    assert_one_line_error(betty_in_process(capsys, *train_cli(run)), "already holds a run", "checkpoint.pt")

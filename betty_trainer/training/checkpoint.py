@@ -112,6 +112,9 @@ def load_checkpoint(run_dir: Path, name: str = LAST_NAME) -> dict[str, Any]:
     """
     path = Path(run_dir) / name
     if not path.is_file():
+        if (Path(run_dir) / "checkpoint.pt").is_file():
+            raise TrainingError(f"{run_dir} holds a checkpoint.pt of an earlier betty-train (no {name}, no sha256); "
+                                "it cannot be verified: start a new run")
         raise TrainingError(f"no checkpoint {name} in {run_dir}" +
                             ("; nothing to resume from" if name == LAST_NAME else ""))
     data = _read(path)
