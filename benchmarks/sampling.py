@@ -248,6 +248,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gns-cache", type=float, default=0.01, help="GNS cache as a fraction of the nodes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dgl-python", default="/work/dgl-venv/bin/python", help="'' skips DGL")
+    parser.add_argument("--samplers", default="", help="comma list of row-name prefixes to run (default: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     return parser.parse_args(argv)
 
@@ -280,7 +281,10 @@ def main(argv=None) -> None:
             dgl("load", folder=str(scratch))
             print(f"DGL {hello['dgl']} (torch {hello['torch']}, {hello['threads']} threads) side by side", flush=True)
         rows = []
+        wanted = [prefix for prefix in args.samplers.split(",") if prefix]
         for name, (sampler, dgl_spec) in our_samplers(graph, fanouts, len(batches), args.gns_cache).items():
+            if wanted and not any(name.startswith(prefix) for prefix in wanted):
+                continue
             ours = run_ours(sampler, batches, args.seed, args.reps, lru, n)
             theirs = None
             if dgl is not None and dgl_spec is not None:
