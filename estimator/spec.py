@@ -29,7 +29,8 @@ class ModelSpec:
 
     Attributes:
         arch: ``sage``, ``gcn`` or ``gat``.
-        widths: ``(F_in, hidden, …, C)``: ``L + 1`` widths for ``L`` layers.
+        widths: ``(F_in, hidden, …, C)``: ``L + 1`` widths for ``L`` layers, as the layers' inputs and
+            outputs have them (a GAT hidden layer's concatenated heads: ``hidden × heads``).
         aggregator: SAGE aggregator (``mean``, ``gcn``, ``pool``, ``lstm``).
         heads: GAT attention heads (hidden layers concatenate them, the last averages).
         dropout: drop probability (``0`` allocates no masks).
@@ -48,6 +49,9 @@ class ModelSpec:
             memory terms on an :class:`estimator.tape.StepTape` (a built-in model's
             ``memory_terms``, declared beside its ``forward``); the estimate replays it. Not
             compared: two specs of equal fields describe the same model.
+        layer_terms: ``(tape, index, counts, h, h_grad, consume_input) -> (out, backward)``: one layer's
+            forward (dropout, the layer, ReLU) as memory terms (``LayerStack.layer_memory_terms``), for
+            the layer-wise estimate (:mod:`estimator.layerwise`). Not compared.
 
     Raises:
         ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, parameter counts
@@ -67,6 +71,7 @@ class ModelSpec:
     foreach: bool = False
     compiled_kernels: bool = False
     forward_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    layer_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -32,6 +32,7 @@ class Replay:
         self.at_peak: dict[str, int] = {}
         self.phase_peak: dict[str, int] = defaultdict(int)
         self.phase = "resident"
+        self.saving = True  # autograd records (False: the replayed code runs under torch.no_grad)
         self._next = 0
 
     def alloc(self, nbytes: float, component: str) -> int:
@@ -49,10 +50,16 @@ class Replay:
         return handle
 
     def keep(self, *handles: int | None) -> None:
-        """One more holder (e.g. autograd saving the tensor for backward)."""
+        """One more holder (a Python variable aliasing the tensor; see :meth:`save` for autograd)."""
         for handle in handles:
             if handle is not None:
                 self.live[handle][2] += 1
+
+    def save(self, *handles: int | None) -> None:
+        """Autograd saving the tensors for backward: one more holder each while :attr:`saving`; nothing
+        when the step runs without autograd (``torch.no_grad``, a layer-wise forward)."""
+        if self.saving:
+            self.keep(*handles)
 
     def drop(self, *handles: int | None) -> None:
         """One holder fewer; frees the tensor when none is left."""
@@ -65,6 +72,17 @@ class Replay:
                 del self.live[handle]
                 self.by_component[entry[1]] -= entry[0]
                 self.current -= entry[0]
+
+    def mark(self) -> int:
+        """A position in the replay: :meth:`release_since` frees what was allocated after it."""
+        return self._next
+
+    def release_since(self, mark: int) -> None:
+        """Free every tensor allocated since ``mark`` that is still live, whoever holds it (a scope
+        that ends: e.g. a chunk whose autograd graph and locals are all released at once)."""
+        for handle in [h for h in self.live if h >= mark]:
+            self.live[handle][2] = 1
+            self.drop(handle)
 
     def transient(self, nbytes: float, component: str) -> None:
         """An op's temporary: allocated and freed within the op."""
@@ -141,7 +159,7 @@ class StepTape:
     def linear(self, x: int, rows: int, a: int, b: int, x_grad: bool, component: str = HID):
         r = self.r
         out = r.alloc(rows * b * self.f, component)
-        r.keep(x)  # MmBackward saves the input (for the weight's gradient)
+        r.save(x)  # MmBackward saves the input (for the weight's gradient)
 
         def backward(grad: int, free_grad: bool = True, x_grad: bool = x_grad) -> int | None:
             self.param_grad(a * b)
@@ -164,7 +182,7 @@ class StepTape:
 
     def relu(self, x: int, rows: int, width: int):
         out = self.r.alloc(rows * width * self.f, HID)
-        self.r.keep(out)  # ReluBackward saves its result
+        self.r.save(out)  # ReluBackward saves its result
         self.r.drop(x)
 
         def backward(grad: int) -> int:
@@ -177,8 +195,8 @@ class StepTape:
     def cross_entropy(self, rows: int, classes: int, labels: int):
         r = self.r
         log_probs = r.alloc(rows * classes * self.f, HID)
-        r.keep(log_probs, labels)  # LogSoftmaxBackward saves its result; NLLLoss saves both
-        r.keep(log_probs)
+        r.save(log_probs, labels)  # LogSoftmaxBackward saves its result; NLLLoss saves both
+        r.save(log_probs)
         r.drop(log_probs)
 
         def backward() -> int:

@@ -62,13 +62,14 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
     first = model.layers[0]
     parameter = next(model.parameters())
     return ModelSpec(
-        arch, (first.in_feats,) + tuple(layer.out_feats for layer in model.layers),
+        arch, model.widths,
         aggregator=getattr(first, "aggregator", "mean"), heads=getattr(first, "heads", 1), dropout=model.dropout.p,
         dtype_bytes=parameter.element_size(), optimizer="adam",
         parameter_numels=tuple(tuple(p.numel() for p in layer.parameters()) for layer in model.layers),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
-        compiled_kernels=compiled_kernels(device, parameter.dtype), forward_terms=model.memory_terms)
+        compiled_kernels=compiled_kernels(device, parameter.dtype), forward_terms=model.memory_terms,
+        layer_terms=model.layer_memory_terms)
 
 
 def resolve_budget(config: MicroBatchConfig, device: torch.device) -> int | None:

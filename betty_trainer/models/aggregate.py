@@ -437,7 +437,7 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, va
     r = tape.r
     out = csr_matmul_terms(tape, c.num_dst, c, width, AGG)
     if record:
-        r.keep(values, self_scale)
+        r.save(values, self_scale)
 
     def backward(grad: int) -> int:
         e, s = c.num_edges, c.num_src
@@ -557,14 +557,14 @@ def lstm_neighbours_terms(tape: StepTape, c: LayerCounts, hd: int, a: int, hd_gr
         index = r.alloc(rows * length * INDEX_BYTES, AGG)  # indices[edges]
         seq = r.alloc(rows * length * a * f, AGG)
         if hd_grad:
-            r.keep(index)  # IndexSelectBackward keeps the index
+            r.save(index)  # IndexSelectBackward keeps the index
         r.drop(index)
         final, lstm_bwd = lstm_terms(tape, seq, rows, length, a, a, grads)
         r.drop(seq)
         groups.append((rows, length, index, lstm_bwd))
         finals.append(final)
     rows_cat, finals_cat = r.alloc(active * INDEX_BYTES, AGG), r.alloc(active * a * f, AGG)
-    r.keep(rows_cat, finals_cat)  # IndexCopyBackward keeps the index and the source
+    r.save(rows_cat, finals_cat)  # IndexCopyBackward keeps the index and the source
     r.drop(rows_cat, finals_cat, *finals, order, edges)
 
     def backward(grad: int, grad_h: int | None) -> int | None:

@@ -109,35 +109,35 @@ class GATConv(nn.Module):
         r.drop(edge_dst)
         product = r.alloc(s * hf * f, AGG)  # z * att_src
         score_src = r.alloc(s * heads * f, AGG)
-        r.keep(z, z)  # both score products save z (the dst one a view of it)
+        r.save(z, z)  # both score products save z (the dst one a view of it)
         r.drop(product)
         product = r.alloc(d * hf * f, AGG)  # z[:D] * att_dst
         score_dst = r.alloc(d * heads * f, AGG)
         r.drop(product)
         gathered = [r.alloc(e2 * heads * f, AGG) for _ in range(2)]
         scores = r.alloc(e2 * heads * f, AGG)
-        r.keep(edge_src2, edge_dst2)  # the two IndexSelectBackwards
+        r.save(edge_src2, edge_dst2)  # the two IndexSelectBackwards
         r.drop(*gathered)
         activated = r.alloc(e2 * heads * f, AGG)  # leaky_relu saves its input
-        r.keep(scores)
+        r.save(scores)
         r.drop(scores)
         peak = r.alloc(d * heads * f, AGG)
         peak_gathered = r.alloc(e2 * heads * f, AGG)
         shifted = r.alloc(e2 * heads * f, AGG)
         r.drop(peak_gathered)
         weights = r.alloc(e2 * heads * f, AGG)  # exp, saved (its result)
-        r.keep(weights, weights, edge_dst2)  # ExpBackward; IndexAddBackward of the sum (source, index)
+        r.save(weights, weights, edge_dst2)  # ExpBackward; IndexAddBackward of the sum (source, index)
         r.drop(shifted)
         total = r.alloc(d * heads * f, AGG)
         total_gathered = r.alloc(e2 * heads * f, AGG)
-        r.keep(edge_dst2)
+        r.save(edge_dst2)
         alpha = r.alloc(e2 * heads * f, AGG)  # weights / total_gathered, both saved
-        r.keep(weights)
+        r.save(weights)
         r.drop(weights, total, peak)
         out = r.alloc(d * hf * f, AGG)  # attention_aggregate: new_zeros, then one chunk's products at a time
         chunk = min(e2, max(1, ATTENTION_CHUNK_ELEMENTS // hf))
         r.transient(chunk * hf * f, AGG)
-        r.keep(z, edge_src2, edge_dst2)  # it saves z, alpha (the local's reference) and the edge ends
+        r.save(z, edge_src2, edge_dst2)  # it saves z, alpha (the local's reference) and the edge ends
         r.drop(edge_dst2, edge_src2)
         if concat:
             result = r.alloc(d * hf * f, HID)  # + bias

@@ -93,7 +93,7 @@ def lstm_terms(tape: StepTape, seq: int, rows: int, length: int, a: int, hidden:
     gates = h = c = None
     for t in range(length):
         first = r.alloc(g4, AGG)  # x_t W_ih + b
-        r.keep(seq)  # AddmmBackward keeps x_t, a view of seq
+        r.save(seq)  # AddmmBackward keeps x_t, a view of seq
         if t > 0:
             second = r.alloc(g4, AGG)  # + h W_hh, keeps h
             r.drop(first, gates)  # the previous gates die when f is rebound to a view of these

@@ -195,9 +195,9 @@ class SAGEConv(nn.Module):
         r, f = tape.r, tape.f
         s = c.num_src
         pooled = r.alloc(s * a * f, AGG)  # fc_pool (addmm)
-        r.keep(hd)
+        r.save(hd)
         activated = r.alloc(s * a * f, AGG)  # relu, saved
-        r.keep(activated)
+        r.save(activated)
         r.drop(pooled)
         neigh, max_bwd = segment_max_terms(tape, c, a)
         r.drop(activated)

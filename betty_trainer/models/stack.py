@@ -90,39 +90,59 @@ class LayerStack(nn.Module):
             logits' gradient and returns the handle of what is left of it (``None`` when the
             input features take no gradient).
         """
-        r = tape.r
         h, h_grad, backwards = x, False, []
-        for index, (layer, counts) in enumerate(zip(self.layers, layers)):
-            width_in, width_out = self.widths[index], self.widths[index + 1]
-            if self.dropout.p > 0 and h is x:  # the step hands x over: input dropout overwrites it in place
-                keyed_mask_terms(tape, counts.num_src, width_in)
-                hd, dropout_bwd = x, None
-                r.keep(x)
-            elif self.dropout.p > 0:
-                hd, dropout_bwd = dropout_terms(tape, h, counts.num_src, width_in, h_grad)
-                r.drop(h)
-            else:
-                hd, dropout_bwd = h, None
-                if h is x:
-                    r.keep(x)
-            out, layer_bwd = layer.memory_terms(tape, counts, hd, h_grad)
-            r.drop(hd)
-            relu_bwd = None
-            if index < len(self.layers) - 1:
-                out, relu_bwd = tape.relu(out, counts.num_dst, width_out)
-            backwards.append((dropout_bwd if h_grad else None, layer_bwd, relu_bwd))
-            h, h_grad = out, True
+        for index, counts in enumerate(layers):
+            h, backward = self.layer_memory_terms(tape, index, counts, h, h_grad, consume_input=index == 0)
+            backwards.append(backward)
+            h_grad = True
 
         def backward(grad: int) -> int | None:
-            for dropout_bwd, layer_bwd, relu_bwd in reversed(backwards):
-                if relu_bwd is not None:
-                    grad = relu_bwd(grad)
-                grad = layer_bwd(grad)
-                if grad is not None and dropout_bwd is not None:
-                    grad = dropout_bwd(grad)
+            for layer_backward in reversed(backwards):
+                grad = layer_backward(grad)
             return grad
 
         return h, backward
+
+    def layer_memory_terms(self, tape: StepTape, index: int, counts: LayerCounts, h: int, h_grad: bool,
+                           consume_input: bool = False):
+        """What :meth:`layer_forward` allocates for layer ``index`` on a block of counts ``counts`` from
+        the input ``h`` (a handle; ``h_grad``: it requires grad; ``consume_input``: input dropout
+        overwrites it in place, as the training step's fresh gather allows), op by op.
+
+        Returns:
+            ``(output handle, backward)``; ``backward(grad)`` returns the handle of ``h``'s gradient
+            (``None`` when ``h`` takes none).
+        """
+        r = tape.r
+        width_in, width_out = self.widths[index], self.widths[index + 1]
+        if self.dropout.p > 0 and consume_input and not h_grad:  # dropout overwrites h in place
+            keyed_mask_terms(tape, counts.num_src, width_in)
+            hd, dropout_bwd = h, None
+            r.keep(h)
+        elif self.dropout.p > 0:
+            hd, dropout_bwd = dropout_terms(tape, h, counts.num_src, width_in, h_grad)
+            r.drop(h)
+        else:
+            hd, dropout_bwd = h, None
+            if consume_input:
+                r.keep(h)
+        out, layer_bwd = self.layers[index].memory_terms(tape, counts, hd, h_grad)
+        r.drop(hd)
+        relu_bwd = None
+        if index < len(self.layers) - 1:
+            out, relu_bwd = tape.relu(out, counts.num_dst, width_out)
+        dropout_bwd = dropout_bwd if h_grad else None
+
+        def backward(grad: int) -> int | None:
+            if relu_bwd is not None:
+                grad = relu_bwd(grad)
+            grad = layer_bwd(grad)
+            if grad is not None and dropout_bwd is not None:
+                grad = dropout_bwd(grad)
+            return grad
+
+        return out, backward
+
 
 def layer_widths(in_feats: int, hidden: int, out_feats: int, num_layers: int) -> list[int]:
     """``[in_feats, hidden × (num_layers − 1), out_feats]``."""

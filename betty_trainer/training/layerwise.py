@@ -11,13 +11,13 @@ a time (:func:`partition.chunks.chunk_layers`):
   whole. The logits give the loss ``Σ CE / |V|`` and its gradient ``∂L/∂h_L``.
 - **Backward**, layers L … 1: each chunk recomputes its forward from the stored ``h_{l−1}`` with
   autograd on and backpropagates its rows of ``∂L/∂h_l``; the parameter gradients add into
-  ``.grad`` and its input rows' gradients into ``∂L/∂h_{l−1}`` (not at layer 1). Then ``h_l`` and
-  ``∂L/∂h_l`` are freed.
+  ``.grad`` and its input rows' gradients into ``∂L/∂h_{l−1}`` (not at layer 1). ``h_l`` is freed
+  before its layer's backward (the recompute makes what it needs), ``∂L/∂h_l`` after it.
 
 Node-keyed dropout (:class:`~betty_trainer.models.dropout.NodeDropout`) draws the same mask for a
 node in every chunk and in the recompute, so the result is the full batch's gradient up to
-floating-point reassociation, as with micro-batches. Live at the peak: the stored ``h_{l−1}``
-and ``h_l`` (or its gradient), ``∂L/∂h_{l−1}``, and one chunk's one-layer step.
+floating-point reassociation, as with micro-batches. Live at the peak: the stored layers (forward)
+or ``h_{l−1}``, ``∂L/∂h_l`` and ``∂L/∂h_{l−1}`` (backward), and one chunk's one-layer step.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ def layerwise_backward(
                 del h
             stored.append(out)
             h_prev = out
+    del out, h_prev
 
     logits = stored[last].requires_grad_()
     y = labels[batch.output_nodes].to(device)
@@ -109,9 +110,10 @@ def layerwise_backward(
         raise TrainingError(f"loss is {loss.item()}")
     loss.backward()
     grad_out, correct = logits.grad, int((logits.detach().argmax(1) == y).sum())
-    stored[last] = logits = None
+    stored[last] = logits = y = None
 
     for index in range(last, -1, -1):
+        stored[index] = None  # h_l: each chunk's recompute makes what its backward needs
         h_prev = stored[index - 1] if index > 0 else None
         grad_in = torch.zeros_like(h_prev) if h_prev is not None else None
         for piece in chunks.layers[index]:
@@ -120,6 +122,5 @@ def layerwise_backward(
             if grad_in is not None:
                 grad_in.index_add_(0, piece.src_index.to(device), rows.grad)
             del h, rows
-        stored[index] = None
         grad_out = grad_in
     return loss.item(), correct
