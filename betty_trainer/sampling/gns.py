@@ -47,6 +47,7 @@ from partition.slicing import relabel_dst_first
 
 CacheProbability = Literal["auto", "degree", "random_walk"]
 _GNS_DOMAIN = 0x474E  # "GN"
+_POSITION_MASK = (1 << 30) - 1  # a candidate's position within its row, in the kernel's heap keys
 
 
 @dataclass(frozen=True)
@@ -302,16 +303,37 @@ def _gns_rows(indptr, indices, dst, k, mask, inclusion, key, only_cached):
                 weight[out] = 1.0
                 out += 1
             continue
-        rank_key = np.empty(d, np.int64)
+        # the min(k, d) smallest keys (uncached flag, hash, position): a bounded max-heap, O(d log k)
+        size = min(kr, d)
+        heap = np.empty(size, np.int64)
+        filled = 0
         for e in range(start, end):
             t = indices[e]
             h = np.int64(hash_id_scalar(key, dst[r] * num_nodes + t))
-            rank_key[e - start] = h + (np.int64(0) if mask[t] else np.int64(1) << 32)
-        order = np.argsort(rank_key, kind="mergesort")
+            item = ((np.int64(0) if mask[t] else np.int64(1)) << 62) | (h << 30) | np.int64(e - start)
+            if filled < size:
+                q = filled  # sift up
+                filled += 1
+                while q > 0 and heap[(q - 1) // 2] < item:
+                    heap[q] = heap[(q - 1) // 2]
+                    q = (q - 1) // 2
+                heap[q] = item
+            elif item < heap[0]:
+                q = 0  # replace the largest, sift down
+                while True:
+                    child = 2 * q + 1
+                    if child >= size:
+                        break
+                    if child + 1 < size and heap[child + 1] > heap[child]:
+                        child += 1
+                    if heap[child] <= item:
+                        break
+                    heap[q] = heap[child]
+                    q = child
+                heap[q] = item
         chosen = np.zeros(d, np.bool_)
-        limit = kr
-        for q in range(min(limit, d)):
-            chosen[order[q]] = True
+        for q in range(filled):
+            chosen[heap[q] & _POSITION_MASK] = True
         m = min(kr, c)
         cached_only_regime = only_cached or c >= kr
         for e in range(start, end):
