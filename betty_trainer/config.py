@@ -262,7 +262,7 @@ def parse_bytes(value: Any, *, allow_zero: bool = False) -> int:
 
 
 class MicroBatchConfig(_Section):
-    """``micro_batch``: how each batch is split: partitioner, K or a memory budget (bytes)."""
+    """``micro_batch``: how each batch is split: mode, partitioner, K or a memory budget (bytes)."""
 
     partitioner: Literal[tuple(PARTITIONERS)] = Field("reg", description="a key of partition.PARTITIONERS")
     num_micro_batches: int = Field(4, ge=1, description="K micro-batches per batch when budget is null")
@@ -271,6 +271,10 @@ class MicroBatchConfig(_Section):
                           "minus safety_margin), or null to use num_micro_batches")
     safety_margin: int = Field(512 * 2**20, description="bytes kept free under an 'auto' budget")
     balance: bool = Field(True, description="METIS balances each output's receptive-field size, not output counts")
+    mode: Literal["betty", "layerwise", "auto"] = Field(
+        "betty", description="betty: K micro-batches of the outputs, each through all layers; layerwise: one layer "
+                             "at a time in K chunks per layer, recomputed in backward (built-in models); auto: "
+                             "under a budget, the fitting plan of either with the least estimated work")
 
     @field_validator("budget", mode="before")
     @classmethod
