@@ -42,7 +42,8 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.graph import Graph
 from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
 from betty_trainer.sampling.base import SampleKey
-from betty_trainer.sampling.neighbor import Kernel, _check_fanout, _relabel, _use_numba
+from betty_trainer.sampling.labor import _candidates
+from betty_trainer.sampling.neighbor import Kernel, _check_fanout, _relabel, _use_numba, sample_block
 from partition.slicing import relabel_dst_first
 
 CacheProbability = Literal["auto", "degree", "random_walk"]
@@ -217,8 +218,6 @@ def gns_block(graph: Graph, dst: Tensor, fanout: int | None, cache: NodeCache, k
     """
     dst = dst.long()
     if fanout is None and not only_cached:
-        from betty_trainer.sampling.neighbor import sample_block
-
         return sample_block(graph, dst, None, key=0, kernel=kernel)
     k = -1 if fanout is None else fanout
     if _use_numba(kernel, graph.indptr):
@@ -231,8 +230,6 @@ def gns_block(graph: Graph, dst: Tensor, fanout: int | None, cache: NodeCache, k
 
 
 def _gns_tensor(graph: Graph, dst: Tensor, k: int, cache: NodeCache, key: int, only_cached: bool) -> Block:
-    from betty_trainer.sampling.labor import _candidates
-
     device = dst.device
     n, num_nodes = dst.numel(), graph.num_nodes
     pointer, src = _candidates(graph, dst)

@@ -48,7 +48,15 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.graph import Graph
 from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
 from betty_trainer.sampling.base import SampleKey
-from betty_trainer.sampling.neighbor import _ROWS_PER_THREAD, Kernel, _check_fanout, _relabel, _thread_pool, _use_numba
+from betty_trainer.sampling.neighbor import (
+    _ROWS_PER_THREAD,
+    Kernel,
+    _check_fanout,
+    _relabel,
+    _thread_pool,
+    _use_numba,
+    sample_block,
+)
 from partition.slicing import relabel_dst_first
 
 _LABOR_DOMAIN = 0x4C42  # "LB": keeps LABOR's variate keys apart from NS's and dropout's
@@ -196,8 +204,6 @@ def labor_block(graph: Graph, dst: Tensor, fanout: int | None, variates: Variate
     """
     dst = dst.long()
     if fanout is None:
-        from betty_trainer.sampling.neighbor import sample_block
-
         return sample_block(graph, dst, None, key=0, kernel=kernel)
     if _use_numba(kernel, graph.indptr):
         return _labor_numba(graph, dst, fanout, variates, importance_iterations)
