@@ -36,6 +36,14 @@ class LayerChunks:
     seconds: float = 0.0
 
     @property
+    def work(self) -> int:
+        """Estimated work of layer-wise execution: ``4 · Σ_layers Σ_chunks (src rows + edges)`` (a forward
+        without autograd, then the recomputed forward and its backward of about twice its cost; rows
+        read by several chunks of a layer count once in each). Compared with
+        :attr:`partition.Plan.work` (Betty's micro-batches) by ``micro_batch.mode=auto``."""
+        return 4 * sum(piece.num_src + int(piece.indptr[-1]) for layer in self.layers for piece in layer)
+
+    @property
     def k(self) -> int:
         """Chunks per layer (the largest, when a small layer has fewer dst nodes than asked)."""
         return max(len(chunks) for chunks in self.layers)

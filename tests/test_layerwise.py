@@ -11,10 +11,10 @@ import torch
 from betty_trainer import GCN, GraphSAGE, accumulate_gradients, load_config, sample_batch
 from betty_trainer.config import DatasetConfig
 from betty_trainer.datasets import load_dataset
-from betty_trainer.memory.plan import spec_of
+from betty_trainer.memory.plan import MicroBatchPlanner, spec_of
 from betty_trainer.models import set_dropout_key
 from betty_trainer.models.gat import GAT
-from betty_trainer.training.layerwise import layerwise_backward, runs_layerwise
+from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward, runs_layerwise
 from betty_trainer.training.step import training_state
 from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
@@ -165,3 +165,50 @@ def test_layerwise_estimate_is_within_two_percent_of_the_measured_peak(cora, cor
         # at hidden 64): an upper bound, safe for planning, whose cause is not modelled yet
         low, high = (-0.02, 0.035) if arch == "sage-lstm" else (-0.02, 0.02)
         assert low <= error <= high, f"{arch} at {k} chunks: estimate {estimate.peak_bytes}, measured {measured.peak_bytes}"
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.7, 0.45])  # below ~0.37 nothing fits: the model state is the floor
+def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
+    """micro_batch.mode=layerwise under a budget: the chunks chosen, run for real, fit it (measured peak)."""
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise"])
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    full = MicroBatchPlanner(config.micro_batch, spec_of(model, config, CPU), CPU)
+    whole = full.layerwise_peak(batch, chunk_layers(batch.blocks, 1))
+    budget = int(whole * fraction)
+    planner = MicroBatchPlanner(load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise",
+                                                   f"micro_batch.budget={budget}"]).micro_batch,
+                                spec_of(model, config, CPU), CPU)
+    work, plan = planner.plan(batch, seed=0)
+    assert isinstance(work, LayerwiseBatch) and plan.mode == "layerwise" and plan.estimate <= budget
+    assert (plan.k == 1) == (fraction == 1.0)
+
+    def step():
+        set_dropout_key(model, 0, 0)
+        layerwise_backward(model, work.batch, work.chunks, cora.x, cora.y, CPU)
+        optimizer.step()
+
+    step()
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    resident = training_state(model, optimizer) + [p.grad for p in model.parameters()]
+    resident += [t for b in batch.blocks for t in (b.src_nodes, b.indptr, b.indices)]
+    resident += [t for layer in work.chunks.layers for c in layer for t in (c.src_index, c.indptr, c.indices, c.edge_ids)]
+    assert measure_peak(step, CPU, resident).peak_bytes <= budget * 1.02  # the estimate's bound (above)
+
+
+def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
+    """On a dense full neighbourhood Betty's micro-batches recompute shared hidden nodes; auto must weigh
+    that: it returns the candidate of least estimated work, and both candidates are reported."""
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    base = load_config(None, ["model.hidden=64"])
+    spec = spec_of(model, base, CPU)
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    plans = {}
+    for mode in ("betty", "layerwise", "auto"):
+        section = load_config(None, ["model.hidden=64", f"micro_batch.mode={mode}",
+                                     "micro_batch.num_micro_batches=8"]).micro_batch
+        plans[mode] = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)[1]
+    assert plans["auto"].mode == min(("betty", "layerwise"), key=lambda m: plans[m].work)
+    assert plans["layerwise"].work < plans["betty"].work  # every node an output: Betty's redundancy dominates

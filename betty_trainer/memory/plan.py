@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,12 +27,15 @@ from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
 from betty_trainer.rng import compiled_kernels
+from betty_trainer.training.layerwise import LayerwiseBatch, runs_layerwise
 from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
+from estimator.layerwise import estimate_layerwise
 from estimator.spec import ModelSpec, adam_uses_foreach
 from partition import BudgetError, OutputSplitter, Plan, make_plan, redundancy
+from partition.chunks import LayerChunks, chunk_layers
 from partition.slicing import BlockStructure
 
 logger = logging.getLogger(__name__)
@@ -136,7 +140,9 @@ class MicroBatchPlanner:
             self.resident = self.calibrated.resident_bytes if self.calibrated is not None else 0
         self.plans_made = 0
         self.plans_reused = 0
+        self.layerwise_allowed = True  # make_planner: False for a custom model that cannot run layer by layer
         self._last: _LastPlan | None = None
+        self._splitter: OutputSplitter | None = None
 
     def estimate(self, structures: Sequence[BlockStructure], accumulate: bool = False,
                  weighted: Sequence[bool] | None = None) -> MemoryEstimate:
@@ -154,11 +160,14 @@ class MicroBatchPlanner:
             return self.calibrated.estimate(counts_of(structures, weighted), accumulate)
         return self.estimate(structures, accumulate, weighted).peak_bytes
 
-    def plan(self, batch: Batch, seed: int, min_k: int = 1) -> tuple[MicroBatches, Plan]:
-        """Micro-batches of ``batch``; at least ``min_k`` of them (after an out-of-memory error).
+    def plan(self, batch: Batch, seed: int, min_k: int = 1) -> tuple[MicroBatches | LayerwiseBatch, Plan | LayerwisePlan]:
+        """What to run for ``batch``: Betty's micro-batches, or its layer-wise chunks (``micro_batch.mode``);
+        at least ``min_k`` micro-batches or chunks per layer (after an out-of-memory error).
 
-        Returns the last plan (the same objects) when ``batch`` is structurally the last
-        planned batch and ``seed`` and ``min_k`` are the same (see the class docstring).
+        ``auto`` plans both and keeps, among those that fit the budget, the one with less estimated
+        work (:attr:`partition.Plan.work`, :attr:`partition.chunks.LayerChunks.work`); without a budget it compares them at the
+        configured K. Returns the last plan (the same objects) when ``batch`` is structurally the
+        last planned batch and ``seed`` and ``min_k`` are the same (see the class docstring).
 
         Raises:
             PlanningError: no split fits the budget (with the numbers).
@@ -168,7 +177,27 @@ class MicroBatchPlanner:
         if same_batch and last.seed == seed and last.min_k == min_k:
             self.plans_reused += 1
             return last.micro_batches, last.plan
-        splitter = last.splitter if same_batch else OutputSplitter(batch.blocks[-1], self.config.partitioner)
+        mode = self.config.mode if self.layerwise_allowed else "betty"
+        candidates, errors, self._splitter = [], [], None
+        for kind in (("betty", "layerwise") if mode == "auto" else (mode,)):
+            try:
+                candidates.append(self._plan_betty(batch, seed, min_k, last if same_batch else None)
+                                  if kind == "betty" else self._plan_layerwise(batch, seed, min_k))
+            except PlanningError as error:
+                errors.append(f"{kind}: {error}")
+        if not candidates:
+            raise PlanningError("; ".join(errors))
+        work, plan = min(candidates, key=lambda candidate: candidate[1].work)
+        self.plans_made += 1
+        self._last = _LastPlan(batch, seed, min_k, self._splitter, work, plan)
+        if len(candidates) > 1:
+            logger.info("micro_batch.mode=auto chose %s (estimated work %d vs %d)", plan.mode,
+                        plan.work, max(c[1].work for c in candidates))
+        return work, plan
+
+    def _plan_betty(self, batch: Batch, seed: int, min_k: int, last: _LastPlan | None) -> tuple[MicroBatches, Plan]:
+        splitter = last.splitter if last is not None and last.splitter is not None else OutputSplitter(
+            batch.blocks[-1], self.config.partitioner)
         weighted = [block.edge_weight is not None for block in batch.blocks]  # the slices planned carry none
         estimate = None if self.spec is None and self.calibrated is None else (
             lambda structures, accumulate: self.peak_bytes(structures, accumulate, weighted))
@@ -181,10 +210,78 @@ class MicroBatchPlanner:
             )
         except BudgetError as error:
             raise PlanningError(str(error)) from None
-        micro_batches = MicroBatches(batch, plan.layers)  # each built when it is read
-        self.plans_made += 1
-        self._last = _LastPlan(batch, seed, min_k, splitter, micro_batches, plan)
-        return micro_batches, plan
+        self._splitter = splitter
+        return MicroBatches(batch, plan.layers), plan  # each micro-batch built when it is read
+
+    def layerwise_peak(self, batch: Batch, chunks: LayerChunks) -> int:
+        """Estimated peak bytes of running ``batch`` layer by layer in ``chunks`` (built-in models)."""
+        weighted = [block.edge_weight is not None for block in batch.blocks]
+        pieces = [counts_of(layer, [flag] * len(layer)) for layer, flag in zip(chunks.layers, weighted)]
+        return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec).peak_bytes
+
+    def _plan_layerwise(self, batch: Batch, seed: int, min_k: int) -> tuple[LayerwiseBatch, LayerwisePlan]:
+        """``num_micro_batches`` chunks per layer, or under a budget the fewest that fit: doubling
+        from ``min_k`` to the first K that fits, then bisecting below it."""
+        started, tried = time.perf_counter(), []
+        most = max(block.num_dst for block in batch.blocks)
+
+        def attempt(k: int) -> tuple[LayerChunks, int]:
+            chunks = chunk_layers(batch.blocks, k, self.config.partitioner, seed)
+            peak = self.layerwise_peak(batch, chunks) if self.spec is not None else 0
+            tried.append((k, peak))
+            return chunks, peak
+
+        if self.budget is None:
+            chosen, peak = attempt(max(min_k, self.config.num_micro_batches))
+        else:
+            if self.spec is None:
+                raise PlanningError("a layer-wise plan under a budget needs a built-in model's estimate")
+            below, k = max(min_k, 1) - 1, max(min_k, 1)
+            chosen, peak = attempt(k)
+            while peak > self.budget:
+                if k >= most:
+                    raise PlanningError(f"memory budget {self.budget} bytes is impossible layer by layer: even "
+                                        f"{k} chunks per layer need {peak} bytes")
+                below, k = k, min(2 * k, most)
+                chosen, peak = attempt(k)
+            while k - below > 1:
+                middle = (below + k) // 2
+                candidate, middle_peak = attempt(middle)
+                if middle_peak <= self.budget:
+                    chosen, peak, k = candidate, middle_peak, middle
+                else:
+                    below = middle
+        plan = LayerwisePlan(chosen, peak, self.budget, tried, time.perf_counter() - started)
+        return LayerwiseBatch(batch, chosen), plan
+
+
+@dataclass
+class LayerwisePlan:
+    """A layer-wise plan of one batch (issue 10): its chunks and what was estimated.
+
+    Attributes:
+        chunks: the :class:`~partition.chunks.LayerChunks`.
+        estimate: estimated peak bytes (0 without a built-in model's estimate).
+        budget: bytes, or ``None`` (K given).
+        tried: ``(chunks per layer, estimated peak)`` for every K evaluated, in order.
+        seconds: wall time of planning.
+    """
+
+    chunks: LayerChunks
+    estimate: int
+    budget: int | None
+    tried: list[tuple[int, int]]
+    seconds: float
+    mode: ClassVar[str] = "layerwise"
+
+    @property
+    def k(self) -> int:
+        return self.chunks.k
+
+    @property
+    def work(self) -> int:
+        """Estimated work (:attr:`partition.chunks.LayerChunks.work`)."""
+        return self.chunks.work
 
 
 @dataclass
@@ -192,9 +289,9 @@ class _LastPlan:
     batch: Batch
     seed: int
     min_k: int
-    splitter: OutputSplitter
-    micro_batches: MicroBatches
-    plan: Plan
+    splitter: OutputSplitter | None
+    micro_batches: MicroBatches | LayerwiseBatch
+    plan: Plan | LayerwisePlan
 
 
 def same_structure(one: Batch, other: Batch) -> bool:
@@ -244,8 +341,16 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     """
     if model is None:
         return MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
+    if config.micro_batch.mode == "layerwise" and not runs_layerwise(model):
+        raise ConfigError(f"micro_batch.mode=layerwise: {type(model).__name__} cannot run layer by layer (it needs a "
+                          "LayerStack whose forward is the stack's own); use micro_batch.mode=betty")
     if config.micro_batch.budget is None:
-        return MicroBatchPlanner(config.micro_batch, None, device)
+        planner = MicroBatchPlanner(config.micro_batch, None, device)
+        planner.layerwise_allowed = runs_layerwise(model)
+        return planner
+    if config.micro_batch.mode == "layerwise":
+        raise ConfigError("micro_batch.mode=layerwise under a budget needs a built-in model's estimate; "
+                          "use micro_batch.mode=betty for a custom model")
     resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
     started = time.perf_counter()
     optim = config.optim
@@ -254,12 +359,33 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         lambda params: torch.optim.Adam(params, lr=optim.lr, weight_decay=optim.weight_decay), device)
     logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
                 type(model).__name__, time.perf_counter() - started, 100 * calibrated.max_relative_error)
-    return MicroBatchPlanner(config.micro_batch, calibrated, device)
+    planner = MicroBatchPlanner(config.micro_batch, calibrated, device)
+    planner.layerwise_allowed = False  # a calibrated fit models micro-batches, not layer-wise chunks
+    return planner
 
 
-def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequence[Batch], plan: Plan) -> dict:
+def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequence[Batch] | LayerwiseBatch,
+                plan: Plan | LayerwisePlan) -> dict:
     """A JSON-ready description of a plan: per micro-batch sizes per layer, itemised estimate
-    (bytes live at the peak, by component), redundancy per layer, K, budget, planning time."""
+    (bytes live at the peak, by component), redundancy per layer, K, budget, planning time; for a
+    layer-wise plan, per layer its chunks' sizes, the estimated peak and the rows gathered per layer
+    over the layer's src nodes (its redundancy)."""
+    if isinstance(plan, LayerwisePlan):
+        return {
+            "mode": "layerwise",
+            "chunks_per_layer": plan.k,
+            "budget_bytes": plan.budget,
+            "partitioner": planner.config.partitioner,
+            "full_batch": {"outputs": batch.output_nodes.numel(), "layers": _layer_sizes(batch)},
+            "estimate_peak_bytes": plan.estimate or None,
+            "work": plan.work,
+            "redundancy_per_layer": [sum(piece.num_src for piece in pieces) / block.num_src
+                                     for block, pieces in zip(batch.blocks, plan.chunks.layers)],
+            "tried": [{"k": k, "largest_estimate_bytes": peak} for k, peak in plan.tried],
+            "planning_seconds": plan.seconds,
+            "layers": [[{"src": piece.num_src, "dst": piece.num_dst, "edges": int(piece.indptr[-1])} for piece in pieces]
+                       for pieces in plan.chunks.layers],
+        }
     rows = []
     for index, micro_batch in enumerate(micro_batches):
         row = {
@@ -272,6 +398,8 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
             row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
         rows.append(row)
     return {
+        "mode": "betty",
+        "work": plan.work,
         "num_micro_batches": plan.k,
         "budget_bytes": plan.budget,
         "partitioner": planner.config.partitioner,

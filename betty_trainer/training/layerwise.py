@@ -22,6 +22,8 @@ or ``h_{l−1}``, ``∂L/∂h_l`` and ``∂L/∂h_{l−1}`` (backward), and one 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -31,6 +33,15 @@ from betty_trainer.data.feature_store import FeatureStore, as_feature_store
 from betty_trainer.errors import TrainingError
 from betty_trainer.models.stack import LayerStack
 from partition.chunks import LayerChunks
+
+
+@dataclass(frozen=True)
+class LayerwiseBatch:
+    """A batch to run layer by layer: the batch and its chunks (what the planner returns in place of
+    micro-batches when ``micro_batch.mode`` is ``layerwise``; :func:`layerwise_backward` runs it)."""
+
+    batch: Batch
+    chunks: LayerChunks
 
 
 def runs_layerwise(model: object) -> bool:
