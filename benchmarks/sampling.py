@@ -24,6 +24,7 @@ JSON-line commands and imports nothing from betty-trainer (DGL's environment pin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -177,13 +178,14 @@ class DGLProcess:
 # --- our side --------------------------------------------------------------------------------------------------
 
 def load_graph(name: str, data_dir: Path | None):
+    """``ego-twitter`` (``data_dir`` or ../shared/datasets/snap-jlg holds its .jlg) or a dataset betty-train knows."""
     if name == "ego-twitter":
         import importlib.util
 
         spec = importlib.util.spec_from_file_location("_versus_dgl", REPO_ROOT / "benchmarks" / "versus_dgl.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module.load_jlg(SHARED / "snap-jlg" / "ego-twitter-undirected.jlg")
+        return module.load_jlg((data_dir or SHARED / "snap-jlg") / "ego-twitter-undirected.jlg")
     from betty_trainer.config import DatasetConfig
     from betty_trainer.datasets import load_dataset
 
@@ -216,15 +218,18 @@ def run_ours(sampler, batches: list[torch.Tensor], seed: int, reps: int, lru: in
     from betty_trainer.sampling import GNSSampler, SampleKey
 
     seconds, nodes, edges, inputs, uncached = [], [], [], [], []
+    cuda = batches[0].is_cuda
     for rep in range(reps + 1):
         started = time.perf_counter()
         samples = [sampler.sample(seeds, SampleKey(seed, 0, step)) for step, seeds in enumerate(batches)]
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
         if rep == 0:
             for step, batch in enumerate(samples):
                 nodes.append([b.num_src for b in batch.blocks] + [batch.blocks[-1].num_dst])
                 edges.append(sum(b.num_edges for b in batch.blocks))
-                inputs.append(batch.input_nodes.numpy())
+                inputs.append(batch.input_nodes.cpu().numpy())
                 if isinstance(sampler, GNSSampler):
                     mask = sampler.cache(SampleKey(seed, 0, step)).mask
                     uncached.append(int((~mask[batch.input_nodes]).sum()))
@@ -247,6 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lru", type=float, default=0.1, help="LRU capacity as a fraction of the nodes")
     parser.add_argument("--gns-cache", type=float, default=0.01, help="GNS cache as a fraction of the nodes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where our samplers run (cuda: the tensor paths on the GPU)")
     parser.add_argument("--dgl-python", default="/work/dgl-venv/bin/python", help="'' skips DGL")
     parser.add_argument("--samplers", default="", help="comma list of row-name prefixes to run (default: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -266,9 +272,13 @@ def main(argv=None) -> None:
     order = pool[torch.randperm(pool.numel(), generator=torch.Generator().manual_seed(args.seed))]
     batches = list(order[: args.batch_size * args.batches].split(args.batch_size))
     lru = int(args.lru * n)
+    device = torch.device(args.device)
+    ours_graph = graph if device.type == "cpu" else dataclasses.replace(
+        graph, indptr=graph.indptr.to(device), indices=graph.indices.to(device), train_idx=graph.train_idx.to(device))
+    our_batches = [batch.to(device) for batch in batches]
     print(f"{args.graph}: {n:,} nodes, {graph.num_edges:,} edges; fanouts {fanouts} (input layer first), "
-          f"{len(batches)} batches of {args.batch_size}, LRU {lru:,} nodes ({args.lru:.0%}), threads {args.threads}",
-          flush=True)
+          f"{len(batches)} batches of {args.batch_size}, LRU {lru:,} nodes ({args.lru:.0%}), threads {args.threads}, "
+          f"ours on {args.device}", flush=True)
     dgl = None
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -282,10 +292,10 @@ def main(argv=None) -> None:
             print(f"DGL {hello['dgl']} (torch {hello['torch']}, {hello['threads']} threads) side by side", flush=True)
         rows = []
         wanted = [prefix for prefix in args.samplers.split(",") if prefix]
-        for name, (sampler, dgl_spec) in our_samplers(graph, fanouts, len(batches), args.gns_cache).items():
+        for name, (sampler, dgl_spec) in our_samplers(ours_graph, fanouts, len(batches), args.gns_cache).items():
             if wanted and not any(name.startswith(prefix) for prefix in wanted):
                 continue
-            ours = run_ours(sampler, batches, args.seed, args.reps, lru, n)
+            ours = run_ours(sampler, our_batches, args.seed, args.reps, lru, n)
             theirs = None
             if dgl is not None and dgl_spec is not None:
                 kind, importance, kappa = dgl_spec
