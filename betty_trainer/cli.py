@@ -178,6 +178,9 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
                           "--output")
     report = dry_run(config, measure=args.measure)
     write_text(output, json.dumps(report, indent=2))
+    if report["mode"] == "layerwise":
+        _print_layerwise_plan(console, report, args)
+        return
     budget = report["budget_bytes"]
     table = Table(title=f"plan: {report['dataset']}, {report['num_micro_batches']} micro-batches "
                         f"({report['partitioner']}), sizes in MiB")
@@ -212,6 +215,26 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     console.print(f"budget {budget_text}; full batch estimate {full_text}; "
                   f"K = {report['num_micro_batches']} (tried {[t['k'] for t in report['tried']]}); "
                   f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s; "
+                  f"written to {args.output}", highlight=False, soft_wrap=True)
+
+
+def _print_layerwise_plan(console: Console, report: dict, args: argparse.Namespace) -> None:
+    table = Table(title=f"plan: {report['dataset']}, layer by layer in {report['chunks_per_layer']} chunks per layer "
+                        f"({report['partitioner']})")
+    for column in ("layer", "src / dst / edges", "chunks", "largest chunk src / dst / edges", "redundancy"):
+        table.add_column(column, justify="right")
+    for index, (layer, pieces) in enumerate(zip(report["full_batch"]["layers"], report["layers"])):
+        largest = max(pieces, key=lambda piece: piece["src"])
+        table.add_row(str(index), f"{layer['src_nodes']} / {layer['dst_nodes']} / {layer['edges']}", str(len(pieces)),
+                      f"{largest['src']} / {largest['dst']} / {largest['edges']}",
+                      f"{report['redundancy_per_layer'][index]:.3f}")
+    Console(width=max(console.width, 120)).print(table)
+    budget, peak = report["budget_bytes"], report["estimate_peak_bytes"]
+    measured = (f"; measured {_mib(report['measured_peak_bytes'])} MiB ({report['error']:+.1%})"
+                if "error" in report else "")
+    console.print(f"budget {f'{_mib(budget)} MiB' if budget else 'none (micro_batch.num_micro_batches)'}; "
+                  f"estimated peak {_mib(peak) + ' MiB' if peak else '-'}{measured}; estimated work {report['work']:,}; "
+                  f"tried {[t['k'] for t in report['tried']]}; planning took {report['planning_seconds']:.3f} s; "
                   f"written to {args.output}", highlight=False, soft_wrap=True)
 
 

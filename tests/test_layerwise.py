@@ -212,3 +212,22 @@ def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
         plans[mode] = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)[1]
     assert plans["auto"].mode == min(("betty", "layerwise"), key=lambda m: plans[m].work)
     assert plans["layerwise"].work < plans["betty"].work  # every node an output: Betty's redundancy dominates
+
+
+def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_path):
+    """train() with micro_batch.mode=layerwise (4 chunks per layer) against K = 1: after 3 epochs of dropout
+    and Adam the parameters agree to float32 round-off, and the run reports its plan as layer-wise."""
+    from betty_trainer.training.checkpoint import load_checkpoint
+    from betty_trainer.training.trainer import train
+
+    common = ["optim.epochs=3", "train.progress=false"]
+    results = {}
+    for name, extra in {"layerwise": ["micro_batch.mode=layerwise", "micro_batch.num_micro_batches=4"],
+                        "full": ["micro_batch.num_micro_batches=1"]}.items():
+        config = load_config("configs/quickstart.yaml", common + extra + [f"train.run_dir={tmp_path / name}"])
+        train(config)
+        results[name] = load_checkpoint(tmp_path / name)["model"]
+    report = (tmp_path / "layerwise" / "plan.json").read_text()
+    assert '"mode": "layerwise"' in report and '"chunks_per_layer": 4' in report
+    for key, value in results["full"].items():
+        assert torch.allclose(results["layerwise"][key], value, rtol=1e-4, atol=1e-6), key

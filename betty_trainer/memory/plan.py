@@ -364,6 +364,15 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     return planner
 
 
+def plan_redundancy(batch: Batch, plan: Plan | LayerwisePlan) -> list[float]:
+    """Per layer, the src rows the plan gathers over the batch's src rows (≥ 1; Betty Table 6): summed over
+    the micro-batches (:func:`partition.redundancy`), or over a layer's chunks."""
+    if isinstance(plan, LayerwisePlan):
+        return [sum(piece.num_src for piece in pieces) / block.num_src
+                for block, pieces in zip(batch.blocks, plan.chunks.layers)]
+    return redundancy(batch.blocks, plan.layers)
+
+
 def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequence[Batch] | LayerwiseBatch,
                 plan: Plan | LayerwisePlan) -> dict:
     """A JSON-ready description of a plan: per micro-batch sizes per layer, itemised estimate
@@ -379,8 +388,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
             "full_batch": {"outputs": batch.output_nodes.numel(), "layers": _layer_sizes(batch)},
             "estimate_peak_bytes": plan.estimate or None,
             "work": plan.work,
-            "redundancy_per_layer": [sum(piece.num_src for piece in pieces) / block.num_src
-                                     for block, pieces in zip(batch.blocks, plan.chunks.layers)],
+            "redundancy_per_layer": plan_redundancy(batch, plan),
             "tried": [{"k": k, "largest_estimate_bytes": peak} for k, peak in plan.tried],
             "planning_seconds": plan.seconds,
             "layers": [[{"src": piece.num_src, "dst": piece.num_dst, "edges": int(piece.indptr[-1])} for piece in pieces]
@@ -405,7 +413,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
         "partitioner": planner.config.partitioner,
         "full_batch": {"outputs": batch.output_nodes.numel(), "estimate_peak_bytes": plan.full_batch_estimate or None,
                        "layers": _layer_sizes(batch)},
-        "redundancy_per_layer": redundancy(batch.blocks, plan.layers),
+        "redundancy_per_layer": plan_redundancy(batch, plan),
         "tried": [{"k": k, "largest_estimate_bytes": largest} for k, largest in plan.tried],
         "planning_seconds": plan.seconds,
         "micro_batches": rows,

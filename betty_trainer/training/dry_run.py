@@ -10,6 +10,7 @@ from betty_trainer.datasets import load_dataset
 from betty_trainer.memory.plan import MicroBatchPlanner, model_spec, plan_report
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, plan_seed
+from betty_trainer.training.layerwise import LayerwiseBatch, measure_layerwise_step
 from betty_trainer.training.output import quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.step import measure_training_step
@@ -44,8 +45,24 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
     if measure:
         with quiet_native_stderr():
-            _measure(config, graph, device, batch, micro_batches, report)
+            if isinstance(micro_batches, LayerwiseBatch):
+                _measure_layerwise(config, graph, device, micro_batches, report)
+            else:
+                _measure(config, graph, device, batch, micro_batches, report)
     return report
+
+
+def _measure_layerwise(config: Config, graph, device: torch.device, work: LayerwiseBatch, report: dict) -> None:
+    """Add ``measured_peak_bytes`` and ``error`` of one layer-wise step to a layer-wise ``report``."""
+    model = init_model(config, graph).to(device)
+    set_dropout_key(model, config.seed, 0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    features = HostFeatureStore(graph.x, pin=device.type == "cuda")
+    measure_layerwise_step(model, optimizer, work, features, graph.y, device)  # Adam state exists
+    measured = measure_layerwise_step(model, optimizer, work, features, graph.y, device).peak_bytes
+    report["measured_peak_bytes"] = measured
+    if report["estimate_peak_bytes"]:
+        report["error"] = (report["estimate_peak_bytes"] - measured) / measured
 
 
 def _measure(config: Config, graph, device: torch.device, batch, micro_batches, report: dict) -> None:

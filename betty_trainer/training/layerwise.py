@@ -32,6 +32,8 @@ from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import FeatureStore, as_feature_store
 from betty_trainer.errors import TrainingError
 from betty_trainer.models.stack import LayerStack
+from betty_trainer.training.step import training_state
+from estimator.measure import MeasuredPeak, measure_peak
 from partition.chunks import LayerChunks
 
 
@@ -135,3 +137,27 @@ def layerwise_backward(
             del h, rows
         grad_out = grad_in
     return loss.item(), correct
+
+
+def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, work: LayerwiseBatch,
+                           features: Tensor | FeatureStore, labels: Tensor, device: torch.device) -> MeasuredPeak:
+    """Run one layer-wise training step of ``work`` (then ``optimizer.step()``) and return its measured peak
+    (:func:`estimator.measure.measure_peak`), what :func:`estimator.layerwise.estimate_layerwise` estimates.
+
+    This is a real step: it updates the model and the optimizer state. Every parameter starts with a zero
+    gradient (resident, as the estimate counts it). CPU ``resident``: the model state, those gradients, the
+    batch's blocks and the chunks' slices.
+    """
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    resident = training_state(model, optimizer) + [parameter.grad for parameter in model.parameters()]
+    resident += [t for block in work.batch.blocks for t in (block.src_nodes, block.indptr, block.indices,
+                                                             block.edge_weight) if t is not None]
+    resident += [t for layer in work.chunks.layers for piece in layer
+                 for t in (piece.src_index, piece.indptr, piece.indices, piece.edge_ids)]
+
+    def step() -> None:
+        layerwise_backward(model, work.batch, work.chunks, features, labels, device)
+        optimizer.step()
+
+    return measure_peak(step, device, resident)

@@ -25,7 +25,7 @@ from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, as_
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, TrainingError
-from betty_trainer.memory.plan import MicroBatchPlanner, make_planner, plan_report
+from betty_trainer.memory.plan import LayerwisePlan, MicroBatchPlanner, make_planner, plan_redundancy, plan_report
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling import SampleKey
@@ -43,6 +43,7 @@ from betty_trainer.training.checkpoint import (
     save_checkpoint,
 )
 from betty_trainer.training.evaluation import evaluate_splits
+from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward
 from betty_trainer.training.output import EpochProgress, quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.rundir import (
@@ -55,7 +56,7 @@ from betty_trainer.training.rundir import (
     write_text,
 )
 from betty_trainer.training.step import MicroBatches, micro_batch_backward
-from partition import Plan, redundancy
+from partition import Plan
 
 logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
@@ -288,12 +289,12 @@ def train(
                         if epoch == 0:
                             run.write_text("plan.json", json.dumps(report, indent=2))
                         _print_plan(console, report)
-                    if not warned_dropout and len(outcome.batches) > 1:
-                        warned_dropout = _warn_torch_dropout(model, len(outcome.batches))
+                    if not warned_dropout and outcome.plan.k > 1:
+                        warned_dropout = _warn_torch_dropout(model, outcome.plan.k)
                     loss_sum += outcome.loss * seeds.numel()
                     correct += outcome.correct
-                    k_used = max(k_used, len(outcome.batches))
-                    input_redundancy = max(input_redundancy, redundancy(batch.blocks, outcome.plan.layers)[0])
+                    k_used = max(k_used, outcome.plan.k)
+                    input_redundancy = max(input_redundancy, plan_redundancy(batch, outcome.plan)[0])
                 moved = features.stats.host_to_device_bytes - moved_before
                 if scheduler is not None:
                     scheduler.step()
@@ -428,14 +429,21 @@ def _print_start(console: Console, config: Config, graph: Graph, device: torch.d
         f"device {device} · torch {torch.__version__} · dataset {graph.name}: {graph.num_nodes:,} nodes, "
         f"{graph.indices.numel():,} edges, {graph.num_features} features, {graph.num_classes} classes; "
         f"{graph.train_idx.numel()} train / {graph.val_idx.numel()} val / {graph.test_idx.numel()} test nodes",
-        f"model {type(model).__name__} ({params:,} parameters) · {config.optim.epochs} epochs · micro-batches: "
-        f"{split} ({config.micro_batch.partitioner})",
+        f"model {type(model).__name__} ({params:,} parameters) · {config.optim.epochs} epochs · "
+        f"micro_batch.mode {config.micro_batch.mode}: {split} ({config.micro_batch.partitioner})",
     ]
     for line in lines:
         console.print(line, highlight=False, soft_wrap=True)
 
 
 def _print_plan(console: Console, report: dict) -> None:
+    if report["mode"] == "layerwise":
+        peak = report["estimate_peak_bytes"]
+        console.print(f"first batch: {report['full_batch']['outputs']} outputs, layer by layer in "
+                      f"{report['chunks_per_layer']} chunks per layer"
+                      + (f", estimated peak {peak / 2**20:.2f} MiB" if peak else "")
+                      + f", input redundancy {report['redundancy_per_layer'][0]:.3f}", highlight=False, soft_wrap=True)
+        return
     rows = report["micro_batches"]
     peaks = [row["estimate"]["peak_bytes"] for row in rows if "estimate" in row]
     peak = f", largest estimated peak {max(peaks) / 2**20:.2f} MiB" if peaks else ""
@@ -464,8 +472,8 @@ def _log_tensorboard(board, metrics: EpochMetrics) -> None:
 
 @dataclass
 class _BatchOutcome:
-    batches: MicroBatches
-    plan: Plan
+    batches: MicroBatches | LayerwiseBatch
+    plan: Plan | LayerwisePlan
     loss: float
     correct: int
 
@@ -473,7 +481,8 @@ class _BatchOutcome:
 def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: MicroBatchPlanner, batch: Batch,
                  features: FeatureStore, labels: Tensor, device: torch.device, seed: int, where: str,
                  last_good: str) -> _BatchOutcome:
-    """Plan, accumulate gradients over the micro-batches, each built when it runs (no optimizer step).
+    """Plan, accumulate gradients over the micro-batches, each built when it runs, or run the batch layer by
+    layer (``micro_batch.mode``; no optimizer step).
 
     A CUDA out-of-memory error in a micro-batch discards that batch's partial
     gradients, re-plans with more micro-batches and redoes the batch (Betty §4.4.3),
@@ -484,7 +493,11 @@ def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: Mi
         micro_batches, plan = planner.plan(batch, seed, min_k)
         optimizer.zero_grad(set_to_none=True)
         try:
-            loss, correct = accumulate_gradients(model, micro_batches, features, labels, device)
+            if isinstance(micro_batches, LayerwiseBatch):
+                loss, correct = layerwise_backward(model, micro_batches.batch, micro_batches.chunks, features, labels,
+                                                   device)
+            else:
+                loss, correct = accumulate_gradients(model, micro_batches, features, labels, device)
             return _BatchOutcome(micro_batches, plan, loss, correct)
         except torch.cuda.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
