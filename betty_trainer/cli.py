@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from betty_trainer.config import Config, load_config
-from betty_trainer.datasets import DATASETS, cache_dir
+from betty_trainer.datasets import cache_dir, list_datasets
 from betty_trainer.errors import BettyError, ConfigError
 from betty_trainer.training.rundir import write_text
 
@@ -251,17 +251,13 @@ def _validate(args: argparse.Namespace, console: Console) -> None:
 
 
 def _datasets(args: argparse.Namespace, console: Console) -> None:
-    table = Table(title="datasets")
-    for column in ("name", "description", "files", "cached in " + str(cache_dir())):
+    table = Table(title=f"datasets (cache: {cache_dir()})")
+    for column in ("name", "kind", "description", "raw files", "converted"):
         table.add_column(column)
-    for spec in DATASETS.values():
-        if not spec.files:
-            cached = "generated, no files"
-        else:
-            present = sum((cache_dir() / spec.name / name).is_file() for name in spec.files)
-            cached = f"{present}/{len(spec.files)} files"
-        table.add_row(spec.name, spec.description, str(len(spec.files)), cached)
-    console.print(table)
+    for status in list_datasets(getattr(args, "data_dir", None)):
+        converted = "\n".join(f"{folder.name}: {size / 2**20:.0f} MiB" for folder, size in status.processed)
+        table.add_row(status.name, status.kind, status.description, status.raw, converted or "-")
+    Console(width=max(console.width, 160)).print(table)
     console.print("Files are read from --data-dir, else $BETTY_DATA_DIR, else the cache (downloaded when online).")
 
 
