@@ -19,8 +19,6 @@ see :func:`main`.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from dgl_channel import serve  # noqa: E402  (this folder: the script's own)
 from torch import nn
 
 _MEASURE = Path(__file__).resolve().parent.parent / "estimator" / "measure.py"
@@ -173,30 +172,8 @@ class Side:
 
 
 def main() -> None:
-    """Serve JSON-line commands: ``{"op": ..., **arguments}`` → ``{"ok": true, **result}``
-    or ``{"ok": false, "error": "..."}``; ``{"op": "quit"}`` ends. Also answers
-    ``{"op": "hello"}`` with the versions and thread count."""
-    answer = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # anything DGL or the profiler prints goes to stderr, not into the answers
-    threads = int(os.environ.get("BENCH_THREADS", "0"))
-    if threads:
-        torch.set_num_threads(threads)
-    side = Side()
-    for line in sys.stdin:
-        command = json.loads(line)
-        op = command.pop("op")
-        if op == "quit":
-            break
-        try:
-            if op == "hello":
-                result = {"torch": torch.__version__, "dgl": side.dgl.__version__, "threads": torch.get_num_threads()}
-            else:
-                result = getattr(side, op)(**command)
-            reply = {"ok": True, **result}
-        except Exception as error:  # reported to the driver, which stops with the message
-            reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-        answer.write(json.dumps(reply) + "\n")
-        answer.flush()
+    """Serve the driver's commands over the JSON-lines channel (:mod:`dgl_channel`)."""
+    serve(Side())
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 For each graph and model: one full-batch training step (every node an output, full neighbourhood,
 dropout 0.5, Adam) at K = 1, with Betty's micro-batches at K ∈ ``--ks`` (REG), and layer by layer
-at ``--ks`` chunks per layer (METIS chunks, recomputation in backward). Peak: the measured peak of
+at ``--chunks`` chunks per layer (METIS chunks, recomputation in backward). Peak: the measured peak of
 the step (``estimator.measure.measure_peak``: profiler allocation records on CPU, after one warm-up
 step so Adam's state is resident). Time: the median of ``--repeats`` steps, planning excluded
 (a full batch's plan is reused every epoch). Each row is measured in the same run, interleaved.
@@ -53,7 +53,8 @@ def config_for(arch: str, hidden: int):
     return load_config(None, overrides)
 
 
-def run_case(graph, arch: str, hidden: int, ks: list[int], repeats: int) -> dict[str, tuple[float, float]]:
+def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[int],
+             repeats: int) -> dict[str, tuple[float, float]]:
     """``{column: (peak MiB, median seconds)}`` for K = 1, Betty K and layer-wise K."""
     config = config_for(arch, hidden)
     model = init_model(config, graph)
@@ -65,7 +66,7 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], repeats: int) -> dict
         plan = make_plan(batch.blocks, k=k, partitioner="reg", seed=0)
         micro_batches = MicroBatches(batch, plan.layers)
         runners[f"betty K={k}"] = (lambda mb=micro_batches: accumulate_gradients(model, mb, graph.x, graph.y, CPU))
-    for k in ks:
+    for k in chunk_counts:
         chunks = chunk_layers(batch.blocks, k, "metis", seed=0)
         runners[f"layerwise {k}"] = (lambda c=chunks: layerwise_backward(model, batch, c, graph.x, graph.y, CPU))
 
@@ -96,19 +97,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--graphs", default="amazon-computers,coauthor-physics")
     parser.add_argument("--models", default="sage-64,sage-256,gat-64", help=f"of {', '.join(MODELS)}")
-    parser.add_argument("--ks", default="4,8,16", help="micro-batches and chunks per layer")
+    parser.add_argument("--ks", default="4,8,16", help="Betty's micro-batches")
+    parser.add_argument("--chunks", default=None, help="layer-wise chunks per layer (default: --ks)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data-dir", default=str(REPO_ROOT.parent / "shared" / "datasets" / "graphdata-npz"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
+    chunk_counts = [int(k) for k in (args.chunks or args.ks).split(",")]
     rows = []
     for name in args.graphs.split(","):
         graph = load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
         for model in args.models.split(","):
             arch, hidden = MODELS[model]
-            rows.append((name, model, run_case(graph, arch, hidden, ks, args.repeats)))
+            rows.append((name, model, run_case(graph, arch, hidden, ks, chunk_counts, args.repeats)))
     columns = list(rows[0][2])
     print("\npeak MiB / step s (ratio to K=1)")
     print("| graph | model | " + " | ".join(columns) + " |")

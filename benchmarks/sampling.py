@@ -27,16 +27,14 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from dgl_channel import DGLProcess, serve  # this folder: both sides load it
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "datasets"
@@ -119,60 +117,6 @@ class DGLSide:
                     inputs.append(input_nodes.numpy())
         return {"seconds": seconds[1:], **summarize(nodes, edges),
                 "lru_miss": lru_miss_rate(inputs, self.graph.num_nodes(), lru)}
-
-
-def serve_dgl() -> None:
-    """JSON lines on stdin → answers on stdout (``{"ok": ..., **result}``); ``{"op": "quit"}`` ends."""
-    answer = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    threads = int(os.environ.get("BENCH_THREADS", "0"))
-    if threads:
-        torch.set_num_threads(threads)
-    side = DGLSide()
-    for line in sys.stdin:
-        command = json.loads(line)
-        op = command.pop("op")
-        if op == "quit":
-            break
-        try:
-            if op == "hello":
-                result = {"dgl": side.dgl.__version__, "torch": torch.__version__, "threads": torch.get_num_threads()}
-            else:
-                result = getattr(side, op)(**command)
-            reply = {"ok": True, **result}
-        except Exception as error:  # reported to the driver
-            reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-        answer.write(json.dumps(reply) + "\n")
-        answer.flush()
-
-
-class DGLProcess:
-    """This file in DGL's environment, driven over JSON lines."""
-
-    def __init__(self, python: str, threads: int, log: Path):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "BENCH_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
-        env.pop("PYTHONPATH", None)
-        self.log = log
-        self.process = subprocess.Popen([python, str(Path(__file__).resolve()), "--dgl-side"], env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
-                                        text=True, cwd=REPO_ROOT)
-
-    def __call__(self, op: str, **arguments) -> dict:
-        self.process.stdin.write(json.dumps({"op": op, **arguments}) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            raise SystemExit(f"the DGL side exited during {op!r}: {self.log.read_text()[-2000:]}")
-        reply = json.loads(line)
-        if not reply.pop("ok"):
-            raise SystemExit(f"the DGL side failed in {op!r}: {reply['error']}")
-        return reply
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.process.stdin.flush()
-            self.process.wait(timeout=60)
 
 
 # --- our side --------------------------------------------------------------------------------------------------
@@ -262,7 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.dgl_side:
-        serve_dgl()
+        serve(DGLSide())
         return
     torch.set_num_threads(args.threads)
     fanouts = [int(f) for f in args.fanouts.split(",")]
@@ -286,7 +230,7 @@ def main(argv=None) -> None:
             np.save(scratch / "indptr.npy", graph.indptr.numpy())
             np.save(scratch / "indices.npy", graph.indices.numpy())
             np.save(scratch / "seeds.npy", torch.cat(batches).numpy())
-            dgl = DGLProcess(args.dgl_python, args.threads, scratch / "dgl.log")
+            dgl = DGLProcess(args.dgl_python, Path(__file__).resolve(), ["--dgl-side"], args.threads, scratch / "dgl.log")
             hello = dgl("hello")
             dgl("load", folder=str(scratch))
             print(f"DGL {hello['dgl']} (torch {hello['torch']}, {hello['threads']} threads) side by side", flush=True)

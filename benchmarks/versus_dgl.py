@@ -64,7 +64,6 @@ import gzip
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +74,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from dgl_channel import DGLProcess  # noqa: E402  (this folder)
 
 from betty_trainer import NeighborSampler, SampleKey, sample_batch  # noqa: E402
 from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
@@ -132,37 +132,6 @@ def outputs_of(graph: Graph, which: str) -> torch.Tensor:
 
 
 # --- the DGL subprocess ----------------------------------------------------------------------------------------
-
-class DGLSide:
-    """``benchmarks/dgl_side.py`` in DGL's environment, driven over JSON lines."""
-
-    def __init__(self, python: str, threads: int, log: Path):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "BENCH_THREADS": str(threads),
-               "PYTHONWARNINGS": "ignore"}
-        env.pop("PYTHONPATH", None)
-        self.log = log
-        self.process = subprocess.Popen([python, str(REPO_ROOT / "benchmarks" / "dgl_side.py")], env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
-                                        text=True, cwd=REPO_ROOT)
-
-    def __call__(self, op: str, **arguments) -> dict:
-        self.process.stdin.write(json.dumps({"op": op, **arguments}) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            tail = self.log.read_text()[-2000:]
-            raise SystemExit(f"the DGL side exited during {op!r}; its stderr ends with:\n{tail}")
-        reply = json.loads(line)
-        if not reply.pop("ok"):
-            raise SystemExit(f"the DGL side failed in {op!r}: {reply['error']}")
-        return reply
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.process.stdin.flush()
-            self.process.wait(timeout=60)
-
 
 # --- our side ------------------------------------------------------------------------------------------------
 
@@ -443,7 +412,7 @@ def main(argv=None) -> None:
         needed |= set(args.sample_graphs)
     with tempfile.TemporaryDirectory(prefix="versus-dgl-") as tmp:
         tmp = Path(tmp)
-        dgl = DGLSide(args.dgl_python, args.threads, tmp / "dgl-side.log")
+        dgl = DGLProcess(args.dgl_python, REPO_ROOT / "benchmarks" / "dgl_side.py", [], args.threads, tmp / "dgl-side.log")
         try:
             hello = dgl("hello")
             print(f"betty-trainer (torch {torch.__version__}, {torch.get_num_threads()} threads) vs DGL {hello['dgl']} "

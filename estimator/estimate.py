@@ -57,6 +57,18 @@ class MemoryEstimate:
     backward_peak_bytes: int
     resident_bytes: int
 
+    @classmethod
+    def of(cls, replay: Replay, resident_bytes: int) -> MemoryEstimate:
+        """The estimate a finished :class:`~estimator.tape.Replay` gives (``resident_bytes``: live before the step)."""
+        return cls(
+            peak_bytes=replay.peak,
+            at_peak={name: replay.at_peak.get(name, 0) for name in COMPONENTS},
+            totals={name: replay.totals.get(name, 0) for name in COMPONENTS},
+            forward_peak_bytes=replay.phase_peak["forward"],
+            backward_peak_bytes=replay.phase_peak["backward"],
+            resident_bytes=resident_bytes,
+        )
+
 
 def model_state_bytes(model: ModelSpec) -> dict[str, int]:
     """Bytes live before any micro-batch: ``parameters`` (buffers included) and ``optimizer_state``
@@ -119,11 +131,4 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     replay.drop(grad, x, labels, logits)  # the micro-batch's tensors die before the optimizer step
     replay.phase = "optimizer"
     step.optimizer_step()
-    return MemoryEstimate(
-        peak_bytes=replay.peak,
-        at_peak={name: replay.at_peak.get(name, 0) for name in COMPONENTS},
-        totals={name: replay.totals.get(name, 0) for name in COMPONENTS},
-        forward_peak_bytes=replay.phase_peak["forward"],
-        backward_peak_bytes=replay.phase_peak["backward"],
-        resident_bytes=resident,
-    )
+    return MemoryEstimate.of(replay, resident)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from estimator.counts import INDEX_BYTES, LayerCounts, block_structure_bytes
-from estimator.estimate import COMPONENTS, MemoryEstimate, model_state_bytes
+from estimator.estimate import MemoryEstimate, model_state_bytes
 from estimator.spec import ModelSpec
 from estimator.tape import GRAD, HID, OVER, Replay, StepTape
 
@@ -103,11 +103,4 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         grad_out = grad_in
     replay.phase = "optimizer"
     tape.optimizer_step()
-    return MemoryEstimate(
-        peak_bytes=replay.peak,
-        at_peak={name: replay.at_peak.get(name, 0) for name in COMPONENTS},
-        totals={name: replay.totals.get(name, 0) for name in COMPONENTS},
-        forward_peak_bytes=replay.phase_peak["forward"],
-        backward_peak_bytes=replay.phase_peak["backward"],
-        resident_bytes=resident,
-    )
+    return MemoryEstimate.of(replay, resident)

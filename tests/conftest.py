@@ -51,3 +51,9 @@ def cora64(cora):
     """Cora with only its first 64 feature columns: for the LSTM aggregator, whose input-layer LSTM
     is as wide as the features (1433 on Cora: ~33 MFLOP per edge and step) and too slow for tests."""
     return dataclasses.replace(cora, x=cora.x[:, :64].contiguous())
+
+
+@pytest.fixture(scope="session")
+def computers():
+    """Amazon Computers (13,752 nodes, 491,722 directed edges, mean in-degree 36; graphdata-npz)."""
+    return load_dataset(DatasetConfig(name="amazon-computers", data_dir=shared_data("graphdata-npz", "amazon_cs.npz")))

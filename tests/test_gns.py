@@ -7,19 +7,11 @@ import math
 import pytest
 import torch
 
-from betty_trainer.config import DatasetConfig
 from betty_trainer.data.graph import Graph
-from betty_trainer.datasets import load_dataset
 from betty_trainer.sampling import GNSSampler, NeighborSampler, SampleKey
 from betty_trainer.sampling.gns import random_walk_probability
-from tests.conftest import shared_data
 
 FANOUT = 10
-
-
-@pytest.fixture(scope="module")
-def computers():
-    return load_dataset(DatasetConfig(name="amazon-computers", data_dir=shared_data("graphdata-npz", "amazon_cs.npz")))
 
 
 def seeds_of(graph, count, seed=0):

@@ -8,19 +8,10 @@ import math
 import pytest
 import torch
 
-from betty_trainer.config import DatasetConfig
-from betty_trainer.datasets import load_dataset
 from betty_trainer.sampling import LaborSampler, NeighborSampler, SampleKey
 from betty_trainer.sampling.labor import Variates, inclusion_probabilities, labor_block
-from tests.conftest import shared_data
 
 FANOUT = 10
-
-
-@pytest.fixture(scope="module")
-def computers():
-    """Amazon Computers (13,752 nodes, 491,722 directed edges, mean in-degree 36)."""
-    return load_dataset(DatasetConfig(name="amazon-computers", data_dir=shared_data("graphdata-npz", "amazon_cs.npz")))
 
 
 def dst_nodes(graph, count, seed=0):

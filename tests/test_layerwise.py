@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from betty_trainer import GCN, GraphSAGE, accumulate_gradients, load_config, sample_batch
-from betty_trainer.config import DatasetConfig
-from betty_trainer.datasets import load_dataset
 from betty_trainer.memory.plan import MicroBatchPlanner, spec_of
 from betty_trainer.models import set_dropout_key
 from betty_trainer.models.gat import GAT
@@ -20,7 +18,6 @@ from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
 from estimator.measure import measure_peak
 from partition.chunks import chunk_layers
-from tests.conftest import shared_data
 
 CPU = torch.device("cpu")
 # the micro-batch exactness bound of tests/test_exactness.py (1e-5 of the largest entry), taken over the whole
@@ -30,9 +27,8 @@ BOUND = 1e-5
 
 
 @pytest.fixture(scope="module")
-def computers():
-    graph = load_dataset(DatasetConfig(name="amazon-computers", data_dir=shared_data("graphdata-npz", "amazon_cs.npz")))
-    return dataclasses.replace(graph, x=graph.x[:, :64].contiguous())  # 767 features: 64 keep the LSTM fast
+def computers64(computers):
+    return dataclasses.replace(computers, x=computers.x[:, :64].contiguous())  # 767 features: 64 keep the LSTM fast
 
 
 def make(arch: str, graph, seed: int = 0):
@@ -87,7 +83,8 @@ def test_layerwise_equals_full_batch_on_cora(cora64, arch, fanouts):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_layerwise_equals_full_batch_on_amazon_computers(computers, arch):
+def test_layerwise_equals_full_batch_on_amazon_computers(computers64, arch):
+    computers = computers64
     model = make(arch, computers)
     set_dropout_key(model, seed=1, step=4)
     seeds = torch.randperm(computers.num_nodes, generator=torch.Generator().manual_seed(0))[:150]

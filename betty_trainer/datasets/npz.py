@@ -35,6 +35,20 @@ TRAIN_PER_CLASS = 20
 VAL_PER_CLASS = 30
 
 
+def open_archive(path: Path) -> zipfile.ZipFile:
+    """``path`` opened as a zip (``.npz``) archive.
+
+    Raises:
+        DatasetError: the file is missing or not a readable zip (one line naming it).
+    """
+    try:
+        return zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise DatasetError(f"missing dataset file {path}") from None
+    except (zipfile.BadZipFile, OSError) as error:
+        raise DatasetError(f"{path} is not a readable .npz archive ({error}); re-download it") from None
+
+
 def read_npz(path: Path) -> dict[str, object]:
     """Every array of an ``.npz`` file; object arrays are unpickled with the restricted unpickler.
 
@@ -51,14 +65,8 @@ def read_npz(path: Path) -> dict[str, object]:
         DatasetError: the file is missing, not a zip, truncated, or a pickle in it asks
             for a global outside the allow-list (the message names the member).
     """
-    try:
-        archive = zipfile.ZipFile(path)
-    except FileNotFoundError:
-        raise DatasetError(f"missing dataset file {path}") from None
-    except (zipfile.BadZipFile, OSError) as error:
-        raise DatasetError(f"{path} is not a readable .npz archive ({error}); re-download it") from None
     arrays = {}
-    with archive:
+    with open_archive(path) as archive:
         for member in archive.namelist():
             source = f"{path}:{member}"
             try:

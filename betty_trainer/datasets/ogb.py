@@ -38,6 +38,7 @@ from numpy.lib import format as npy_format
 from betty_trainer.data.graph import Graph, csc_from_edges
 from betty_trainer.datasets.cache import CacheWriter, cache_dir, file_fingerprint, load_cached, processed_dir
 from betty_trainer.datasets.download import download
+from betty_trainer.datasets.npz import open_archive
 from betty_trainer.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -182,13 +183,7 @@ def _npz_member(path: Path, member: str, out_factory=None) -> np.ndarray:
         DatasetError: missing file or member, object array, truncated data.
     """
     source = f"{path}:{member}.npy"
-    try:
-        archive = zipfile.ZipFile(path)
-    except FileNotFoundError:
-        raise DatasetError(f"missing dataset file {path}") from None
-    except (zipfile.BadZipFile, OSError) as error:
-        raise DatasetError(f"{path} is not a readable .npz archive ({error}); re-download it") from None
-    with archive:
+    with open_archive(path) as archive:
         try:
             handle = archive.open(member + ".npy")
         except KeyError:
