@@ -1,4 +1,5 @@
-"""Accuracy of the closed-form memory estimator against measured CPU peaks, per micro-batch.
+"""Accuracy of the closed-form memory estimator against measured peaks (CPU, or CUDA with ``--device cuda``), per
+micro-batch.
 
 Source: Betty (ASPLOS '23) §4.4.3, Table 7. For each dataset, model, number of
 layers, hidden width and K, the full training batch (full neighbourhood unless
@@ -97,19 +98,21 @@ def load_graph(name: str, data_dir: Path) -> Graph:
     return load_dataset(DatasetConfig(name=name, data_dir=data_dir))
 
 
-def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[Batch], seed: int) -> dict[str, Any]:
-    """Estimate and measure every micro-batch of one (model, layers, hidden, K) cell.
+def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[Batch], seed: int,
+                device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    """Estimate and measure every micro-batch of one (model, layers, hidden, K) cell on ``device`` (CUDA: the
+    estimate of the path CUDA takes, the measured ``max_memory_allocated`` and ``max_memory_reserved``).
 
     Returns the row's record: the per-micro-batch numbers and aggregates.
     """
     config = load_config(None, overrides)
-    spec = model_spec(config, graph)
+    spec = model_spec(config, graph, device)
     torch.manual_seed(seed)
-    model = build_model(config.model, graph)
+    model = build_model(config.model, graph).to(device)
     set_dropout_key(model, seed, 0)
-    optimizer = torch.optim.Adam(model.parameters())
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
     start = time.perf_counter()
-    measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, "cpu")  # Adam state exists
+    measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, device)  # Adam state exists
     warm_s = time.perf_counter() - start
     per_mb, estimate_s = [], 0.0
     total = sum(micro_batch.output_nodes.numel() for micro_batch in micro_batches)
@@ -117,9 +120,11 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
         t0 = time.perf_counter()
         estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0)
         estimate_s += time.perf_counter() - t0
-        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu",
+        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, device,
                                          num_outputs=total, accumulate=index > 0)
+        reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
         per_mb.append({
+            "reserved_bytes": reserved,
             "micro_batch": index,
             "outputs": micro_batch.output_nodes.numel(),
             "input_nodes": micro_batch.input_nodes.numel(),
@@ -190,6 +195,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="cora only, hidden 64, 2 layers, K 1,4 (options given explicitly still win)")
     parser.add_argument("--json", type=Path, default=None, help="write all raw numbers to this file")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: max_memory_allocated (and reserved) per step")
     args = parser.parse_args()
 
     base = QUICK if args.quick else DEFAULTS
@@ -243,7 +249,8 @@ def main() -> None:
                                                "hidden": hidden, "k": k, "overrides": overrides}
                         if (num_layers, k) not in splits:
                             splits[(num_layers, k)] = plan_micro_batches(batches[num_layers], k, "reg", args.seed)
-                        row.update(measure_row(graph, overrides, splits[(num_layers, k)], args.seed))
+                        row.update(measure_row(graph, overrides, splits[(num_layers, k)], args.seed,
+                                               torch.device(args.device)))
                         rows.append(row)
                         all_rows.append(row)
         sizes = {n: [b.num_src for b in batch.blocks] + [batch.blocks[-1].num_dst] for n, batch in batches.items()}
