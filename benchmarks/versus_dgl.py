@@ -146,6 +146,7 @@ class Ours:
 
     def __init__(self, graph: Graph, hidden: int, k: int, seed: int):
         self.graph, self.seed = graph, seed
+        self.sampler: NeighborSampler | None = None
         self.config = config_for(hidden, k, seed)
         self.model = init_model(self.config, graph)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.optim.lr,
@@ -156,7 +157,9 @@ class Ours:
     def step(self, seeds: torch.Tensor, fanouts: list, step: int, epoch: int) -> dict[str, float]:
         """Sample, plan, accumulate, Adam step; seconds of each part."""
         t0 = time.perf_counter()
-        batch = NeighborSampler(self.graph, fanouts).sample(seeds, SampleKey(self.seed, epoch, step))
+        if self.sampler is None or self.sampler.fanouts != list(fanouts):
+            self.sampler = NeighborSampler(self.graph, fanouts)  # one per run, as train() keeps one
+        batch = self.sampler.sample(seeds, SampleKey(self.seed, epoch, step))
         t1 = time.perf_counter()
         micro_batches, plan = self.planner.plan(batch, plan_seed(self.config))
         t2 = time.perf_counter()
