@@ -122,3 +122,22 @@ def test_max_ties_go_to_the_first_edge_on_both_paths(monkeypatch):
     aggregate.max_neighbours(block, h).sum().backward()
     assert torch.equal(compiled, h.grad)
     assert compiled.sum() == sum(1 for d in range(block.num_dst) if block.indptr[d + 1] > block.indptr[d]) * 5
+
+
+def test_weighted_gcn_aggregator_normalises_by_the_weight_sum():
+    """SAGE's gcn aggregator on a weighted block: (h_d + Σ w_e h_s) / (Σ w_e + 1), against a float64 dense
+    reference; with unit weights it is the unweighted aggregator exactly (Σ w = the in-degree)."""
+    import dataclasses
+
+    from betty_trainer.models.sage import SAGEConv
+
+    block = random_block(seed=3)
+    h = torch.randn(block.num_src, 6, generator=torch.Generator().manual_seed(1))
+    layer = SAGEConv(6, 4, "gcn")
+    weights = torch.rand(block.num_edges, generator=torch.Generator().manual_seed(2)) * 3 + 0.1
+    weighted = dataclasses.replace(block, edge_weight=weights)
+    adjacency = dense(block, weights)
+    reference = (h[: block.num_dst].double() + adjacency @ h.double()) / (adjacency.sum(1, keepdim=True) + 1)
+    torch.testing.assert_close(layer.aggregate(weighted, h), reference.float(), **CLOSE)
+    ones = dataclasses.replace(block, edge_weight=torch.ones(block.num_edges))
+    assert torch.equal(layer.aggregate(ones, h), layer.aggregate(block, h))

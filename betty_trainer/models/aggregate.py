@@ -131,10 +131,14 @@ def mean_values(block: Block, dtype: torch.dtype) -> Tensor:
     """``(E,)`` per-edge coefficients of the (weighted) mean: ``1/deg(d)``, or ``w_e / Σ_{e'→d} w_e'``."""
     if block.edge_weight is None:
         return per_edge(block, block.in_degrees().to(dtype).reciprocal_())
-    weight = block.edge_weight.to(dtype)
-    total = torch.zeros(block.num_dst, dtype=dtype, device=weight.device)
-    total.index_add_(0, block.edge_dst(), weight)
-    return weight / per_edge(block, total)
+    return block.edge_weight.to(dtype) / per_edge(block, weight_totals(block, dtype))
+
+
+def weight_totals(block: Block, dtype: torch.dtype) -> Tensor:
+    """``(num_dst,)``: the sum of each dst node's in-edge weights ``Σ_{e→d} w_e`` (a weighted block's
+    estimate of its true in-degree: with importance weights ``1/p`` (LABOR, GNS), ``E[Σ w] = |N(d)|``)."""
+    total = torch.zeros(block.num_dst, dtype=dtype, device=block.edge_weight.device)
+    return total.index_add_(0, block.edge_dst(), block.edge_weight.to(dtype))
 
 
 def max_neighbours(block: Block, h_src: Tensor) -> Tensor:
@@ -411,13 +415,18 @@ def mean_values_terms(tape: StepTape, c: LayerCounts) -> int:
         values = per_edge_terms(tape, c)
         r.drop(inverse)
         return values
-    total = r.alloc(c.num_dst * tape.f, OVER)
-    edge_dst = edge_dst_terms(tape, c)
-    r.drop(edge_dst)
+    total = weight_totals_terms(tape, c, OVER)
     spread = per_edge_terms(tape, c)
     values = r.alloc(c.num_edges * tape.f, AGG)
     r.drop(spread, total)
     return values
+
+
+def weight_totals_terms(tape: StepTape, c: LayerCounts, component: str) -> int:
+    """aggregate.weight_totals: the ``(D,)`` sums, and ``block.edge_dst()`` made and freed."""
+    total = tape.r.alloc(c.num_dst * tape.f, component)
+    tape.r.drop(edge_dst_terms(tape, c))
+    return total
 
 
 def csr_matmul_terms(tape: StepTape, rows: int, c: LayerCounts, width: int, component: str) -> int:

@@ -20,6 +20,8 @@ from betty_trainer.models.aggregate import (
     per_edge,
     per_edge_terms,
     segment_max_terms,
+    weight_totals,
+    weight_totals_terms,
 )
 from betty_trainer.models.lstm import LSTM
 from betty_trainer.models.stack import LayerStack, layer_widths
@@ -34,7 +36,8 @@ class SAGEConv(nn.Module):
     """One GraphSAGE layer (Hamilton et al. 2017, Alg. 1, line 4–5; aggregators of §3.3) on a block.
 
     ``mean``: h'_d = W_self·h_d + W_neigh·mean_{s∈N(d)} h_s + b
-    ``gcn``:  h'_d = W_neigh·(h_d + Σ_{s∈N(d)} h_s) / (|N(d)| + 1) + b
+    ``gcn``:  h'_d = W_neigh·(h_d + Σ_{s∈N(d)} h_s) / (|N(d)| + 1) + b; on a block with edge weights
+              (LABOR, GNS) h'_d = W_neigh·(h_d + Σ w_e h_s) / (Σ w_e + 1) + b, Σ w_e estimating |N(d)|
     ``pool``: h'_d = W_self·h_d + W_neigh·max_{s∈N(d)} ReLU(W_pool·h_s + b_pool) + b  (Eq. 3)
     ``lstm``: h'_d = W_self·h_d + W_neigh·LSTM(h_s for s ∈ N(d) in CSC edge order) + b
 
@@ -97,8 +100,9 @@ class SAGEConv(nn.Module):
         """The neighbourhood vector of every dst node (before ``W_neigh``): ``(num_src, F)`` → ``(num_dst, F)``."""
         if self.aggregator == "mean":
             return mean_neighbours(block, h_src)
-        if self.aggregator == "gcn":
-            scale = block.in_degrees().to(h_src.dtype).add_(1).reciprocal_()  # 1 / (|N(d)| + 1)
+        if self.aggregator == "gcn":  # 1 / (|N(d)| + 1); weighted: 1 / (Σ w + 1), Σ w estimating |N(d)|
+            degree = block.in_degrees().to(h_src.dtype) if block.edge_weight is None else weight_totals(block, h_src.dtype)
+            scale = degree.add_(1).reciprocal_()
             values = per_edge(block, scale)
             if block.edge_weight is not None:
                 values.mul_(block.edge_weight)
@@ -125,8 +129,8 @@ class SAGEConv(nn.Module):
         h, lin_neigh_bwd = tape.linear(hd, c.num_src, a, b, hd_grad, AGG) if project_first else (hd, None)
         if self.aggregator == "mean":
             values, scale = mean_values_terms(tape, c), None
-        else:  # gcn: 1/(deg + 1) per dst node, spread over its edges (times the edge weights in place)
-            scale = per_dst_scale_terms(tape, c)
+        else:  # gcn: 1/(deg + 1) (weighted: 1/(Σ w + 1)) per dst node, spread over its edges (times the weights)
+            scale = weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
             values = per_edge_terms(tape, c)
         neigh, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
         r.drop(values, scale)
