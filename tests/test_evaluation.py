@@ -17,8 +17,7 @@ from betty_trainer import (
     layerwise_logits,
 )
 from betty_trainer.models import GAT
-from betty_trainer.models.stack import LayerStack
-from betty_trainer.training.evaluation import evaluates_layerwise
+from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 
 CPU = torch.device("cpu")
 MODELS = {
@@ -98,7 +97,7 @@ class SkipStack(GraphSAGE):
 def test_other_models_fall_back_to_batch_evaluation(cora, make):
     torch.manual_seed(2)
     model = make(cora)
-    assert not evaluates_layerwise(model)
+    assert not runs_layer_by_layer(model)
     splits = {"val": cora.val_idx, "test": cora.test_idx}
     accuracy = evaluate_splits(model, cora, cora.x, CPU, splits, num_layers=2, chunk_size=400)
     for name, nodes in splits.items():

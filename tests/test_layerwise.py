@@ -12,7 +12,8 @@ from betty_trainer import GCN, GraphSAGE, accumulate_gradients, load_config, sam
 from betty_trainer.memory.plan import MicroBatchPlanner, spec_of
 from betty_trainer.models import set_dropout_key
 from betty_trainer.models.gat import GAT
-from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward, runs_layerwise
+from betty_trainer.models.stack import runs_layer_by_layer
+from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward
 from betty_trainer.training.step import training_state
 from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
@@ -113,7 +114,7 @@ def test_a_model_that_cannot_run_layer_by_layer_is_refused(cora):
             return super().forward(blocks, x) * 2
 
     model = Custom(cora.num_features, 8, cora.num_classes)
-    assert not runs_layerwise(model) and runs_layerwise(make("gcn", cora))
+    assert not runs_layer_by_layer(model) and runs_layer_by_layer(make("gcn", cora))
     batch = sample_batch(cora, cora.train_idx[:10], [None, None])
     with pytest.raises(ValueError, match="cannot run layer by layer.*micro_batch.mode=betty"):
         layerwise_backward(model, batch, chunk_layers(batch.blocks, 2), cora.x, cora.y, CPU)

@@ -26,8 +26,9 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
+from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.rng import compiled_kernels
-from betty_trainer.training.layerwise import LayerwiseBatch, runs_layerwise
+from betty_trainer.training.layerwise import LayerwiseBatch
 from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
@@ -341,12 +342,12 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     """
     if model is None:
         return MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
-    if config.micro_batch.mode == "layerwise" and not runs_layerwise(model):
+    if config.micro_batch.mode == "layerwise" and not runs_layer_by_layer(model):
         raise ConfigError(f"micro_batch.mode=layerwise: {type(model).__name__} cannot run layer by layer (it needs a "
                           "LayerStack whose forward is the stack's own); use micro_batch.mode=betty")
     if config.micro_batch.budget is None:
         planner = MicroBatchPlanner(config.micro_batch, None, device)
-        planner.layerwise_allowed = runs_layerwise(model)
+        planner.layerwise_allowed = runs_layer_by_layer(model)
         return planner
     if config.micro_batch.mode == "layerwise":
         raise ConfigError("micro_batch.mode=layerwise under a budget needs a built-in model's estimate; "

@@ -144,6 +144,13 @@ class LayerStack(nn.Module):
         return out, backward
 
 
+def runs_layer_by_layer(model: object) -> bool:
+    """Whether ``model`` can run one layer at a time: a :class:`LayerStack` (every built-in model, or a user
+    model built on it) whose ``forward`` is the stack's own, so that :meth:`LayerStack.layer_forward` layer
+    by layer computes what ``forward`` computes. Layer-wise evaluation and layer-wise training both need it."""
+    return isinstance(model, LayerStack) and type(model).forward is LayerStack.forward
+
+
 def layer_widths(in_feats: int, hidden: int, out_feats: int, num_layers: int) -> list[int]:
     """``[in_feats, hidden × (num_layers − 1), out_feats]``."""
     return [in_feats] + [hidden] * (num_layers - 1) + [out_feats]

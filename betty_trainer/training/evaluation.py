@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, as_feature_store
 from betty_trainer.data.graph import Graph
-from betty_trainer.models.stack import LayerStack
+from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.sampling import sample_batch, sample_block
 
 EVAL_CHUNK = 8192  # dst nodes per block (layer-wise evaluation) or seeds per batch (batch evaluation)
@@ -54,13 +54,6 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], features: Tensor | Feat
     return correct / total if total else float("nan")
 
 
-def evaluates_layerwise(model: nn.Module) -> bool:
-    """Whether :func:`layerwise_logits` computes ``model``'s function: a
-    :class:`~betty_trainer.models.stack.LayerStack` (every built-in model) whose ``forward``
-    is the stack's own."""
-    return isinstance(model, LayerStack) and type(model).forward is LayerStack.forward
-
-
 @torch.no_grad()
 def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | FeatureStore, device: torch.device,
                      nodes: Tensor | None = None, chunk_size: int = EVAL_CHUNK) -> Tensor:
@@ -78,7 +71,7 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | Feature
     ``N × hidden`` values, two layers at a time.
 
     Args:
-        model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`evaluates_layerwise`).
+        model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`~betty_trainer.models.stack.runs_layer_by_layer`).
         graph: the graph (its CSC in-edges give the neighbourhoods).
         features: the feature store, or an ``(N, F)`` tensor.
         device: where the model runs.
@@ -121,7 +114,7 @@ def evaluate_splits(model: nn.Module, graph: Graph, features: Tensor | FeatureSt
                     splits: Mapping[str, Tensor], num_layers: int, chunk_size: int = EVAL_CHUNK) -> dict[str, float]:
     """Accuracy of ``model`` on each split of node ids, in eval mode (no dropout).
 
-    Built-in models (:func:`evaluates_layerwise`) are evaluated layer by layer, once for all
+    Built-in models (:func:`~betty_trainer.models.stack.runs_layer_by_layer`) are evaluated layer by layer, once for all
     splits together (:func:`layerwise_logits`); any other model on full-neighbourhood
     batches of each split, sampled one chunk at a time (:func:`full_neighbourhood_batches`,
     :func:`evaluate`). Both compute the same logits.
@@ -140,7 +133,7 @@ def evaluate_splits(model: nn.Module, graph: Graph, features: Tensor | FeatureSt
         ``nan`` for an empty split.
     """
     features = as_feature_store(features)
-    if not evaluates_layerwise(model):
+    if not runs_layer_by_layer(model):
         return {name: evaluate(model, full_neighbourhood_batches(graph, nodes, num_layers, chunk_size),
                                features, graph.y, device) for name, nodes in splits.items()}
     accuracy = {name: float("nan") for name in splits}

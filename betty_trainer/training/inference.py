@@ -24,6 +24,7 @@ from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, TrainingError
+from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.training.checkpoint import (
     CHECKPOINTS,
     dataset_identity,
@@ -33,7 +34,6 @@ from betty_trainer.training.checkpoint import (
 )
 from betty_trainer.training.evaluation import (
     evaluate_splits,
-    evaluates_layerwise,
     full_neighbourhood_batches,
     layerwise_logits,
 )
@@ -220,7 +220,7 @@ def node_logits(run: LoadedRun) -> Tensor:
     """``(N, C)`` logits of every node of ``run.graph``, on the CPU (layer-wise for built-in models, else
     full-neighbourhood batches)."""
     features = HostFeatureStore(run.graph.x, pin=False)
-    if evaluates_layerwise(run.model):
+    if runs_layer_by_layer(run.model):
         return layerwise_logits(run.model, run.graph, features, run.device)
     parts = []
     for batch in full_neighbourhood_batches(run.graph, torch.arange(run.graph.num_nodes),

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import FeatureStore, as_feature_store
 from betty_trainer.errors import TrainingError
-from betty_trainer.models.stack import LayerStack
+from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.training.step import training_state
 from estimator.measure import MeasuredPeak, measure_peak
 from partition.chunks import LayerChunks
@@ -46,13 +46,6 @@ class LayerwiseBatch:
     chunks: LayerChunks
 
 
-def runs_layerwise(model: object) -> bool:
-    """Whether ``model`` can run layer by layer: a :class:`~betty_trainer.models.stack.LayerStack`
-    (every built-in model, or a user model built on it) whose ``forward`` is the stack's own, so
-    that ``layer_forward`` one layer at a time computes what ``forward`` computes."""
-    return isinstance(model, LayerStack) and type(model).forward is LayerStack.forward
-
-
 def layerwise_backward(
     model: LayerStack,
     batch: Batch,
@@ -64,8 +57,9 @@ def layerwise_backward(
     """Forward and backward ``batch`` layer by layer in ``chunks``, adding ``∇ mean_{i∈V} CE_i`` to ``.grad``.
 
     Args:
-        model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`runs_layerwise`), in the
-            mode it trains in (dropout keyed by :func:`~betty_trainer.models.set_dropout_key`).
+        model: a :class:`~betty_trainer.models.stack.LayerStack`
+            (:func:`~betty_trainer.models.stack.runs_layer_by_layer`), in the mode it trains in
+            (dropout keyed by :func:`~betty_trainer.models.set_dropout_key`).
         batch: the batch (blocks input layer first; block ``l``'s src nodes are block ``l − 1``'s
             dst nodes, as every sampler here builds them).
         chunks: :func:`partition.chunks.chunk_layers` of ``batch.blocks``.
@@ -80,7 +74,7 @@ def layerwise_backward(
         ValueError: ``model`` cannot run layer by layer, or ``chunks`` has another number of layers.
         TrainingError: the loss is NaN or infinite (no gradient is added).
     """
-    if not runs_layerwise(model):
+    if not runs_layer_by_layer(model):
         raise ValueError(f"{type(model).__name__} cannot run layer by layer: layer-wise execution needs a "
                          "LayerStack whose forward is the stack's own (use micro_batch.mode=betty)")
     blocks = batch.blocks
