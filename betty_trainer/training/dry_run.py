@@ -52,12 +52,17 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     return report
 
 
-def _measure_layerwise(config: Config, graph, device: torch.device, work: LayerwiseBatch, report: dict) -> None:
-    """Add ``measured_peak_bytes`` and ``error`` of one layer-wise step to a layer-wise ``report``."""
+def _measured_setup(config: Config, graph, device: torch.device):
+    """The run's model on ``device`` with its dropout key, its Adam, and the feature store training gathers from."""
     model = init_model(config, graph).to(device)
     set_dropout_key(model, config.seed, 0)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-    features = HostFeatureStore(graph.x, pin=device.type == "cuda")
+    return model, optimizer, HostFeatureStore(graph.x, pin=device.type == "cuda")
+
+
+def _measure_layerwise(config: Config, graph, device: torch.device, work: LayerwiseBatch, report: dict) -> None:
+    """Add ``measured_peak_bytes`` and ``error`` of one layer-wise step to a layer-wise ``report``."""
+    model, optimizer, features = _measured_setup(config, graph, device)
     measure_layerwise_step(model, optimizer, work, features, graph.y, device)  # Adam state exists
     measured = measure_layerwise_step(model, optimizer, work, features, graph.y, device).peak_bytes
     report["measured_peak_bytes"] = measured
@@ -67,10 +72,7 @@ def _measure_layerwise(config: Config, graph, device: torch.device, work: Layerw
 
 def _measure(config: Config, graph, device: torch.device, batch, micro_batches, report: dict) -> None:
     """Add ``measured_peak_bytes`` and ``error`` to each row of ``report`` (see :func:`dry_run`)."""
-    model = init_model(config, graph).to(device)
-    set_dropout_key(model, config.seed, 0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-    features = HostFeatureStore(graph.x, pin=device.type == "cuda")  # the store training gathers from
+    model, optimizer, features = _measured_setup(config, graph, device)
     measure_training_step(model, optimizer, micro_batches[0], features, graph.y, device)  # Adam state exists
     for index, (row, micro_batch) in enumerate(zip(report["micro_batches"], micro_batches)):
         measured = measure_training_step(model, optimizer, micro_batch, features, graph.y, device,
