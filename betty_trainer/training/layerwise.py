@@ -141,6 +141,21 @@ def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, 
     This is a real step: it updates the model and the optimizer state. Every parameter starts with a zero
     gradient (resident, as the estimate counts it). CPU ``resident``: the model state, those gradients, the
     batch's blocks and the chunks' slices.
+
+    Args:
+        model, optimizer: the model on ``device`` (its dropout key set) and an optimizer over its parameters.
+        work: the batch and its chunks.
+        features: the feature store (or an ``(N, F)`` float tensor) the input rows are gathered from.
+        labels: ``(N,)`` int64 labels.
+        device: ``cpu`` or ``cuda``.
+
+    Returns:
+        The :class:`~estimator.measure.MeasuredPeak` (bytes).
+
+    Raises:
+        ValueError: the model cannot run layer by layer, or a device other than CPU or CUDA.
+        TrainingError: the loss is NaN or infinite.
+        RuntimeError: a torch profiler is already running (CPU).
     """
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)
