@@ -228,6 +228,44 @@ class SamplingConfig(_Section):
         return self
 
 
+CACHE_KINDS = ("none", "static", "lru", "gns")
+"""The device node caches ``features.cache.kind`` names (betty_trainer/data/cache.py)."""
+
+
+class CacheConfig(_Section):
+    """``features.cache``: the device node cache in front of the host features (issue 8; GNS §3)."""
+
+    kind: Literal[CACHE_KINDS] = Field(
+        "none", description="none; static (highest in-degree nodes, filled once); lru (most recently read); "
+                            "gns (the GNS sampler's node cache, refreshed with it; needs sampling.sampler=gns)")
+    size: float | int | str = Field(
+        0.1, description="static/lru cache size: a fraction of the nodes in (0, 1] (0.1), a node count (50000) or "
+                         "bytes with a unit ('256MiB'); gns takes sampling.gns.cache_fraction")
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a fraction in (0, 1], a node count or a size such as '256MiB', got {value!r}")
+        if isinstance(value, float) and not 0 < value <= 1:
+            raise ValueError(f"a fraction of the nodes must be in (0, 1], got {value}")
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"a node count must be at least 1, got {value}")
+        if isinstance(value, str):
+            parse_bytes(value)  # raises with the size hint
+        return value
+
+
+class FeaturesConfig(_Section):
+    """``features``: how input features reach the training device (DESIGN.md › Feature store)."""
+
+    cache: CacheConfig = CacheConfig()
+    macro_batch: int = Field(
+        0, ge=0, description="BatchGNN macro-batch gathering: the union of the input nodes of this many consecutive "
+                             "mini-batches is gathered once (1 = the micro-batches of one batch share one gather); "
+                             "0 = off")
+
+
 _SIZE_HINT = "expected a size in bytes such as 8000000000, '6GiB' or '512 MB'"
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
@@ -331,6 +369,7 @@ class Config(_Section):
     dataset: DatasetConfig = DatasetConfig()
     model: ModelConfig = SAGEConfig()
     sampling: SamplingConfig = SamplingConfig()
+    features: FeaturesConfig = FeaturesConfig()
     micro_batch: MicroBatchConfig = MicroBatchConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
@@ -342,6 +381,9 @@ class Config(_Section):
             raise ValueError(
                 f"sampling.fanouts has {len(fanouts)} entries but model.num_layers is {self.model.num_layers}"
             )
+        if self.features.cache.kind == "gns" and self.sampling.sampler != "gns":
+            raise ValueError(f"features.cache.kind 'gns' caches the GNS sampler's node set, but sampling.sampler is "
+                             f"{self.sampling.sampler!r}: set sampling.sampler=gns, or features.cache.kind=static or lru")
         return self
 
     def to_yaml(self) -> str:

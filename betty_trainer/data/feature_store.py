@@ -6,13 +6,14 @@ of a micro-batch's input nodes on the device the model runs on, and the store co
 that cost. :class:`HostFeatureStore` keeps the features in host memory (pinned where CUDA is
 present) and stages each gather in a reusable pinned buffer, so the host→device copy is
 truly asynchronous (a copy from pageable memory is synchronous whatever ``non_blocking``
-says). The GPU node cache (GNS §3.2) plugs in behind the same ``gather``; until then every
-row is a miss.
+says). The GPU node cache (static, LRU or GNS §3.2) and macro-batch gathering plug in behind
+the same ``gather``: :mod:`betty_trainer.data.cache`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,24 +27,41 @@ class TransferStats:
     """What a feature store's gathers cost, counted since the store was made.
 
     Attributes:
-        hits: rows served from a device cache (no transfer).
-        misses: rows read from the store's own storage (every row, without a cache).
+        hits: requested rows served from device memory (a device cache, or a macro-batch staged
+            there) without a transfer of their own.
+        misses: requested rows read from the store's own storage (every row, without a cache); with
+            macro-batch gathering, a staged row read from the host counts once, at its first request.
         host_to_device_bytes: bytes copied from the storage device to the target device
-            (``rows × row bytes`` of the misses when the two differ, 0 when they are the same);
-            the figure PCIe-saving features are judged on.
+            (``rows × row bytes`` of the misses when the two differ, 0 when they are the same), plus
+            the bytes of cache fills when the cache lies on another device than the storage; the
+            figure PCIe-saving features are judged on.
+        cache_fill_bytes: bytes read from the storage to fill a device cache (a static cache's
+            fill, a GNS cache refresh; whether or not they crossed devices), and of macro-batch
+            rows fetched but never requested. Bytes read from the storage in all:
+            ``misses × row bytes + cache_fill_bytes``.
+        gather_seconds: host wall time spent in ``gather`` and in cache fills (seconds; with CUDA
+            this includes the synchronisations a gather needs, not the asynchronous copies'
+            completion). Not compared by ``==``: it is a measurement, not a count.
     """
 
     hits: int = 0
     misses: int = 0
     host_to_device_bytes: int = 0
+    cache_fill_bytes: int = 0
+    gather_seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / (hits + misses)``; 0.0 before any request."""
+        requested = self.hits + self.misses
+        return self.hits / requested if requested else 0.0
 
     def snapshot(self) -> TransferStats:
         """A copy of the counters now (subtract two snapshots for the cost of what ran between them)."""
         return replace(self)
 
     def __sub__(self, other: TransferStats) -> TransferStats:
-        return TransferStats(self.hits - other.hits, self.misses - other.misses,
-                             self.host_to_device_bytes - other.host_to_device_bytes)
+        return TransferStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
 
 @runtime_checkable
@@ -171,6 +189,7 @@ class HostFeatureStore:
         Raises:
             IndexError: from torch, for ids outside ``[0, N)``.
         """
+        started = time.perf_counter()
         device = torch.device(device)
         ids = node_ids.to(self.x.device)
         moved = transfer_bytes(ids.numel(), self.row_bytes, self.x.device, device)
@@ -185,6 +204,7 @@ class HostFeatureStore:
                 self._copied.record(torch.cuda.current_stream(device))
         self.stats.misses += ids.numel()
         self.stats.host_to_device_bytes += moved
+        self.stats.gather_seconds += time.perf_counter() - started
         return rows
 
     def _stage(self, ids: Tensor) -> Tensor:

@@ -6,13 +6,17 @@ batch training starts with."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from betty_trainer.config import Config
 from betty_trainer.data.block import Batch
+from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
+from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore
 from betty_trainer.data.graph import Graph
+from betty_trainer.errors import ConfigError
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import SampleKey, Sampler
 from betty_trainer.sampling.gns import GNSSampler
@@ -87,3 +91,67 @@ def first_batch(config: Config, graph: Graph) -> Batch:
     """The batch training starts with (epoch 0, batch 0), as ``train`` samples it: what
     ``betty-train plan`` plans."""
     return make_sampler(config, graph).sample(epoch_seeds(config, graph, 0)[0], SampleKey(config.seed, 0, 0))
+
+
+def make_feature_store(config: Config, graph: Graph, device: torch.device | str, sampler: Sampler,
+                       host: HostFeatureStore | None = None) -> FeatureStore:
+    """The feature store ``config.features`` asks for on ``device`` (DESIGN.md › Feature store).
+
+    ``features.cache.kind=none`` with ``features.macro_batch=0`` is the host store itself; otherwise a
+    :class:`~betty_trainer.data.cache.CachedFeatureStore` over it: ``static`` caches the
+    ``features.cache.size`` nodes of highest in-degree, ``lru`` the most recently read ones, ``gns``
+    the node set of ``sampler`` (a :class:`GNSSampler`; the config check ensures it).
+
+    Args:
+        config: the run's config.
+        graph: the graph whose ``x`` the store serves.
+        device: the training device (where the cache lives).
+        sampler: the run's sampler (its node cache, for ``gns``).
+        host: the host store to wrap; default ``HostFeatureStore(graph.x, pin=<device is CUDA>)``.
+
+    Raises:
+        ConfigError: ``gns`` with a sampler that has no node cache (``features.cache.kind``).
+    """
+    device = torch.device(device)
+    host = host if host is not None else HostFeatureStore(graph.x, pin=device.type == "cuda")
+    features = config.features
+    kind = features.cache.kind
+    if kind == "none" and features.macro_batch == 0:
+        return host
+    if kind == "gns":
+        if not isinstance(sampler, GNSSampler):
+            raise ConfigError(f"features.cache.kind=gns needs sampling.sampler=gns, got {type(sampler).__name__}")
+        return CachedFeatureStore(host, device, "gns", node_source=sampler.cache_nodes)
+    capacity = 0 if kind == "none" else cache_capacity(features.cache.size, graph.num_nodes, host.row_bytes)
+    return CachedFeatureStore(host, device, kind, capacity, degrees=graph.in_degrees() if kind == "static" else None)
+
+
+def sampled_batches(config: Config, sampler: Sampler, features: FeatureStore, seed_batches: Sequence[Tensor],
+                    epoch: int) -> Iterator[tuple[int, Tensor, Batch]]:
+    """``(index, seeds, batch)`` for each batch of ``epoch``, in order, with the feature store told
+    what comes: a GNS cache takes each batch's node set before the batch runs
+    (:meth:`CachedFeatureStore.start_batch`) and, with ``features.macro_batch = M ≥ 1``, every
+    ``M`` consecutive batches are sampled ahead and the union of their input nodes is staged on the
+    device in one gather (BatchGNN §3; :meth:`CachedFeatureStore.stage`), dropped after the
+    ``M``-th. Batches are keyed by ``SampleKey(config.seed, epoch, index)`` whether sampled ahead
+    or not, so the batches are the same with and without macro-batching.
+
+    Memory: with macro-batching ``M`` sampled batches and the union's rows are alive at once.
+    """
+    group = max(1, config.features.macro_batch)
+    cached = isinstance(features, CachedFeatureStore)
+    staging = cached and config.features.macro_batch > 0
+    for start in range(0, len(seed_batches), group):
+        indices = range(start, min(start + group, len(seed_batches)))
+        batches = [sampler.sample(seed_batches[i], SampleKey(config.seed, epoch, i)) for i in indices]
+        if staging:
+            features.stage(torch.cat([batch.input_nodes for batch in batches]))
+        try:
+            for i, batch in zip(indices, batches):
+                if cached:
+                    features.start_batch(SampleKey(config.seed, epoch, i))
+                yield i, seed_batches[i], batch
+        finally:
+            if staging:
+                features.unstage()
+        del batches

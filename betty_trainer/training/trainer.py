@@ -28,8 +28,7 @@ from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.memory.plan import LayerwisePlan, MicroBatchPlanner, make_planner, plan_redundancy, plan_report
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
-from betty_trainer.sampling import SampleKey
-from betty_trainer.sampling.schedule import epoch_seeds, make_sampler, plan_seed
+from betty_trainer.sampling.schedule import epoch_seeds, make_feature_store, make_sampler, plan_seed, sampled_batches
 from betty_trainer.training.checkpoint import (
     BEST_NAME,
     CHECKPOINT_NAME,
@@ -223,7 +222,7 @@ def train(
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
     scheduler = make_scheduler(config, optimizer)
     sampler = make_sampler(config, graph)
-    features = HostFeatureStore(graph.x, pin=device.type == "cuda")
+    features = make_feature_store(config, graph, device, sampler, HostFeatureStore(graph.x, pin=device.type == "cuda"))
     splits = {"val": graph.val_idx, "test": graph.test_idx}
     model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
     ident = identity(dataset_identity(graph), model_id, model.state_dict())
@@ -277,8 +276,7 @@ def train(
                 loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
                 moved_before = features.stats.host_to_device_bytes
                 lr = optimizer.param_groups[0]["lr"]
-                for index, seeds in enumerate(seed_batches):
-                    batch = sampler.sample(seeds, SampleKey(config.seed, epoch, index))
+                for index, seeds, batch in sampled_batches(config, sampler, features, seed_batches, epoch):
                     set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
                     outcome = _train_batch(model, optimizer, planner, batch, features, graph.y, device,
                                            plan_seed(config), where=f"epoch {epoch}, batch {index}",

@@ -1,0 +1,352 @@
+"""A device node cache and macro-batch gathering in front of the host feature store
+(DESIGN.md › Feature store and GPU node cache; issue 8, Build 6–7).
+
+:class:`CachedFeatureStore` wraps a :class:`~betty_trainer.data.feature_store.HostFeatureStore`
+and serves ``gather(node_ids, device)`` from three places, in this order:
+
+1. a **staged macro-batch** (BatchGNN §3): the rows of the union of the input nodes of several
+   consecutive mini-batches (or of the micro-batches of one batch), gathered once by
+   :meth:`CachedFeatureStore.stage` and kept on the device until :meth:`~CachedFeatureStore.unstage`;
+2. the **node cache**: ``capacity`` rows resident on the device, chosen by ``kind``:
+
+   * ``static``: the ``capacity`` nodes of highest in-degree, filled once at the first gather
+     (PaGraph's policy; GNS §2.2 discusses it);
+   * ``lru``: the ``capacity`` most recently read nodes. Recency has gather granularity: every row
+     of one gather is read "at the same time"; after a gather the cache holds the ``capacity`` nodes
+     of largest ``(last gather that read it, node id)``, so ties are broken by node id. Misses enter
+     the cache from the rows just copied (no extra transfer);
+   * ``gns``: the global node cache of GNS (§3.1–3.2) *is* the cache: :meth:`start_batch` asks
+     ``node_source(key)`` (``GNSSampler.cache_nodes``) for the batch's cached node set, and when it
+     changed (a refresh, every ``P`` batches) copies the new set onto the device (rows already
+     resident are moved on the device; only the others are read from the host);
+3. the **host**: the remaining rows (the misses), read from the host store (pinned staging, a
+   non-blocking copy, when CUDA is present; see :class:`HostFeatureStore`).
+
+On CPU the same code runs: the "device" is the CPU and the cache is a plain tensor, so every
+counter is exercised by the tests (``host_to_device_bytes`` is then 0: nothing crosses devices;
+``misses × row bytes + cache_fill_bytes`` are the bytes a GPU run would move).
+
+The lookup table is an ``(N,)`` int32 ``slot`` array on the device (4 bytes per node, next to
+``capacity × F`` feature elements): GraphBolt's GPU cache uses a hash table instead, which is
+smaller for huge ``N``; the array keeps the lookup one ``index_select``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from betty_trainer.data.feature_store import HostFeatureStore, TransferStats, same_device, transfer_bytes
+
+CacheKind = Literal["none", "static", "lru", "gns"]
+CACHE_KINDS: tuple[str, ...] = ("none", "static", "lru", "gns")
+FILL_CHUNK_ROWS = 65536  # a cache fill reads the host in chunks of this many rows (bounds the pinned staging buffer)
+
+
+def cache_capacity(size: float | int, num_nodes: int, row_bytes: int) -> int:
+    """Rows a cache of ``size`` holds: a fraction of the nodes (a float in ``(0, 1]``), a node
+    count (an int ≥ 1) or, given as a string with a unit (``"64MiB"``), bytes; at most ``num_nodes``.
+
+    Args:
+        size: the configured size.
+        num_nodes: ``N``.
+        row_bytes: bytes of one node's features (``F × itemsize``), for a size in bytes.
+
+    Returns:
+        The capacity in rows (``⌈fraction · N⌉``, the count, or ``⌊bytes / row_bytes⌋``), in ``[0, N]``.
+
+    Raises:
+        ValueError: a non-positive size, a fraction above 1 given as a float, or an unreadable string.
+    """
+    if isinstance(size, bool):
+        raise ValueError(f"cache size must be a fraction of the nodes, a node count or bytes, got {size!r}")
+    if isinstance(size, str):
+        from pydantic import ByteSize, TypeAdapter, ValidationError
+
+        try:
+            number = int(TypeAdapter(ByteSize).validate_python(size.strip()))
+        except ValidationError:
+            raise ValueError(f"cache size {size!r} is not a size in bytes such as '64MiB'") from None
+        return min(num_nodes, number // max(row_bytes, 1))
+    if isinstance(size, float):
+        if not 0 < size <= 1:
+            raise ValueError(f"a cache size given as a fraction must be in (0, 1], got {size}")
+        return min(num_nodes, -int(-size * num_nodes // 1))
+    if size < 1:
+        raise ValueError(f"a cache size given as a node count must be at least 1, got {size}")
+    return min(num_nodes, int(size))
+
+
+class CachedFeatureStore:
+    """A device node cache and macro-batch staging in front of a host store (see the module docstring).
+
+    Args:
+        host: the host store the misses are read from (its own ``stats`` keep counting its gathers).
+        device: where the cache lives and the rows are served (the training device).
+        kind: ``"none"`` (no cache; macro-batch staging only), ``"static"``, ``"lru"`` or ``"gns"``.
+        capacity: cached rows (``static``, ``lru``); ignored by ``gns`` (its node set decides) and
+            ``none``.
+        degrees: ``(N,)`` in-degrees, for ``static`` (the highest are cached; ties by lower node id).
+        node_source: for ``gns``: ``key -> (|C|,) int64`` the cached node set of the batch ``key``
+            (``GNSSampler.cache_nodes``).
+
+    Attributes:
+        stats: :class:`TransferStats` of every gather and fill through this store.
+        capacity: the cache's rows (for ``gns``, the size of the current node set).
+
+    Raises:
+        ValueError: an unknown ``kind``, a negative capacity, ``static`` without ``degrees`` or
+            ``gns`` without ``node_source``.
+    """
+
+    def __init__(self, host: HostFeatureStore, device: torch.device | str, kind: CacheKind = "lru",
+                 capacity: int = 0, *, degrees: Tensor | None = None,
+                 node_source: Callable[[Any], Tensor] | None = None) -> None:
+        if kind not in CACHE_KINDS:
+            raise ValueError(f"cache kind must be one of {', '.join(CACHE_KINDS)}; got {kind!r}")
+        if capacity < 0:
+            raise ValueError(f"cache capacity must be non-negative, got {capacity}")
+        if kind == "static" and degrees is None:
+            raise ValueError("a static cache needs the nodes' degrees")
+        if kind == "gns" and node_source is None:
+            raise ValueError("a gns cache needs node_source (GNSSampler.cache_nodes)")
+        self.host = host
+        self.device = torch.device(device)
+        self.kind = kind
+        self.stats = TransferStats()
+        num_nodes, width = host.x.shape
+        self.num_nodes = num_nodes
+        self.capacity = 0 if kind in ("none", "gns") else min(int(capacity), num_nodes)
+        self._degrees = degrees
+        self._node_source = node_source
+        self._slot = torch.full((num_nodes,), -1, dtype=torch.int32, device=self.device)
+        self._rows = torch.empty((self.capacity, width), dtype=host.x.dtype, device=self.device)
+        self._node = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+        self._stamp = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+        self._clock = 0
+        self._filled = kind != "static"
+        self._cached_set: Tensor | None = None  # gns: the node set resident now
+        self._stage_position: Tensor | None = None  # (N,) int32 row of each staged node, -1 elsewhere
+        self._stage_rows: Tensor | None = None
+        self._stage_nodes: Tensor | None = None
+        self._stage_owed: Tensor | None = None  # staged rows read from the host and not yet requested
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one node's features (``F × itemsize``)."""
+        return self.host.row_bytes
+
+    @property
+    def cached_nodes(self) -> Tensor:
+        """``(c,)`` int64 ids of the nodes resident in the cache now, ascending."""
+        if self.kind == "gns":
+            return torch.empty(0, dtype=torch.int64, device=self.device) if self._cached_set is None \
+                else self._cached_set
+        return torch.sort(self._node[self._node >= 0]).values
+
+    @property
+    def cache_bytes(self) -> int:
+        """Device bytes the cache's rows occupy (``capacity × row bytes``; the lookup table adds ``4 N``)."""
+        return self._rows.shape[0] * self.row_bytes
+
+    # --- batch hooks -----------------------------------------------------------------------------------------
+
+    def start_batch(self, key: Any) -> None:
+        """Tell the store which batch comes next: a ``gns`` cache takes the batch's node set
+        (``node_source(key)``), refilling the device copy when it changed. Other kinds do nothing."""
+        if self.kind != "gns":
+            return
+        nodes = self._node_source(key).to(self.device).long()
+        if self._cached_set is not None and (nodes is self._cached_set or torch.equal(nodes, self._cached_set)):
+            return
+        started = time.perf_counter()
+        width = self.host.x.shape[1]
+        rows = torch.empty((nodes.numel(), width), dtype=self.host.x.dtype, device=self.device)
+        old_slot = self._slot[nodes]
+        resident = old_slot >= 0
+        rows[resident] = self._rows[old_slot[resident].long()]  # already on the device: no transfer
+        self._read_host_into(rows, torch.nonzero(~resident).squeeze(1), nodes[~resident])
+        if self._cached_set is not None:
+            self._slot[self._cached_set] = -1
+        self._slot[nodes] = torch.arange(nodes.numel(), dtype=torch.int32, device=self.device)
+        self._rows, self._cached_set, self.capacity = rows, nodes, nodes.numel()
+        self.stats.gather_seconds += time.perf_counter() - started
+
+    def stage(self, node_ids: Tensor) -> None:
+        """Gather the rows of ``node_ids`` (the union of the input nodes of a macro-batch, BatchGNN §3)
+        onto the device once; until :meth:`unstage`, gathers of these nodes are served from them.
+
+        Rows found in the cache are copied on the device; the others are read from the host now
+        (their bytes are counted now, their misses at their first request). An LRU cache admits the
+        rows read. A previous stage is dropped first.
+
+        Args:
+            node_ids: ``(u,)`` int64 node ids (duplicates are read once).
+        """
+        self.unstage()
+        started = time.perf_counter()
+        self._ensure_filled()
+        nodes = torch.unique(node_ids.to(self.device).long())
+        self._stage_nodes = nodes
+        self._stage_rows, missed = self._serve(nodes, count=False)
+        self._stage_owed = missed
+        self._stage_position = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
+        self._stage_position[nodes] = torch.arange(nodes.numel(), dtype=torch.int32, device=self.device)
+        self.stats.gather_seconds += time.perf_counter() - started
+
+    def unstage(self) -> None:
+        """Drop the staged macro-batch (its rows read from the host and never requested count as
+        ``cache_fill_bytes``: they were moved, but served nothing)."""
+        if self._stage_owed is not None:
+            unused = int(self._stage_owed.sum())
+            self.stats.cache_fill_bytes += unused * self.row_bytes
+        self._stage_position = self._stage_rows = self._stage_nodes = self._stage_owed = None
+
+    @property
+    def staged_rows(self) -> int:
+        """Rows of the staged macro-batch (0 when none)."""
+        return 0 if self._stage_nodes is None else self._stage_nodes.numel()
+
+    # --- gathers ---------------------------------------------------------------------------------------------
+
+    def gather(self, node_ids: Tensor, device: torch.device | str) -> Tensor:
+        """``(len(node_ids), F)`` rows on ``device``, in the order of ``node_ids``.
+
+        Served from the staged macro-batch, then the cache, then the host (see the module
+        docstring); on a device other than the cache's, straight from the host store.
+
+        Args:
+            node_ids: ``(n,)`` int64 ids in ``[0, N)``, any device.
+            device: the target device.
+
+        Returns:
+            A new tensor (never a view of the cache or the stage).
+
+        Raises:
+            IndexError: from torch, for ids outside ``[0, N)``.
+        """
+        started = time.perf_counter()
+        if not same_device(device, self.device):
+            rows = self.host.gather(node_ids, device)
+            count = node_ids.numel()
+            self.stats.misses += count
+            self.stats.host_to_device_bytes += transfer_bytes(count, self.row_bytes, self.host.x.device, device)
+        else:
+            self._ensure_filled()
+            ids = node_ids.to(self.device).long()
+            if self._stage_position is None:
+                rows, _ = self._serve(ids, count=True)
+            else:
+                rows = self._serve_staged(ids)
+        self.stats.gather_seconds += time.perf_counter() - started
+        return rows
+
+    def _serve_staged(self, ids: Tensor) -> Tensor:
+        position = self._stage_position[ids].long()
+        staged = position >= 0
+        if bool(staged.all()):
+            rows = self._stage_rows[position]
+        else:
+            rows = torch.empty((ids.numel(), self.host.x.shape[1]), dtype=self.host.x.dtype, device=self.device)
+            outside = torch.nonzero(~staged).squeeze(1)
+            rows[outside], _ = self._serve(ids[outside], count=True)
+            position = position[staged]
+            rows[staged] = self._stage_rows[position]
+        owed = torch.unique(position[self._stage_owed[position]])  # first requests of rows read from the host
+        self._stage_owed[owed] = False
+        first = owed.numel()
+        self.stats.misses += first
+        self.stats.hits += position.numel() - first
+        return rows
+
+    def _serve(self, ids: Tensor, *, count: bool) -> tuple[Tensor, Tensor]:
+        """Rows of ``ids`` (on the cache's device) from the cache and the host; with ``count`` their
+        hits and misses are counted. Returns the rows and a bool mask of those read from the host."""
+        width = self.host.x.shape[1]
+        rows = torch.empty((ids.numel(), width), dtype=self.host.x.dtype, device=self.device)
+        if self.capacity > 0:
+            slot = self._slot[ids]
+            hit = slot >= 0
+            hit_slots = slot[hit].long()
+            rows[hit] = self._rows[hit_slots]
+            missed = ~hit
+        else:
+            hit_slots, missed = None, torch.ones(ids.numel(), dtype=torch.bool, device=self.device)
+        where = torch.nonzero(missed).squeeze(1)
+        miss_ids = ids[where]
+        fetched = self._read_host(miss_ids)
+        rows[where] = fetched
+        misses = miss_ids.numel()
+        self.stats.host_to_device_bytes += transfer_bytes(misses, self.row_bytes, self.host.x.device, self.device)
+        if count:
+            self.stats.misses += misses
+            self.stats.hits += ids.numel() - misses
+        if self.kind == "lru" and self.capacity > 0:
+            self._clock += 1
+            self._stamp[hit_slots] = self._clock
+            self._admit(miss_ids, fetched)
+        return rows, missed
+
+    def _read_host(self, ids: Tensor) -> Tensor:
+        """``x[ids]`` on the cache's device through the host store (pinned staging, non-blocking copy)."""
+        if ids.numel() == 0:
+            return torch.empty((0, self.host.x.shape[1]), dtype=self.host.x.dtype, device=self.device)
+        return self.host.gather(ids, self.device)
+
+    def _read_host_into(self, rows: Tensor, where: Tensor, ids: Tensor) -> None:
+        """``rows[where] = x[ids]`` in chunks of :data:`FILL_CHUNK_ROWS`, counted as a cache fill."""
+        for start in range(0, ids.numel(), FILL_CHUNK_ROWS):
+            part = ids[start:start + FILL_CHUNK_ROWS]
+            rows[where[start:start + FILL_CHUNK_ROWS]] = self._read_host(part)
+        self.stats.cache_fill_bytes += ids.numel() * self.row_bytes
+        self.stats.host_to_device_bytes += transfer_bytes(ids.numel(), self.row_bytes, self.host.x.device,
+                                                          self.device)
+
+    def _ensure_filled(self) -> None:
+        """A static cache is filled with the top-degree nodes at its first use."""
+        if self._filled:
+            return
+        self._filled = True
+        if self.capacity == 0:
+            return
+        started = time.perf_counter()
+        degrees = self._degrees.to(self.device)
+        # highest degree first, ties by lower node id: a stable sort of the negated degrees
+        nodes = torch.sort(torch.argsort(-degrees.long(), stable=True)[: self.capacity]).values
+        self._read_host_into(self._rows, torch.arange(nodes.numel(), device=self.device), nodes)
+        self._node[: nodes.numel()] = nodes
+        self._slot[nodes] = torch.arange(nodes.numel(), dtype=torch.int32, device=self.device)
+        self._degrees = None
+        self.stats.gather_seconds += time.perf_counter() - started
+
+    def _admit(self, miss_ids: Tensor, fetched: Tensor) -> None:
+        """LRU: the cache keeps the ``capacity`` largest ``(stamp, node)`` among its entries and the
+        misses just read (stamped with the current gather)."""
+        if miss_ids.numel() == 0:
+            return
+        nodes, inverse = torch.unique(miss_ids, return_inverse=True)
+        source = torch.empty(nodes.numel(), dtype=torch.int64, device=self.device)
+        source.scatter_(0, inverse, torch.arange(miss_ids.numel(), device=self.device))
+        n = self.num_nodes
+        old_key = torch.where(self._node >= 0, self._stamp * n + self._node, -1)
+        new_key = self._clock * n + nodes
+        chosen = torch.topk(torch.cat([old_key, new_key]), self.capacity, sorted=False).indices
+        keep_old = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        keep_old[chosen[chosen < self.capacity]] = True
+        incoming = chosen[chosen >= self.capacity] - self.capacity
+        free = torch.nonzero(~keep_old).squeeze(1)  # as many as ``incoming``
+        evicted = self._node[free]
+        self._slot[evicted[evicted >= 0]] = -1
+        new_nodes = nodes[incoming]
+        self._node[free] = new_nodes
+        self._stamp[free] = self._clock
+        self._rows[free] = fetched[source[incoming]]
+        self._slot[new_nodes] = free.to(torch.int32)
+
+    def __repr__(self) -> str:
+        return (f"CachedFeatureStore(kind={self.kind!r}, capacity={self.capacity}, device={self.device}, "
+                f"host={self.host!r})")

@@ -1,0 +1,256 @@
+"""The device node cache and macro-batch gathering (issue 8, Build 6–7): rows equal ``x[ids]`` for every
+cache kind, the counters equal a hand-computed gather, LRU equals its definition, and training with any
+cache (or macro-batching) gives the same losses as training without one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from betty_trainer import HostFeatureStore, TransferStats, load_config
+from betty_trainer.data import cache as cache_module
+from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
+from betty_trainer.errors import ConfigError
+from betty_trainer.sampling.schedule import make_feature_store, make_sampler
+from betty_trainer.training import trainer as trainer_module
+
+CPU = torch.device("cpu")
+F = 3
+ROW = F * 4  # float32 row bytes
+
+
+@pytest.fixture
+def x():
+    return torch.randn(20, F, generator=torch.Generator().manual_seed(0))
+
+
+def ids(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+@pytest.fixture
+def crossing(monkeypatch):
+    """Count bytes as if the cache lay on another device than the host (the data stay on the CPU)."""
+    monkeypatch.setattr(cache_module, "transfer_bytes", lambda rows, row_bytes, source, target: rows * row_bytes)
+
+
+# --- counters against hand-computed gathers ------------------------------------------------------------------
+
+def test_lru_counters_and_contents_follow_a_hand_computed_sequence(x, crossing):
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "lru", capacity=4)
+    # (request, hits, misses, cache after): recency by gather, ties by node id (larger kept)
+    steps = [((0, 1, 2), 0, 3, [0, 1, 2]),
+             ((1, 2, 3, 4), 2, 2, [1, 2, 3, 4]),
+             ((0, 5), 0, 2, [0, 3, 4, 5]),  # 1 and 2 (read at step 2, smaller ids than 3, 4) are evicted
+             ((5, 6, 7, 8, 9), 1, 4, [6, 7, 8, 9])]  # five nodes read at step 4: the four largest stay
+    hits = misses = 0
+    for request, step_hits, step_misses, after in steps:
+        before = store.stats.snapshot()
+        rows = store.gather(ids(*request), CPU)
+        assert torch.equal(rows, x[ids(*request)])
+        assert store.stats - before == TransferStats(step_hits, step_misses, step_misses * ROW, 0)
+        assert store.cached_nodes.tolist() == after
+        hits, misses = hits + step_hits, misses + step_misses
+    assert store.stats == TransferStats(hits=3, misses=11, host_to_device_bytes=11 * ROW, cache_fill_bytes=0)
+    assert store.stats.hit_rate == 3 / 14
+
+
+def test_static_cache_holds_the_top_degree_nodes_and_counts_its_fill_once(x, crossing):
+    degrees = torch.arange(20) % 7  # degree 6: nodes 6, 13; degree 5: nodes 5, 12, 19
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "static", capacity=3, degrees=degrees)
+    assert torch.equal(store.gather(ids(6, 13, 0), CPU), x[ids(6, 13, 0)])
+    assert store.cached_nodes.tolist() == [5, 6, 13]  # ties at degree 5 go to the lowest id
+    assert store.stats == TransferStats(hits=2, misses=1, host_to_device_bytes=4 * ROW, cache_fill_bytes=3 * ROW)
+    assert torch.equal(store.gather(ids(5, 12, 5), CPU), x[ids(5, 12, 5)])  # repeats are rows like any other
+    assert store.stats == TransferStats(hits=4, misses=2, host_to_device_bytes=5 * ROW, cache_fill_bytes=3 * ROW)
+    assert store.cached_nodes.tolist() == [5, 6, 13], "a static cache never changes"
+
+
+def test_without_crossing_devices_nothing_counts_as_moved_but_misses_and_fills_do(x):
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "static", capacity=3,
+                               degrees=torch.arange(20) % 7)
+    store.gather(ids(6, 13, 0), CPU)
+    assert store.stats == TransferStats(hits=2, misses=1, host_to_device_bytes=0, cache_fill_bytes=3 * ROW)
+
+
+def test_gns_cache_is_the_sampler_node_set_and_a_refresh_reads_only_new_nodes(x, crossing):
+    sets = {0: ids(1, 2, 3), 1: ids(1, 2, 3), 2: ids(2, 3, 7, 9)}
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "gns", node_source=lambda key: sets[key])
+    store.start_batch(0)
+    assert store.stats == TransferStats(0, 0, 3 * ROW, cache_fill_bytes=3 * ROW)
+    assert torch.equal(store.gather(ids(3, 4, 1), CPU), x[ids(3, 4, 1)])
+    assert store.stats == TransferStats(2, 1, 4 * ROW, 3 * ROW)
+    store.start_batch(1)  # the same set: nothing read
+    assert store.stats == TransferStats(2, 1, 4 * ROW, 3 * ROW)
+    store.start_batch(2)  # 2 and 3 stay on the device; 7 and 9 are read
+    assert store.cached_nodes.tolist() == [2, 3, 7, 9] and store.capacity == 4
+    assert store.stats == TransferStats(2, 1, 6 * ROW, 5 * ROW)
+    assert torch.equal(store.gather(ids(1, 9, 2), CPU), x[ids(1, 9, 2)])
+    assert store.stats == TransferStats(4, 2, 7 * ROW, 5 * ROW)
+
+
+def test_a_staged_macro_batch_reads_each_node_once_and_counts_a_miss_at_its_first_request(x, crossing):
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "static", capacity=3, degrees=torch.arange(20) % 7)
+    store.stage(torch.cat([ids(1, 2, 6), ids(2, 3, 1), ids(9)]))  # union 1, 2, 3, 6, 9; 6 is cached
+    assert store.staged_rows == 5
+    assert store.stats == TransferStats(0, 0, (3 + 4) * ROW, 3 * ROW)  # fill 3 rows, stage reads 1, 2, 3, 9
+    assert torch.equal(store.gather(ids(1, 2, 6), CPU), x[ids(1, 2, 6)])
+    assert store.stats - TransferStats(0, 0, 7 * ROW, 3 * ROW) == TransferStats(1, 2, 0, 0)
+    assert torch.equal(store.gather(ids(2, 3, 1, 13), CPU), x[ids(2, 3, 1, 13)])  # 13: not staged, cached
+    assert store.stats == TransferStats(hits=4, misses=3, host_to_device_bytes=7 * ROW, cache_fill_bytes=3 * ROW)
+    assert torch.equal(store.gather(ids(0), CPU), x[ids(0)])  # neither staged nor cached: read now
+    assert store.stats == TransferStats(4, 4, 8 * ROW, 3 * ROW)
+    store.unstage()  # 9 was read for the stage and never requested
+    assert store.stats == TransferStats(4, 4, 8 * ROW, 4 * ROW)
+    assert store.staged_rows == 0
+
+
+def test_macro_batch_gathering_moves_exactly_the_lower_bound(x, crossing):
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "none")
+    batches = [torch.randperm(20, generator=torch.Generator().manual_seed(s))[:8] for s in range(4)]
+    store.stage(torch.cat(batches))
+    for batch in batches:
+        assert torch.equal(store.gather(batch, CPU), x[batch])
+    store.unstage()
+    distinct = torch.unique(torch.cat(batches)).numel()
+    assert store.stats == TransferStats(hits=32 - distinct, misses=distinct, host_to_device_bytes=distinct * ROW,
+                                        cache_fill_bytes=0)
+
+
+def test_a_gather_to_another_device_goes_to_the_host_store(x):
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "lru", capacity=4)
+    rows = store.gather(ids(1, 2), torch.device("meta"))
+    assert rows.device.type == "meta" and rows.shape == (2, F)
+    assert store.stats == TransferStats(0, 2, 2 * ROW, 0) and store.cached_nodes.numel() == 0
+
+
+# --- behaviour on random gathers ---------------------------------------------------------------------------
+
+def reference_lru(requests: list[torch.Tensor], capacity: int) -> list[int]:
+    """Misses per gather of the cache holding the ``capacity`` largest (last gather read, node id)."""
+    last: dict[int, int] = {}
+    misses = []
+    for step, request in enumerate(requests):
+        ranked = sorted(last, key=lambda node: (last[node], node), reverse=True)[:capacity]
+        cached = set(ranked)
+        misses.append(sum(1 for node in request.tolist() if node not in cached))
+        for node in request.tolist():
+            last[node] = step
+    return misses
+
+
+@pytest.mark.parametrize("capacity", [1, 7, 40])
+def test_lru_misses_equal_the_definition_on_random_gathers(capacity):
+    x = torch.randn(60, 2)
+    generator = torch.Generator().manual_seed(capacity)
+    requests = [torch.randint(0, 60, (int(torch.randint(1, 30, (1,), generator=generator)),), generator=generator)
+                for _ in range(40)]
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "lru", capacity=capacity)
+    got = []
+    for request in requests:
+        before = store.stats.misses
+        assert torch.equal(store.gather(request, CPU), x[request])
+        got.append(store.stats.misses - before)
+    assert got == reference_lru(requests, capacity)
+    assert store.cached_nodes.numel() == min(capacity, torch.unique(torch.cat(requests)).numel())
+
+
+@pytest.mark.parametrize("kind", ["none", "static", "lru", "gns"])
+def test_every_kind_returns_the_rows_of_the_host(kind):
+    x = torch.randn(100, 5, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(1)
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, kind, capacity=17,
+                               degrees=torch.randint(0, 9, (100,), generator=generator),
+                               node_source=lambda key: torch.arange(key % 3, 100, 7))
+    for step in range(12):
+        store.start_batch(step)
+        if step % 4 == 0:
+            store.stage(torch.randint(0, 100, (50,), generator=generator))
+        request = torch.randint(0, 100, (30,), generator=generator)
+        rows = store.gather(request, CPU)
+        assert torch.equal(rows, x[request])
+        rows.zero_()  # a new tensor: the cache and the stage are untouched
+        if step % 4 == 3:
+            store.unstage()
+    assert store.stats.hits + store.stats.misses == 12 * 30
+
+
+def test_cache_capacity_reads_fractions_counts_and_bytes():
+    assert cache_capacity(0.1, 1000, 400) == 100
+    assert cache_capacity(0.0015, 1000, 400) == 2  # rounded up
+    assert cache_capacity(1.0, 1000, 400) == 1000
+    assert cache_capacity(250, 1000, 400) == 250
+    assert cache_capacity(5000, 1000, 400) == 1000
+    assert cache_capacity("40KB", 1000, 400) == 100
+    for bad in (0, 1.5, -3, "lots", True):
+        with pytest.raises(ValueError):
+            cache_capacity(bad, 1000, 400)
+
+
+# --- config and training ----------------------------------------------------------------------------------
+
+SMALL = ["optim.epochs=2", "train.progress=false", "dataset.synthetic.num_nodes=600", "dataset.synthetic.num_val=100",
+         "dataset.synthetic.num_test=100", "micro_batch.num_micro_batches=2", "sampling.fanouts=5,5",
+         "sampling.batch_size=40"]
+
+
+@pytest.mark.parametrize("override, key", [
+    (["features.cache.kind=gns"], "features.cache.kind"),
+    (["features.cache.kind=lfu"], "features.cache.kind"),
+    (["features.cache.size=0"], "features.cache.size"),
+    (["features.cache.size=1.5"], "features.cache.size"),
+    (["features.cache.size=lots"], "features.cache.size"),
+    (["features.macro_batch=-1"], "features.macro_batch"),
+])
+def test_bad_cache_settings_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, override)
+
+
+def test_make_feature_store_builds_what_the_config_names():
+    config = load_config(None, SMALL + ["features.cache.kind=lru", "features.cache.size=0.05"])
+    from betty_trainer.datasets import load_dataset
+
+    graph = load_dataset(config.dataset)
+    store = make_feature_store(config, graph, CPU, make_sampler(config, graph))
+    assert isinstance(store, CachedFeatureStore) and store.kind == "lru" and store.capacity == 30
+    plain = make_feature_store(load_config(None, SMALL), graph, CPU, make_sampler(config, graph))
+    assert isinstance(plain, HostFeatureStore)
+
+
+def _losses(tmp_path, monkeypatch, name, overrides):
+    """The (loss, val_acc) of each epoch of a small run, and the feature store it trained with."""
+    stores, make = [], trainer_module.make_feature_store
+
+    def recorded(*args, **kwargs):
+        stores.append(make(*args, **kwargs))
+        return stores[-1]
+
+    monkeypatch.setattr(trainer_module, "make_feature_store", recorded)
+    trainer_module.train(load_config(None, SMALL + overrides), run_dir=tmp_path / name)
+    lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [(line["loss"], line["val_acc"]) for line in lines], stores[0]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["features.cache.kind=static", "features.cache.size=0.2"],
+    ["features.cache.kind=lru", "features.cache.size=50"],
+    ["features.macro_batch=1"],
+    ["features.cache.kind=lru", "features.macro_batch=4"],
+])
+def test_training_with_a_cache_gives_the_losses_of_training_without_one(tmp_path, monkeypatch, overrides):
+    cached, store = _losses(tmp_path, monkeypatch, "cached", overrides)
+    plain, host = _losses(tmp_path, monkeypatch, "plain", [])
+    assert cached == plain
+    assert isinstance(store, CachedFeatureStore) and isinstance(host, HostFeatureStore)
+    assert store.stats.hits > 0, "the cache served rows"
+
+
+def test_training_with_the_gns_cache_gives_the_losses_of_gns_without_it(tmp_path, monkeypatch):
+    gns = ["sampling.sampler=gns", "sampling.gns.cache_fraction=0.05", "sampling.gns.refresh_every=3"]
+    cached, store = _losses(tmp_path, monkeypatch, "cached", gns + ["features.cache.kind=gns"])
+    plain, _ = _losses(tmp_path, monkeypatch, "plain", gns)
+    assert cached == plain
+    assert store.kind == "gns" and store.stats.hits > 0 and store.stats.cache_fill_bytes > 0
