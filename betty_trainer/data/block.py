@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from partition import LayerSlice, slice_layers
+
+
+class PyGAdj(NamedTuple):
+    """One block as PyG's bipartite message passing takes it: the ``(edge_index, e_id, size)`` triple
+    that PyG's ``NeighborSampler`` hands a model per layer (input layer first), so a model written for
+    it, ``for edge_index, _, size in adjs: x = conv((x, x[: size[1]]), edge_index)``, runs unchanged.
+
+    Args:
+        edge_index: ``(2, E)`` int64 ``[src_local; dst_local]``.
+        e_id: always ``None`` (a block's edges carry no global edge ids).
+        size: ``(num_src, num_dst)``.
+    """
+
+    edge_index: Tensor
+    e_id: Tensor | None
+    size: tuple[int, int]
 
 
 @dataclass
@@ -64,21 +80,58 @@ class Block:
         weight = None if self.edge_weight is None else self.edge_weight[layer.edge_ids]
         return Block(self.src_nodes[layer.src_index], layer.num_dst, layer.indptr, layer.indices, weight)
 
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(num_src, num_dst)``: the ``size`` argument of a ``torch_geometric.nn`` layer on this block."""
+        return self.num_src, self.num_dst
+
     def edge_index(self) -> Tensor:
-        """``(2, E)`` int64 ``[src_local; dst_local]`` (PyG's ``edge_index`` convention)."""
+        """``(2, E)`` int64 ``[src_local; dst_local]`` (PyG's ``edge_index`` convention), edges in CSC order
+        (grouped by dst, as ``indices`` and ``edge_weight``)."""
         return torch.stack([self.indices, self.edge_dst()])
 
+    def pyg_inputs(self, h_src: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor, tuple[int, int]]:
+        """The arguments of a ``torch_geometric.nn`` layer's bipartite call on this block:
+        ``conv(*block.pyg_inputs(h))`` is ``conv((h, h[:num_dst]), edge_index, size)``.
+
+        The dst nodes are the first ``num_dst`` src nodes (see the class docstring), so ``x_dst`` is a view
+        of ``h_src``, not a copy.
+
+        Args:
+            h_src: ``(num_src, F)`` src node representations.
+
+        Returns:
+            ``((x_src, x_dst), edge_index, size)``: ``(num_src, F)`` and ``(num_dst, F)``, ``(2, E)`` int64,
+            ``(num_src, num_dst)``.
+
+        Raises:
+            ValueError: if ``h_src`` does not have ``num_src`` rows.
+        """
+        if h_src.shape[0] != self.num_src:
+            raise ValueError(f"h_src has {h_src.shape[0]} rows but the block has {self.num_src} src nodes")
+        return (h_src, h_src[: self.num_dst]), self.edge_index(), self.size
+
+    def to_pyg(self) -> PyGAdj:
+        """The block as the ``(edge_index, e_id, size)`` triple of PyG's ``NeighborSampler`` (see :class:`PyGAdj`)."""
+        return PyGAdj(self.edge_index(), None, self.size)
+
     def to_dgl(self):
-        """Convert to a ``dgl.Block`` (needs the ``dgl`` extra); global ids go to ``ndata[dgl.NID]``.
+        """Convert to a ``dgl.Block`` (needs the ``dgl`` extra) on the block's device.
+
+        The graph is built from the CSC arrays as they are, so DGL's edge ``e`` is this block's edge ``e``
+        (``indices[e]``, ``edge_weight[e]``); global node ids go to ``srcdata``/``dstdata[dgl.NID]`` and
+        edge weights, when present, to ``edata["w"]`` (pass them to a layer as ``edge_weight``).
+
+        Returns:
+            A ``dgl.Block`` with ``num_src`` src and ``num_dst`` dst nodes and ``E`` edges, int64 ids.
 
         Raises:
             ImportError: if DGL is not installed.
         """
         import dgl
 
-        block = dgl.create_block(
-            (self.indices, self.edge_dst()), num_src_nodes=self.num_src, num_dst_nodes=self.num_dst
-        )
+        block = dgl.create_block(("csc", (self.indptr, self.indices, torch.arange(self.num_edges, device=self.indices.device))),
+                                 num_src_nodes=self.num_src, num_dst_nodes=self.num_dst)
         block.srcdata[dgl.NID] = self.src_nodes
         block.dstdata[dgl.NID] = self.dst_nodes
         if self.edge_weight is not None:

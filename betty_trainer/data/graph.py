@@ -128,6 +128,63 @@ class Graph:
                               torch.from_numpy(coo.col[keep].astype(np.int64)), adjacency.shape[0],
                               symmetric=symmetric, drop_self_loops=drop_self_loops, **fields)
 
+    @classmethod
+    def from_dgl(
+        cls,
+        g,
+        *,
+        feat: str = "feat",
+        label: str = "label",
+        masks: tuple[str, str, str] = ("train_mask", "val_mask", "test_mask"),
+        num_classes: int | None = None,
+        symmetric: bool = False,
+        drop_self_loops: bool = False,
+        name: str = "dgl",
+    ) -> Graph:
+        """Build a graph from a homogeneous ``dgl.DGLGraph`` laid out as DGL's node-classification datasets are
+        (``CoraGraphDataset()[0]``, ``AsNodePredDataset``): features, labels and split masks in ``g.ndata``.
+
+        DGL is not imported: ``g`` is read through its ``num_nodes()``, ``edges()``, ``is_homogeneous`` and
+        ``ndata``. Its edges are kept as they are (a DGL dataset graph already holds both directions and
+        its self-loops, if any) except that duplicate edges become one, as :class:`Graph` requires.
+
+        Args:
+            g: the graph, on any device (tensors are copied to the CPU).
+            feat, label: ``g.ndata`` keys of the ``(N, F)`` float features and ``(N,)`` integer labels.
+            masks: ``g.ndata`` keys of the ``(N,)`` boolean train / validation / test masks; a missing one
+                gives an empty split.
+            num_classes: ``C``; default ``max(label) + 1``.
+            symmetric: also add every reverse edge. Default ``False``.
+            drop_self_loops: remove ``v → v`` edges. Default ``False``.
+            name: dataset name, for logs.
+
+        Returns:
+            A :class:`Graph` with DGL's node ids; ``x`` is float32 unless it is float16.
+
+        Raises:
+            DatasetError: ``g`` is not a homogeneous DGL graph, or lacks ``feat`` or ``label``.
+        """
+        if not all(hasattr(g, attribute) for attribute in ("ndata", "edges", "num_nodes")):
+            raise DatasetError(f"from_dgl needs a dgl.DGLGraph, got {type(g).__name__}")
+        if not getattr(g, "is_homogeneous", True):
+            raise DatasetError(f"from_dgl needs a homogeneous graph, got node types {g.ntypes} and edge types "
+                               f"{g.etypes}; convert it with dgl.to_homogeneous or pick one type")
+        data = {key: value for key, value in g.ndata.items()}
+        missing = [key for key in (feat, label) if key not in data]
+        if missing:
+            raise DatasetError(f"the DGL graph has no ndata[{missing[0]!r}] (it has {sorted(data)}); name the "
+                               "features and labels with feat=... and label=...")
+        n = g.num_nodes()
+        x = data[feat].detach().cpu()
+        y = data[label].detach().cpu().long()
+        splits = [torch.nonzero(data[key].detach().cpu().bool()).view(-1) if key in data
+                  else torch.empty(0, dtype=torch.int64) for key in masks]
+        src, dst = g.edges()
+        return cls.from_edges(src, dst, n, symmetric=symmetric, drop_self_loops=drop_self_loops,
+                              x=x if x.dtype == torch.float16 else x.float(), y=y, train_idx=splits[0],
+                              val_idx=splits[1], test_idx=splits[2],
+                              num_classes=int(y.max()) + 1 if num_classes is None else num_classes, name=name)
+
     @property
     def num_nodes(self) -> int:
         return self.indptr.numel() - 1
