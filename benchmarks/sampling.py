@@ -119,6 +119,34 @@ class DGLSide:
                 "lru_miss": lru_miss_rate(inputs, self.graph.num_nodes(), lru)}
 
 
+def reads_of(count: str, input_nodes, layer_nodes: list) -> list:
+    """The gathers one batch makes under a counting rule: ``inputs`` one gather of the input nodes;
+    ``layers-in`` one gather per layer of its src nodes, input layer first, then the seeds; ``layers-out``
+    the same, seeds first (the order sampling visits them)."""
+    if count == "inputs":
+        return [input_nodes]
+    return list(layer_nodes) if count == "layers-in" else list(reversed(layer_nodes))
+
+
+class DGLStudy(DGLSide):
+    """DGL's side of ``--lru-study``: DGL's LaborSampler batches, counted by :func:`lru_miss_rate`."""
+
+    def lru(self, seeds: str, batch_size: int, fanouts: list[int], importance: int, kappa: float,
+            layer_dependency: bool, count: str, seed: int, capacity: int) -> dict:
+        from dgl.dataloading import LaborSampler
+
+        self.dgl.seed(seed)
+        sampler = LaborSampler(fanouts, importance_sampling=importance, layer_dependency=layer_dependency,
+                               batch_dependency=10**9 if kappa == math.inf else int(kappa))
+        reads = []
+        for batch in torch.from_numpy(np.load(seeds)).split(batch_size):
+            input_nodes, output_nodes, blocks = sampler.sample_blocks(self.graph, batch)
+            layers = [b.srcdata[self.dgl.NID] for b in blocks] + [output_nodes]
+            reads += [r.numpy() for r in reads_of(count, input_nodes, layers)]
+        return {"miss": lru_miss_rate(reads, self.graph.num_nodes(), capacity),
+                "reads_per_batch": sum(r.size for r in reads) / (len(reads) or 1)}
+
+
 # --- our side --------------------------------------------------------------------------------------------------
 
 def load_graph(name: str, data_dir: Path | None):
@@ -183,9 +211,209 @@ def run_ours(sampler, batches: list[torch.Tensor], seed: int, reps: int, lru: in
     return result
 
 
+# --- bytes moved per epoch through the feature store's caches (issue 8, "Bytes") ---------------------------
+
+def epoch_inputs(sampler, batches: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """Each batch's input nodes (int64, on the CPU), keyed ``SampleKey(seed, 0, step)``; the blocks are dropped."""
+    from betty_trainer.sampling import SampleKey
+
+    return [sampler.sample(seeds, SampleKey(seed, 0, step)).input_nodes.cpu() for step, seeds in enumerate(batches)]
+
+
+def gather_epoch(store, inputs: list[torch.Tensor], device: torch.device, macro: int, seed: int) -> dict:
+    """One epoch of gathers (one per batch, the batch's input nodes) through ``store``; with ``macro = M``
+    every ``M`` consecutive batches are staged in one gather first. Returns the counters' change and
+    the wall time (synchronised on CUDA, so the asynchronous copies are included)."""
+    from betty_trainer.data.cache import CachedFeatureStore
+    from betty_trainer.sampling import SampleKey
+
+    before = store.stats.snapshot()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    group = max(macro, 1)
+    for start in range(0, len(inputs), group):
+        if macro:
+            store.stage(torch.cat(inputs[start:start + group]))
+        for step in range(start, min(start + group, len(inputs))):
+            if isinstance(store, CachedFeatureStore):
+                store.start_batch(SampleKey(seed, 0, step))
+            store.gather(inputs[step], device)
+        if macro:
+            store.unstage()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    return {"stats": store.stats - before, "seconds": seconds}
+
+
+def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], fanouts: list[int], args) -> list[dict]:
+    """Bytes moved per epoch for each cache kind and macro-batch gathering (see ``--bytes``)."""
+    from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
+    from betty_trainer.data.feature_store import HostFeatureStore
+    from betty_trainer.sampling import GNSSampler, LaborSampler, NeighborSampler
+
+    device = torch.device(args.device)
+    host = HostFeatureStore(x, pin=device.type == "cuda")
+    row = host.row_bytes
+    n = graph.num_nodes
+    capacity = cache_capacity(args.lru, n, row)
+    degrees = graph.in_degrees()
+    def gns(only_input: bool):
+        return GNSSampler(graph, fanouts, cache_fraction=args.gns_cache, refresh_every=args.gns_refresh,
+                          cache_only_input_layer=only_input, batches_per_epoch=len(batches))
+
+    samplers = {"NS": NeighborSampler(graph, fanouts),
+                "LABOR-0 κ=64": LaborSampler(graph, fanouts, batch_dependency=64, batches_per_epoch=len(batches)),
+                "GNS": gns(False), "GNS cache-only input layer": gns(True)}
+    everything = len(batches)
+    specs = [("NS", "none", 0), ("NS", "static", 0), ("NS", "lru", 0), ("NS", "none", 8), ("NS", "none", everything),
+             ("NS", "lru", 8), ("LABOR-0 κ=64", "none", 0), ("LABOR-0 κ=64", "lru", 0), ("GNS", "none", 0),
+             ("GNS", "gns", 0), ("GNS cache-only input layer", "gns", 0)]
+    inputs = {}
+    rows = []
+    for sampler, kind, macro in specs:
+        if sampler not in inputs:
+            inputs[sampler] = epoch_inputs(samplers[sampler], batches, args.seed)
+        gns_sampler = samplers[sampler] if kind == "gns" else None
+        if kind == "none" and not macro:
+            store = HostFeatureStore(host.x, pin=False) if device.type == "cpu" else host
+        else:
+            store = CachedFeatureStore(host, device, kind, capacity, degrees=degrees,
+                                       node_source=gns_sampler.cache_nodes if gns_sampler else None)
+        result = gather_epoch(store, inputs[sampler], device, macro, args.seed)
+        stats = result["stats"]
+        distinct = torch.unique(torch.cat(inputs[sampler])).numel()
+        requested = sum(batch.numel() for batch in inputs[sampler])
+        size = (f"{args.gns_cache:.0%} of nodes, refresh every {args.gns_refresh}" if kind == "gns" else
+                f"{capacity:,} rows ({args.lru:.0%})" if kind in ("static", "lru") else "")
+        name = f"{sampler}, {kind if kind != 'none' else 'no cache'}" + (f" {size}" if size else "")
+        if macro:
+            name += f", macro-batch {'all' if macro == everything else macro}"
+        rows.append({"name": name, "requested": requested, "distinct": distinct, "row_bytes": row,
+                     "hits": stats.hits, "misses": stats.misses, "fill": stats.cache_fill_bytes,
+                     "host_read": stats.misses * row + stats.cache_fill_bytes,
+                     "host_to_device": stats.host_to_device_bytes, "seconds": result["seconds"],
+                     "gather_seconds": stats.gather_seconds})
+        del store
+    return rows
+
+
+def print_bytes_table(rows: list[dict], device: str) -> None:
+    mb = 1e6
+    header = ["data path (per epoch)", "rows requested", "hit rate", "bytes read from host (MB)",
+              "of which cache fill (MB)", f"host→device bytes measured on {device} (MB)", "lower bound (MB)",
+              "read / lower bound", "gather time (s)"]
+    print(f"\n| {' | '.join(header)} |\n|{'---|' * len(header)}")
+    for r in rows:
+        bound = r["distinct"] * r["row_bytes"]
+        print(f"| {r['name']} | {r['requested']:,} | {r['hits'] / max(r['hits'] + r['misses'], 1):.3f} | "
+              f"{r['host_read'] / mb:,.1f} | {r['fill'] / mb:,.1f} | {r['host_to_device'] / mb:,.1f} | "
+              f"{bound / mb:,.1f} | {r['host_read'] / bound:.2f}× | {r['seconds']:.2f} |")
+
+
+# --- which counting gives which LRU miss rate (issue 8, Dependency done-when) ------------------------------
+
+def load_directed_jlg(path: Path):
+    """ego-Twitter's .jlg with its edges as stored (``src → dst``, one direction; the file lists each
+    undirected edge once), as a naive ``dgl.graph((src, dst))`` would read it."""
+    import gzip
+
+    from betty_trainer.data.graph import Graph
+
+    with gzip.open(path, "rt") as handle:
+        num_nodes = int(handle.readline().split(",")[0])
+        edges = np.array(handle.read().replace("\n", ",").strip(",").split(","), dtype=np.int64).reshape(-1, 2) - 1
+    empty = torch.zeros(0, dtype=torch.int64)
+    return Graph.from_edges(torch.from_numpy(edges[:, 0]), torch.from_numpy(edges[:, 1]), num_nodes, symmetric=False,
+                            x=torch.zeros(num_nodes, 1), y=torch.zeros(num_nodes, dtype=torch.int64),
+                            train_idx=empty, val_idx=empty, test_idx=empty, num_classes=1, name="ego-twitter-directed")
+
+
+def our_lru(graph, batches, fanouts, importance, kappa, layer_dependency, count, seed, capacity) -> dict:
+    """Our LaborSampler's batches read through a real LRU :class:`CachedFeatureStore` (one gather per read
+    of :func:`reads_of`); the miss rate is checked against :func:`lru_miss_rate` of the same reads."""
+    from betty_trainer.data.cache import CachedFeatureStore
+    from betty_trainer.data.feature_store import HostFeatureStore
+    from betty_trainer.sampling import LaborSampler, SampleKey
+
+    sampler = LaborSampler(graph, fanouts, importance_iterations=importance, layer_dependency=layer_dependency,
+                           batch_dependency=kappa, batches_per_epoch=len(batches))
+    store = CachedFeatureStore(HostFeatureStore(torch.zeros(graph.num_nodes, 1), pin=False), "cpu", "lru", capacity)
+    reads = []
+    for step, seeds in enumerate(batches):
+        batch = sampler.sample(seeds, SampleKey(seed, 0, step))
+        layers = [block.src_nodes for block in batch.blocks] + [batch.output_nodes]
+        for nodes in reads_of(count, batch.input_nodes, layers):
+            store.gather(nodes, "cpu")
+            reads.append(nodes.numpy())
+    miss = store.stats.misses / (store.stats.hits + store.stats.misses)
+    simulated = lru_miss_rate(reads, graph.num_nodes, capacity)
+    assert abs(miss - simulated) < 1e-12, (miss, simulated)
+    return {"miss": miss, "reads_per_batch": sum(r.size for r in reads) / len(batches)}
+
+
+def lru_study(args, batches: list[torch.Tensor], fanouts: list[int]) -> None:
+    """LRU miss rate at κ = 1 and 64 under several counting rules, ours (a real LRU cache) and DGL's
+    LaborSampler (the same LRU, simulated) side by side."""
+    path = (args.data_dir or SHARED / "snap-jlg") / "ego-twitter-undirected.jlg"
+    graphs = {"undirected": load_graph("ego-twitter", args.data_dir), "directed as stored": load_directed_jlg(path)}
+    variants = [("undirected", 0, False, "inputs"), ("undirected", 0, False, "layers-in"),
+                ("undirected", 0, False, "layers-out"), ("undirected", 0, True, "inputs"),
+                ("undirected", -1, False, "inputs"), ("directed as stored", 0, False, "inputs"),
+                ("directed as stored", 0, False, "layers-out")]
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        np.save(scratch / "seeds.npy", torch.cat(batches).numpy())
+        dgl = None
+        if args.dgl_python and Path(args.dgl_python).exists():
+            dgl = DGLProcess(args.dgl_python, Path(__file__).resolve(), ["--dgl-study"], args.threads,
+                             scratch / "dgl.log")
+            print(f"DGL {dgl('hello')['dgl']} side by side", flush=True)
+        loaded = None
+        for name, importance, layer_dependency, count in variants:
+            graph = graphs[name]
+            capacity = int(args.lru * graph.num_nodes)
+            if dgl is not None and loaded != name:
+                folder = scratch / name.replace(" ", "-")
+                folder.mkdir()
+                np.save(folder / "indptr.npy", graph.indptr.numpy())
+                np.save(folder / "indices.npy", graph.indices.numpy())
+                dgl("load", folder=str(folder))
+                loaded = name
+            cells = []
+            for kappa in (1, 64):
+                ours = our_lru(graph, batches, fanouts, importance, kappa, layer_dependency, count, args.seed,
+                               capacity)
+                theirs = dgl("lru", seeds=str(scratch / "seeds.npy"), batch_size=args.batch_size, fanouts=fanouts,
+                             importance=importance, kappa=kappa, layer_dependency=layer_dependency, count=count,
+                             seed=args.seed, capacity=capacity) if dgl is not None else None
+                cells.append((ours, theirs))
+            label = (f"{name}, {'LABOR-*' if importance else 'LABOR-0'}"
+                     f"{', layer dependency' if layer_dependency else ''}, reads: {count}")
+            rows.append((label, cells))
+            print(f"  {label}: " + "; ".join(
+                f"κ={k} ours {o['miss']:.3f} ({o['reads_per_batch']:,.0f} reads/batch)"
+                + (f", DGL {t['miss']:.3f}" if t else "") for k, (o, t) in zip((1, 64), cells)), flush=True)
+        if dgl is not None:
+            dgl.close()
+    header = ["graph, sampler, what a batch reads", "reads/batch κ=1", "ours κ=1", "ours κ=64", "ours κ64/κ1",
+              "DGL κ=1", "DGL κ=64", "DGL κ64/κ1"]
+    print(f"\n| {' | '.join(header)} |\n|{'---|' * len(header)}")
+    for label, ((o1, t1), (o64, t64)) in rows:
+        dgl_cells = [f"{t1['miss']:.3f}", f"{t64['miss']:.3f}", f"{t64['miss'] / t1['miss']:.2f}"] if t1 else [""] * 3
+        print(f"| {label} | {o1['reads_per_batch']:,.0f} | {o1['miss']:.3f} | {o64['miss']:.3f} | "
+              f"{o64['miss'] / o1['miss']:.2f} | {' | '.join(dgl_cells)} |")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dgl-side", action="store_true", help="serve DGL's side (run with DGL's Python)")
+    parser.add_argument("--dgl-study", action="store_true", help="serve DGL's side of --lru-study")
+    parser.add_argument("--lru-study", action="store_true",
+                        help="instead of the sampler table: LRU miss rate at κ=1 and 64 under several counting rules "
+                             "(ours with a real LRU cache, DGL's LaborSampler beside)")
     parser.add_argument("--graph", default="ego-twitter", help="ego-twitter, or a dataset name betty-train knows")
     parser.add_argument("--data-dir", type=Path, default=None, help="raw files of a named dataset")
     parser.add_argument("--fanouts", default="10,10,10", help="input layer first")
@@ -200,6 +428,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dgl-python", default="/work/dgl-venv/bin/python", help="'' skips DGL")
     parser.add_argument("--samplers", default="", help="comma list of row-name prefixes to run (default: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--bytes", action="store_true",
+                        help="instead of the sampler table: bytes moved per epoch through the feature store for no "
+                             "cache, static, LRU (--lru of the nodes), GNS (--gns-cache) and macro-batch gathering, "
+                             "next to the lower bound (distinct input nodes × row bytes)")
+    parser.add_argument("--feature-width", type=int, default=128,
+                        help="--bytes: float32 features per node (ego-twitter has none: random ones of this width)")
+    parser.add_argument("--gns-refresh", type=int, default=16, help="--bytes: GNS refreshes its cache every this "
+                                                                    "many batches")
     return parser.parse_args(argv)
 
 
@@ -207,6 +443,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.dgl_side:
         serve(DGLSide())
+        return
+    if args.dgl_study:
+        serve(DGLStudy())
         return
     torch.set_num_threads(args.threads)
     fanouts = [int(f) for f in args.fanouts.split(",")]
@@ -220,6 +459,22 @@ def main(argv=None) -> None:
     ours_graph = graph if device.type == "cpu" else dataclasses.replace(
         graph, indptr=graph.indptr.to(device), indices=graph.indices.to(device), train_idx=graph.train_idx.to(device))
     our_batches = [batch.to(device) for batch in batches]
+    if args.lru_study:
+        print(f"{args.graph}: LRU of {args.lru:.0%} of the nodes; fanouts {fanouts}, {len(batches)} batches of "
+              f"{args.batch_size}", flush=True)
+        lru_study(args, batches, fanouts)
+        return
+    if args.bytes:
+        x = graph.x if graph.x.shape[1] > 1 else torch.randn(n, args.feature_width,
+                                                             generator=torch.Generator().manual_seed(args.seed))
+        print(f"{args.graph}: {n:,} nodes, {graph.num_edges:,} edges; fanouts {fanouts} (input layer first), "
+              f"one epoch = {len(batches)} batches of {args.batch_size} seeds; features {tuple(x.shape)} "
+              f"{x.dtype} ({x.shape[1] * x.element_size()} bytes a row); gathers to {args.device}", flush=True)
+        rows = bytes_rows(graph, x, batches, fanouts, args)
+        print_bytes_table(rows, args.device)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
     print(f"{args.graph}: {n:,} nodes, {graph.num_edges:,} edges; fanouts {fanouts} (input layer first), "
           f"{len(batches)} batches of {args.batch_size}, LRU {lru:,} nodes ({args.lru:.0%}), threads {args.threads}, "
           f"ours on {args.device}", flush=True)

@@ -231,7 +231,9 @@ def _losses(tmp_path, monkeypatch, name, overrides):
     monkeypatch.setattr(trainer_module, "make_feature_store", recorded)
     trainer_module.train(load_config(None, SMALL + overrides), run_dir=tmp_path / name)
     lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return [(line["loss"], line["val_acc"]) for line in lines], stores[0]
+    metrics = [(line["loss"], line["val_acc"]) for line in lines]
+    counted = [(line["feature_hits"], line["feature_misses"]) for line in lines]
+    return metrics, stores[0], counted
 
 
 @pytest.mark.parametrize("overrides", [
@@ -241,16 +243,19 @@ def _losses(tmp_path, monkeypatch, name, overrides):
     ["features.cache.kind=lru", "features.macro_batch=4"],
 ])
 def test_training_with_a_cache_gives_the_losses_of_training_without_one(tmp_path, monkeypatch, overrides):
-    cached, store = _losses(tmp_path, monkeypatch, "cached", overrides)
-    plain, host = _losses(tmp_path, monkeypatch, "plain", [])
+    cached, store, cached_counts = _losses(tmp_path, monkeypatch, "cached", overrides)
+    plain, host, plain_counts = _losses(tmp_path, monkeypatch, "plain", [])
     assert cached == plain
     assert isinstance(store, CachedFeatureStore) and isinstance(host, HostFeatureStore)
     assert store.stats.hits > 0, "the cache served rows"
+    assert all(hits > 0 for hits, _ in cached_counts) and all(hits == 0 for hits, _ in plain_counts)
+    # the same rows are requested either way: each epoch's hits + misses are the same
+    assert [sum(pair) for pair in cached_counts] == [sum(pair) for pair in plain_counts]
 
 
 def test_training_with_the_gns_cache_gives_the_losses_of_gns_without_it(tmp_path, monkeypatch):
     gns = ["sampling.sampler=gns", "sampling.gns.cache_fraction=0.05", "sampling.gns.refresh_every=3"]
-    cached, store = _losses(tmp_path, monkeypatch, "cached", gns + ["features.cache.kind=gns"])
-    plain, _ = _losses(tmp_path, monkeypatch, "plain", gns)
+    cached, store, _ = _losses(tmp_path, monkeypatch, "cached", gns + ["features.cache.kind=gns"])
+    plain, _, _ = _losses(tmp_path, monkeypatch, "plain", gns)
     assert cached == plain
     assert store.kind == "gns" and store.stats.hits > 0 and store.stats.cache_fill_bytes > 0

@@ -266,20 +266,18 @@ class CachedFeatureStore:
     def _serve(self, ids: Tensor, *, count: bool) -> tuple[Tensor, Tensor]:
         """Rows of ``ids`` (on the cache's device) from the cache and the host; with ``count`` their
         hits and misses are counted. Returns the rows and a bool mask of those read from the host."""
-        width = self.host.x.shape[1]
-        rows = torch.empty((ids.numel(), width), dtype=self.host.x.dtype, device=self.device)
         if self.capacity > 0:
             slot = self._slot[ids]
-            hit = slot >= 0
-            hit_slots = slot[hit].long()
-            rows[hit] = self._rows[hit_slots]
-            missed = ~hit
+            missed = slot < 0
+            rows = self._rows.index_select(0, slot.clamp(min=0).long())  # miss rows are overwritten below
+            where = torch.nonzero(missed).squeeze(1)
         else:
-            hit_slots, missed = None, torch.ones(ids.numel(), dtype=torch.bool, device=self.device)
-        where = torch.nonzero(missed).squeeze(1)
+            missed = torch.ones(ids.numel(), dtype=torch.bool, device=self.device)
+            rows = torch.empty((ids.numel(), self.host.x.shape[1]), dtype=self.host.x.dtype, device=self.device)
+            where = torch.arange(ids.numel(), device=self.device)
         miss_ids = ids[where]
         fetched = self._read_host(miss_ids)
-        rows[where] = fetched
+        rows.index_copy_(0, where, fetched)
         misses = miss_ids.numel()
         self.stats.host_to_device_bytes += transfer_bytes(misses, self.row_bytes, self.host.x.device, self.device)
         if count:
@@ -287,7 +285,7 @@ class CachedFeatureStore:
             self.stats.hits += ids.numel() - misses
         if self.kind == "lru" and self.capacity > 0:
             self._clock += 1
-            self._stamp[hit_slots] = self._clock
+            self._stamp[slot[~missed].long()] = self._clock
             self._admit(miss_ids, fetched)
         return rows, missed
 
@@ -328,9 +326,14 @@ class CachedFeatureStore:
         misses just read (stamped with the current gather)."""
         if miss_ids.numel() == 0:
             return
-        nodes, inverse = torch.unique(miss_ids, return_inverse=True)
-        source = torch.empty(nodes.numel(), dtype=torch.int64, device=self.device)
-        source.scatter_(0, inverse, torch.arange(miss_ids.numel(), device=self.device))
+        # one row per distinct node without sorting: the misses' slots are -1, so they can briefly hold
+        # ``-2 - position``; a node's position is its own iff no later duplicate overwrote it
+        positions = torch.arange(miss_ids.numel(), device=self.device)
+        self._slot[miss_ids] = (-2 - positions).to(torch.int32)
+        winner = -2 - self._slot[miss_ids].long()
+        self._slot[miss_ids] = -1
+        source = positions[winner == positions]
+        nodes = miss_ids[source]
         n = self.num_nodes
         old_key = torch.where(self._node >= 0, self._stamp * n + self._node, -1)
         new_key = self._clock * n + nodes

@@ -66,7 +66,9 @@ class EpochMetrics:
     """One line of ``metrics.jsonl``. Accuracies are fractions in ``[0, 1]``; ``seconds`` is wall time;
     ``host_to_device_bytes`` is what training's feature gathers copied host→device in the epoch (the
     feature store's counter; 0 when training runs on the CPU; evaluation's gathers are not included);
-    ``lr`` is the learning rate of the epoch's optimizer steps."""
+    ``lr`` is the learning rate of the epoch's optimizer steps; ``feature_hits`` and ``feature_misses`` are the
+    input rows training's gathers found on the device (a node cache, a staged macro-batch) and read from the
+    host, and ``cache_fill_bytes`` the bytes read to fill the node cache (DESIGN.md › Feature store)."""
 
     epoch: int
     loss: float
@@ -78,6 +80,9 @@ class EpochMetrics:
     seconds: float
     host_to_device_bytes: int = 0
     lr: float | None = None
+    feature_hits: int = 0
+    feature_misses: int = 0
+    cache_fill_bytes: int = 0
 
 
 @dataclass
@@ -274,7 +279,7 @@ def train(
                 started = time.perf_counter()
                 seed_batches = epoch_seeds(config, graph, epoch)
                 loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
-                moved_before = features.stats.host_to_device_bytes
+                gathered_before = features.stats.snapshot()
                 lr = optimizer.param_groups[0]["lr"]
                 for index, seeds, batch in sampled_batches(config, sampler, features, seed_batches, epoch):
                     set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
@@ -293,7 +298,7 @@ def train(
                     correct += outcome.correct
                     k_used = max(k_used, outcome.plan.k)
                     input_redundancy = max(input_redundancy, plan_redundancy(batch, outcome.plan)[0])
-                moved = features.stats.host_to_device_bytes - moved_before
+                gathered = features.stats - gathered_before
                 if scheduler is not None:
                     scheduler.step()
                 diverged = non_finite(model.state_dict())
@@ -307,7 +312,9 @@ def train(
                 val_acc, test_acc = accuracy.get("val"), accuracy.get("test")
                 last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),
                                     val_acc, test_acc, k_used, input_redundancy, time.perf_counter() - started,
-                                    host_to_device_bytes=moved, lr=lr)
+                                    host_to_device_bytes=gathered.host_to_device_bytes, lr=lr,
+                                    feature_hits=gathered.hits, feature_misses=gathered.misses,
+                                    cache_fill_bytes=gathered.cache_fill_bytes)
                 run.append_line("metrics.jsonl", json.dumps(asdict(last)))
                 if val_acc is not None and val_acc > best["val_acc"]:
                     best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
