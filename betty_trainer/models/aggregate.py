@@ -50,8 +50,8 @@ class _SparseAggregate(torch.autograd.Function):
 
 def _transpose(block: Block, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """CSR of ``Aᵀ`` (``num_src × num_dst``): pointer, dst positions and values, each src row's edges in
-    dst order. On the CPU a compiled counting sort writes int32 pointer and positions (what the sparse
-    kernel takes without a copy); elsewhere a stable argsort of the src ids."""
+    dst order. On the CPU a compiled counting sort writes int32 pointer and positions; elsewhere a
+    stable argsort of the src ids."""
     if compiled_kernels(values.device, values.dtype):
         pointer = torch.empty(block.num_src + 1, dtype=torch.int32)
         positions = torch.empty(block.num_edges, dtype=torch.int32)
@@ -85,12 +85,31 @@ def _counting_transpose(indptr, indices, values, pointer, positions, transposed)
 
 def _csr_matmul(indptr: Tensor, indices: Tensor, values: Tensor, num_rows: int, dense: Tensor) -> Tensor:
     """``M·dense`` for the CSR matrix ``M`` = ``(indptr, indices, values)`` of shape ``(num_rows, len(dense))``;
-    the result is the only full-width tensor allocated (``addmm`` with ``beta=0`` ignores its zero input)."""
+    the result is the only full-width tensor allocated. On the CPU (float32) a compiled kernel sums each
+    row's edges in order, rows in parallel; elsewhere the sparse library's product (``addmm`` with
+    ``beta=0`` ignores its zero input)."""
+    if compiled_kernels(dense.device, dense.dtype):
+        out = dense.new_empty(num_rows, dense.shape[1])
+        _csr_matmul_kernel(indptr.numpy(), indices.numpy(), values.to(dense.dtype).numpy(),
+                           dense.detach().contiguous().numpy(), out.numpy())
+        return out
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the CSR × dense product used here is stable
         warnings.simplefilter("ignore", UserWarning)
         matrix = torch.sparse_csr_tensor(indptr, indices, values.to(dense.dtype), (num_rows, dense.shape[0]),
                                          check_invariants=False)
     return torch.addmm(dense.new_zeros(()).expand(num_rows, dense.shape[1]), matrix, dense, beta=0)
+
+
+@jit(parallel=True)
+def _csr_matmul_kernel(indptr, indices, values, dense, out):  # pragma: no cover - compiled
+    width = dense.shape[1]
+    for row in numba.prange(indptr.shape[0] - 1):
+        acc = out[row]
+        acc[:] = 0.0
+        for e in range(indptr[row], indptr[row + 1]):
+            value, source = values[e], dense[indices[e]]
+            for f in range(width):
+                acc[f] += value * source[f]
 
 
 def aggregate(block: Block, h_src: Tensor, values: Tensor, self_scale: Tensor | None = None) -> Tensor:
@@ -430,9 +449,11 @@ def weight_totals_terms(tape: StepTape, c: LayerCounts, component: str) -> int:
 
 
 def csr_matmul_terms(tape: StepTape, rows: int, c: LayerCounts, width: int, component: str) -> int:
-    """aggregate._csr_matmul: the ``(rows, width)`` result; MKL's int32 copies of the CSR pointer and
-    indices are made and freed inside ``addmm``."""
+    """aggregate._csr_matmul: the ``(rows, width)`` result. The compiled CPU kernel makes nothing else;
+    the sparse library's ``addmm`` makes and frees int32 copies of the CSR pointer and indices."""
     r = tape.r
+    if tape.compiled_kernels:
+        return r.alloc(rows * width * tape.f, component)
     zero = r.alloc(tape.f, OVER)
     out = r.alloc(rows * width * tape.f, component)
     pointer, indices = r.alloc((rows + 1) * 4, OVER), r.alloc(c.num_edges * 4, OVER)
@@ -452,9 +473,8 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, va
         e, s = c.num_edges, c.num_src
         if tape.compiled_kernels:  # the counting sort writes int32 pointer and positions: no copies
             transposed = [r.alloc((s + 1) * 4, OVER), r.alloc(e * 4, OVER), r.alloc(e * tape.f, OVER)]
-            zero = r.alloc(tape.f, OVER)
-            grad_src = r.alloc(s * width * tape.f, GRAD)
-            r.drop(zero, *transposed, grad, values, self_scale)
+            grad_src = csr_matmul_terms(tape, s, c, width, GRAD)
+            r.drop(*transposed, grad, values, self_scale)
             return grad_src
         order = r.alloc(e * INDEX_BYTES, OVER)  # argsort(indices, stable): keys, order, iota
         sorting = [r.alloc(e * INDEX_BYTES, OVER) for _ in range(2)]
