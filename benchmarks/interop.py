@@ -44,7 +44,8 @@ from betty_trainer.models.interop import DGLModel, PyGModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "datasets"
-DEFAULT_DGL_PYTHON = Path(os.environ.get("BETTY_DGL_VENV", Path.home() / ".cache/betty-trainer/dgl-venv")) / "bin/python"
+DGL_VENV = Path(os.environ.get("BETTY_DGL_VENV", Path.home() / ".cache" / "betty-trainer" / "dgl-venv"))  # .ci/dgl's
+DEFAULT_DGL_PYTHON = DGL_VENV / "bin" / "python"
 CPU = torch.device("cpu")
 
 

@@ -130,7 +130,8 @@ class Block:
         """
         import dgl
 
-        block = dgl.create_block(("csc", (self.indptr, self.indices, torch.arange(self.num_edges, device=self.indices.device))),
+        edge_ids = torch.arange(self.num_edges, device=self.indices.device)
+        block = dgl.create_block(("csc", (self.indptr, self.indices, edge_ids)),
                                  num_src_nodes=self.num_src, num_dst_nodes=self.num_dst)
         block.srcdata[dgl.NID] = self.src_nodes
         block.dstdata[dgl.NID] = self.dst_nodes
