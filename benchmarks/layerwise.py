@@ -11,9 +11,20 @@ Printed: peak (MiB) and time (s) per column, then ratios to K = 1; the issue's t
 layer-wise peak at most Betty's K = 16 peak at ≤ 2× the K = 1 time, and on Coauthor Physics
 a K = 8 peak ≤ 0.6× the K = 1 peak (issue 7).
 
+``--planner``: the planner's choice under a budget instead (issue 10's planner done-when). Per model on the
+first of ``--graphs``, budgets ``--fractions`` × the K = 1 step's measured peak; at each budget the plan of
+``micro_batch.mode=betty`` (the smallest K whose largest micro-batch is estimated to fit), of ``layerwise``
+(the fewest chunks per layer estimated to fit) and what ``auto`` picks. Both modes' plans are measured in
+the same run, their timed steps interleaved: peak as the tests measure it (Betty: the largest micro-batch's
+``measure_training_step``, later ones accumulating; layer-wise: ``measure_layerwise_step``; after a warm-up
+step, so Adam's state is resident) and the median step time. Printed per budget: each mode's K, estimated
+and measured peak and time; auto's choice, whether it fits (measured ≤ budget) and its time over the
+faster plan's (the target: ≤ 1.2).
+
 Run:
     python benchmarks/layerwise.py                                   # Amazon Computers and Coauthor Physics
     python benchmarks/layerwise.py --graphs amazon-computers --models sage-64 --ks 4,8 --repeats 2
+    python benchmarks/layerwise.py --planner --graphs amazon-computers --models sage-64,sage-256
 """
 
 from __future__ import annotations
@@ -31,10 +42,12 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from betty_trainer import load_config, load_dataset  # noqa: E402
 from betty_trainer.config import DatasetConfig  # noqa: E402
+from betty_trainer.errors import PlanningError  # noqa: E402
+from betty_trainer.memory.plan import MicroBatchPlanner, model_spec  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.sampling import sample_batch  # noqa: E402
-from betty_trainer.training.layerwise import layerwise_backward  # noqa: E402
-from betty_trainer.training.step import MicroBatches, training_state  # noqa: E402
+from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward, measure_layerwise_step  # noqa: E402
+from betty_trainer.training.step import MicroBatches, measure_training_step, training_state  # noqa: E402
 from betty_trainer.training.trainer import accumulate_gradients, init_model  # noqa: E402
 from estimator.measure import measure_peak  # noqa: E402
 from partition import make_plan  # noqa: E402
@@ -93,6 +106,104 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
     return results
 
 
+def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: int) -> tuple[int, list[dict]]:
+    """The K = 1 measured peak and, per budget fraction, the betty, layer-wise and auto plans, measured (see the
+    module docstring)."""
+    config = config_for(arch, hidden)
+    model = init_model(config, graph)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=config.optim.weight_decay)
+    model.train()
+    batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
+    spec = model_spec(config, graph, CPU)
+    set_dropout_key(model, 0, 0)
+    measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU)  # Adam's moments exist from here on
+    full_peak = measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU).peak_bytes
+
+    def planner(mode: str, budget: int) -> MicroBatchPlanner:
+        section = config.micro_batch.model_copy(update={"mode": mode, "budget": budget})
+        return MicroBatchPlanner(section, spec, CPU)
+
+    def measure(work) -> int:
+        set_dropout_key(model, 0, 0)
+        if isinstance(work, LayerwiseBatch):
+            return measure_layerwise_step(model, optimizer, work, graph.x, graph.y, CPU).peak_bytes
+        return max(measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, CPU, work.num_outputs,
+                                         accumulate=index > 0).peak_bytes
+                   for index, micro_batch in enumerate(work))
+
+    def runner(work):
+        if isinstance(work, LayerwiseBatch):
+            return lambda: layerwise_backward(model, batch, work.chunks, graph.x, graph.y, CPU)
+        return lambda: accumulate_gradients(model, work, graph.x, graph.y, CPU)
+
+    measured: dict[tuple[str, int], tuple[int, float]] = {}  # (mode, K) -> (peak bytes, median seconds)
+    rows = []
+    for fraction in fractions:
+        budget = int(full_peak * fraction)
+        row = {"fraction": fraction, "budget": budget}
+        works = {}
+        for mode in ("betty", "layerwise"):
+            try:
+                work, plan = planner(mode, budget).plan(batch, seed=0)
+            except PlanningError:
+                row[mode] = None
+                continue
+            estimate = plan.estimate if mode == "layerwise" else max(plan.estimates)
+            row[mode] = {"k": plan.k, "estimate": estimate, "work": plan.work}
+            works[mode] = work
+        fresh = [mode for mode in works if (mode, row[mode]["k"]) not in measured]
+        times = {mode: [] for mode in fresh}
+        peaks = {mode: measure(works[mode]) for mode in fresh}
+        for _ in range(repeats):  # interleaved: betty, layer-wise, betty, …
+            for mode in fresh:
+                set_dropout_key(model, 0, 0)
+                optimizer.zero_grad(set_to_none=True)
+                started = time.perf_counter()
+                runner(works[mode])()
+                optimizer.step()
+                times[mode].append(time.perf_counter() - started)
+        for mode in fresh:
+            measured[mode, row[mode]["k"]] = (peaks[mode], statistics.median(times[mode]))
+        for mode in works:
+            row[mode]["peak"], row[mode]["seconds"] = measured[mode, row[mode]["k"]]
+        try:
+            _, chosen = planner("auto", budget).plan(batch, seed=0)
+            row["auto"] = (chosen.mode, chosen.k)
+        except PlanningError:
+            row["auto"] = None
+        print(f"  {graph.name} {arch}-{hidden} {fraction}×: " + ", ".join(
+            f"{mode} {row[mode]}" for mode in ("betty", "layerwise", "auto")), flush=True)
+        rows.append(row)
+    return full_peak, rows
+
+
+def print_planner(name: str, model: str, full_peak: int, rows: list[dict]) -> None:
+    def cell(entry) -> str:
+        if entry is None:
+            return "— (none fits)"
+        return (f"K={entry['k']}: {entry['estimate'] / MIB:.1f} / {entry['peak'] / MIB:.1f} MiB, "
+                f"{entry['seconds']:.3f} s")
+
+    print(f"\n{name}, {model}: K = 1 measured peak {full_peak / MIB:.1f} MiB; per plan K: estimated / measured peak, "
+          "median step time")
+    print("| budget | betty | layer-wise | auto | fits | auto time / faster |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        budget = row["budget"]
+        auto = row["auto"]
+        if auto is None:
+            choice = fits = ratio = "—"
+        else:
+            entry = row[auto[0]]
+            assert entry is not None and entry["k"] == auto[1], "auto chose a plan neither mode made"
+            faster = min(row[m]["seconds"] for m in ("betty", "layerwise") if row[m] is not None)
+            choice = f"{auto[0]} K={auto[1]}"
+            fits = "yes" if entry["peak"] <= budget else f"NO (+{100 * (entry['peak'] / budget - 1):.1f}%)"
+            ratio = f"{entry['seconds'] / faster:.2f}"
+        print(f"| {row['fraction']}× ({budget / MIB:.1f} MiB) | {cell(row['betty'])} | {cell(row['layerwise'])} "
+              f"| {choice} | {fits} | {ratio} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--graphs", default="amazon-computers,coauthor-physics")
@@ -100,12 +211,25 @@ def main() -> None:
     parser.add_argument("--ks", default="4,8,16", help="Betty's micro-batches")
     parser.add_argument("--chunks", default=None, help="layer-wise chunks per layer (default: --ks)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--planner", action="store_true", help="the planner's choice under budgets (see above)")
+    parser.add_argument("--fractions", default="1,0.75,0.5,0.375,0.25", help="--planner: budgets × the K = 1 peak")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data-dir", default=str(REPO_ROOT.parent / "shared" / "datasets" / "graphdata-npz"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     chunk_counts = [int(k) for k in (args.chunks or args.ks).split(",")]
+    if args.planner:
+        name = args.graphs.split(",")[0]
+        graph = load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
+        results = []
+        for model in args.models.split(","):
+            arch, hidden = MODELS[model]
+            results.append((model, *run_planner(graph, arch, hidden, [float(f) for f in args.fractions.split(",")],
+                                                args.repeats)))
+        for model, full_peak, rows in results:
+            print_planner(name, model, full_peak, rows)
+        return
     rows = []
     for name in args.graphs.split(","):
         graph = load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))

@@ -94,6 +94,9 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
             mark = replay.mark()
             block, rows = chunk_inputs(index, c)
             out, backward = model.layer_terms(tape, index, c, rows, index > 0, consume_input=index == 0)
+            # at layer 1 the executor hands the gathered rows over (no reference left once the recomputed
+            # forward returns): only what autograd saved of them (r.save in the terms) stays live
+            replay.drop(rows if index == 0 else None)
             grad = replay.alloc(c.num_dst * widths[index + 1] * f, GRAD)  # its rows of ∂L/∂h_l
             replay.keep(out, grad)  # the caller holds both while out.backward(grad) runs
             backward(grad)

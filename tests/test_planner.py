@@ -16,6 +16,7 @@ from betty_trainer.memory.plan import MicroBatchPlanner, model_spec
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.training import trainer as trainer_module
 from betty_trainer.training.checkpoint import load_checkpoint
+from betty_trainer.training.layerwise import LayerwiseBatch, measure_layerwise_step
 from betty_trainer.training.step import measure_training_step
 from betty_trainer.training.trainer import train
 from partition import make_plan
@@ -181,3 +182,38 @@ def test_a_weighted_batch_is_planned_with_weighted_estimates(setting):
     unweighted_estimate = MicroBatchPlanner(load_config(None, overrides).micro_batch, model_spec(config, graph),
                                             torch.device("cpu")).plan(batch, seed=0)[1].estimates[0]
     assert plan.estimates[0] > unweighted_estimate  # the weights are bytes of their own
+
+
+@pytest.fixture(scope="module")
+def cora_full_batch(cora):
+    """Cora with every node an output, full neighbourhood, 2-layer SAGE-mean hidden 64 (the planner's
+    done-when setting of issue 10 on a smaller graph), its Adam state resident, and the K = 1 measured peak."""
+    config = load_config(None, ["model.hidden=64", "model.aggregator=mean", "optim.weight_decay=5e-4"])
+    torch.manual_seed(0)
+    model = build_model(config.model, cora)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    set_dropout_key(model, 0, 0)
+    measure_training_step(model, optimizer, batch, cora.x, cora.y, "cpu")  # Adam state exists
+    full_peak = measure_training_step(model, optimizer, batch, cora.x, cora.y, "cpu").peak_bytes
+    return config, model, optimizer, batch, full_peak
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.75, 0.5, 0.375])
+def test_auto_chooses_a_plan_that_fits_the_budget_measured(cora, cora_full_batch, fraction):
+    """micro_batch.mode=auto under a budget: whichever mode it picks, the step run for real fits (measured
+    peak ≤ budget: Betty's micro-batches one by one as training runs them, or the layer-wise step)."""
+    config, model, optimizer, batch, full_peak = cora_full_batch
+    budget = int(full_peak * fraction)
+    section = config.micro_batch.model_copy(update={"mode": "auto", "budget": budget})
+    work, plan = MicroBatchPlanner(section, model_spec(config, cora), torch.device("cpu")).plan(batch, seed=0)
+    set_dropout_key(model, 0, 0)
+    if isinstance(work, LayerwiseBatch):
+        assert plan.mode == "layerwise" and plan.estimate <= budget
+        measured = measure_layerwise_step(model, optimizer, work, cora.x, cora.y, "cpu").peak_bytes
+    else:
+        assert plan.mode == "betty" and max(plan.estimates) <= budget
+        measured = max(measure_training_step(model, optimizer, micro_batch, cora.x, cora.y, "cpu", work.num_outputs,
+                                             accumulate=index > 0).peak_bytes
+                       for index, micro_batch in enumerate(work))
+    assert measured <= budget, (plan.mode, plan.k, measured, budget)

@@ -101,7 +101,7 @@ def layerwise_backward(
         for index, pieces in enumerate(chunks.layers):
             out = None
             for piece in pieces:
-                h, _ = run(index, piece, h_prev, grad=False)
+                h = run(index, piece, h_prev, grad=False)[0]  # its input rows die here
                 if out is None:
                     out = h.new_empty(blocks[index].num_dst, h.shape[1])
                 out[piece.src_index[: piece.num_dst].to(device)] = h
@@ -116,8 +116,8 @@ def layerwise_backward(
     if not torch.isfinite(loss):
         raise TrainingError(f"loss is {loss.item()}")
     loss.backward()
-    grad_out, correct = logits.grad, int((logits.detach().argmax(1) == y).sum())
-    stored[last] = logits = y = None
+    grad_out, correct, loss = logits.grad, int((logits.detach().argmax(1) == y).sum()), loss.item()
+    stored[last] = logits = y = None  # and loss: its graph's AccumulateGrad held logits and their gradient
 
     for index in range(last, -1, -1):
         stored[index] = None  # h_l: each chunk's recompute makes what its backward needs
@@ -130,7 +130,7 @@ def layerwise_backward(
                 grad_in.index_add_(0, piece.src_index.to(device), rows.grad)
             del h, rows
         grad_out = grad_in
-    return loss.item(), correct
+    return loss, correct
 
 
 def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, work: LayerwiseBatch,
