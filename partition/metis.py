@@ -14,6 +14,12 @@ import scipy.sparse as sp
 #: redundancy moves by under 0.05%; on Cora's (9·10⁴ entries) it rose 2.4% at K = 4, hence the size rule.
 REFINEMENT_ITERATIONS = 3
 LARGE_GRAPH_ENTRIES = 1_000_000
+#: Above this many stored entries METIS always partitions k-way (``METIS_PartGraphKway``); at most that many,
+#: pymetis's default: recursive bisection for ``k ≤ 8``, k-way above. Measured on the nested-block 2M-node
+#: power-law batch of ``benchmarks/table6.py`` (REG of 4.5·10⁶ entries, 200k outputs, 3 passes): at K = 8
+#: k-way took 1.03 s of CPU against 1.46 s and left 3.48M input nodes against 3.59M (K = 4: 1.09 s against
+#: 1.20 s, 3.11M against 3.19M).
+KWAY_ENTRIES = 1_000_000
 
 
 def metis_kway(adjacency: sp.csr_matrix, k: int, seed: int = 0, vertex_weights: np.ndarray | None = None,
@@ -28,6 +34,9 @@ def metis_kway(adjacency: sp.csr_matrix, k: int, seed: int = 0, vertex_weights: 
         vertex_weights: optional ``(n,)`` positive integers to balance instead of counts.
         niter: refinement passes per level; ``None``: :data:`REFINEMENT_ITERATIONS` above
             :data:`LARGE_GRAPH_ENTRIES` stored entries, else METIS's default (10).
+
+    Graphs above :data:`KWAY_ENTRIES` stored entries are partitioned k-way for every ``k``; smaller ones
+    by recursive bisection for ``k ≤ 8``, as pymetis does by default.
 
     Returns:
         ``(n,)`` int64 part of each vertex in ``[0, k)``.
@@ -52,5 +61,6 @@ def metis_kway(adjacency: sp.csr_matrix, k: int, seed: int = 0, vertex_weights: 
         eweights=weights.astype(np.int64) if weights.size else None,
         vweights=None if vertex_weights is None else np.asarray(vertex_weights, dtype=np.int64),
         options=options,
+        recursive=None if adjacency.nnz <= KWAY_ENTRIES else False,
     )
     return np.asarray(parts, dtype=np.int64)

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -43,6 +43,10 @@ class Plan:
         full_batch_estimate: estimated peak of the unsplit batch, bytes.
         tried: ``(K, largest estimate)`` for every K evaluated, in order.
         seconds: wall time of planning.
+        stage_seconds: wall seconds of planning by stage, summed over every K tried: ``"weights"`` (the
+            METIS vertex weights, :func:`output_costs`), ``"partition"`` (splitting the outputs: METIS,
+            and building the REG when the splitter had not built it yet), ``"slicing"`` (the micro-batches'
+            layer slices), ``"estimate"``.
     """
 
     groups: list[Tensor]
@@ -52,6 +56,7 @@ class Plan:
     full_batch_estimate: int
     tried: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
     mode: ClassVar[str] = "betty"
 
@@ -174,20 +179,30 @@ def make_plan(
     tried: list[tuple[int, int]] = []
     splits: dict[int, tuple[list[Tensor], list[list[LayerSlice]], list[int]]] = {}
 
+    stage_seconds = {"weights": 0.0, "partition": 0.0, "slicing": 0.0, "estimate": 0.0}
+
+    def timed(stage: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        result = fn()
+        stage_seconds[stage] += time.perf_counter() - started
+        return result
+
     def split(parts: int) -> tuple[list[Tensor], list[list[LayerSlice]], list[int]]:
         if parts == 1:  # the whole batch: no partitioning, no relabelling
             groups, layers = [torch.arange(num_outputs)], [whole_batch(blocks)]
         else:
-            groups = splitter.split(parts, seed, weights())
-            layers = [slice_layers(blocks, group) for group in groups]
-        estimates = [estimate(layer, index > 0) for index, layer in enumerate(layers)] if estimate is not None else []
+            vertex_weights = timed("weights", weights)
+            groups = timed("partition", lambda: splitter.split(parts, seed, vertex_weights))
+            layers = timed("slicing", lambda: [slice_layers(blocks, group) for group in groups])
+        estimates = timed("estimate", lambda: [estimate(layer, index > 0) for index, layer in enumerate(layers)]
+                          if estimate is not None else [])
         tried.append((parts, max(estimates, default=0)))
         splits[parts] = groups, layers, estimates
         return splits[parts]
 
     def done(parts: int) -> Plan:
         groups, layers, estimates = splits[parts]
-        return Plan(groups, layers, estimates, budget, full, tried, time.perf_counter() - started)
+        return Plan(groups, layers, estimates, budget, full, tried, time.perf_counter() - started, stage_seconds)
 
     if budget is None:
         split(min(max(k, min_k), num_outputs))
