@@ -59,7 +59,7 @@ def expected_degrees(num_nodes: int, num_edges: int, exponent: float, seed: int)
 def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes: int, num_features: int,
                    exponent: float, homophily: float, feature_signal: float, train_fraction: float,
                    val_fraction: float, test_fraction: float, seed: int, num_communities: int = 0,
-                   source: object = None) -> Path:
+                   class_homophily: float = 0.0, source: object = None) -> Path:
     """Generate the graph (module docstring) into cache folder ``target``.
 
     Args:
@@ -76,14 +76,24 @@ def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes:
             block with probability ``homophily``, so the graph has the local structure of
             co-purchase or citation graphs (Betty's REG exploits it) and the labels stay
             homophilous.
+        class_homophily: with ``num_communities``, the share of the pairs that leave their block
+            which stay inside the block's class (the union of the blocks ``b ≡ c mod C``): a two-level
+            planted partition, blocks nested in classes, like products nested in sub-categories and
+            categories. ``0`` (default): a pair that leaves its block lands anywhere, as before (the
+            same graph as without the parameter). Outside a block a pair thus lands in the class with
+            probability ``class_homophily`` and anywhere otherwise.
         source: the ``meta.json`` source description.
 
     Returns:
         ``target``.
 
     Raises:
-        DatasetError: the split shares add up to more than 1.
+        DatasetError: the split shares add up to more than 1, or ``class_homophily`` is outside
+            ``[0, 1]`` or set without ``num_communities``.
     """
+    if not 0.0 <= class_homophily <= 1.0 or (class_homophily and not num_communities):
+        raise DatasetError(f"powerlaw class_homophily={class_homophily} must lie in [0, 1] and needs "
+                           "num_communities > 0; fix dataset.powerlaw.class_homophily")
     if train_fraction + val_fraction + test_fraction > 1:
         raise DatasetError(f"powerlaw split shares add up to {train_fraction + val_fraction + test_fraction} > 1; "
                            "lower dataset.powerlaw.train/val/test_fraction")
@@ -96,13 +106,26 @@ def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes:
     num_blocks = num_communities or num_classes
     weights = expected_degrees(num_nodes, num_edges, exponent, seed)
     everyone = np.cumsum(weights)
-    by_class = np.argsort(block_of, kind="stable")
+    # nodes ordered by block (blocks of one class next to each other when pairs may stay in the class), so a
+    # block's and a class's nodes are each one range of the cumulative weights
+    nested = class_homophily > 0
+    order_key = (block_of % num_classes) * num_blocks + block_of if nested else block_of
+    by_class = np.argsort(order_key, kind="stable")
     in_class = np.cumsum(weights[by_class])
-    class_end = np.cumsum(np.bincount(block_of, minlength=num_blocks))
-    class_high = in_class[np.maximum(class_end - 1, 0)]
-    class_high[class_end == 0] = 0.0
-    class_high = np.maximum.accumulate(class_high)
-    class_low = np.concatenate([[0.0], class_high[:-1]])
+    block_rank = np.argsort(np.arange(num_blocks) % num_classes * num_blocks + np.arange(num_blocks), kind="stable") \
+        if nested else np.arange(num_blocks)  # blocks in the order of order_key
+    class_end = np.cumsum(np.bincount(block_of, minlength=num_blocks)[block_rank])
+    ranked_high = in_class[np.maximum(class_end - 1, 0)]
+    ranked_high[class_end == 0] = 0.0
+    ranked_high = np.maximum.accumulate(ranked_high)
+    ranked_low = np.concatenate([[0.0], ranked_high[:-1]])
+    class_high, class_low = np.empty(num_blocks), np.empty(num_blocks)  # per block, its range of in_class
+    class_high[block_rank], class_low[block_rank] = ranked_high, ranked_low
+    if nested:  # per class, the range of its blocks
+        first = np.searchsorted(np.arange(num_blocks)[block_rank] % num_classes, np.arange(num_classes), side="left")
+        last = np.searchsorted(np.arange(num_blocks)[block_rank] % num_classes, np.arange(num_classes), side="right")
+        family_low = np.where(last > first, ranked_low[np.minimum(first, num_blocks - 1)], 0.0)
+        family_high = np.where(last > first, ranked_high[np.maximum(last - 1, 0)], 0.0)
 
     pairs = num_edges // 2
     index_type = np.int32 if num_nodes < 2**31 else np.int64
@@ -113,7 +136,8 @@ def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes:
         rng = _rng(seed, _EDGES, start // block)
         count = stop - start
         u = np.minimum(np.searchsorted(everyone, rng.random(count) * everyone[-1], side="right"), num_nodes - 1)
-        inside = rng.random(count) < homophily
+        tier = rng.random(count)
+        inside = tier < homophily
         pick = rng.random(count)
         c = block_of[u]
         local = class_low[c] + pick * (class_high[c] - class_low[c])
@@ -121,6 +145,12 @@ def write_powerlaw(target: Path, *, num_nodes: int, num_edges: int, num_classes:
         v_any = np.minimum(np.searchsorted(everyone, pick * everyone[-1], side="right"), num_nodes - 1)
         src[start:stop] = u
         dst[start:stop] = np.where(inside, v_inside, v_any)
+        if nested:  # of the pairs leaving the block, a class_homophily share stays in the class
+            in_family = ~inside & ((tier - homophily) < class_homophily * (1.0 - homophily))
+            f = c[in_family] % num_classes
+            local = family_low[f] + pick[in_family] * (family_high[f] - family_low[f])
+            dst[start:stop][in_family] = by_class[np.minimum(np.searchsorted(in_class, local, side="right"),
+                                                             num_nodes - 1)]
     del everyone, in_class, by_class, weights
     indptr, indices = csc_from_edges(src, dst, num_nodes, symmetric=True, drop_self_loops=True)
     del src, dst
