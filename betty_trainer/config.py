@@ -66,6 +66,8 @@ class PowerLawConfig(_Section):
     seed: int = Field(0, ge=0, description="seed of the generated graph (independent of the run seed)")
     num_communities: int = Field(0, ge=0, description="0: edges cluster by class; else by this many smaller blocks "
                                                       "(block b has class b mod num_classes)")
+    class_homophily: float = Field(0.0, ge=0, le=1, description="with num_communities: probability that an edge "
+                                   "leaving its block stays inside the block's class (blocks nested in classes)")
 
 
 class DatasetConfig(_Section):

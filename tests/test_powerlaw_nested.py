@@ -66,3 +66,12 @@ def test_nested_graph_is_symmetric_without_self_loops(tmp_path):
     n = PARAMS["num_nodes"]
     assert (src != dst).all()
     assert torch.equal(torch.sort(torch.from_numpy(src * n + dst)).values, torch.sort(torch.from_numpy(dst * n + src)).values)
+
+
+def test_make_powerlaw_without_nesting_keeps_the_cache_of_the_graph_from_before(tmp_path, monkeypatch):
+    monkeypatch.setenv("BETTY_CACHE_DIR", str(tmp_path))
+    small = {key: value for key, value in PARAMS.items() if key != "num_communities"}
+    powerlaw_module.make_powerlaw(**small)
+    monkeypatch.setattr(powerlaw_module, "write_powerlaw", lambda *args, **kwargs: pytest.fail("regenerated"))
+    again = powerlaw_module.make_powerlaw(**small, class_homophily=0.0)  # the config's default: served from the cache
+    assert again.num_nodes == PARAMS["num_nodes"]

@@ -192,7 +192,9 @@ def make_powerlaw(*, mmap: bool = True, **params) -> Graph:
     Raises:
         DatasetError: inconsistent parameters.
     """
-    source = {"generator": "powerlaw", "version": GENERATOR_VERSION, **params}
+    # class_homophily = 0 is the graph from before the parameter existed: its cache keeps its name
+    source = {"generator": "powerlaw", "version": GENERATOR_VERSION,
+              **{key: value for key, value in params.items() if key != "class_homophily" or value}}
     variant = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     folder = processed_dir("powerlaw", variant)
     graph = load_cached(folder, source, mmap=mmap)
