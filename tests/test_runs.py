@@ -319,10 +319,10 @@ def test_diverged_parameters_are_never_saved_and_the_error_names_the_last_good_c
 
 def test_a_custom_model_with_torch_dropout_warns_when_batches_are_split(tmp_path, caplog):
     class WithDropout(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, p=0.5):
             super().__init__()
             self.linear = torch.nn.Linear(32, 5)
-            self.drop = torch.nn.Dropout(0.5)
+            self.drop = torch.nn.Dropout(p)
 
         def forward(self, blocks, x):
             return self.linear(self.drop(x[: blocks[-1].num_dst]))
@@ -336,6 +336,9 @@ def test_a_custom_model_with_torch_dropout_warns_when_batches_are_split(tmp_path
     with caplog.at_level("WARNING", logger="betty_trainer"):
         train(load_config(QUICKSTART, SMALL + ["optim.epochs=2", "micro_batch.num_micro_batches=1"]),
               model=WithDropout(), run_dir=tmp_path / "k1")
+    assert not [r for r in caplog.records if "torch.nn dropout" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="betty_trainer"):  # Dropout(0.0) (dgl.nn.SAGEConv holds one) draws nothing
+        train(config, model=WithDropout(0.0), run_dir=tmp_path / "p0")
     assert not [r for r in caplog.records if "torch.nn dropout" in r.getMessage()]
 
 

@@ -408,8 +408,10 @@ def _record_resume(run: RunDirectory, config: Config, start_epoch: int, env: dic
 
 
 def _warn_torch_dropout(model: nn.Module, k: int) -> bool:
-    """Warn once when ``model`` holds a ``torch.nn`` dropout layer and a batch runs as ``k > 1`` micro-batches."""
-    names = [name for name, module in model.named_modules() if isinstance(module, nn.modules.dropout._DropoutNd)]
+    """Warn once when ``model`` holds a ``torch.nn`` dropout layer with ``p > 0`` (``dgl.nn.SAGEConv`` always holds
+    a ``Dropout(0.0)``, which draws nothing) and a batch runs as ``k > 1`` micro-batches."""
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0]
     if names:
         logger.warning(
             "the model uses torch.nn dropout (%s) and batches run as %d micro-batches: each micro-batch draws its "
