@@ -361,7 +361,9 @@ def lru_study(args, batches: list[torch.Tensor], fanouts: list[int]) -> None:
     variants = [("undirected", 0, False, "inputs"), ("undirected", 0, False, "layers-in"),
                 ("undirected", 0, False, "layers-out"), ("undirected", 0, True, "inputs"),
                 ("undirected", -1, False, "inputs"), ("directed as stored", 0, False, "inputs"),
-                ("directed as stored", 0, False, "layers-out")]
+                ("directed as stored", 0, False, "layers-out"), ("undirected", 0, True, "layers-out")]
+    if args.variants:
+        variants = [variants[int(i)] for i in args.variants.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -432,6 +434,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="instead of the sampler table: bytes moved per epoch through the feature store for no "
                              "cache, static, LRU (--lru of the nodes), GNS (--gns-cache) and macro-batch gathering, "
                              "next to the lower bound (distinct input nodes × row bytes)")
+    parser.add_argument("--variants", default="", help="--lru-study: comma list of variant numbers (default: all)")
+    parser.add_argument("--seed-order", choices=("shuffled", "id"), default="shuffled",
+                        help="batches of shuffled seeds, or of seeds in node-id order (an unshuffled loader)")
     parser.add_argument("--feature-width", type=int, default=128,
                         help="--bytes: float32 features per node (ego-twitter has none: random ones of this width)")
     parser.add_argument("--gns-refresh", type=int, default=16, help="--bytes: GNS refreshes its cache every this "
@@ -452,7 +457,8 @@ def main(argv=None) -> None:
     graph = load_graph(args.graph, args.data_dir)
     n = graph.num_nodes
     pool = graph.train_idx if graph.train_idx.numel() >= args.batch_size * args.batches else torch.arange(n)
-    order = pool[torch.randperm(pool.numel(), generator=torch.Generator().manual_seed(args.seed))]
+    order = pool if args.seed_order == "id" else \
+        pool[torch.randperm(pool.numel(), generator=torch.Generator().manual_seed(args.seed))]
     batches = list(order[: args.batch_size * args.batches].split(args.batch_size))
     lru = int(args.lru * n)
     device = torch.device(args.device)
@@ -461,7 +467,7 @@ def main(argv=None) -> None:
     our_batches = [batch.to(device) for batch in batches]
     if args.lru_study:
         print(f"{args.graph}: LRU of {args.lru:.0%} of the nodes; fanouts {fanouts}, {len(batches)} batches of "
-              f"{args.batch_size}", flush=True)
+              f"{args.batch_size} seeds ({args.seed_order})", flush=True)
         lru_study(args, batches, fanouts)
         return
     if args.bytes:
