@@ -13,16 +13,44 @@ terms (each layer's ``memory_terms``, through ``ModelSpec.layer_terms``), in the
   its input rows (requiring grad), the recomputed forward, its rows of ``∂L/∂h_l`` and the
   layer's backward; ``h_l`` is freed before its layer's backward, ``∂L/∂h_l`` after it;
 - the optimizer step.
+
+A *projected* layer (GAT: ``layer(block, h) = propagate(block, W·h)``; ``projections``) is replayed as the
+executor runs it: ``z = W·dropout(h_{l−1})`` for all its src rows, one row block per chunk, kept until
+its layer's backward; each chunk gathers its rows of ``z``; in backward ``∂L/∂z`` is summed over the
+chunks, then the projection is recomputed block by block and backpropagated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from estimator.counts import INDEX_BYTES, LayerCounts, block_structure_bytes
 from estimator.estimate import MemoryEstimate, model_state_bytes
 from estimator.spec import ModelSpec
 from estimator.tape import GRAD, HID, OVER, Replay, StepTape
+
+
+class ProjectedTerms(Protocol):
+    """The memory terms of a projected layer (built beside the layer: ``training.layerwise.projected_terms``)."""
+
+    width: int  # z's width (columns)
+
+    def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool) -> tuple[int, Callable[[], int | None]]:
+        """``W·dropout(h)`` on ``rows`` rows of the layer input ``h`` (a handle for layer 1's gathered rows,
+        which input dropout overwrites; ``None`` for a view of the stored ``h_{l−1}``): ``(z, backward)``,
+        ``backward()`` taking ``z``'s gradient (a view the caller holds) and returning ``h``'s (or ``None``)."""
+
+    def propagate(self, tape: StepTape, c: LayerCounts, z: int) -> tuple[int, Callable[[int], int | None]]:
+        """The layer's rest (and the stack's ReLU) on a chunk from its gathered rows ``z``: ``(output,
+        backward)``, ``backward(grad)`` returning ``z``'s gradient."""
+
+
+def row_blocks(num_rows: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[begin, end)`` row ranges covering ``num_rows`` rows, sizes within one
+    (a projected layer's row blocks, in the executor and in the estimate)."""
+    bounds = [num_rows * i // parts for i in range(parts + 1)]
+    return [(begin, end) for begin, end in zip(bounds[:-1], bounds[1:]) if end > begin]
 
 
 def chunk_structure_bytes(chunks: Sequence[Sequence[LayerCounts]]) -> int:
@@ -32,13 +60,15 @@ def chunk_structure_bytes(chunks: Sequence[Sequence[LayerCounts]]) -> int:
 
 
 def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[LayerCounts]],
-                       model: ModelSpec) -> MemoryEstimate:
+                       model: ModelSpec, projections: Sequence[ProjectedTerms | None] | None = None) -> MemoryEstimate:
     """Estimate the peak of one layer-wise training step (all chunks of all layers), itemised.
 
     Args:
         layers: the whole batch's :class:`LayerCounts`, input layer first.
         chunks: per layer, the counts of each chunk's one-layer sub-block (``partition.chunks``).
         model: the model (:class:`ModelSpec` with ``layer_terms``).
+        projections: per layer, the :class:`ProjectedTerms` of a layer the executor projects once per pass
+            (``training.layerwise.projected_layers``), else ``None``; default: none is.
 
     Returns:
         A :class:`~estimator.estimate.MemoryEstimate` (bytes). The accumulated gradients are
@@ -68,15 +98,42 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         return block, rows
 
     replay.phase, replay.saving = "forward", False  # torch.no_grad: autograd saves nothing
-    stored = []
+    projections = list(projections) if projections is not None else [None] * model.num_layers
+    stored, projected = [], []
+
+    def projection(index: int, grad: bool) -> None:
+        """A projected layer's row blocks: forward (into the kept ``z``), or recomputed and backpropagated."""
+        for begin, end in row_blocks(layers[index].num_src, len(chunks[index])):
+            mark = replay.mark()
+            rows = replay.alloc((end - begin) * widths[index] * f, "input_features") if index == 0 else None
+            z, backward = projections[index].project(tape, end - begin, rows, grad and index > 0)
+            if grad:
+                backward()
+                tape.settle()
+            replay.release_since(mark)  # z is copied into the kept z (forward), its input rows' gradient into ∂L/∂h
+
+    def propagated(index: int, c: LayerCounts):
+        """A projected layer's chunk: its sub-block's src ids, its gathered rows of z, the layer's rest."""
+        replay.alloc(c.num_src * INDEX_BYTES + (4 * c.num_edges if c.weighted else 0), "block_structure")
+        rows = replay.alloc(c.num_src * projections[index].width * f, HID)
+        return projections[index].propagate(tape, c, rows)
+
     for index, pieces in enumerate(chunks):
+        z_all = None
+        if projections[index] is not None:
+            z_all = replay.alloc(layers[index].num_src * projections[index].width * f, HID)
+            projection(index, grad=False)
         out = replay.alloc(layers[index].num_dst * widths[index + 1] * f, HID)
         for c in pieces:
             mark = replay.mark()
-            block, rows = chunk_inputs(index, c)
-            model.layer_terms(tape, index, c, rows, False, consume_input=index == 0)
+            if z_all is not None:
+                propagated(index, c)
+            else:
+                block, rows = chunk_inputs(index, c)
+                model.layer_terms(tape, index, c, rows, False, consume_input=index == 0)
             replay.release_since(mark)  # the chunk's rows are copied into h_l; nothing of it survives
         stored.append(out)
+        projected.append(z_all)
 
     replay.saving = True
     outputs, classes = layers[-1].num_dst, widths[-1]
@@ -90,19 +147,29 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         if index < model.num_layers - 1:
             replay.drop(stored[index])  # h_l: the chunks' recompute makes what their backward needs
         grad_in = replay.alloc(layers[index].num_src * widths[index] * f, GRAD) if index > 0 else None
+        z_all = projected[index]
+        grad_z = (replay.alloc(layers[index].num_src * projections[index].width * f, GRAD)
+                  if z_all is not None else None)
         for c in chunks[index]:
             mark = replay.mark()
-            block, rows = chunk_inputs(index, c)
-            out, backward = model.layer_terms(tape, index, c, rows, index > 0, consume_input=index == 0)
-            # at layer 1 the executor hands the gathered rows over (no reference left once the recomputed
-            # forward returns): only what autograd saved of them (r.save in the terms) stays live
-            replay.drop(rows if index == 0 else None)
+            if z_all is not None:
+                out, backward = propagated(index, c)
+            else:
+                block, rows = chunk_inputs(index, c)
+                out, backward = model.layer_terms(tape, index, c, rows, index > 0, consume_input=index == 0)
+                # at layer 1 the executor hands the gathered rows over (no reference left once the recomputed
+                # forward returns): only what autograd saved of them (r.save in the terms) stays live
+                replay.drop(rows if index == 0 else None)
             grad = replay.alloc(c.num_dst * widths[index + 1] * f, GRAD)  # its rows of ∂L/∂h_l
             replay.keep(out, grad)  # the caller holds both while out.backward(grad) runs
             backward(grad)
             tape.settle()
-            replay.release_since(mark)  # rows.grad is added into ∂L/∂h_{l−1}; the chunk is freed
+            replay.release_since(mark)  # rows.grad is added into ∂L/∂h_{l−1} (or ∂L/∂z); the chunk is freed
         replay.drop(grad_out)
+        if z_all is not None:
+            replay.drop(z_all)
+            projection(index, grad=True)
+            replay.drop(grad_z)
         grad_out = grad_in
     replay.phase = "optimizer"
     tape.optimizer_step()

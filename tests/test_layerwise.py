@@ -13,7 +13,7 @@ from betty_trainer.memory.plan import MicroBatchPlanner, spec_of
 from betty_trainer.models import set_dropout_key
 from betty_trainer.models.gat import GAT
 from betty_trainer.models.stack import runs_layer_by_layer
-from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward, measure_layerwise_step
+from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward, measure_layerwise_step, projected_terms
 from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
 from partition.chunks import chunk_layers
@@ -144,7 +144,8 @@ def test_layerwise_estimate_is_within_two_percent_of_the_measured_peak(cora, cor
         measure_layerwise_step(model, optimizer, work, graph.x, graph.y, CPU)  # Adam's state exists from here on
         measured = measure_layerwise_step(model, optimizer, work, graph.x, graph.y, CPU)
         estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
-                                                                for layer in work.chunks.layers], spec)
+                                                                for layer in work.chunks.layers], spec,
+                                      projected_terms(model))
         assert estimate.resident_bytes == measured.resident_bytes
         error = (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes
         assert abs(error) <= 0.02, f"{arch} at {k} chunks: estimate {estimate.peak_bytes}, measured {measured.peak_bytes}"

@@ -26,9 +26,9 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
-from betty_trainer.models.stack import runs_layer_by_layer
+from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.rng import compiled_kernels
-from betty_trainer.training.layerwise import LayerwiseBatch
+from betty_trainer.training.layerwise import LayerwiseBatch, projected_terms
 from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
@@ -218,7 +218,9 @@ class MicroBatchPlanner:
         """Estimated peak bytes of running ``batch`` layer by layer in ``chunks`` (built-in models)."""
         weighted = [block.edge_weight is not None for block in batch.blocks]
         pieces = [counts_of(layer, [flag] * len(layer)) for layer, flag in zip(chunks.layers, weighted)]
-        return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec).peak_bytes
+        model = getattr(self.spec.layer_terms, "__self__", None)  # the instance whose terms the spec holds
+        projections = projected_terms(model) if isinstance(model, LayerStack) else None
+        return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec, projections).peak_bytes
 
     def _plan_layerwise(self, batch: Batch, seed: int, min_k: int) -> tuple[LayerwiseBatch, LayerwisePlan]:
         """``num_micro_batches`` chunks per layer, or under a budget the fewest that fit: doubling

@@ -68,7 +68,28 @@ class GATConv(nn.Module):
 
     def forward(self, block: Block, h_src: Tensor,
                 return_attention_weights: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
-        z = self.linear(h_src).view(-1, self.heads, self.out_feats)
+        return self.propagate(block, self.project(h_src), return_attention_weights)
+
+    @property
+    def projected_width(self) -> int:
+        """Columns of :meth:`project`'s output, ``H·F_out``."""
+        return self.heads * self.out_feats
+
+    def project(self, h: Tensor) -> Tensor:
+        """``z = W·h`` row by row (Eq. 1's shared linear map), the part of :meth:`forward` that reads no
+        edge: layer-wise execution projects a layer's src rows once and gathers each chunk's rows of
+        ``z`` (``forward(block, h) == propagate(block, project(h))``).
+
+        Shapes:
+            ``h`` ``(rows, F_in)`` → ``(rows, H·F_out)``.
+        """
+        return self.linear(h)
+
+    def propagate(self, block: Block, z: Tensor,
+                  return_attention_weights: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+        """The attention and aggregation of :meth:`forward` (Eq. 2–6) from the projected src rows ``z``
+        ``(num_src, H·F_out)`` (:meth:`project`); output as :meth:`forward`'s."""
+        z = z.view(-1, self.heads, self.out_feats)
         edge_src, edge_dst = block.indices, block.edge_dst()
         keep = edge_src != edge_dst
         loops = torch.arange(block.num_dst, device=edge_src.device)
@@ -91,11 +112,25 @@ class GATConv(nn.Module):
         per-edge scores, edge softmax, Σ α z. Blocks are assumed free of self edges (betty_trainer
         drops self loops when it builds a graph), so the layer attends over E + D edges: the
         block's and one self edge per dst node."""
-        a, heads, width, concat = self.in_feats, self.heads, self.out_feats, self.concat
+        z, linear_bwd = self.project_terms(tape, c.num_src, hd, hd_grad)
+        result, propagate_bwd = self.propagate_terms(tape, c, z)
+
+        def backward(grad: int) -> int | None:
+            return linear_bwd(propagate_bwd(grad))
+
+        return result, backward
+
+    def project_terms(self, tape: StepTape, rows: int, hd: int, hd_grad: bool):
+        """What :meth:`project` allocates on ``rows`` rows: ``(z handle, backward)`` (:meth:`StepTape.linear`)."""
+        return tape.linear(hd, rows, self.in_feats, self.heads * self.out_feats, hd_grad, AGG)
+
+    def propagate_terms(self, tape: StepTape, c: LayerCounts, z: int):
+        """What :meth:`propagate` allocates from the projected rows ``z`` (a handle the caller holds):
+        ``(output handle, backward)``; ``backward(grad)`` returns the handle of ``z``'s gradient."""
+        heads, width, concat = self.heads, self.out_feats, self.concat
         r, f = tape.r, tape.f
         s, d, e = c.num_src, c.num_dst, c.num_edges
         e2, hf = e + d, heads * width
-        z, linear_bwd = tape.linear(hd, s, a, hf, hd_grad, AGG)
         edge_dst = edge_dst_terms(tape, c)
         not_self, loops = r.alloc(e, OVER), r.alloc(d * INDEX_BYTES, OVER)
         ends = []
@@ -194,7 +229,7 @@ class GATConv(nn.Module):
             r.drop(grad_score_src)
             grad_z = tape.accumulate(grad_z, grad_z_src)
             r.drop(z, z)
-            return linear_bwd(grad_z)
+            return grad_z
 
         return result, backward
 

@@ -31,9 +31,13 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import FeatureStore, as_feature_store
 from betty_trainer.errors import TrainingError
+from betty_trainer.models.dropout import dropout_terms, keyed_mask_terms
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.training.step import training_state
+from estimator.counts import LayerCounts
+from estimator.layerwise import row_blocks
 from estimator.measure import MeasuredPeak, measure_peak
+from estimator.tape import StepTape
 from partition.chunks import LayerChunks
 
 
@@ -84,10 +88,48 @@ def layerwise_backward(
     store = as_feature_store(features)
     num_outputs = batch.output_nodes.numel()
     last = len(blocks) - 1
+    projects = projected_layers(model)
 
-    def run(index: int, piece, h_prev: Tensor | None, grad: bool) -> tuple[Tensor, Tensor | None]:
-        """One chunk's one-layer step: its sub-block, its input rows and its output rows."""
+    def layer_input(index: int, rows: slice | Tensor, h_prev: Tensor | None, src_nodes: Tensor) -> Tensor:
+        """Rows of the layer's input: gathered features (layer 1, a fresh tensor) or rows of ``h_{l−1}``."""
+        if index == 0:
+            return store.gather(src_nodes[rows], device)
+        return h_prev[rows]
+
+    def project(index: int, h_prev: Tensor | None, grad_z: Tensor | None = None, grad_in: Tensor | None = None):
+        """A projected layer's ``z = W·dropout(h_{l−1})`` for all its src rows, block by block (one block per
+        chunk, contiguous rows): returned whole (forward) or, given ``grad_z``, recomputed with autograd and
+        backpropagated (parameter gradients into ``.grad``, input rows' gradients into ``grad_in``)."""
+        block, layer = blocks[index], model.layers[index]
+        src_nodes = block.src_nodes.to(device)
+        z_all = None
+        if grad_z is None:
+            z_all = torch.empty(block.num_src, layer.projected_width, device=device,
+                                dtype=next(layer.parameters()).dtype)
+        for begin, end in row_blocks(block.num_src, len(chunks.layers[index])):
+            rows = layer_input(index, slice(begin, end), h_prev, src_nodes)
+            if grad_z is not None and index > 0:
+                rows = rows.detach().requires_grad_()
+            z = layer.project(model.dropout(rows, src_nodes[begin:end], index, index == 0))
+            if grad_z is None:
+                z_all[begin:end] = z
+            else:
+                z.backward(grad_z[begin:end])
+                if grad_in is not None:
+                    grad_in[begin:end] = rows.grad
+            del rows, z
+        return z_all
+
+    def run(index: int, piece, h_prev: Tensor | None, z_all: Tensor | None, grad: bool) -> tuple[Tensor, Tensor | None]:
+        """One chunk's one-layer step: its sub-block, its input rows (of ``z`` for a projected layer) and
+        its output rows."""
         block = blocks[index].restrict(piece).to(device)
+        if z_all is not None:
+            rows = z_all[piece.src_index.to(device)]
+            if grad:
+                rows.requires_grad_()
+            h = model.layers[index].propagate(block, rows)
+            return (F.relu(h) if index < last else h), rows
         if index == 0:  # a fresh gather: input dropout may overwrite it
             return model.layer_forward(0, block, store.gather(block.src_nodes, device), consume_input=True), None
         rows = h_prev[piece.src_index.to(device)]
@@ -96,19 +138,22 @@ def layerwise_backward(
         return model.layer_forward(index, block, rows), rows
 
     stored: list[Tensor | None] = []
+    projected: list[Tensor | None] = []
     h_prev = None
     with torch.no_grad():
         for index, pieces in enumerate(chunks.layers):
+            z_all = project(index, h_prev) if projects[index] else None
             out = None
             for piece in pieces:
-                h = run(index, piece, h_prev, grad=False)[0]  # its input rows die here
+                h = run(index, piece, h_prev, z_all, grad=False)[0]  # its input rows die here
                 if out is None:
                     out = h.new_empty(blocks[index].num_dst, h.shape[1])
                 out[piece.src_index[: piece.num_dst].to(device)] = h
                 del h
             stored.append(out)
+            projected.append(z_all)
             h_prev = out
-    del out, h_prev
+    del out, h_prev, z_all
 
     logits = stored[last].requires_grad_()
     y = labels[batch.output_nodes].to(device)
@@ -123,14 +168,88 @@ def layerwise_backward(
         stored[index] = None  # h_l: each chunk's recompute makes what its backward needs
         h_prev = stored[index - 1] if index > 0 else None
         grad_in = torch.zeros_like(h_prev) if h_prev is not None else None
+        z_all = projected[index]
+        projected[index] = None
+        grad_rows = grad_in if z_all is None else torch.zeros_like(z_all)  # ∂L/∂z for a projected layer
         for piece in chunks.layers[index]:
-            h, rows = run(index, piece, h_prev, grad=True)
+            h, rows = run(index, piece, h_prev, z_all, grad=True)
             h.backward(grad_out[piece.src_index[: piece.num_dst].to(device)])
-            if grad_in is not None:
-                grad_in.index_add_(0, piece.src_index.to(device), rows.grad)
+            if grad_rows is not None:
+                grad_rows.index_add_(0, piece.src_index.to(device), rows.grad)
             del h, rows
+        grad_out = None  # ∂L/∂h_l: its chunks are done
+        if z_all is not None:
+            del z_all
+            project(index, h_prev, grad_rows, grad_in)
+        del grad_rows
         grad_out = grad_in
     return loss, correct
+
+
+def projected_layers(model: LayerStack) -> list[bool]:
+    """Per layer, whether layer-wise execution projects its src rows once per pass: the layer has
+    ``project(h)`` (row-wise, e.g. GAT's ``W·h``, ``(rows, projected_width)``) and ``propagate(block, z)``
+    with ``layer(block, h) == propagate(block, project(h))``, and ``projected_width``, ``project_terms``
+    and ``propagate_terms`` (its memory terms, as :class:`~betty_trainer.models.gat.GATConv` has them), and
+    the model applies its layers as the stack does.
+    Such a layer's chunks gather rows of ``z`` instead of recomputing ``W·h`` for each chunk's src rows
+    (a src row read by several chunks is projected once, not once per chunk, in forward and in backward)."""
+    plain = type(model).apply_layer is LayerStack.apply_layer
+    return [plain and all(hasattr(layer, name) for name in ("project", "propagate", "projected_width",
+                                                            "project_terms", "propagate_terms"))
+            for layer in model.layers]
+
+
+@dataclass(frozen=True)
+class ProjectedLayerTerms:
+    """:class:`estimator.layerwise.ProjectedTerms` of layer ``index`` of ``model``: what
+    :func:`layerwise_backward`'s projection and propagation allocate, from the layer's ``project_terms`` and
+    ``propagate_terms`` and the stack's node-keyed dropout and ReLU."""
+
+    model: LayerStack
+    index: int
+
+    @property
+    def width(self) -> int:
+        return self.model.layers[self.index].projected_width
+
+    def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
+        r, width_in = tape.r, self.model.widths[self.index]
+        dropout_bwd = None
+        if self.model.dropout.p == 0:
+            hd = h
+        elif self.index == 0:  # the gathered rows, overwritten in place
+            keyed_mask_terms(tape, rows, width_in)
+            hd = h
+        else:  # rows of h_{l−1}: a view, dropped out into a new tensor
+            hd, dropout_bwd = dropout_terms(tape, h, rows, width_in, h_grad)
+        z, project_bwd = self.model.layers[self.index].project_terms(tape, rows, hd, h_grad)
+        if hd is not h:
+            r.drop(hd)  # the dropout's output: only autograd keeps it
+
+        def backward() -> int | None:
+            grad = project_bwd(None, free_grad=False)  # z's gradient is a view of ∂L/∂z
+            return dropout_bwd(grad) if grad is not None and dropout_bwd is not None else grad
+
+        return z, backward
+
+    def propagate(self, tape: StepTape, c: LayerCounts, z: int):
+        out, propagate_bwd = self.model.layers[self.index].propagate_terms(tape, c, z)
+        relu_bwd = None
+        if self.index < len(self.model.layers) - 1:
+            out, relu_bwd = tape.relu(out, c.num_dst, self.model.widths[self.index + 1])
+
+        def backward(grad: int) -> int | None:
+            return propagate_bwd(relu_bwd(grad) if relu_bwd is not None else grad)
+
+        return out, backward
+
+
+def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
+    """Per layer, the :class:`ProjectedLayerTerms` of a layer :func:`projected_layers` projects, else ``None``
+    (what :func:`estimator.layerwise.estimate_layerwise` takes as ``projections``)."""
+    return [ProjectedLayerTerms(model, index) if projected else None
+            for index, projected in enumerate(projected_layers(model))]
 
 
 def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, work: LayerwiseBatch,
