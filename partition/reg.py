@@ -125,24 +125,36 @@ def build_reg(block: BlockStructure, weighted: bool = True, *, max_hub_degree: i
         ``(num_dst, num_dst)`` symmetric CSR matrix, int64 weights ≥ 1, empty diagonal,
         sorted indices. Outputs that share no non-hub in-neighbour have empty rows.
     """
-    at = output_adjacency(block)
     readers = reader_counts(block)
-    keep = np.arange(block.num_src)
+    kept = readers >= 2  # a src node read by one output adds only to the diagonal
     if clip_hubs:
         if max_hub_degree is None:
             max_hub_degree = hub_threshold(readers, MAX_PAIRS)
-        if readers.max(initial=0) > max_hub_degree:
-            keep = np.flatnonzero(readers <= max_hub_degree)
-            at = at[:, keep]  # column selection of a CSR: one pass over its entries
+        kept &= readers <= max_hub_degree
+    at = _kept_columns(block, kept)
     right = at.T
     if inverse_degree:
-        weights = np.maximum(1, np.rint(INVERSE_DEGREE_SCALE / np.maximum(readers[keep] - 1, 1))).astype(np.int64)
-        right = sp.csr_matrix((at.data * weights[at.indices], at.indices, at.indptr), shape=at.shape).T
+        weights = np.maximum(1, np.rint(INVERSE_DEGREE_SCALE / np.maximum(readers[kept] - 1, 1))).astype(np.int64)
+        right = sp.csr_matrix((weights[at.indices], at.indices, at.indptr), shape=at.shape).T
     reg = drop_diagonal((at @ right).tocsr())
     if not weighted:
         reg.data[:] = 1
     reg.sort_indices()
     return reg
+
+
+def _kept_columns(block: BlockStructure, kept: np.ndarray) -> sp.csr_matrix:
+    """``Aᵀ`` (:func:`output_adjacency`) restricted to the src nodes in the ``(num_src,)`` bool mask ``kept``,
+    renumbered in order: ``(num_dst, kept.sum())`` CSR of int64 ones, built from the block's edges in one
+    pass (a CSR column selection would first build the whole ``Aᵀ``)."""
+    indptr, indices = block.indptr.cpu().numpy(), block.indices.cpu().numpy()
+    edge_kept = kept[indices]
+    position = np.zeros(indices.size + 1, dtype=np.int64)
+    np.cumsum(edge_kept, out=position[1:])
+    rank = np.cumsum(kept) - 1  # new column of each kept src node
+    columns = rank[indices[edge_kept]]
+    return sp.csr_matrix((np.ones(columns.size, dtype=np.int64), columns, position[indptr]),
+                         shape=(block.num_dst, int(kept.sum())))
 
 
 def drop_diagonal(matrix: sp.csr_matrix) -> sp.csr_matrix:
