@@ -266,6 +266,15 @@ class FeaturesConfig(_Section):
         0, ge=0, description="BatchGNN macro-batch gathering: the union of the input nodes of this many consecutive "
                              "mini-batches is gathered once (1 = the micro-batches of one batch share one gather); "
                              "0 = off")
+    macro_batch_budget: int | None = Field(
+        None, description="device bytes a staged macro-batch may take (its distinct input rows x row bytes); a "
+                          "group of features.macro_batch batches over it is staged in several rounds of consecutive "
+                          "batches (BatchGNN's F <= B); null = no limit")
+
+    @field_validator("macro_batch_budget", mode="before")
+    @classmethod
+    def _macro_budget(cls, value: Any) -> Any:
+        return None if value is None else parse_bytes(value)
 
 
 _SIZE_HINT = "expected a size in bytes such as 8000000000, '6GiB' or '512 MB'"

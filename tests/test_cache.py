@@ -13,7 +13,7 @@ from betty_trainer import HostFeatureStore, TransferStats, load_config
 from betty_trainer.data import cache as cache_module
 from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
 from betty_trainer.errors import ConfigError
-from betty_trainer.sampling.schedule import make_feature_store, make_sampler
+from betty_trainer.sampling.schedule import make_feature_store, make_sampler, staging_rounds
 from betty_trainer.training import trainer as trainer_module
 
 CPU = torch.device("cpu")
@@ -102,9 +102,11 @@ def test_a_staged_macro_batch_reads_each_node_once_and_counts_a_miss_at_its_firs
     assert store.stats == TransferStats(hits=4, misses=3, host_to_device_bytes=7 * ROW, cache_fill_bytes=3 * ROW)
     assert torch.equal(store.gather(ids(0), CPU), x[ids(0)])  # neither staged nor cached: read now
     assert store.stats == TransferStats(4, 4, 8 * ROW, 3 * ROW)
+    assert store.device_bytes == 3 * ROW + 20 * 4 + 3 * 8 * 2 + (20 * 4 + 5 * ROW + 5 * 8 + 5 * 1)
     store.unstage()  # 9 was read for the stage and never requested
     assert store.stats == TransferStats(4, 4, 8 * ROW, 4 * ROW)
     assert store.staged_rows == 0
+    assert store.device_bytes == 3 * ROW + 20 * 4 + 3 * 8 * 2 + 20 * 4  # the stage's table stays allocated
 
 
 def test_macro_batch_gathering_moves_exactly_the_lower_bound(x, crossing):
@@ -189,6 +191,14 @@ def test_cache_capacity_reads_fractions_counts_and_bytes():
             cache_capacity(bad, 1000, 400)
 
 
+def test_staging_rounds_keep_each_round_s_distinct_rows_within_the_budget():
+    inputs = [ids(0, 1, 2), ids(1, 2, 3), ids(4, 5), ids(6, 7, 8, 9, 10), ids(10)]
+    assert staging_rounds(inputs, ROW, None) == [range(0, 5)]
+    # budget 4 rows: {0,1,2,3} | {4,5} (adding 6..10 would make 7) | {6..10} alone is over it; {10} adds nothing
+    assert staging_rounds(inputs, ROW, 4 * ROW) == [range(0, 2), range(2, 3), range(3, 5)]
+    assert staging_rounds(inputs, ROW, 1) == [range(0, 1), range(1, 2), range(2, 3), range(3, 5)]
+
+
 # --- config and training ----------------------------------------------------------------------------------
 
 SMALL = ["optim.epochs=2", "train.progress=false", "dataset.synthetic.num_nodes=600", "dataset.synthetic.num_val=100",
@@ -203,6 +213,7 @@ SMALL = ["optim.epochs=2", "train.progress=false", "dataset.synthetic.num_nodes=
     (["features.cache.size=1.5"], "features.cache.size"),
     (["features.cache.size=lots"], "features.cache.size"),
     (["features.macro_batch=-1"], "features.macro_batch"),
+    (["features.macro_batch_budget=lots"], "features.macro_batch_budget"),
 ])
 def test_bad_cache_settings_are_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -241,6 +252,7 @@ def _losses(tmp_path, monkeypatch, name, overrides):
     ["features.cache.kind=lru", "features.cache.size=50"],
     ["features.macro_batch=1"],
     ["features.cache.kind=lru", "features.macro_batch=4"],
+    ["features.macro_batch=5", "features.macro_batch_budget=20KB"],
 ])
 def test_training_with_a_cache_gives_the_losses_of_training_without_one(tmp_path, monkeypatch, overrides):
     cached, store, cached_counts = _losses(tmp_path, monkeypatch, "cached", overrides)

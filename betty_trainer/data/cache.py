@@ -130,7 +130,8 @@ class CachedFeatureStore:
         self._clock = 0
         self._filled = kind != "static"
         self._cached_set: Tensor | None = None  # gns: the node set resident now
-        self._stage_position: Tensor | None = None  # (N,) int32 row of each staged node, -1 elsewhere
+        self._stage_table: Tensor | None = None  # (N,) int32 row of each staged node, -1 elsewhere
+        self._stage_position: Tensor | None = None  # the table while a macro-batch is staged, else None
         self._stage_rows: Tensor | None = None
         self._stage_nodes: Tensor | None = None
         self._stage_owed: Tensor | None = None  # staged rows read from the host and not yet requested
@@ -152,6 +153,15 @@ class CachedFeatureStore:
     def cache_bytes(self) -> int:
         """Device bytes the cache's rows occupy (``capacity × row bytes``; the lookup table adds ``4 N``)."""
         return self._rows.shape[0] * self.row_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes the store holds now: the cache's rows and bookkeeping (``(N,)`` int32 slot table,
+        ``capacity`` node ids and stamps), and a staged macro-batch's rows and table: what a memory plan
+        must leave room for besides the model's activations."""
+        held = [self._rows, self._slot, self._node, self._stamp, self._stage_table, self._stage_rows,
+                self._stage_nodes, self._stage_owed]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     # --- batch hooks -----------------------------------------------------------------------------------------
 
@@ -194,8 +204,10 @@ class CachedFeatureStore:
         self._stage_nodes = nodes
         self._stage_rows, missed = self._serve(nodes, count=False)
         self._stage_owed = missed
-        self._stage_position = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
-        self._stage_position[nodes] = torch.arange(nodes.numel(), dtype=torch.int32, device=self.device)
+        if self._stage_table is None:  # allocated once, reset entry by entry: no (N,) allocation per stage
+            self._stage_table = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
+        self._stage_table[nodes] = torch.arange(nodes.numel(), dtype=torch.int32, device=self.device)
+        self._stage_position = self._stage_table
         self.stats.gather_seconds += time.perf_counter() - started
 
     def unstage(self) -> None:
@@ -204,6 +216,8 @@ class CachedFeatureStore:
         if self._stage_owed is not None:
             unused = int(self._stage_owed.sum())
             self.stats.cache_fill_bytes += unused * self.row_bytes
+        if self._stage_nodes is not None:
+            self._stage_table[self._stage_nodes] = -1
         self._stage_position = self._stage_rows = self._stage_nodes = self._stage_owed = None
 
     @property

@@ -141,17 +141,39 @@ def sampled_batches(config: Config, sampler: Sampler, features: FeatureStore, se
     group = max(1, config.features.macro_batch)
     cached = isinstance(features, CachedFeatureStore)
     staging = cached and config.features.macro_batch > 0
+    budget = config.features.macro_batch_budget
     for start in range(0, len(seed_batches), group):
-        indices = range(start, min(start + group, len(seed_batches)))
+        indices = list(range(start, min(start + group, len(seed_batches))))
         batches = [sampler.sample(seed_batches[i], SampleKey(config.seed, epoch, i)) for i in indices]
-        if staging:
-            features.stage(torch.cat([batch.input_nodes for batch in batches]))
-        try:
-            for i, batch in zip(indices, batches):
-                if cached:
-                    features.start_batch(SampleKey(config.seed, epoch, i))
-                yield i, seed_batches[i], batch
-        finally:
+        rounds = staging_rounds([batch.input_nodes for batch in batches], features.row_bytes, budget) \
+            if staging else [range(len(batches))]
+        for members in rounds:
             if staging:
-                features.unstage()
+                features.stage(torch.cat([batches[m].input_nodes for m in members]))
+            try:
+                for m in members:
+                    if cached:
+                        features.start_batch(SampleKey(config.seed, epoch, indices[m]))
+                    yield indices[m], seed_batches[indices[m]], batches[m]
+            finally:
+                if staging:
+                    features.unstage()
         del batches
+
+
+def staging_rounds(inputs: Sequence[Tensor], row_bytes: int, budget: int | None) -> list[range]:
+    """Consecutive runs of ``inputs`` (the input nodes of a macro-batch's batches) whose distinct nodes ×
+    ``row_bytes`` fit ``budget`` bytes, greedily from the first (BatchGNN §3: F ≤ B batches per fetch round).
+    A batch joins the round before it whenever it adds no new node; one over the budget on its own is a
+    round by itself. ``budget=None``: one round of every batch."""
+    if budget is None:
+        return [range(len(inputs))]
+    rounds, first, union = [], 0, None
+    for index, nodes in enumerate(inputs):
+        grown = torch.unique(nodes) if union is None else torch.unique(torch.cat([union, nodes]))
+        if union is not None and grown.numel() > union.numel() and grown.numel() * row_bytes > budget:
+            rounds.append(range(first, index))
+            first, grown = index, torch.unique(nodes)
+        union = grown
+    rounds.append(range(first, len(inputs)))
+    return rounds
