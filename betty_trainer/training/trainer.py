@@ -526,7 +526,12 @@ def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: Mi
 
 def _status(metrics: EpochMetrics, best: dict) -> str:
     val = "-" if metrics.val_acc is None else f"{metrics.val_acc:.3f}"
-    return f"loss {metrics.loss:.4f} · val {val} · best val {best['val_acc']:.3f} (test {best['test_acc']:.3f})"
+    status = f"loss {metrics.loss:.4f} · val {val} · best val {best['val_acc']:.3f} (test {best['test_acc']:.3f})"
+    if metrics.feature_hits:  # a node cache or a staged macro-batch served rows
+        status += f" · feature hits {metrics.feature_hits / (metrics.feature_hits + metrics.feature_misses):.0%}"
+    if metrics.host_to_device_bytes:
+        status += f" · {metrics.host_to_device_bytes / 2**20:,.0f} MiB to the device"
+    return status
 
 
 def _truncate_metrics(path: Path, last_epoch: int) -> None:
