@@ -8,14 +8,22 @@ for one epoch of 2-layer SAGE with 8 REG micro-batches on this machine, peak RSS
 The graph is :func:`betty_trainer.datasets.make_powerlaw` (Chung-Lu power-law planted
 partition, average degree 26, 100 float32 features, 47 classes, 10% training nodes),
 written once into the on-disk cache (``$BETTY_CACHE_DIR``, here a temporary folder unless
-``--cache`` is given) and memory-mapped from it. Each size runs in its own process, so
+``--cache`` is given) and memory-mapped from it. By default the 47 classes are the planted
+blocks (an edge stays in its class with probability 0.8, else lands anywhere); with
+``--communities 2000 --class-homophily 0.8`` the blocks are 2000 communities of ~1000 nodes
+nested in the classes (an edge stays in its community with probability 0.8; of the others 80%
+stay in the class), the locality of a co-purchase graph that Betty's REG exploits
+(``benchmarks/table6.py`` shows why Table 6 needs it). Each size runs in its own process, so
 one size's freed memory does not hide the next one's. Stages:
 
 - ``generate``: :func:`~betty_trainer.datasets.powerlaw.write_powerlaw` into the cache;
 - ``open``: :func:`~betty_trainer.datasets.cache.load_cached` (maps the ``.npy`` files);
 - ``sample``: one full batch, seeds = all training nodes, fanouts 10,25 (input layer first);
-- ``plan``: :func:`~betty_trainer.memory.plan.plan_micro_batches` with REG, K = 8 (REG
-  construction, METIS, slicing of the 8 micro-batches);
+- ``plan``: what :func:`~betty_trainer.memory.plan.plan_micro_batches` does with REG, K = 8, by
+  stage: REG construction (:class:`~partition.partitioners.OutputSplitter`'s graph), METIS vertex
+  weights, METIS, slicing of the 8 micro-batches (:attr:`partition.Plan.stage_seconds`), and
+  ``Batch.restrict``. "REG+METIS / epoch" is REG construction plus METIS over the epoch's
+  sample + plan + train;
 - ``train``: the 8 micro-batches through 2-layer GraphSAGE (mean, hidden 64), features
   gathered from the memory-mapped matrix by :class:`~betty_trainer.data.feature_store.HostFeatureStore`,
   gradients accumulated, one Adam step.
@@ -27,9 +35,11 @@ the stage touched (they are reclaimable page cache, not copies).
 
 Run (the largest size takes minutes; run it once at most on a shared machine):
     python benchmarks/dataset_scale.py --edges 1e5,1e6,1e7
-    python benchmarks/dataset_scale.py --edges 5.3e7 --json dataset_scale.json
+    python benchmarks/dataset_scale.py --edges 5.3e7 --cache /tmp/scale-cache --json dataset_scale.json
+    python benchmarks/dataset_scale.py --edges 6e7 --communities 2000 --class-homophily 0.8 --cache /tmp/scale-cache
 
-Measured here (2 shared cores, load average 5-7, 2026-11-22; seconds / extra peak GiB per stage):
+Measured here before the REG and METIS changes of 2026-11-22 (2 shared cores, load average 5-7;
+seconds / extra peak GiB per stage):
 
 | edges | nodes | generate | open | sample | plan K=8 | train | plan/train | inputs full / Σ micro | RSS GiB |
 |---|---|---|---|---|---|---|---|---|---|
@@ -40,6 +50,20 @@ Measured here (2 shared cores, load average 5-7, 2026-11-22; seconds / extra pea
 
 (the first three rows from ``--edges 1e5,1e6,1e7``, the last from ``--edges 5.3e7``; the cache of the
 largest graph is 1.06 GB on disk, features 0.82 GB of it.)
+
+After them (METIS k-way above 10⁶ entries, REG pair bound 3·10⁶, d = 1 src nodes out of the product;
+caches already built; load average 5-7), the class-block graph (``--edges 5.3e7``) and the nested one
+(``--edges 6e7 --communities 2000 --class-homophily 0.8``), one run each:
+
+| edges | nodes | sample | plan | train | REG / wts / METIS / slice / restrict | REG+METIS / epoch | plan/train | inputs | RSS GiB |
+|---|---|---|---|---|---|---|---|---|---|
+| 52.31M | 2.04M | 2.43/0.39 | 5.56/0.50 | 16.86/0.93 | 0.86 / 0.08 / 3.26 / 1.15 / 0.21 | 16.6% | 33.0% | 1.98M / 6.73M | 2.66 |
+| 53.16M | 2.31M | 2.54/0.43 | 3.52/0.45 | 20.29/0.97 | 1.01 / 0.08 / 1.12 / 1.10 / 0.20 | 8.1% | 17.3% | 2.25M / 4.00M | 2.64 |
+
+(inputs: full batch / Σ micro-batches. Training itself got faster in between, from changes
+outside partitioning: compare shares within a row. METIS takes three times longer on the class-block
+graph's REG, which has no cluster structure to coarsen; the nested graph generates in ~190 s, 1.18 GB
+of cache.)
 """
 
 from __future__ import annotations
@@ -92,26 +116,47 @@ def _warm_up(graph, seed: int) -> None:
     accumulate_gradients(model, plan_micro_batches(batch, 2, "reg", seed), graph.x, graph.y, torch.device("cpu"))
 
 
-def one_size(num_edges: int, seed: int) -> dict[str, Any]:
-    """Every stage on one graph size, in this process; returns the row."""
-    from betty_trainer.data.feature_store import HostFeatureStore
-    from betty_trainer.datasets.cache import load_cached, processed_dir
-    from betty_trainer.datasets.powerlaw import GENERATOR_VERSION, write_powerlaw
-    from betty_trainer.memory.plan import plan_micro_batches
-    from betty_trainer.models.sage import GraphSAGE
-    from betty_trainer.sampling import sample_batch
-    from betty_trainer.training.trainer import accumulate_gradients
-
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+def powerlaw_params(num_edges: int, seed: int, communities: int = 0, class_homophily: float = 0.0) -> dict[str, Any]:
+    """The :func:`~betty_trainer.datasets.powerlaw.write_powerlaw` keywords of the benchmark graph with
+    ``num_edges`` directed edges drawn: ``N = num_edges / 26`` nodes, 47 classes, 100 features, 10% training
+    nodes; ``communities`` > 0 plants that many blocks nested in the classes (``class_homophily``)."""
     params = dict(num_nodes=max(1000, num_edges // AVERAGE_DEGREE), num_edges=num_edges, num_classes=47,
                   num_features=100, exponent=2.5, homophily=0.8, feature_signal=0.3, train_fraction=0.1,
                   val_fraction=0.02, test_fraction=0.1, seed=seed)
+    if communities:  # absent otherwise, so the cache of the class-block graph keeps its source
+        params.update(num_communities=communities, class_homophily=class_homophily)
+    return params
+
+
+def cached_graph(params: dict[str, Any], row: dict[str, Any] | None = None):
+    """The graph of ``params`` from the cache (``$BETTY_CACHE_DIR``/powerlaw-bench), generated into it first
+    if absent (timed into ``row['generate_*']`` when ``row`` is given); memory-mapped."""
+    from betty_trainer.datasets.cache import load_cached, processed_dir
+    from betty_trainer.datasets.powerlaw import GENERATOR_VERSION, write_powerlaw
+
     source = {"generator": "powerlaw", "version": GENERATOR_VERSION, **params}
-    folder = processed_dir("powerlaw-bench", f"e{num_edges}-s{seed}")
-    row: dict[str, Any] = {"edges_drawn": num_edges, "nodes": params["num_nodes"]}
+    suffix = f"-c{params['num_communities']}-h{params['class_homophily']}" if "num_communities" in params else ""
+    folder = processed_dir("powerlaw-bench", f"e{params['num_edges']}-s{params['seed']}{suffix}")
     if load_cached(folder, source) is None:
-        measured("generate", row, lambda: write_powerlaw(folder, source=source, **params))
-    row["cache_bytes"] = sum(path.stat().st_size for path in folder.iterdir())
+        measured("generate", row if row is not None else {}, lambda: write_powerlaw(folder, source=source, **params))
+    if row is not None:
+        row["cache_bytes"] = sum(path.stat().st_size for path in folder.iterdir())
+    return folder, source
+
+
+def one_size(num_edges: int, seed: int, communities: int = 0, class_homophily: float = 0.0) -> dict[str, Any]:
+    """Every stage on one graph size, in this process; returns the row."""
+    from betty_trainer.data.feature_store import HostFeatureStore
+    from betty_trainer.datasets.cache import load_cached
+    from betty_trainer.models.sage import GraphSAGE
+    from betty_trainer.sampling import sample_batch
+    from betty_trainer.training.trainer import accumulate_gradients
+    from partition import OutputSplitter, make_plan
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    params = powerlaw_params(num_edges, seed, communities, class_homophily)
+    row: dict[str, Any] = {"edges_drawn": num_edges, "nodes": params["num_nodes"]}
+    folder, source = cached_graph(params, row)
     graph = measured("open", row, lambda: load_cached(folder, source))
     _warm_up(graph, seed)  # JIT-compiled kernels and first-call costs stay out of the measured stages
     row["edges"] = graph.num_edges
@@ -119,7 +164,20 @@ def one_size(num_edges: int, seed: int) -> dict[str, Any]:
     batch = measured("sample", row, lambda: sample_batch(graph, graph.train_idx, FANOUTS,
                                                          torch.Generator().manual_seed(seed)))
     row["input_nodes"] = batch.blocks[0].num_src
-    micro = measured("plan", row, lambda: plan_micro_batches(batch, K, "reg", seed))
+    splitter = OutputSplitter(batch.blocks[-1], "reg")
+
+    def plan():  # plan_micro_batches(batch, K, "reg", seed), with the REG built apart to time it
+        started = time.perf_counter()
+        splitter.graph  # noqa: B018 (builds the REG)
+        row["reg_s"] = time.perf_counter() - started
+        made = make_plan(batch.blocks, k=K, partitioner="reg", seed=seed, splitter=splitter)
+        row.update({f"plan_{stage}_s": seconds for stage, seconds in made.stage_seconds.items()})
+        started = time.perf_counter()
+        restricted = [batch.restrict(layers) for layers in made.layers]
+        row["plan_restrict_s"] = time.perf_counter() - started
+        return restricted
+
+    micro = measured("plan", row, plan)
     row["micro_input_nodes"] = sum(mb.blocks[0].num_src for mb in micro)
     torch.manual_seed(seed)
     model = GraphSAGE(graph.num_features, 64, graph.num_classes, 2, "mean", 0.5)
@@ -135,6 +193,9 @@ def one_size(num_edges: int, seed: int) -> dict[str, Any]:
     measured("train", row, epoch)
     row["features_memory_mapped"] = store.memory_mapped
     row["plan_share_of_train"] = row["plan_s"] / row["train_s"]
+    row["epoch_s"] = row["sample_s"] + row["plan_s"] + row["train_s"]
+    row["reg_metis_s"] = row["reg_s"] + row["plan_partition_s"]
+    row["reg_metis_share_of_epoch"] = row["reg_metis_s"] / row["epoch_s"]
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return row
 
@@ -145,13 +206,17 @@ def _gib(value: float) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     stages = [s for s in ("generate", "open", "sample", "plan", "train") if any(f"{s}_s" in r for r in rows)]
-    head = ["edges", "nodes"] + [f"{s} s / GiB" for s in stages] + ["plan/train", "inputs full / Σ micro", "peak RSS GiB"]
+    head = ["edges", "nodes"] + [f"{s} s / GiB" for s in stages] + [
+        "plan: REG / weights / METIS / slicing / restrict s", "REG+METIS / epoch", "plan/train",
+        "inputs full / Σ micro", "peak RSS GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [f"{r['edges']:,}", f"{r['nodes']:,}"]
         cells += [f"{r[f'{s}_s']:.2f} / {_gib(r[f'{s}_peak_bytes'])}" if f"{s}_s" in r else "cached" for s in stages]
-        cells += [f"{r['plan_share_of_train']:.1%}", f"{r['input_nodes']:,} / {r['micro_input_nodes']:,}",
-                  _gib(r["peak_rss_bytes"])]
+        cells.append(" / ".join(f"{r[key]:.2f}" for key in ("reg_s", "plan_weights_s", "plan_partition_s",
+                                                             "plan_slicing_s", "plan_restrict_s")))
+        cells += [f"{r['reg_metis_share_of_epoch']:.1%}", f"{r['plan_share_of_train']:.1%}",
+                  f"{r['input_nodes']:,} / {r['micro_input_nodes']:,}", _gib(r["peak_rss_bytes"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -162,16 +227,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", type=Path, help="cache folder to keep the graphs in (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--communities", type=int, default=0,
+                        help="plant this many blocks nested in the classes (0: the classes are the blocks)")
+    parser.add_argument("--class-homophily", type=float, default=0.0,
+                        help="with --communities: share of the pairs leaving their block that stay in its class")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # run one size in this process
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(one_size(args.one, args.seed)))
+        print(json.dumps(one_size(args.one, args.seed, args.communities, args.class_homophily)))
         return
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         env = {**os.environ, "BETTY_CACHE_DIR": str(args.cache or scratch)}
         for edges in (int(float(value)) for value in args.edges.split(",")):
-            out = subprocess.run([sys.executable, __file__, "--one", str(edges), "--seed", str(args.seed)],
+            out = subprocess.run([sys.executable, __file__, "--one", str(edges), "--seed", str(args.seed),
+                                  "--communities", str(args.communities), "--class-homophily", str(args.class_homophily)],
                                  env=env, capture_output=True, text=True)
             if out.returncode != 0:
                 sys.exit(f"size {edges} failed:\n{out.stderr}")
