@@ -60,7 +60,8 @@ def chunk_structure_bytes(chunks: Sequence[Sequence[LayerCounts]]) -> int:
 
 
 def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[LayerCounts]],
-                       model: ModelSpec, projections: Sequence[ProjectedTerms | None] | None = None) -> MemoryEstimate:
+                       model: ModelSpec, projections: Sequence[ProjectedTerms | None] | None = None,
+                       host_outputs: bool = False) -> MemoryEstimate:
     """Estimate the peak of one layer-wise training step (all chunks of all layers), itemised.
 
     Args:
@@ -69,6 +70,9 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         model: the model (:class:`ModelSpec` with ``layer_terms``).
         projections: per layer, the :class:`ProjectedTerms` of a layer the executor projects once per pass
             (``training.layerwise.projected_layers``), else ``None``; default: none is.
+        host_outputs: the hidden layers' outputs ``h_l`` are kept in host memory (``LayerChunks.host_outputs``):
+            not counted on the device; a chunk's rows of ``h_{l−1}`` are copied to the device (as gathered
+            rows are anyway) and a projected layer's row blocks too (device-resident, they are views).
 
     Returns:
         A :class:`~estimator.estimate.MemoryEstimate` (bytes). The accumulated gradients are
@@ -105,7 +109,9 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         """A projected layer's row blocks: forward (into the kept ``z``), or recomputed and backpropagated."""
         for begin, end in row_blocks(layers[index].num_src, len(chunks[index])):
             mark = replay.mark()
-            rows = replay.alloc((end - begin) * widths[index] * f, "input_features") if index == 0 else None
+            rows = None  # a view of the stored h_{l−1} on the device
+            if index == 0 or host_outputs:  # gathered features, or rows copied from host memory
+                rows = replay.alloc((end - begin) * widths[index] * f, "input_features" if index == 0 else HID)
             z, backward = projections[index].project(tape, end - begin, rows, grad and index > 0)
             if grad:
                 backward()
@@ -123,7 +129,8 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         if projections[index] is not None:
             z_all = replay.alloc(layers[index].num_src * projections[index].width * f, HID)
             projection(index, grad=False)
-        out = replay.alloc(layers[index].num_dst * widths[index + 1] * f, HID)
+        on_host = host_outputs and index < model.num_layers - 1
+        out = None if on_host else replay.alloc(layers[index].num_dst * widths[index + 1] * f, HID)
         for c in pieces:
             mark = replay.mark()
             if z_all is not None:

@@ -30,10 +30,14 @@ class LayerChunks:
             restricted to the chunk's dst nodes; ``src_index[:num_dst]`` are those dst nodes'
             positions, dst first).
         seconds: wall time of partitioning and slicing.
+        host_outputs: keep the hidden layers' outputs ``h_l`` in host memory instead of on the device
+            (the planner sets it when the device budget does not hold them; read by the executor,
+            ``betty_trainer.training.layerwise``).
     """
 
     layers: list[list[LayerSlice]]
     seconds: float = 0.0
+    host_outputs: bool = False
 
     @property
     def work(self) -> int:

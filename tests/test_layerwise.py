@@ -207,3 +207,59 @@ def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_
     assert '"mode": "layerwise"' in report and '"chunks_per_layer": 4' in report
     for key, value in results["full"].items():
         assert torch.allclose(results["layerwise"][key], value, rtol=1e-4, atol=1e-6), key
+
+
+@pytest.mark.parametrize("arch", ["sage-mean", "gat"])
+def test_host_resident_layer_outputs_give_the_full_batch_gradient(cora, arch, monkeypatch):
+    """chunks.host_outputs: the hidden layers' outputs are kept in host memory (a plain CPU tensor without
+    CUDA) and each chunk's rows copied to the device; the gradient is the full batch's (GAT: its projected
+    layers read their row blocks from host memory too)."""
+    from betty_trainer.training import layerwise
+
+    placements = []
+
+    def recording_storage(rows, like, host):
+        placements.append(host)
+        out = layerwise.output_storage.__wrapped__(rows, like, host)
+        assert out.device.type == "cpu" and out.is_pinned() == (host and torch.cuda.is_available())
+        return out
+
+    recording_storage.__wrapped__ = layerwise.output_storage
+    monkeypatch.setattr(layerwise, "output_storage", recording_storage)
+    model = make(arch, cora)
+    set_dropout_key(model, seed=3, step=11)
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    reference = full_batch_gradients(model, batch, cora)
+    chunks = chunk_layers(batch.blocks, 4, "metis", seed=1)
+    chunks.host_outputs = True
+    model.zero_grad(set_to_none=True)
+    loss, correct = layerwise_backward(model, batch, chunks, cora.x, cora.y, CPU)
+    assert placements == [True, False]  # h_1 on the host, the logits on the device
+    assert_same(reference, ([p.grad.clone() for p in model.parameters()], loss, correct))
+
+
+def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_does_not_hold_them(cora64):
+    """The placement decision: at the fewest chunks that fit, h_l stays on the device when the estimate with
+    it there fits the budget, and goes to host memory when only the estimate without it fits. (Hidden 256 on
+    64 features: the peak is in layer 2's backward, where h_1 is live; on Cora's 1433 features it is in
+    layer 1's backward, where h_1 is already freed, and host memory would not lower it.)"""
+    graph = cora64
+    config = load_config(None, ["model.hidden=256", "micro_batch.mode=layerwise"])
+    model = GraphSAGE(graph.num_features, 256, graph.num_classes, 2, "mean", 0.5)
+    spec = spec_of(model, config, CPU)
+    batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
+    probe = MicroBatchPlanner(config.micro_batch, spec, CPU)
+    peaks = {}
+    for k in (1, 2):
+        chunks = chunk_layers(batch.blocks, k, config.micro_batch.partitioner, 0)
+        peaks[k] = probe.layerwise_peak(batch, chunks, False), probe.layerwise_peak(batch, chunks, True)
+        estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
+                                                                for layer in chunks.layers], spec, host_outputs=True)
+        assert estimate.peak_bytes == peaks[k][1] < peaks[k][0]  # h_1 (2708 × 256 floats) is off the device
+    host_1, (device_2, host_2) = peaks[1][1], peaks[2]
+    assert host_1 > device_2 and host_1 > host_2  # so that neither budget below fits at K = 1
+    for budget, host in ((device_2, False), (host_2, True)):
+        section = config.micro_batch.model_copy(update={"budget": budget})
+        work, plan = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)
+        assert plan.k == 2 and plan.host_outputs == host and work.chunks.host_outputs == host
+        assert plan.estimate == (host_2 if host else device_2) <= budget

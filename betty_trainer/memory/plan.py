@@ -214,23 +214,33 @@ class MicroBatchPlanner:
         self._splitter = splitter
         return MicroBatches(batch, plan.layers), plan  # each micro-batch built when it is read
 
-    def layerwise_peak(self, batch: Batch, chunks: LayerChunks) -> int:
-        """Estimated peak bytes of running ``batch`` layer by layer in ``chunks`` (built-in models)."""
+    def layerwise_peak(self, batch: Batch, chunks: LayerChunks, host_outputs: bool | None = None) -> int:
+        """Estimated peak bytes of running ``batch`` layer by layer in ``chunks`` (built-in models), on the
+        device: with the hidden layers' outputs kept there, or in host memory (``host_outputs``; default:
+        as ``chunks.host_outputs`` says)."""
+        if host_outputs is None:
+            host_outputs = chunks.host_outputs
         weighted = [block.edge_weight is not None for block in batch.blocks]
         pieces = [counts_of(layer, [flag] * len(layer)) for layer, flag in zip(chunks.layers, weighted)]
         model = getattr(self.spec.layer_terms, "__self__", None)  # the instance whose terms the spec holds
         projections = projected_terms(model) if isinstance(model, LayerStack) else None
-        return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec, projections).peak_bytes
+        return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec, projections, host_outputs).peak_bytes
 
     def _plan_layerwise(self, batch: Batch, seed: int, min_k: int) -> tuple[LayerwiseBatch, LayerwisePlan]:
         """``num_micro_batches`` chunks per layer, or under a budget the fewest that fit: doubling
-        from ``min_k`` to the first K that fits, then bisecting below it."""
+        from ``min_k`` to the first K that fits, then bisecting below it. A K fits with the hidden layers'
+        outputs ``h_l`` on the device or, when those do not fit, with ``h_l`` in host memory
+        (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device)."""
         started, tried = time.perf_counter(), []
         most = max(block.num_dst for block in batch.blocks)
 
         def attempt(k: int) -> tuple[LayerChunks, int]:
             chunks = chunk_layers(batch.blocks, k, self.config.partitioner, seed)
-            peak = self.layerwise_peak(batch, chunks) if self.spec is not None else 0
+            peak = self.layerwise_peak(batch, chunks, host_outputs=False) if self.spec is not None else 0
+            if self.budget is not None and peak > self.budget and len(batch.blocks) > 1:
+                on_host = self.layerwise_peak(batch, chunks, host_outputs=True)
+                if on_host <= self.budget:
+                    chunks.host_outputs, peak = True, on_host
             tried.append((k, peak))
             return chunks, peak
 
@@ -285,6 +295,12 @@ class LayerwisePlan:
     def work(self) -> int:
         """Estimated work (:attr:`partition.chunks.LayerChunks.work`)."""
         return self.chunks.work
+
+    @property
+    def host_outputs(self) -> bool:
+        """Whether the hidden layers' outputs ``h_l`` are kept in host memory (the device budget does not
+        hold them at this K), not on the device."""
+        return self.chunks.host_outputs
 
 
 @dataclass
@@ -386,6 +402,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
         return {
             "mode": "layerwise",
             "chunks_per_layer": plan.k,
+            "layer_outputs_on": "host" if plan.host_outputs else "device",
             "budget_bytes": plan.budget,
             "partitioner": planner.config.partitioner,
             "full_batch": {"outputs": batch.output_nodes.numel(), "layers": _layer_sizes(batch)},

@@ -69,7 +69,10 @@ def layerwise_backward(
         chunks: :func:`partition.chunks.chunk_layers` of ``batch.blocks``.
         features: the feature store (or an ``(N, F)`` tensor) the input rows are gathered from.
         labels: ``(N,)`` int64 labels.
-        device: where the model runs; ``h_l`` and its gradient are kept there.
+        device: where the model runs; the gradients ``∂L/∂h_l`` are kept there, and so is ``h_l`` unless
+            ``chunks.host_outputs`` (the planner's choice when the device budget does not hold them): then the
+            hidden layers' outputs are kept in host memory (:func:`output_storage`) and each chunk's rows
+            are copied to the device when it reads them (the logits stay on the device).
 
     Returns:
         The batch's mean loss and its number of correctly classified outputs.
@@ -94,7 +97,7 @@ def layerwise_backward(
         """Rows of the layer's input: gathered features (layer 1, a fresh tensor) or rows of ``h_{l−1}``."""
         if index == 0:
             return store.gather(src_nodes[rows], device)
-        return h_prev[rows]
+        return h_prev[rows].to(device, non_blocking=True)  # host-resident h_l: the rows are copied over
 
     def project(index: int, h_prev: Tensor | None, grad_z: Tensor | None = None, grad_in: Tensor | None = None):
         """A projected layer's ``z = W·dropout(h_{l−1})`` for all its src rows, block by block (one block per
@@ -132,7 +135,7 @@ def layerwise_backward(
             return (F.relu(h) if index < last else h), rows
         if index == 0:  # a fresh gather: input dropout may overwrite it
             return model.layer_forward(0, block, store.gather(block.src_nodes, device), consume_input=True), None
-        rows = h_prev[piece.src_index.to(device)]
+        rows = h_prev[piece.src_index.to(h_prev.device)].to(device, non_blocking=True)
         if grad:
             rows.requires_grad_()
         return model.layer_forward(index, block, rows), rows
@@ -147,8 +150,8 @@ def layerwise_backward(
             for piece in pieces:
                 h = run(index, piece, h_prev, z_all, grad=False)[0]  # its input rows die here
                 if out is None:
-                    out = h.new_empty(blocks[index].num_dst, h.shape[1])
-                out[piece.src_index[: piece.num_dst].to(device)] = h
+                    out = output_storage(blocks[index].num_dst, h, host=chunks.host_outputs and index < last)
+                out[piece.src_index[: piece.num_dst].to(out.device)] = h.to(out.device)
                 del h
             stored.append(out)
             projected.append(z_all)
@@ -167,7 +170,7 @@ def layerwise_backward(
     for index in range(last, -1, -1):
         stored[index] = None  # h_l: each chunk's recompute makes what its backward needs
         h_prev = stored[index - 1] if index > 0 else None
-        grad_in = torch.zeros_like(h_prev) if h_prev is not None else None
+        grad_in = torch.zeros_like(h_prev, device=device) if h_prev is not None else None  # on the device
         z_all = projected[index]
         projected[index] = None
         grad_rows = grad_in if z_all is None else torch.zeros_like(z_all)  # ∂L/∂z for a projected layer
@@ -184,6 +187,18 @@ def layerwise_backward(
         del grad_rows
         grad_out = grad_in
     return loss, correct
+
+
+def output_storage(rows: int, like: Tensor, host: bool) -> Tensor:
+    """Where a layer's output ``h_l`` is kept: like ``like`` on its device, or (``host``) in host memory,
+    page-locked when CUDA is available so the chunks' row copies to the device can be asynchronous.
+
+    Shapes:
+        ``(rows, like.shape[1])``, ``like``'s dtype.
+    """
+    if not host:
+        return like.new_empty(rows, like.shape[1])
+    return torch.empty(rows, like.shape[1], dtype=like.dtype, device="cpu", pin_memory=torch.cuda.is_available())
 
 
 def projected_layers(model: LayerStack) -> list[bool]:
