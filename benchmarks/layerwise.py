@@ -5,7 +5,8 @@ dropout 0.5, Adam) at K = 1, with Betty's micro-batches at K ∈ ``--ks`` (REG),
 at ``--chunks`` chunks per layer (METIS chunks, recomputation in backward). Peak: the measured peak of
 the step (``estimator.measure.measure_peak``: profiler allocation records on CPU, after one warm-up
 step so Adam's state is resident). Time: the median of ``--repeats`` steps, planning excluded
-(a full batch's plan is reused every epoch). Each row is measured in the same run, interleaved.
+(a full batch's plan is reused every epoch). Each row is measured in the same run, its columns' timed
+steps interleaved (round robin).
 
 Printed: peak (MiB) and time (s) per column, then ratios to K = 1; the issue's targets are the
 layer-wise peak at most Betty's K = 16 peak at ≤ 2× the K = 1 time, and on Coauthor Physics
@@ -90,19 +91,21 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
         optimizer.step()
 
     step(runners["K=1"])  # Adam's moments exist from here on
-    results = {}
+    peaks, times = {}, {name: [] for name in runners}
     for name, run in runners.items():
         optimizer.zero_grad(set_to_none=True)
         resident = training_state(model, optimizer)
-        peak = measure_peak(lambda: step(run), CPU, resident).peak_bytes
-        times = []
-        for _ in range(repeats):
+        peaks[name] = measure_peak(lambda: step(run), CPU, resident).peak_bytes
+    for _ in range(repeats):  # round robin over the columns: a change in the machine's load hits them all
+        for name, run in runners.items():
             started = time.perf_counter()
             step(run)
-            times.append(time.perf_counter() - started)
-        results[name] = (peak / MIB, statistics.median(times))
-        print(f"  {graph.name} {arch}-{hidden} {name}: peak {peak / MIB:.1f} MiB, step {statistics.median(times):.3f} s",
-              flush=True)
+            times[name].append(time.perf_counter() - started)
+    results = {}
+    for name in runners:
+        results[name] = (peaks[name] / MIB, statistics.median(times[name]))
+        print(f"  {graph.name} {arch}-{hidden} {name}: peak {peaks[name] / MIB:.1f} MiB, "
+              f"step {statistics.median(times[name]):.3f} s", flush=True)
     return results
 
 
