@@ -16,16 +16,18 @@ import scipy.sparse as sp
 from partition.slicing import BlockStructure
 
 #: Default bound on the output pairs ``Σ d(d − 1)`` the kept src nodes form (see :func:`hub_threshold`):
-#: about 3·10⁶ REG entries, 36 MB as an int64 CSR (more where the src nodes read by at most
+#: about 2·10⁶ REG entries, 24 MB as an int64 CSR (more where the src nodes read by at most
 #: :data:`MIN_HUB_DEGREE` outputs alone form more pairs). Measured on the 230k-output batch (fanouts 10,25)
 #: of ``benchmarks/table6.py``'s nested-block power-law graph (53M edges): 4·10⁶ pairs with
 #: ``MIN_HUB_DEGREE = 8`` kept 5.1·10⁶ entries (REG 0.84 s of CPU, METIS at K = 8 1.28 s, 3.92M input
 #: nodes); 3·10⁶ with 6 keep 4.0·10⁶ (0.61 s, 0.91 s, 4.00M: +2.2%; K = 64 +2.7%); 2·10⁶ with 4 keep
 #: 2.6·10⁶ (0.59 s, 0.70 s, 4.05M: +3.3%; K = 64 +5.0%). On the class-block graph (52M edges, 204k
-#: outputs) the three give 6.58M, 6.61M and 7.00M input nodes at K = 8 (METIS 2.90, 2.46, 1.98 s).
-MAX_PAIRS = 3_000_000
+#: outputs) the three give 6.58M, 6.61M and 7.00M input nodes at K = 8 (METIS 2.90, 2.46, 1.98 s). The
+#: smallest is the default: REG and METIS run on one core while training uses all, so on a quiet machine
+#: 3·10⁶ took ~9% of the nested graph's epoch at K = 8 (1.6 s of CPU against ~17 s), too near the 10% aim.
+MAX_PAIRS = 2_000_000
 #: Src nodes read by at most this many outputs are never clipped, whatever the pair bound.
-MIN_HUB_DEGREE = 6
+MIN_HUB_DEGREE = 4
 #: With ``inverse_degree``, a src node read by ``d`` outputs weighs ``round(INVERSE_DEGREE_SCALE / (d − 1))``
 #: (at least 1) on each pair of its readers.
 INVERSE_DEGREE_SCALE = 64
