@@ -51,17 +51,17 @@ seconds / extra peak GiB per stage):
 (the first three rows from ``--edges 1e5,1e6,1e7``, the last from ``--edges 5.3e7``; the cache of the
 largest graph is 1.06 GB on disk, features 0.82 GB of it.)
 
-After them (METIS k-way above 10⁶ entries, REG pair bound 3·10⁶, d = 1 src nodes out of the product;
-caches already built; load average 5-7), the class-block graph (``--edges 5.3e7``) and the nested one
+After them (METIS k-way above 10⁶ entries, REG pair bound 2·10⁶, d = 1 src nodes out of the product;
+caches already built; load average ~8; commit 9763bba), the class-block graph (``--edges 5.3e7``) and the nested one
 (``--edges 6e7 --communities 2000 --class-homophily 0.8``), one run each:
 
 | edges | nodes | sample | plan | train | REG / wts / METIS / slice / restrict | REG+METIS / epoch | plan/train | inputs | RSS GiB |
 |---|---|---|---|---|---|---|---|---|---|
-| 52.31M | 2.04M | 2.43/0.39 | 5.56/0.50 | 16.86/0.93 | 0.86 / 0.08 / 3.26 / 1.15 / 0.21 | 16.6% | 33.0% | 1.98M / 6.73M | 2.66 |
-| 53.16M | 2.31M | 2.54/0.43 | 3.52/0.45 | 20.29/0.97 | 1.01 / 0.08 / 1.12 / 1.10 / 0.20 | 8.1% | 17.3% | 2.25M / 4.00M | 2.64 |
+| 52.31M | 2.04M | 2.06/0.39 | 4.36/0.50 | 28.60/0.98 | 0.54 / 0.10 / 2.36 / 1.16 / 0.19 | 8.3% | 15.3% | 1.98M / 6.95M | 2.71 |
+| 53.16M | 2.31M | 4.02/0.43 | 4.21/0.44 | 30.75/0.97 | 0.92 / 0.24 / 1.22 / 1.55 / 0.27 | 5.5% | 13.7% | 2.25M / 4.05M | 2.64 |
 
-(inputs: full batch / Σ micro-batches. Training itself got faster in between, from changes
-outside partitioning: compare shares within a row. METIS takes three times longer on the class-block
+(inputs: full batch / Σ micro-batches. Wall times move with the load, and training (two threads) more
+than REG and METIS (one): compare shares within a row. METIS takes twice as long on the class-block
 graph's REG, which has no cluster structure to coarsen; the nested graph generates in ~190 s, 1.18 GB
 of cache.)
 """
