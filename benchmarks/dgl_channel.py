@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The DGL environment `.ci/dgl` builds or reuses (torch 2.2.1, dgl 2.1.0): every benchmark's --dgl-python default.
+DGL_VENV = Path(os.environ.get("BETTY_DGL_VENV", Path.home() / ".cache" / "betty-trainer" / "dgl-venv"))
+DEFAULT_DGL_PYTHON = DGL_VENV / "bin" / "python"
 
 
 def serve(side) -> None:

@@ -1,4 +1,4 @@
-"""The DGL half of ``benchmarks/versus_dgl.py``: runs in DGL's own environment (``/work/dgl-venv``).
+"""The DGL half of ``benchmarks/versus_dgl.py``: runs in DGL's own environment (``bash .ci/dgl`` builds it).
 
 Never imported by betty-trainer: ``versus_dgl.py`` starts it as a subprocess with the
 DGL environment's Python and talks to it in JSON lines (one command on stdin, one

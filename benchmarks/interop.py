@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from dgl_channel import DEFAULT_DGL_PYTHON  # this folder
 from torch import nn
 from torch.nn import functional as F
 
@@ -44,8 +45,6 @@ from betty_trainer.models.interop import DGLModel, PyGModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "datasets"
-DGL_VENV = Path(os.environ.get("BETTY_DGL_VENV", Path.home() / ".cache" / "betty-trainer" / "dgl-venv"))  # .ci/dgl's
-DEFAULT_DGL_PYTHON = DGL_VENV / "bin" / "python"
 CPU = torch.device("cpu")
 
 

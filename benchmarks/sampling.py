@@ -17,7 +17,7 @@ Run from the repository root (takes a few minutes on 2 loaded cores)::
 
     python benchmarks/sampling.py --graph ego-twitter --fanouts 10,10,10 --batch-size 1024 --batches 48
 
-The same file is DGL's side: ``/work/dgl-venv/bin/python benchmarks/sampling.py --dgl-side`` serves
+The same file is DGL's side: ``~/.cache/betty-trainer/dgl-venv/bin/python benchmarks/sampling.py --dgl-side`` serves
 JSON-line commands and imports nothing from betty-trainer (DGL's environment pins its own torch).
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from dgl_channel import DGLProcess, serve  # this folder: both sides load it
+from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder: both sides load it
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "datasets"
@@ -71,7 +71,7 @@ def summarize(batches_nodes: list[list[int]], edges: list[int]) -> dict:
     return {"nodes_per_layer": counts.mean(0).tolist(), "edges": float(np.mean(edges))}
 
 
-# --- DGL's side (runs in /work/dgl-venv) ---------------------------------------------------------------------
+# --- DGL's side (runs in DGL's environment) -----------------------------------------------------------------
 
 class DGLSide:
     """DGL samplers on one graph; answers ``load`` and ``run`` commands."""
@@ -427,7 +427,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gns-cache", type=float, default=0.01, help="GNS cache as a fraction of the nodes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where our samplers run (cuda: the tensor paths on the GPU)")
-    parser.add_argument("--dgl-python", default="/work/dgl-venv/bin/python", help="'' skips DGL")
+    parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON), help="'' skips DGL")
     parser.add_argument("--samplers", default="", help="comma list of row-name prefixes to run (default: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--bytes", action="store_true",

@@ -12,7 +12,7 @@ Three tables, each measured in this one run:
    a flat ns-per-edge column; hub-blindness as a hubs/plain ratio near 1.
 2. **Hubs at 1024 seeds** (the issue's case): 1024 dst nodes, fanout 10, 100 of them
    hubs of in-degree 1e5, against 1024 plain dst nodes; the issue asks for at most 2×.
-3. **Versus DGL** (when ``/work/dgl-venv`` or ``--dgl-python`` exists): seeds per second
+3. **Versus DGL** (when the environment ``bash .ci/dgl`` builds or ``--dgl-python`` exists): seeds per second
    of our ``NeighborSampler`` and of DGL 2.1's ``dgl.dataloading.NeighborSampler``
    (``sample_blocks``), fanouts 10,10,10, batch 1024, the same seed batches, on
    ego-Twitter and Coauthor Physics. DGL runs in its own interpreter (a subprocess
@@ -27,7 +27,7 @@ named otherwise). The machine is shared, so compare the ratios, not absolute tim
 Run:
     python benchmarks/sampling_scaling.py
     python benchmarks/sampling_scaling.py --skip-scaling --rounds 7
-    python benchmarks/sampling_scaling.py --data-dir ../shared/datasets --dgl-python /work/dgl-venv/bin/python
+    python benchmarks/sampling_scaling.py --data-dir ../shared/datasets --dgl-python ~/.cache/betty-trainer/dgl-venv/bin/python
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from dgl_channel import DEFAULT_DGL_PYTHON  # this folder
 
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import restricted_load
@@ -230,7 +231,7 @@ def main() -> None:
     parser.add_argument("--edges", type=lambda s: [int(float(e)) for e in s.split(",")],
                         default=[100_000, 300_000, 1_000_000, 3_000_000, 10_000_000], help="sampled edges per block")
     parser.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "datasets")
-    parser.add_argument("--dgl-python", type=Path, default=Path("/work/dgl-venv/bin/python"))
+    parser.add_argument("--dgl-python", type=Path, default=DEFAULT_DGL_PYTHON)
     parser.add_argument("--batches", type=int, default=20, help="seed batches of 1024 per pass (versus DGL)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating passes per graph (versus DGL)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())

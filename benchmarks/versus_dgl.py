@@ -2,7 +2,7 @@
 
 One run prints, for the same graph arrays, seeds and thread count, betty-trainer's
 figures beside DGL's. DGL runs in its own environment (``--dgl-python``, default
-``/work/dgl-venv/bin/python``) as a subprocess serving ``benchmarks/dgl_side.py``;
+the environment ``bash .ci/dgl`` builds, ``~/.cache/betty-trainer/dgl-venv``) as a subprocess serving ``benchmarks/dgl_side.py``;
 the two sides' repetitions interleave (ours, DGL, ours, …) so machine noise hits both.
 Both sides call ``torch.set_num_threads(--threads)`` (and get ``OMP_NUM_THREADS``).
 
@@ -74,7 +74,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from dgl_channel import DGLProcess  # noqa: E402  (this folder)
+from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # noqa: E402  (this folder)
 
 from betty_trainer import NeighborSampler, SampleKey, sample_batch  # noqa: E402
 from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
@@ -387,7 +387,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", type=Path, default=SHARED / "graphdata-npz")
     parser.add_argument("--twitter", type=Path, default=SHARED / "snap-jlg" / "ego-twitter-undirected.jlg")
-    parser.add_argument("--dgl-python", default="/work/dgl-venv/bin/python")
+    parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON))
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.quick:
