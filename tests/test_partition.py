@@ -74,6 +74,28 @@ def test_metis_refines_graphs_above_the_size_bound_less(monkeypatch):
     assert np.array_equal(metis_kway(graph, 8, seed=0), three)
 
 
+def test_metis_partitions_large_graphs_k_way_at_every_k(monkeypatch):
+    """Above KWAY_ENTRIES stored entries METIS runs k-way even for k <= 8, where pymetis would bisect
+    recursively; at most KWAY_ENTRIES it keeps pymetis's choice (the two give different parts here)."""
+    import pymetis
+
+    import partition.metis as metis_module
+
+    graph = sp.random(3000, 3000, density=2e-3, format="csr", random_state=0)
+    graph = drop_diagonal(((graph + graph.T) > 0).astype(np.int64).tocsr())
+
+    def direct(recursive):
+        _, parts = pymetis.part_graph(4, pymetis.CSRAdjacency(graph.indptr.astype(np.int64), graph.indices.astype(np.int64)),
+                                      eweights=graph.data, options=pymetis.Options(seed=0, niter=10), recursive=recursive)
+        return np.asarray(parts)
+
+    kway, bisection = direct(False), direct(True)
+    assert not np.array_equal(kway, bisection)
+    assert np.array_equal(metis_kway(graph, 4, seed=0), bisection)
+    monkeypatch.setattr(metis_module, "KWAY_ENTRIES", graph.nnz - 1)
+    assert np.array_equal(metis_kway(graph, 4, seed=0), kway)
+
+
 def test_metis_uses_edge_weights():
     """On a 4-cycle both 2-2 cuts cut two edges; only the weights decide which pair stays together."""
     parts = metis_kway(cycle_with_weights([100, 1, 100, 1]), 2, seed=0)
