@@ -147,12 +147,13 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
         works = {}
         for mode in ("betty", "layerwise"):
             try:
-                work, plan = planner(mode, budget).plan(batch, seed=0)
+                made = planner(mode, budget)
+                work, plan = made.plan(batch, seed=0)
             except PlanningError:
                 row[mode] = None
                 continue
             estimate = plan.estimate if mode == "layerwise" else max(plan.estimates)
-            row[mode] = {"k": plan.k, "estimate": estimate, "work": plan.work}
+            row[mode] = {"k": plan.k, "estimate": estimate, "work": made.plan_work(batch, plan)}
             works[mode] = work
         fresh = [mode for mode in works if (mode, row[mode]["k"]) not in measured]
         times = {mode: [] for mode in fresh}

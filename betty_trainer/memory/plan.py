@@ -28,7 +28,7 @@ from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.rng import compiled_kernels
-from betty_trainer.training.layerwise import LayerwiseBatch, projected_terms
+from betty_trainer.training.layerwise import LayerwiseBatch, projected_layers, projected_terms
 from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
@@ -37,7 +37,7 @@ from estimator.layerwise import estimate_layerwise
 from estimator.spec import ModelSpec, adam_uses_foreach
 from partition import BudgetError, OutputSplitter, Plan, make_plan, redundancy
 from partition.chunks import LayerChunks, chunk_layers
-from partition.slicing import BlockStructure
+from partition.slicing import BlockStructure, LayerSlice
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +166,8 @@ class MicroBatchPlanner:
         at least ``min_k`` micro-batches or chunks per layer (after an out-of-memory error).
 
         ``auto`` plans both and keeps, among those that fit the budget, the one with less estimated
-        work (:attr:`partition.Plan.work`, :attr:`partition.chunks.LayerChunks.work`); without a budget it compares them at the
-        configured K. Returns the last plan (the same objects) when ``batch`` is structurally the
+        work (:meth:`plan_work`: multiply-adds from the model's widths, :func:`step_work`); without a budget it
+        compares them at the configured K. Returns the last plan (the same objects) when ``batch`` is structurally the
         last planned batch and ``seed`` and ``min_k`` are the same (see the class docstring).
 
         Raises:
@@ -188,13 +188,26 @@ class MicroBatchPlanner:
                 errors.append(f"{kind}: {error}")
         if not candidates:
             raise PlanningError("; ".join(errors))
-        work, plan = min(candidates, key=lambda candidate: candidate[1].work)
+        costs = [self.plan_work(batch, candidate[1]) for candidate in candidates]
+        work, plan = candidates[costs.index(min(costs))]
         self.plans_made += 1
         self._last = _LastPlan(batch, seed, min_k, self._splitter, work, plan)
         if len(candidates) > 1:
-            logger.info("micro_batch.mode=auto chose %s (estimated work %d vs %d)", plan.mode,
-                        plan.work, max(c[1].work for c in candidates))
+            logger.info("micro_batch.mode=auto chose %s (estimated multiply-adds %.3g vs %.3g)", plan.mode,
+                        min(costs), max(costs))
         return work, plan
+
+    def plan_work(self, batch: Batch, plan: Plan | LayerwisePlan) -> float:
+        """The estimated cost of running ``plan`` that ``auto`` minimises: :func:`step_work` for a built-in
+        model; the plan's ``work`` (rows and edges processed) for a custom one."""
+        if self.spec is None:
+            return float(plan.work)
+        if isinstance(plan, LayerwisePlan):
+            model = getattr(self.spec.layer_terms, "__self__", None)
+            projected = projected_layers(model) if isinstance(model, LayerStack) else [False] * len(batch.blocks)
+            rows = [block.num_src if flag else None for block, flag in zip(batch.blocks, projected)]
+            return step_work(self.spec, plan.chunks.layers, True, rows)
+        return step_work(self.spec, [list(layer) for layer in zip(*plan.layers)], False)
 
     def _plan_betty(self, batch: Batch, seed: int, min_k: int, last: _LastPlan | None) -> tuple[MicroBatches, Plan]:
         splitter = last.splitter if last is not None and last.splitter is not None else OutputSplitter(
@@ -266,6 +279,52 @@ class MicroBatchPlanner:
                     below = middle
         plan = LayerwisePlan(chosen, peak, self.budget, tried, time.perf_counter() - started)
         return LayerwiseBatch(batch, chosen), plan
+
+
+MASK_COST = 4  # multiply-adds one input element's gather and node-keyed dropout mask cost (hash, compare, scale)
+
+
+def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise: bool,
+              projected_rows: Sequence[int | None] = ()) -> float:
+    """Estimated multiply-adds of one training step over ``layers`` (per layer, the slices it runs: a layer-wise
+    plan's chunks, or every micro-batch's slice of that layer), which ``micro_batch.mode=auto`` compares.
+
+    Per layer of widths ``a → b`` (a GAT layer's ``b``: its heads' width), from the rows and edges the slices
+    hold (a row read by several slices counts in each: the redundancy):
+
+    - the linear maps: ``a·b`` per row they run on: the src rows when the layer projects first (SAGE and
+      GCN when ``a > b``, GAT always; SAGE's self term runs on the dst rows), else the dst rows;
+    - the aggregation: per edge, the width aggregated (``b`` when projected first, else ``a``);
+    - the input rows' gather and node-keyed dropout: :data:`MASK_COST` per element.
+
+    Passes: a micro-batch runs a forward and a backward (two more of each linear map above layer 1, one at
+    layer 1, whose input takes no gradient); a layer-wise step runs a forward without autograd, the
+    recomputed forward and the backward, so one pass more of each term (and one more gather and mask). A
+    layer with ``projected_rows`` (layer-wise GAT: its block's src rows) projects those once per pass, not
+    each chunk's src rows.
+
+    Returns:
+        Multiply-adds (a relative cost: only ratios between plans are meaningful).
+    """
+    total = 0.0
+    for index, pieces in enumerate(layers):
+        a, b = spec.widths[index], spec.widths[index + 1]
+        if spec.arch == "gat" and index == len(layers) - 1:
+            b *= spec.heads  # the output layer averages its heads after projecting to all of them
+        src = sum(piece.num_src for piece in pieces)
+        dst = sum(piece.num_dst for piece in pieces)
+        edges = sum(int(piece.indptr[-1]) for piece in pieces)
+        first = spec.arch == "gat" or a > b
+        linear_rows = src if first else dst
+        if spec.arch == "sage":
+            linear_rows += dst  # fc_self
+        if index < len(projected_rows) and projected_rows[index] is not None:
+            linear_rows = projected_rows[index]
+        linear, aggregate, gather = linear_rows * a * b, edges * (b if first else a), src * a * MASK_COST
+        backward_linear = 1 if index == 0 else 2
+        passes = 1 + backward_linear + (1 if layerwise else 0)
+        total += passes * (linear + aggregate) + (2 if layerwise else 1) * gather
+    return total
 
 
 @dataclass
