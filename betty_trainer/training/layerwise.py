@@ -13,6 +13,12 @@ a time (:func:`partition.chunks.chunk_layers`):
   autograd on and backpropagates its rows of ``∂L/∂h_l``; the parameter gradients add into
   ``.grad`` and its input rows' gradients into ``∂L/∂h_{l−1}`` (not at layer 1). ``h_l`` is freed
   before its layer's backward (the recompute makes what it needs), ``∂L/∂h_l`` after it.
+- **Projected layers** (:func:`projected_layers`; GAT): ``z = W·dropout(h_{l−1})`` is computed once
+  per pass for all the layer's src rows (one row block per chunk) and kept until the layer's
+  backward; each chunk gathers its rows of ``z``. Backward sums ``∂L/∂z`` over the chunks, then
+  recomputes the projection block by block and backpropagates it.
+- **Where h_l lives**: on the device, or in host memory when the plan says so
+  (``LayerChunks.host_outputs``); the chunks then copy their rows to the device.
 
 Node-keyed dropout (:class:`~betty_trainer.models.dropout.NodeDropout`) draws the same mask for a
 node in every chunk and in the recompute, so the result is the full batch's gradient up to
