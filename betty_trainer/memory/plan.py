@@ -40,6 +40,8 @@ from partition.chunks import LayerChunks, chunk_layers
 from partition.slicing import BlockStructure, LayerSlice
 
 logger = logging.getLogger(__name__)
+FLOOR_STEP = 0.01  # a layer-wise search stops when doubling the chunks saves less than this share of the peak
+MASK_COST = 4  # multiply-adds one input element's gather and node-keyed dropout mask cost (hash, compare, scale)
 
 
 def model_spec(config: Config, graph: Graph, device: torch.device | str = "cpu") -> ModelSpec:
@@ -241,7 +243,8 @@ class MicroBatchPlanner:
 
     def _plan_layerwise(self, batch: Batch, seed: int, min_k: int) -> tuple[LayerwiseBatch, LayerwisePlan]:
         """``num_micro_batches`` chunks per layer, or under a budget the fewest that fit: doubling
-        from ``min_k`` to the first K that fits, then bisecting below it. A K fits with the hidden layers'
+        from ``min_k`` to the first K that fits, then bisecting below it; the search gives up when a
+        doubling lowers the estimate by less than :data:`FLOOR_STEP` without fitting. A K fits with the hidden layers'
         outputs ``h_l`` on the device or, when those do not fit, with ``h_l`` in host memory
         (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device)."""
         started, tried = time.perf_counter(), []
@@ -268,8 +271,14 @@ class MicroBatchPlanner:
                 if k >= most:
                     raise PlanningError(f"memory budget {self.budget} bytes is impossible layer by layer: even "
                                         f"{k} chunks per layer need {peak} bytes")
+                previous = peak
                 below, k = k, min(2 * k, most)
                 chosen, peak = attempt(k)
+                if peak > self.budget and previous - peak < FLOOR_STEP * previous:
+                    raise PlanningError(
+                        f"memory budget {self.budget} bytes is impossible layer by layer: {k} chunks per layer need "
+                        f"{peak} bytes, and doubling the chunks saved less than {FLOOR_STEP:.0%} (the model state, the "
+                        "batch's structure and the stored layers set the floor); raise the budget")
             while k - below > 1:
                 middle = (below + k) // 2
                 candidate, middle_peak = attempt(middle)
@@ -281,7 +290,6 @@ class MicroBatchPlanner:
         return LayerwiseBatch(batch, chosen), plan
 
 
-MASK_COST = 4  # multiply-adds one input element's gather and node-keyed dropout mask cost (hash, compare, scale)
 
 
 def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise: bool,
