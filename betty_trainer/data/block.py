@@ -62,6 +62,12 @@ class Block:
         """``(num_dst,)`` int64 global ids of the dst nodes."""
         return self.src_nodes[: self.num_dst]
 
+    def dst_rows(self, h_src: Tensor) -> Tensor:
+        """The dst nodes' rows of ``h_src`` ``(num_src, F)``: its first ``num_dst`` rows (dst-first order), or
+        ``h_src`` itself when every src node is a dst node (a full graph), so that autograd makes no
+        zero-filled ``(num_src, F)`` gradient for a slice that keeps every row."""
+        return h_src if self.num_dst == h_src.shape[0] else h_src[: self.num_dst]
+
     def in_degrees(self) -> Tensor:
         """``(num_dst,)`` int64 in-degree of each dst node within the block."""
         return self.indptr[1:] - self.indptr[:-1]

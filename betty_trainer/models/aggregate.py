@@ -129,8 +129,19 @@ def aggregate(block: Block, h_src: Tensor, values: Tensor, self_scale: Tensor | 
 
 
 def per_edge(block: Block, per_dst: Tensor) -> Tensor:
-    """``(num_dst,)`` → ``(E,)``: each edge gets its dst node's value (CSC order)."""
+    """``(num_dst,)`` → ``(E,)``: each edge gets its dst node's value (CSC order). On the CPU (float32) a
+    compiled kernel walks the block's pointer; elsewhere ``repeat_interleave`` over the in-degrees."""
+    if compiled_kernels(per_dst.device, per_dst.dtype):
+        values = per_dst.new_empty(block.num_edges)
+        _per_edge_kernel(block.indptr.numpy(), per_dst.numpy(), values.numpy())
+        return values
     return torch.repeat_interleave(per_dst, block.in_degrees(), output_size=block.num_edges)
+
+
+@jit
+def _per_edge_kernel(indptr, per_dst, values):  # pragma: no cover - compiled
+    for d in range(indptr.shape[0] - 1):
+        values[indptr[d]:indptr[d + 1]] = per_dst[d]
 
 
 def mean_neighbours(block: Block, h_src: Tensor) -> Tensor:
@@ -407,9 +418,11 @@ def edge_dst_terms(tape: StepTape, c: LayerCounts) -> int:
 
 
 def per_edge_terms(tape: StepTape, c: LayerCounts) -> int:
-    """aggregate.per_edge: ``repeat_interleave(per_dst, in_degrees, output_size=E)``: the degrees,
-    their cumsum and the ``(E,)`` int64 positions, then the ``(E,)`` gathered values."""
+    """aggregate.per_edge: the ``(E,)`` values; the tensor path's ``repeat_interleave(per_dst, in_degrees,
+    output_size=E)`` first makes the degrees, their cumsum and the ``(E,)`` int64 positions."""
     r, d, e = tape.r, c.num_dst, c.num_edges
+    if tape.compiled_kernels:
+        return r.alloc(e * tape.f, AGG)
     degrees, cumsum = r.alloc(d * INDEX_BYTES, OVER), r.alloc(d * INDEX_BYTES, OVER)
     positions = r.alloc(e * INDEX_BYTES, OVER)
     r.drop(cumsum)

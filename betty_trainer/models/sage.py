@@ -93,7 +93,7 @@ class SAGEConv(nn.Module):
         else:
             out = self.fc_neigh(self.aggregate(block, h_src))
         if self.fc_self is not None:
-            out = out + self.fc_self(h_src[: block.num_dst])
+            out = out + self.fc_self(block.dst_rows(h_src))
         return out + self.bias
 
     def aggregate(self, block: Block, h_src: Tensor) -> Tensor:
@@ -155,9 +155,7 @@ class SAGEConv(nn.Module):
             grad_hd = None
             if self_bwd is not None:
                 grad_self = self_bwd(grad, free_grad=False)
-                if grad_self is not None:  # SliceBackward: zeros(S, a) then copy
-                    grad_hd = r.alloc(c.num_src * a * f, GRAD)
-                    r.drop(grad_self)
+                grad_hd = _slice_backward_terms(tape, c, a, grad_self)
             grad_neigh = lin_out_bwd(grad, True, record) if lin_out_bwd is not None else grad
             if not record:
                 return grad_hd
@@ -173,8 +171,7 @@ class SAGEConv(nn.Module):
     def _combine_terms(self, tape: StepTape, c: LayerCounts, hd: int, neigh: int, a: int, b: int, hd_grad: bool):
         """``fc_neigh(neigh) + fc_self(h[:num_dst]) + bias`` (SAGE pool and lstm). Returns (result,
         backward); backward gives (the gradient of ``h`` from the self term or ``None``, that of ``neigh``)."""
-        r, f = tape.r, tape.f
-        s, d = c.num_src, c.num_dst
+        r, f, d = tape.r, tape.f, c.num_dst
         neigh_out, neigh_bwd = tape.linear(neigh, d, a, b, True)
         r.drop(neigh)
         self_out, self_bwd = tape.linear(hd, d, a, b, hd_grad)
@@ -186,12 +183,7 @@ class SAGEConv(nn.Module):
         def backward(grad: int) -> tuple[int | None, int]:
             tape.param_grad(b)
             tape.settle()
-            grad_hd = self_bwd(grad, free_grad=False)
-            if grad_hd is not None:  # SliceBackward
-                sliced = r.alloc(s * a * f, GRAD)
-                r.drop(grad_hd)
-                grad_hd = sliced
-            return grad_hd, neigh_bwd(grad)
+            return _slice_backward_terms(tape, c, a, self_bwd(grad, free_grad=False)), neigh_bwd(grad)
 
         return result, backward
 
@@ -233,6 +225,17 @@ class SAGEConv(nn.Module):
 
     def __repr__(self) -> str:
         return f"SAGEConv({self.in_feats}, {self.out_feats}, aggregator={self.aggregator!r})"
+
+
+def _slice_backward_terms(tape: StepTape, c: LayerCounts, width: int, grad_dst: int | None) -> int | None:
+    """The gradient of ``h_src`` from that of :meth:`Block.dst_rows`: ``SliceBackward`` makes a zero-filled
+    ``(S, width)`` tensor holding ``grad_dst`` in its first rows; a block whose dst nodes are all its src
+    nodes takes no slice, and the gradient is ``grad_dst`` itself."""
+    if grad_dst is None or c.num_dst == c.num_src:
+        return grad_dst
+    sliced = tape.r.alloc(c.num_src * width * tape.f, GRAD)
+    tape.r.drop(grad_dst)
+    return sliced
 
 
 class GraphSAGE(LayerStack):
