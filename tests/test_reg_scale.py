@@ -23,7 +23,7 @@ def power_law_batch():
 def test_clipped_reg_stays_sparse_and_beats_induced_metis(power_law_batch, monkeypatch):
     batch, k = power_law_batch, 8
     block = batch.blocks[-1]
-    bound = 20 * block.num_dst  # the 2M-node benchmark's MAX_PAIRS per output (4·10⁶ / 200k)
+    bound = 20 * block.num_dst  # twice the 2M-node benchmark's MAX_PAIRS per output (2·10⁶ / 200k)
     monkeypatch.setattr(reg_module, "MAX_PAIRS", bound)
     readers = reader_counts(block)
     threshold = hub_threshold(readers, bound)
