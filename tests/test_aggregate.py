@@ -141,3 +141,41 @@ def test_weighted_gcn_aggregator_normalises_by_the_weight_sum():
     torch.testing.assert_close(layer.aggregate(weighted, h), reference.float(), **CLOSE)
     ones = dataclasses.replace(block, edge_weight=torch.ones(block.num_edges))
     assert torch.equal(layer.aggregate(ones, h), layer.aggregate(block, h))
+
+
+def test_weighted_gat_attends_as_if_each_edge_were_repeated_its_weight_times():
+    """GAT on a weighted block takes α ∝ w·exp(e): an edge of integer weight w attends exactly as w copies of
+    the edge would on an unweighted block (same output and same input gradient, float64)."""
+    from betty_trainer.models.gat import GATConv
+
+    generator = torch.Generator().manual_seed(3)
+    num_src, num_dst = 12, 5
+    indptr, indices, weights = [0], [], []
+    for d in range(num_dst):
+        sources = [s for s in torch.randperm(num_src, generator=generator).tolist() if s != d][: 2 + d % 3]
+        indices += sources
+        weights += torch.randint(1, 4, (len(sources),), generator=generator).tolist()
+        indptr.append(len(indices))
+    repeated_ptr, repeated = [0], []
+    for d in range(num_dst):
+        for e in range(indptr[d], indptr[d + 1]):
+            repeated += [indices[e]] * weights[e]
+        repeated_ptr.append(len(repeated))
+    src_nodes = torch.arange(num_src)
+    as_long = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+    weighted = Block(src_nodes, num_dst, as_long(indptr), as_long(indices), torch.tensor(weights, dtype=torch.float32))
+    copies = Block(src_nodes, num_dst, as_long(repeated_ptr), as_long(repeated))
+    layer = GATConv(6, 4, heads=2).double()
+    h = torch.randn(num_src, 6, dtype=torch.float64, generator=generator)
+    outputs, gradients = [], []
+    for block in (weighted, copies):
+        x = h.clone().requires_grad_(True)
+        out = layer(block, x)
+        out.pow(2).sum().backward()
+        outputs.append(out.detach())
+        gradients.append(x.grad)
+    assert max(weights) > 1
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gradients[0], gradients[1], rtol=1e-12, atol=1e-12)
+    unweighted = Block(src_nodes, num_dst, as_long(indptr), as_long(indices))
+    assert not torch.allclose(layer(unweighted, h), outputs[0])  # the weights change the attention

@@ -100,6 +100,25 @@ MATRIX_MODELS = [
 ]
 
 
+@pytest.mark.parametrize("model", [MATRIX_MODELS[0], MATRIX_MODELS[2], MATRIX_MODELS[5]], ids=["mean", "pool", "gat"])
+def test_estimate_on_a_full_graph_where_every_src_node_is_a_dst_node(cora64, model):
+    """Every node an output, full neighbourhood: each block's dst nodes are all its src nodes, so the layers
+    take no slice of their input (``Block.dst_rows``) and autograd makes no zero-filled slice gradient."""
+    overrides = model + ["model.hidden=32", "model.num_layers=3", "model.dropout=0.5"]
+    config = load_config(None, overrides)
+    torch.manual_seed(0)
+    net = build_model(config.model, cora64)
+    set_dropout_key(net, 0, 0)
+    optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay)
+    batch = sample_batch(cora64, torch.arange(cora64.num_nodes), [None] * 3)
+    assert all(block.num_dst == block.num_src for block in batch.blocks)
+    measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu")  # Adam state exists
+    estimate = estimate_micro_batch(counts_of(batch.blocks), model_spec(config, cora64)).peak_bytes
+    measured = measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu").peak_bytes
+    tolerance = TOLERANCE.get(config.model.arch, DEFAULT_TOLERANCE)
+    assert abs(estimate - measured) <= tolerance * measured, (estimate, measured)
+
+
 @pytest.mark.parametrize("model", MATRIX_MODELS, ids=lambda m: m[-1].split("=")[1] if "sage" in m[0] else m[0][11:])
 @pytest.mark.parametrize("edge_weights", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("dropout", [0.0, 0.5])

@@ -25,9 +25,13 @@ class GATConv(nn.Module):
     Every dst node attends to itself (the dst ``d`` is src position ``d``, the
     dst-first convention): the layer appends one self edge per dst node to the
     block's edges, and leaves out any self edge the block already has, so an
-    isolated node attends only to itself. The block is not modified. Edge weights
-    are not used, and there is no dropout on the attention coefficients
-    (feature dropout is the model's node-keyed dropout).
+    isolated node attends only to itself. The block is not modified. On a weighted
+    block (LABOR's or GNS's importance weights, ``w_e ≈ 1/π_e``) an edge's attention is
+    ``α ∝ w_e·exp(e_sd)``, the softmax of ``e_sd + log w_e`` (self edges weigh 1): the
+    self-normalised importance estimate of the full neighbourhood's attention, as the
+    weighted mean is of the mean (an edge of integer weight w attends as w copies of it).
+    There is no dropout on the attention coefficients (feature dropout is the model's
+    node-keyed dropout).
 
     Args:
         in_feats: input width ``F_in``.
@@ -95,9 +99,12 @@ class GATConv(nn.Module):
         loops = torch.arange(block.num_dst, device=edge_src.device)
         edge_src, edge_dst = torch.cat([edge_src[keep], loops]), torch.cat([edge_dst[keep], loops])
         score_src = (z * self.att_src).sum(-1)
-        score_dst = (z[: block.num_dst] * self.att_dst).sum(-1)
+        score_dst = (block.dst_rows(z) * self.att_dst).sum(-1)
         scores = score_src.index_select(0, edge_src) + score_dst.index_select(0, edge_dst)
         scores = F.leaky_relu(scores, self.negative_slope)
+        if block.edge_weight is not None:  # softmax over w·exp(e): e + log w, self edges weighing 1
+            log_weight = torch.cat([block.edge_weight[keep].to(scores.dtype).log(), scores.new_zeros(block.num_dst)])
+            scores = scores + log_weight.unsqueeze(1)
         alpha = edge_softmax(scores, edge_dst, block.num_dst)
         out = attention_aggregate(z, alpha, edge_src, edge_dst, block.num_dst)
         out = out.flatten(1) if self.concat else out.mean(1)
@@ -156,6 +163,20 @@ class GATConv(nn.Module):
         activated = r.alloc(e2 * heads * f, AGG)  # leaky_relu saves its input
         r.save(scores)
         r.drop(scores)
+        if c.weighted:  # + log w: the kept weights (a boolean index), their logs, the self edges' zeros
+            nonzero = r.alloc(e * INDEX_BYTES, OVER)
+            kept = r.alloc(e * 4, OVER)
+            r.drop(nonzero)
+            if f != 4:  # float32 weights cast to the scores' dtype
+                converted = r.alloc(e * f, OVER)
+                r.drop(kept)
+                kept = converted
+            logs, zeros = r.alloc(e * f, OVER), r.alloc(d * f, OVER)
+            log_weight = r.alloc(e2 * f, OVER)
+            r.drop(kept, logs, zeros)
+            summed = r.alloc(e2 * heads * f, AGG)
+            r.drop(log_weight, activated)
+            activated = summed
         peak = r.alloc(d * heads * f, AGG)
         peak_gathered = r.alloc(e2 * heads * f, AGG)
         shifted = r.alloc(e2 * heads * f, AGG)
@@ -219,9 +240,11 @@ class GATConv(nn.Module):
             tape.param_grad(hf)
             tape.settle()
             r.drop(grad_score_dst)
-            sliced = r.alloc(s * hf * f, GRAD)  # SliceBackward
-            r.drop(grad_z_dst)
-            grad_z = tape.accumulate(grad_z, sliced)
+            if d < s:  # SliceBackward of Block.dst_rows (none when every src node is a dst node)
+                sliced = r.alloc(s * hf * f, GRAD)
+                r.drop(grad_z_dst)
+                grad_z_dst = sliced
+            grad_z = tape.accumulate(grad_z, grad_z_dst)
             grad_z_src = r.alloc(s * hf * f, GRAD)  # (z * att_src).sum backward
             r.transient(s * hf * f, GRAD)
             tape.param_grad(hf)
