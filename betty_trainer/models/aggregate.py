@@ -590,24 +590,23 @@ def lstm_neighbours_terms(tape: StepTape, c: LayerCounts, hd: int, a: int, hd_gr
     grads = {"W_ih": SharedGradient(r, steps, tape.accumulating),
              "W_hh": SharedGradient(r, steps - len(c.degree_histogram), tape.accumulating),
              "b": SharedGradient(r, steps, tape.accumulating, out_of_place_at=2)}  # as the profiler shows
-    groups, finals, edges = [], [], None
+    groups, finals, edges, seq = [], [], None, None
     for length, rows in c.degree_histogram:
         starts, steps = r.alloc(rows * INDEX_BYTES, OVER), r.alloc(length * INDEX_BYTES, OVER)
         new_edges = r.alloc(rows * length * INDEX_BYTES, OVER)
         r.drop(starts, steps, edges)
         edges = new_edges
         index = r.alloc(rows * length * INDEX_BYTES, AGG)  # indices[edges]
-        seq = r.alloc(rows * length * a * f, AGG)
+        previous, seq = seq, r.alloc(rows * length * a * f, AGG)
         if hd_grad:
             r.save(index)  # IndexSelectBackward keeps the index
-        r.drop(index)
+        r.drop(index, previous)  # a group's `sequences` lives until the next group's replaces it
         final, lstm_bwd = lstm_terms(tape, seq, rows, length, a, a, grads)
-        r.drop(seq)
         groups.append((rows, length, index, lstm_bwd))
         finals.append(final)
     rows_cat, finals_cat = r.alloc(active * INDEX_BYTES, AGG), r.alloc(active * a * f, AGG)
     r.save(rows_cat, finals_cat)  # IndexCopyBackward keeps the index and the source
-    r.drop(rows_cat, finals_cat, *finals, order, edges)
+    r.drop(rows_cat, finals_cat, *finals, order, edges, seq)
 
     def backward(grad: int, grad_h: int | None) -> int | None:
         """``grad_h``: the gradient ``h`` already has (from the self term), which every group's
