@@ -108,7 +108,8 @@ class GCN(LayerStack):
     def __init__(self, in_feats: int, hidden: int, out_feats: int, in_degrees: Tensor,
                  num_layers: int = 2, dropout: float = 0.5):
         super().__init__(layer_widths(in_feats, hidden, out_feats, num_layers), GCNConv, dropout)
-        self.register_buffer("inv_sqrt_degree", (in_degrees.float() + 1).rsqrt())
+        # a property of the graph, rebuilt from it: not saved in checkpoints
+        self.register_buffer("inv_sqrt_degree", (in_degrees.float() + 1).rsqrt(), persistent=False)
 
     def apply_layer(self, layer: nn.Module, block: Block, h: Tensor) -> Tensor:
         return layer(block, h, self.inv_sqrt_degree[block.src_nodes])
