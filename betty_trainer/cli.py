@@ -209,13 +209,20 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
         table.add_row(*cells)
     Console(width=max(console.width, 160)).print(table)
     redundancy = " / ".join(f"{r:.3f}" for r in report["redundancy_per_layer"])
-    budget_text = f"{_mib(budget)} MiB" if budget else "none (micro_batch.num_micro_batches)"
+    budget_text = _budget_text(report)
     full = report["full_batch"]["estimate_peak_bytes"]
     full_text = f"{_mib(full)} MiB" if full else "not computed (fixed K)"
     console.print(f"budget {budget_text}; full batch estimate {full_text}; "
                   f"K = {report['num_micro_batches']} (tried {[t['k'] for t in report['tried']]}); "
                   f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s; "
                   f"written to {args.output}", highlight=False, soft_wrap=True)
+
+
+def _budget_text(report: dict) -> str:
+    """The plan's budget for a training step, and what the feature store's device cache took from it."""
+    budget, store = report["budget_bytes"], report.get("feature_store_bytes", 0)
+    text = f"{_mib(budget)} MiB" if budget else "none (micro_batch.num_micro_batches)"
+    return text + (f" (after the feature store's {_mib(store)} MiB: node cache, staged macro-batch)" if store else "")
 
 
 def _print_layerwise_plan(console: Console, report: dict, args: argparse.Namespace) -> None:
@@ -229,10 +236,10 @@ def _print_layerwise_plan(console: Console, report: dict, args: argparse.Namespa
                       f"{largest['src']} / {largest['dst']} / {largest['edges']}",
                       f"{report['redundancy_per_layer'][index]:.3f}")
     Console(width=max(console.width, 120)).print(table)
-    budget, peak = report["budget_bytes"], report["estimate_peak_bytes"]
+    peak = report["estimate_peak_bytes"]
     measured = (f"; measured {_mib(report['measured_peak_bytes'])} MiB ({report['error']:+.1%})"
                 if "error" in report else "")
-    console.print(f"budget {f'{_mib(budget)} MiB' if budget else 'none (micro_batch.num_micro_batches)'}; "
+    console.print(f"budget {_budget_text(report)}; "
                   f"estimated peak {_mib(peak) + ' MiB' if peak else '-'}{measured}; estimated work {report['work']:,}; "
                   f"tried {[t['k'] for t in report['tried']]}; planning took {report['planning_seconds']:.3f} s; "
                   f"written to {args.output}", highlight=False, soft_wrap=True)

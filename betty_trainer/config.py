@@ -269,7 +269,8 @@ class FeaturesConfig(_Section):
     macro_batch_budget: int | None = Field(
         None, description="device bytes a staged macro-batch may take (its distinct input rows x row bytes); a "
                           "group of features.macro_batch batches over it is staged in several rounds of consecutive "
-                          "batches (BatchGNN's F <= B); null = no limit")
+                          "batches (BatchGNN's F <= B), and a batch over it on its own is not staged; null = no "
+                          "limit (refused under a micro_batch.budget)")
 
     @field_validator("macro_batch_budget", mode="before")
     @classmethod

@@ -252,7 +252,7 @@ def _losses(tmp_path, monkeypatch, name, overrides):
     ["features.cache.kind=lru", "features.cache.size=50"],
     ["features.macro_batch=1"],
     ["features.cache.kind=lru", "features.macro_batch=4"],
-    ["features.macro_batch=5", "features.macro_batch_budget=20KB"],
+    ["features.macro_batch=5", "features.macro_batch_budget=72KB"],  # one batch fits (a batch over it is not staged)
 ])
 def test_training_with_a_cache_gives_the_losses_of_training_without_one(tmp_path, monkeypatch, overrides):
     cached, store, cached_counts = _losses(tmp_path, monkeypatch, "cached", overrides)
@@ -280,3 +280,58 @@ def test_the_progress_line_shows_the_feature_hit_rate_and_the_bytes_moved_only_w
     cached = trainer_module.EpochMetrics(0, 1.0, 0.5, 0.5, 0.4, 1, 1.0, 1.0, host_to_device_bytes=3 * 2**20,
                                          feature_hits=30, feature_misses=70)
     assert trainer_module._status(cached, best).endswith("feature hits 30% · 3 MiB to the device")
+
+
+# --- what the memory plan leaves for the store -----------------------------------------------------------------
+
+def test_the_device_bytes_bound_equals_what_a_full_store_holds(x):
+    host = HostFeatureStore(x, pin=False)
+    nodes = x.shape[0]
+    static = CachedFeatureStore(host, CPU, "static", capacity=5, degrees=torch.arange(nodes))
+    static.gather(ids(0, 1), CPU)  # the first gather fills it
+    assert static.device_bytes == cache_module.device_bytes_bound("static", 5, nodes, ROW)
+    lru = CachedFeatureStore(host, CPU, "lru", capacity=4)
+    lru.gather(ids(0, 1, 2, 3, 4, 5), CPU)
+    assert lru.device_bytes == cache_module.device_bytes_bound("lru", 4, nodes, ROW)
+    gns = CachedFeatureStore(host, CPU, "gns", node_source=lambda key: ids(2, 3, 7))
+    gns.start_batch(0)
+    assert gns.device_bytes == cache_module.device_bytes_bound("gns", 3, nodes, ROW)
+    staging = CachedFeatureStore(host, CPU, "lru", capacity=4)
+    staging.stage(ids(1, 2, 3, 5, 8, 13, 2))  # 6 distinct rows
+    assert staging.device_bytes == cache_module.device_bytes_bound("lru", 4, nodes, ROW, stage_rows=6)
+
+
+def test_the_planner_budget_is_what_the_feature_store_leaves():
+    from betty_trainer.datasets import load_dataset
+    from betty_trainer.memory.plan import make_planner
+    from betty_trainer.sampling.schedule import feature_store_device_bytes
+
+    overrides = SMALL + ["micro_batch.budget=64MB", "features.cache.kind=lru", "features.cache.size=50",
+                         "features.macro_batch=2", "features.macro_batch_budget=20KB"]
+    config = load_config(None, overrides)
+    graph = load_dataset(config.dataset)
+    row = graph.x.shape[1] * 4
+    reserved = feature_store_device_bytes(config, graph)
+    assert reserved == cache_module.device_bytes_bound("lru", 50, graph.num_nodes, row, 20_000 // row)
+    planner = make_planner(config, graph, None, CPU)
+    assert planner.feature_store_bytes == reserved and planner.budget == 64_000_000 - reserved
+    with pytest.raises(ConfigError, match="leaving nothing for a training step"):
+        make_planner(load_config(None, overrides[:-2] + ["micro_batch.budget=8KB"]), graph, None, CPU)
+    with pytest.raises(ConfigError, match="needs features.macro_batch_budget"):
+        feature_store_device_bytes(load_config(None, overrides[:-1]), graph)
+    assert feature_store_device_bytes(load_config(None, SMALL), graph) == 0
+
+
+def test_a_batch_over_the_macro_batch_budget_on_its_own_is_not_staged(monkeypatch):
+    from betty_trainer.datasets import load_dataset
+    from betty_trainer.sampling.schedule import epoch_seeds, sampled_batches
+
+    config = load_config(None, SMALL + ["features.macro_batch=2", "features.macro_batch_budget=1KB"])
+    graph = load_dataset(config.dataset)
+    sampler = make_sampler(config, graph)
+    store = make_feature_store(config, graph, CPU, sampler)
+    staged = []
+    monkeypatch.setattr(store, "stage", lambda nodes: staged.append(nodes))
+    batches = list(sampled_batches(config, sampler, store, epoch_seeds(config, graph, 0), 0))
+    assert batches and all(b.input_nodes.numel() * store.row_bytes > 1000 for _, _, b in batches)
+    assert staged == []  # every batch alone is over 1 KB: gathered per micro-batch instead

@@ -81,6 +81,37 @@ def cache_capacity(size: float | int, num_nodes: int, row_bytes: int) -> int:
     return min(num_nodes, int(size))
 
 
+def device_bytes_bound(kind: CacheKind, cache_rows: int, num_nodes: int, row_bytes: int, stage_rows: int = 0) -> int:
+    """The most device bytes a :class:`CachedFeatureStore` holds between gathers: what a memory plan
+    leaves room for beside a training step (the budget is what is left after it).
+
+    Held: the ``(N,)`` int32 slot table; a ``static``/``lru`` cache's rows with their int64 node ids and
+    stamps; a ``gns`` cache's rows with its int64 node set; when macro-batches are staged
+    (``stage_rows > 0``), their ``(N,)`` int32 table and up to ``stage_rows`` rows with their int64 ids
+    and bool "not yet requested" flags. A ``gns`` refresh briefly holds the old and the new rows: it
+    runs between training steps, so it is not counted.
+
+    Args:
+        kind: the cache kind (``"none"`` caches nothing but still keeps the slot table).
+        cache_rows: the cache's rows (:func:`cache_capacity`; for ``gns`` the sampler's cache size).
+        num_nodes: ``N``.
+        row_bytes: bytes of one node's features.
+        stage_rows: the most rows a staged macro-batch holds (0 without macro-batches).
+
+    Returns:
+        Bytes; equal to :attr:`CachedFeatureStore.device_bytes` once the cache is full and a macro-batch
+        of ``stage_rows`` rows is staged.
+    """
+    held = 4 * num_nodes
+    if kind in ("static", "lru"):
+        held += cache_rows * (row_bytes + 16)
+    elif kind == "gns":
+        held += cache_rows * (row_bytes + 8)
+    if stage_rows:
+        held += 4 * num_nodes + stage_rows * (row_bytes + 8 + 1)
+    return held
+
+
 class CachedFeatureStore:
     """A device node cache and macro-batch staging in front of a host store (see the module docstring).
 
@@ -159,8 +190,8 @@ class CachedFeatureStore:
         """Device bytes the store holds now: the cache's rows and bookkeeping (``(N,)`` int32 slot table,
         ``capacity`` node ids and stamps), and a staged macro-batch's rows and table: what a memory plan
         must leave room for besides the model's activations."""
-        held = [self._rows, self._slot, self._node, self._stamp, self._stage_table, self._stage_rows,
-                self._stage_nodes, self._stage_owed]
+        held = [self._rows, self._slot, self._node, self._stamp, self._cached_set, self._stage_table,
+                self._stage_rows, self._stage_nodes, self._stage_owed]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     # --- batch hooks -----------------------------------------------------------------------------------------

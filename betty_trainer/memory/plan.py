@@ -28,6 +28,7 @@ from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.rng import compiled_kernels
+from betty_trainer.sampling.schedule import feature_store_device_bytes
 from betty_trainer.training.layerwise import LayerwiseBatch, projected_layers, projected_terms
 from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
@@ -115,6 +116,9 @@ class MicroBatchPlanner:
             ``None`` for an uncalibrated custom model; without an estimate only a fixed
             ``K`` is possible.
         device: where training runs (for ``budget: auto``).
+        feature_store_bytes: device bytes the feature store holds between steps (its node cache and a
+            staged macro-batch: :func:`~betty_trainer.sampling.schedule.feature_store_device_bytes`);
+            the budget a step may use is ``micro_batch.budget`` minus these.
 
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
     ``src_nodes``, ``indptr``, ``indices`` and ``edge_weight`` compared with
@@ -125,14 +129,23 @@ class MicroBatchPlanner:
     count the two cases.
 
     Raises:
-        ConfigError: a budget with an uncalibrated custom model, or ``auto`` on CPU.
+        ConfigError: a budget with an uncalibrated custom model, ``auto`` on CPU, or a feature store that
+            takes the whole budget.
     """
 
-    def __init__(self, config: MicroBatchConfig, spec: ModelSpec | CalibratedModel | None, device: torch.device):
+    def __init__(self, config: MicroBatchConfig, spec: ModelSpec | CalibratedModel | None, device: torch.device,
+                 feature_store_bytes: int = 0):
         self.config = config
         self.spec = spec if isinstance(spec, ModelSpec) else None
         self.calibrated = spec if isinstance(spec, CalibratedModel) else None
+        self.feature_store_bytes = feature_store_bytes
         self.budget = resolve_budget(config, device)
+        if self.budget is not None and feature_store_bytes:
+            if feature_store_bytes >= self.budget:
+                raise ConfigError(f"the feature store's node cache and staged macro-batch take {feature_store_bytes} "
+                                  f"bytes of the {self.budget}-byte micro_batch.budget, leaving nothing for a training "
+                                  "step; shrink features.cache.size or features.macro_batch_budget, or raise the budget")
+            self.budget -= feature_store_bytes
         if self.budget is not None and spec is None:
             raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "
                               "betty_trainer.memory.custom.calibrate_model (train() does), or set "
@@ -425,13 +438,14 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         ConfigError: see :class:`MicroBatchPlanner`.
         CalibrationError: the custom model cannot be calibrated (the message names the cause).
     """
+    reserved = feature_store_device_bytes(config, graph)
     if model is None:
-        return MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
+        return MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device, reserved)
     if config.micro_batch.mode == "layerwise" and not runs_layer_by_layer(model):
         raise ConfigError(f"micro_batch.mode=layerwise: {type(model).__name__} cannot run layer by layer (it needs a "
                           "LayerStack whose forward is the stack's own); use micro_batch.mode=betty")
     if config.micro_batch.budget is None:
-        planner = MicroBatchPlanner(config.micro_batch, None, device)
+        planner = MicroBatchPlanner(config.micro_batch, None, device, reserved)
         planner.layerwise_allowed = runs_layer_by_layer(model)
         return planner
     if config.micro_batch.mode == "layerwise":
@@ -445,7 +459,7 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         lambda params: torch.optim.Adam(params, lr=optim.lr, weight_decay=optim.weight_decay), device)
     logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
                 type(model).__name__, time.perf_counter() - started, 100 * calibrated.max_relative_error)
-    planner = MicroBatchPlanner(config.micro_batch, calibrated, device)
+    planner = MicroBatchPlanner(config.micro_batch, calibrated, device, reserved)
     planner.layerwise_allowed = False  # a calibrated fit models micro-batches, not layer-wise chunks
     return planner
 
@@ -471,6 +485,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
             "chunks_per_layer": plan.k,
             "layer_outputs_on": "host" if plan.host_outputs else "device",
             "budget_bytes": plan.budget,
+            "feature_store_bytes": planner.feature_store_bytes,
             "partitioner": planner.config.partitioner,
             "full_batch": {"outputs": batch.output_nodes.numel(), "layers": _layer_sizes(batch)},
             "estimate_peak_bytes": plan.estimate or None,
@@ -497,6 +512,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
         "work": plan.work,
         "num_micro_batches": plan.k,
         "budget_bytes": plan.budget,
+        "feature_store_bytes": planner.feature_store_bytes,
         "partitioner": planner.config.partitioner,
         "full_batch": {"outputs": batch.output_nodes.numel(), "estimate_peak_bytes": plan.full_batch_estimate or None,
                        "layers": _layer_sizes(batch)},

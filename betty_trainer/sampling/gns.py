@@ -68,6 +68,11 @@ class NodeCache:
     refresh: tuple[int, int]
 
 
+def gns_cache_size(cache_fraction: float, num_nodes: int) -> int:
+    """Nodes in the GNS cache: ``max(1, ⌈cache_fraction · N⌉)`` (GNS §3.1)."""
+    return max(1, math.ceil(cache_fraction * num_nodes))
+
+
 class GNSSampler:
     """Cache-first neighbour sampling with importance weights (GNS §3, Alg. 1).
 
@@ -100,7 +105,7 @@ class GNSSampler:
             raise ValueError(f"cache_probability must be auto, degree or random_walk; got {cache_probability!r}")
         self.graph = graph
         self.fanouts = [_check_fanout(f) for f in fanouts]
-        self.cache_size = max(1, math.ceil(cache_fraction * graph.num_nodes))
+        self.cache_size = gns_cache_size(cache_fraction, graph.num_nodes)
         self.refresh_every = int(refresh_every)
         self.cache_only_input_layer = bool(cache_only_input_layer)
         if cache_probability == "auto":

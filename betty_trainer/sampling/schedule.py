@@ -13,13 +13,13 @@ from torch import Tensor
 
 from betty_trainer.config import Config
 from betty_trainer.data.block import Batch
-from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
+from betty_trainer.data.cache import CachedFeatureStore, cache_capacity, device_bytes_bound
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import SampleKey, Sampler
-from betty_trainer.sampling.gns import GNSSampler
+from betty_trainer.sampling.gns import GNSSampler, gns_cache_size
 from betty_trainer.sampling.labor import LaborSampler
 from betty_trainer.sampling.neighbor import NeighborSampler
 
@@ -93,6 +93,36 @@ def first_batch(config: Config, graph: Graph) -> Batch:
     return make_sampler(config, graph).sample(epoch_seeds(config, graph, 0)[0], SampleKey(config.seed, 0, 0))
 
 
+def feature_store_device_bytes(config: Config, graph: Graph) -> int:
+    """The most device bytes the feature store of ``config`` holds on ``graph`` between training steps
+    (:func:`~betty_trainer.data.cache.device_bytes_bound`): 0 for the plain host store; the node cache and
+    a staged macro-batch of at most ``features.macro_batch_budget`` bytes of rows otherwise. The planner
+    subtracts it from ``micro_batch.budget``.
+
+    Raises:
+        ConfigError: macro-batches without ``features.macro_batch_budget`` under a ``micro_batch.budget``
+            (their size would be unbounded, so no budget could be kept).
+    """
+    features = config.features
+    kind = features.cache.kind
+    if kind == "none" and features.macro_batch == 0:
+        return 0
+    row_bytes = graph.x.shape[1] * graph.x.element_size()
+    if kind == "gns":
+        rows = gns_cache_size(config.sampling.gns.cache_fraction, graph.num_nodes)
+    else:
+        rows = 0 if kind == "none" else cache_capacity(features.cache.size, graph.num_nodes, row_bytes)
+    stage_rows = 0
+    if features.macro_batch:
+        if features.macro_batch_budget is None:
+            if config.micro_batch.budget is not None:
+                raise ConfigError("features.macro_batch under micro_batch.budget needs features.macro_batch_budget "
+                                  "(the device bytes a staged macro-batch may take), so the plan can leave room for it")
+        else:
+            stage_rows = min(graph.num_nodes, features.macro_batch_budget // max(row_bytes, 1))
+    return device_bytes_bound(kind, rows, graph.num_nodes, row_bytes, stage_rows)
+
+
 def make_feature_store(config: Config, graph: Graph, device: torch.device | str, sampler: Sampler,
                        host: HostFeatureStore | None = None) -> FeatureStore:
     """The feature store ``config.features`` asks for on ``device`` (DESIGN.md › Feature store).
@@ -136,6 +166,10 @@ def sampled_batches(config: Config, sampler: Sampler, features: FeatureStore, se
     ``M``-th. Batches are keyed by ``SampleKey(config.seed, epoch, index)`` whether sampled ahead
     or not, so the batches are the same with and without macro-batching.
 
+    With ``features.macro_batch_budget``, the batches are staged in rounds whose rows fit it
+    (:func:`staging_rounds`); a batch whose own rows do not fit is not staged (its micro-batches gather
+    as without macro-batching), so a staged macro-batch never holds more than the budget.
+
     Memory: with macro-batching ``M`` sampled batches and the union's rows are alive at once.
     """
     group = max(1, config.features.macro_batch)
@@ -148,15 +182,17 @@ def sampled_batches(config: Config, sampler: Sampler, features: FeatureStore, se
         rounds = staging_rounds([batch.input_nodes for batch in batches], features.row_bytes, budget) \
             if staging else [range(len(batches))]
         for members in rounds:
-            if staging:
-                features.stage(torch.cat([batches[m].input_nodes for m in members]))
+            nodes = torch.cat([batches[m].input_nodes for m in members]) if staging else None
+            staged = staging and (budget is None or torch.unique(nodes).numel() * features.row_bytes <= budget)
+            if staged:  # a batch over the budget on its own is gathered per micro-batch, not staged
+                features.stage(nodes)
             try:
                 for m in members:
                     if cached:
                         features.start_batch(SampleKey(config.seed, epoch, indices[m]))
                     yield indices[m], seed_batches[indices[m]], batches[m]
             finally:
-                if staging:
+                if staged:
                     features.unstage()
         del batches
 

@@ -7,7 +7,7 @@ import torch
 from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
-from betty_trainer.memory.plan import MicroBatchPlanner, model_spec, plan_report
+from betty_trainer.memory.plan import make_planner, plan_report
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, plan_seed
 from betty_trainer.training.layerwise import LayerwiseBatch, measure_layerwise_step
@@ -38,7 +38,7 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     device = resolve_device(config.train.device)
     graph = load_dataset(config.dataset)
     check_model_size(config, graph, device)
-    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph, device), device)
+    planner = make_planner(config, graph, None, device)
     batch = first_batch(config, graph)
     micro_batches, plan = planner.plan(batch, plan_seed(config))  # built one at a time, as training builds them
     report = plan_report(planner, batch, micro_batches, plan)
