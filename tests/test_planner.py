@@ -217,3 +217,23 @@ def test_auto_chooses_a_plan_that_fits_the_budget_measured(cora, cora_full_batch
                                              accumulate=index > 0).peak_bytes
                        for index, micro_batch in enumerate(work))
     assert measured <= budget, (plan.mode, plan.k, measured, budget)
+
+
+@pytest.mark.parametrize("aggregator, linear, aggregate", [
+    ("mean", (10 + 4) * 8 * 4, 20 * 4),  # projected first (8 > 4) on the src rows, fc_self on the dst rows
+    ("gcn", 10 * 8 * 4, 20 * 4),  # no fc_self
+    ("pool", (4 + 4) * 8 * 4 + 10 * 8 * 8, 20 * 8),  # fc_pool on the src rows; max over 8-wide rows
+    ("lstm", (4 + 4) * 8 * 4, 20 * 8 * 8 * 8),  # an LSTM step (8·a²) per edge
+])
+def test_step_work_counts_each_sage_aggregator_s_own_maps(aggregator, linear, aggregate):
+    """``auto``'s work model by hand: one layer 8 → 4, 10 src rows, 4 dst rows, 20 edges; a micro-batch runs
+    it forward and backward (the input layer's input takes no gradient), a layer-wise step once more."""
+    from types import SimpleNamespace
+
+    from betty_trainer.memory.plan import MASK_COST, step_work
+
+    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1)
+    piece = SimpleNamespace(num_src=10, num_dst=4, indptr=torch.tensor([0, 5, 10, 15, 20]))
+    gather = 10 * 8 * MASK_COST
+    assert step_work(spec, [[piece]], layerwise=False) == 2 * (linear + aggregate) + gather
+    assert step_work(spec, [[piece]], layerwise=True) == 3 * (linear + aggregate) + 2 * gather

@@ -313,9 +313,11 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise
     Per layer of widths ``a → b`` (a GAT layer's ``b``: its heads' width), from the rows and edges the slices
     hold (a row read by several slices counts in each: the redundancy):
 
-    - the linear maps: ``a·b`` per row they run on: the src rows when the layer projects first (SAGE and
-      GCN when ``a > b``, GAT always; SAGE's self term runs on the dst rows), else the dst rows;
-    - the aggregation: per edge, the width aggregated (``b`` when projected first, else ``a``);
+    - the linear maps: ``a·b`` per row they run on: the src rows when the layer projects first (SAGE
+      ``mean``/``gcn`` and GCN when ``a > b``, GAT always), else the dst rows; SAGE's self term (every
+      aggregator but ``gcn``) on the dst rows; SAGE ``pool``'s ``fc_pool`` (``a·a``) on the src rows;
+    - the aggregation: per edge, the width aggregated (``b`` when projected first, else ``a``); SAGE
+      ``lstm``: one LSTM step per edge, ``8·a²`` (four gates over the input and the hidden state);
     - the input rows' gather and node-keyed dropout: :data:`MASK_COST` per element.
 
     Passes: a micro-batch runs a forward and a backward (two more of each linear map above layer 1, one at
@@ -335,13 +337,18 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise
         src = sum(piece.num_src for piece in pieces)
         dst = sum(piece.num_dst for piece in pieces)
         edges = sum(int(piece.indptr[-1]) for piece in pieces)
-        first = spec.arch == "gat" or a > b
+        linear_aggregator = spec.arch != "sage" or spec.aggregator in ("mean", "gcn")
+        first = spec.arch == "gat" or (linear_aggregator and a > b)
         linear_rows = src if first else dst
-        if spec.arch == "sage":
+        if spec.arch == "sage" and spec.aggregator != "gcn":
             linear_rows += dst  # fc_self
         if index < len(projected_rows) and projected_rows[index] is not None:
             linear_rows = projected_rows[index]
         linear, aggregate, gather = linear_rows * a * b, edges * (b if first else a), src * a * MASK_COST
+        if spec.arch == "sage" and spec.aggregator == "pool":
+            linear += src * a * a  # fc_pool, before the max
+        elif spec.arch == "sage" and spec.aggregator == "lstm":
+            aggregate = edges * 8 * a * a  # an LSTM step per edge
         backward_linear = 1 if index == 0 else 2
         passes = 1 + backward_linear + (1 if layerwise else 0)
         total += passes * (linear + aggregate) + (2 if layerwise else 1) * gather
