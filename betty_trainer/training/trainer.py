@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from betty_trainer.config import Config
 from betty_trainer.data.block import Batch
+from betty_trainer.data.cache import CachedFeatureStore
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, as_feature_store
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
@@ -228,6 +229,8 @@ def train(
     scheduler = make_scheduler(config, optimizer)
     sampler = make_sampler(config, graph)
     features = make_feature_store(config, graph, device, sampler, HostFeatureStore(graph.x, pin=device.type == "cuda"))
+    # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
+    evaluation_features = features.host if isinstance(features, CachedFeatureStore) else features
     splits = {"val": graph.val_idx, "test": graph.test_idx}
     model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
     ident = identity(dataset_identity(graph), model_id, model.state_dict())
@@ -307,7 +310,7 @@ def train(
                                         f"try a lower optim.lr; {_last_good(path, epoch)}")
 
                 evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
-                accuracy = (evaluate_splits(model, graph, features, device, splits, config.model.num_layers)
+                accuracy = (evaluate_splits(model, graph, evaluation_features, device, splits, config.model.num_layers)
                             if evaluate_now else {})
                 val_acc, test_acc = accuracy.get("val"), accuracy.get("test")
                 last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),
