@@ -151,6 +151,7 @@ def test_cuda_peak_includes_what_was_allocated_before():
     # out its whole new segment (rounded to 2 MiB) when the remainder is under 1 MiB, so 1e6-byte sizes do not
     # add up exactly in max_memory_allocated (this test failed on an H100 with MB = 10**6).
     mib = 2**20
+    torch.cuda.empty_cache()  # no cached block left by an earlier test can serve (and round up) these requests
     before = torch.empty(5 * mib, dtype=torch.uint8, device="cuda")
 
     def step():

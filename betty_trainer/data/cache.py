@@ -181,11 +181,6 @@ class CachedFeatureStore:
         return torch.sort(self._node[self._node >= 0]).values
 
     @property
-    def cache_bytes(self) -> int:
-        """Device bytes the cache's rows occupy (``capacity × row bytes``; the lookup table adds ``4 N``)."""
-        return self._rows.shape[0] * self.row_bytes
-
-    @property
     def device_bytes(self) -> int:
         """Device bytes the store holds now: the cache's rows and bookkeeping (``(N,)`` int32 slot table,
         ``capacity`` node ids and stamps), and a staged macro-batch's rows and table: what a memory plan

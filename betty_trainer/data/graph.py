@@ -138,15 +138,17 @@ class Graph:
         masks: tuple[str, str, str] = ("train_mask", "val_mask", "test_mask"),
         num_classes: int | None = None,
         symmetric: bool = False,
-        drop_self_loops: bool = False,
+        drop_self_loops: bool = True,
         name: str = "dgl",
     ) -> Graph:
         """Build a graph from a homogeneous ``dgl.DGLGraph`` laid out as DGL's node-classification datasets are
         (``CoraGraphDataset()[0]``, ``AsNodePredDataset``): features, labels and split masks in ``g.ndata``.
 
         DGL is not imported: ``g`` is read through its ``num_nodes()``, ``edges()``, ``is_homogeneous`` and
-        ``ndata``. Its edges are kept as they are (a DGL dataset graph already holds both directions and
-        its self-loops, if any) except that duplicate edges become one, as :class:`Graph` requires.
+        ``ndata``. Its edges are kept as they are (a DGL dataset graph already holds both directions),
+        except that duplicate edges become one, as :class:`Graph` requires, and self-loops are dropped as
+        every loader drops them (GAT and SAGE add a node's own row themselves; the memory estimate assumes
+        blocks without them).
 
         Args:
             g: the graph, on any device (tensors are copied to the CPU).
@@ -155,7 +157,7 @@ class Graph:
                 gives an empty split.
             num_classes: ``C``; default ``max(label) + 1``.
             symmetric: also add every reverse edge. Default ``False``.
-            drop_self_loops: remove ``v → v`` edges. Default ``False``.
+            drop_self_loops: remove ``v → v`` edges. Default ``True``; ``False`` keeps them.
             name: dataset name, for logs.
 
         Returns:

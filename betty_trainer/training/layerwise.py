@@ -197,7 +197,8 @@ def layerwise_backward(
 
 def output_storage(rows: int, like: Tensor, host: bool) -> Tensor:
     """Where a layer's output ``h_l`` is kept: like ``like`` on its device, or (``host``) in host memory,
-    page-locked when CUDA is available so the chunks' row copies to the device can be asynchronous.
+    page-locked when CUDA is available. (A chunk's rows are gathered by indexing, which makes a pageable
+    tensor, so their copy to the device is synchronous; a pinned staging buffer would make it asynchronous.)
 
     Shapes:
         ``(rows, like.shape[1])``, ``like``'s dtype.
