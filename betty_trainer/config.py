@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from betty_trainer.data.cache import CACHE_KINDS, cache_capacity
 from betty_trainer.errors import ConfigError
 from betty_trainer.models.sage import AGGREGATORS
 from partition import PARTITIONERS
@@ -230,10 +231,6 @@ class SamplingConfig(_Section):
         return self
 
 
-CACHE_KINDS = ("none", "static", "lru", "gns")
-"""The device node caches ``features.cache.kind`` names (betty_trainer/data/cache.py)."""
-
-
 class CacheConfig(_Section):
     """``features.cache``: the device node cache in front of the host features (issue 8; GNS §3)."""
 
@@ -247,14 +244,7 @@ class CacheConfig(_Section):
     @field_validator("size", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a fraction in (0, 1], a node count or a size such as '256MiB', got {value!r}")
-        if isinstance(value, float) and not 0 < value <= 1:
-            raise ValueError(f"a fraction of the nodes must be in (0, 1], got {value}")
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"a node count must be at least 1, got {value}")
-        if isinstance(value, str):
-            parse_bytes(value)  # raises with the size hint
+        cache_capacity(value, num_nodes=1, row_bytes=1)  # its rules, before any graph is known (ValueError)
         return value
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ from torch import Tensor
 from betty_trainer.data.feature_store import HostFeatureStore, TransferStats, same_device, transfer_bytes
 
 CacheKind = Literal["none", "static", "lru", "gns"]
-CACHE_KINDS: tuple[str, ...] = ("none", "static", "lru", "gns")
+CACHE_KINDS: tuple[str, ...] = get_args(CacheKind)  # what features.cache.kind may name
 FILL_CHUNK_ROWS = 65536  # a cache fill reads the host in chunks of this many rows (bounds the pinned staging buffer)
 
 
