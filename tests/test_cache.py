@@ -102,11 +102,11 @@ def test_a_staged_macro_batch_reads_each_node_once_and_counts_a_miss_at_its_firs
     assert store.stats == TransferStats(hits=4, misses=3, host_to_device_bytes=7 * ROW, cache_fill_bytes=3 * ROW)
     assert torch.equal(store.gather(ids(0), CPU), x[ids(0)])  # neither staged nor cached: read now
     assert store.stats == TransferStats(4, 4, 8 * ROW, 3 * ROW)
-    assert store.device_bytes == 3 * ROW + 20 * 4 + 3 * 8 * 2 + (20 * 4 + 5 * ROW + 5 * 8 + 5 * 1)
+    assert store.device_bytes == 3 * ROW + 20 * 4 + 3 * 8 + (20 * 4 + 5 * ROW + 5 * 8 + 5 * 1)
     store.unstage()  # 9 was read for the stage and never requested
     assert store.stats == TransferStats(4, 4, 8 * ROW, 4 * ROW)
     assert store.staged_rows == 0
-    assert store.device_bytes == 3 * ROW + 20 * 4 + 3 * 8 * 2 + 20 * 4  # the stage's table stays allocated
+    assert store.device_bytes == 3 * ROW + 20 * 4 + 3 * 8 + 20 * 4  # the stage's table stays allocated
 
 
 def test_macro_batch_gathering_moves_exactly_the_lower_bound(x, crossing):

@@ -85,14 +85,15 @@ def device_bytes_bound(kind: CacheKind, cache_rows: int, num_nodes: int, row_byt
     """The most device bytes a :class:`CachedFeatureStore` holds between gathers: what a memory plan
     leaves room for beside a training step (the budget is what is left after it).
 
-    Held: the ``(N,)`` int32 slot table; a ``static``/``lru`` cache's rows with their int64 node ids and
-    stamps; a ``gns`` cache's rows with its int64 node set; when macro-batches are staged
+    Held: a cache's ``(N,)`` int32 slot table (none for kind ``none``); a ``static`` cache's rows with their
+    int64 node ids, an ``lru`` cache's with their ids and int64 stamps; a ``gns`` cache's rows with its int64
+    node set; when macro-batches are staged
     (``stage_rows > 0``), their ``(N,)`` int32 table and up to ``stage_rows`` rows with their int64 ids
     and bool "not yet requested" flags. A ``gns`` refresh briefly holds the old and the new rows: it
     runs between training steps, so it is not counted.
 
     Args:
-        kind: the cache kind (``"none"`` caches nothing but still keeps the slot table).
+        kind: the cache kind (``"none"``: no cache, only staged macro-batches).
         cache_rows: the cache's rows (:func:`cache_capacity`; for ``gns`` the sampler's cache size).
         num_nodes: ``N``.
         row_bytes: bytes of one node's features.
@@ -102,10 +103,10 @@ def device_bytes_bound(kind: CacheKind, cache_rows: int, num_nodes: int, row_byt
         Bytes; equal to :attr:`CachedFeatureStore.device_bytes` once the cache is full and a macro-batch
         of ``stage_rows`` rows is staged.
     """
-    held = 4 * num_nodes
-    if kind in ("static", "lru"):
+    held = 0 if kind == "none" else 4 * num_nodes
+    if kind == "lru":
         held += cache_rows * (row_bytes + 16)
-    elif kind == "gns":
+    elif kind in ("static", "gns"):
         held += cache_rows * (row_bytes + 8)
     if stage_rows:
         held += 4 * num_nodes + stage_rows * (row_bytes + 8 + 1)
@@ -154,10 +155,11 @@ class CachedFeatureStore:
         self.capacity = 0 if kind in ("none", "gns") else min(int(capacity), num_nodes)
         self._degrees = degrees
         self._node_source = node_source
-        self._slot = torch.full((num_nodes,), -1, dtype=torch.int32, device=self.device)
+        # the (N,) slot table serves lookups into a cache (none without one); stamps order an LRU cache only
+        self._slot = torch.full((num_nodes if kind != "none" else 0,), -1, dtype=torch.int32, device=self.device)
         self._rows = torch.empty((self.capacity, width), dtype=host.x.dtype, device=self.device)
         self._node = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-        self._stamp = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+        self._stamp = torch.full((self.capacity if kind == "lru" else 0,), -1, dtype=torch.int64, device=self.device)
         self._clock = 0
         self._filled = kind != "static"
         self._cached_set: Tensor | None = None  # gns: the node set resident now
