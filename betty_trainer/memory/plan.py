@@ -270,6 +270,8 @@ class MicroBatchPlanner:
                 on_host = self.layerwise_peak(batch, chunks, host_outputs=True)
                 if on_host <= self.budget:
                     chunks.host_outputs, peak = True, on_host
+                else:  # neither fits: the lower peak is what more chunks can still improve on (the floor check)
+                    peak = min(peak, on_host)
             tried.append((k, peak))
             return chunks, peak
 
