@@ -350,3 +350,12 @@ def test_evaluation_reads_through_the_host_store_not_the_training_cache(tmp_path
     trainer_module.train(load_config(None, SMALL + ["features.cache.kind=lru", "features.cache.size=50"]),
                          run_dir=tmp_path / "run")
     assert seen and all(isinstance(features, HostFeatureStore) for features in seen)
+
+
+def test_a_gns_refresh_takes_rows_a_staged_macro_batch_already_holds(x, crossing):
+    store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "gns", node_source=lambda key: ids(2, 3, 4, 9))
+    store.stage(ids(1, 2, 3, 4, 5))
+    read = store.stats.snapshot()
+    store.start_batch(0)  # 2, 3, 4 come from the stage on the device; only 9 is read from the host
+    assert store.stats - read == TransferStats(0, 0, ROW, cache_fill_bytes=ROW)
+    assert torch.equal(store.gather(ids(9, 2, 4), CPU), x[ids(9, 2, 4)])

@@ -195,7 +195,9 @@ class CachedFeatureStore:
 
     def start_batch(self, key: Any) -> None:
         """Tell the store which batch comes next: a ``gns`` cache takes the batch's node set
-        (``node_source(key)``), refilling the device copy when it changed. Other kinds do nothing."""
+        (``node_source(key)``), refilling the device copy when it changed; rows already on the device (in
+        the old set or in a staged macro-batch) are copied there, only the others are read from the host.
+        Other kinds do nothing."""
         if self.kind != "gns":
             return
         nodes = self._node_source(key).to(self.device).long()
@@ -207,6 +209,11 @@ class CachedFeatureStore:
         old_slot = self._slot[nodes]
         resident = old_slot >= 0
         rows[resident] = self._rows[old_slot[resident].long()]  # already on the device: no transfer
+        if self._stage_position is not None:  # rows of a staged macro-batch are on the device too
+            staged = self._stage_position[nodes].long()
+            from_stage = ~resident & (staged >= 0)
+            rows[from_stage] = self._stage_rows[staged[from_stage]]
+            resident = resident | from_stage
         self._read_host_into(rows, torch.nonzero(~resident).squeeze(1), nodes[~resident])
         if self._cached_set is not None:
             self._slot[self._cached_set] = -1
