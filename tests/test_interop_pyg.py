@@ -17,13 +17,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from betty_trainer import GraphSAGE, plan_micro_batches, sample_batch, train
-from betty_trainer.config import load_config
-from betty_trainer.models import set_dropout_key
+from betty_trainer import GraphSAGE, sample_batch
 from betty_trainer.models.interop import PyGLayer, PyGModel
 from betty_trainer.models.stack import LayerStack, layer_widths
-from tests.test_exactness import assert_same_gradients, gradients
-from tests.test_runs import QUICKSTART, SMALL
+from tests.interop_checks import assert_micro_batches_equal_full_batch, assert_trains_with_the_trainer
 
 if importlib.util.find_spec("torch_geometric") is None:  # the test extra installs it: CI must run these tests
     message = "torch_geometric is not installed (pip install -e '.[test]' installs it)"
@@ -103,28 +100,15 @@ def test_pyg_sage_computes_our_sage_logits(cora, cora_batch):
 def test_pyg_model_micro_batches_equal_full_batch(cora, cora_batch):
     torch.manual_seed(0)
     model = PyGModel(NeighborSamplerSAGE(cora.num_features, HIDDEN, cora.num_classes))
-    reference = gradients(model, [cora_batch], cora)
-    micro_batches = plan_micro_batches(cora_batch, 4, "reg", seed=1)
-    assert len(micro_batches) == 4
-    assert_same_gradients(reference, gradients(model, micro_batches, cora))
+    assert_micro_batches_equal_full_batch(model, cora_batch, cora)
 
 
 def test_pyg_layers_in_our_stack_keep_dropout_exact(cora, cora_batch):
     torch.manual_seed(0)
     model = pyg_stack(cora.num_features, cora.num_classes, 0.5)
-    set_dropout_key(model, seed=3, step=11)
-    reference = gradients(model, [cora_batch], cora)
-    assert_same_gradients(reference, gradients(model, plan_micro_batches(cora_batch, 4, "reg", seed=1), cora))
-    model.dropout.p = 0.0  # guard: the dropout really applies, so the equality above is not the trivial one
-    assert (gradients(model, [cora_batch], cora)[0] - reference[0]).abs().max() > 1e-3 * reference[0].abs().max()
+    assert_micro_batches_equal_full_batch(model, cora_batch, cora, model.dropout)
 
 
 def test_a_pyg_model_trains_with_the_trainer(tmp_path):
     torch.manual_seed(0)
-    config = load_config(QUICKSTART, SMALL + ["optim.epochs=3", "optim.lr=0.05"])
-    model = PyGModel(NeighborSamplerSAGE(32, HIDDEN, 5))
-    before = [p.detach().clone() for p in model.parameters()]
-    result = train(config, model=model, run_dir=tmp_path)
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    # 5 classes: chance is 0.2 ± 0.04 on 100 validation nodes (binomial); 0.5 is 7 standard deviations above it
-    assert result.best_val_acc >= 0.5
+    assert_trains_with_the_trainer(PyGModel(NeighborSamplerSAGE(32, HIDDEN, 5)), tmp_path, epochs=3)
