@@ -164,7 +164,6 @@ class CachedFeatureStore:
         self._filled = kind != "static"
         self._cached_set: Tensor | None = None  # gns: the node set resident now
         self._stage_table: Tensor | None = None  # (N,) int32 row of each staged node, -1 elsewhere
-        self._stage_position: Tensor | None = None  # the table while a macro-batch is staged, else None
         self._stage_rows: Tensor | None = None
         self._stage_nodes: Tensor | None = None
         self._stage_owed: Tensor | None = None  # staged rows read from the host and not yet requested
@@ -209,8 +208,8 @@ class CachedFeatureStore:
         old_slot = self._slot[nodes]
         resident = old_slot >= 0
         rows[resident] = self._rows[old_slot[resident].long()]  # already on the device: no transfer
-        if self._stage_position is not None:  # rows of a staged macro-batch are on the device too
-            staged = self._stage_position[nodes].long()
+        if self._stage_nodes is not None:  # rows of a staged macro-batch are on the device too
+            staged = self._stage_table[nodes].long()
             from_stage = ~resident & (staged >= 0)
             rows[from_stage] = self._stage_rows[staged[from_stage]]
             resident = resident | from_stage
@@ -242,7 +241,6 @@ class CachedFeatureStore:
         if self._stage_table is None:  # allocated once, reset entry by entry: no (N,) allocation per stage
             self._stage_table = torch.full((self.num_nodes,), -1, dtype=torch.int32, device=self.device)
         self._stage_table[nodes] = torch.arange(nodes.numel(), dtype=torch.int32, device=self.device)
-        self._stage_position = self._stage_table
         self.stats.gather_seconds += time.perf_counter() - started
 
     def unstage(self) -> None:
@@ -253,7 +251,7 @@ class CachedFeatureStore:
             self.stats.cache_fill_bytes += unused * self.row_bytes
         if self._stage_nodes is not None:
             self._stage_table[self._stage_nodes] = -1
-        self._stage_position = self._stage_rows = self._stage_nodes = self._stage_owed = None
+        self._stage_rows = self._stage_nodes = self._stage_owed = None
 
     @property
     def staged_rows(self) -> int:
@@ -287,7 +285,7 @@ class CachedFeatureStore:
         else:
             self._ensure_filled()
             ids = node_ids.to(self.device).long()
-            if self._stage_position is None:
+            if self._stage_nodes is None:
                 rows, _ = self._serve(ids, count=True)
             else:
                 rows = self._serve_staged(ids)
@@ -295,7 +293,7 @@ class CachedFeatureStore:
         return rows
 
     def _serve_staged(self, ids: Tensor) -> Tensor:
-        position = self._stage_position[ids].long()
+        position = self._stage_table[ids].long()
         staged = position >= 0
         if bool(staged.all()):
             rows = self._stage_rows[position]
