@@ -115,7 +115,7 @@ class Block:
         """
         if h_src.shape[0] != self.num_src:
             raise ValueError(f"h_src has {h_src.shape[0]} rows but the block has {self.num_src} src nodes")
-        return (h_src, h_src[: self.num_dst]), self.edge_index(), self.size
+        return (h_src, self.dst_rows(h_src)), self.edge_index(), self.size
 
     def to_pyg(self) -> PyGAdj:
         """The block as the ``(edge_index, e_id, size)`` triple of PyG's ``NeighborSampler`` (see :class:`PyGAdj`)."""
