@@ -242,7 +242,8 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
     """The placement decision: at the fewest chunks that fit, h_l stays on the device when the estimate with
     it there fits the budget, and goes to host memory when only the estimate without it fits. (Hidden 256 on
     64 features: the peak is in layer 2's backward, where h_1 is live; on Cora's 1433 features it is in
-    layer 1's backward, where h_1 is already freed, and host memory would not lower it.)"""
+    layer 1's backward, where h_1 is already freed, and host memory would not lower it.) The planner is told
+    the device is CUDA (its budget is given, so nothing queries a GPU); on the CPU h_l stays where it is."""
     graph = cora64
     config = load_config(None, ["model.hidden=256", "micro_batch.mode=layerwise"])
     model = GraphSAGE(graph.num_features, 256, graph.num_classes, 2, "mean", 0.5)
@@ -260,9 +261,12 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
     assert host_1 > device_2 and host_1 > host_2  # so that neither budget below fits at K = 1
     for budget, host in ((device_2, False), (host_2, True)):
         section = config.micro_batch.model_copy(update={"budget": budget})
-        work, plan = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)
+        work, plan = MicroBatchPlanner(section, spec, torch.device("cuda")).plan(batch, seed=0)
         assert plan.k == 2 and plan.host_outputs == host and work.chunks.host_outputs == host
         assert plan.estimate == (host_2 if host else device_2) <= budget
+        # on the CPU host memory is the device's: h_l never moves there, and the plan fits without it
+        work, plan = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)
+        assert not plan.host_outputs and plan.estimate == probe.layerwise_peak(batch, work.chunks, False) <= budget
 
 
 def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking_to_single_nodes(cora):

@@ -139,6 +139,7 @@ class MicroBatchPlanner:
         self.spec = spec if isinstance(spec, ModelSpec) else None
         self.calibrated = spec if isinstance(spec, CalibratedModel) else None
         self.feature_store_bytes = feature_store_bytes
+        self.device = torch.device(device)
         self.budget = resolve_budget(config, device)
         if self.budget is not None and feature_store_bytes:
             if feature_store_bytes >= self.budget:
@@ -259,14 +260,16 @@ class MicroBatchPlanner:
         from ``min_k`` to the first K that fits, then bisecting below it; the search gives up when a
         doubling lowers the estimate by less than :data:`FLOOR_STEP` without fitting. A K fits with the hidden layers'
         outputs ``h_l`` on the device or, when those do not fit, with ``h_l`` in host memory
-        (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device)."""
+        (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device). On
+        the CPU host memory is the device's own, so ``h_l`` stays where it is."""
         started, tried = time.perf_counter(), []
         most = max(block.num_dst for block in batch.blocks)
 
         def attempt(k: int) -> tuple[LayerChunks, int]:
             chunks = chunk_layers(batch.blocks, k, self.config.partitioner, seed)
             peak = self.layerwise_peak(batch, chunks, host_outputs=False) if self.spec is not None else 0
-            if self.budget is not None and peak > self.budget and len(batch.blocks) > 1:
+            if (self.budget is not None and peak > self.budget and len(batch.blocks) > 1
+                    and self.device.type != "cpu"):  # on the CPU, host memory is the device's memory
                 on_host = self.layerwise_peak(batch, chunks, host_outputs=True)
                 if on_host <= self.budget:
                     chunks.host_outputs, peak = True, on_host
