@@ -158,6 +158,57 @@ def test_gns_samples_fewer_uncached_inputs_than_ns(computers):
     assert uncached < 0.5 * ns_inputs, (uncached, ns_inputs)
 
 
+def _without_training_nodes(graph):
+    from dataclasses import replace
+
+    return replace(graph, train_idx=torch.zeros(0, dtype=torch.int64))
+
+
+def test_random_walks_need_training_nodes(computers):
+    """Eq. 9 starts the walks from the training nodes V_S: a graph without any (ego-Twitter as loaded) has no
+    random-walk probability, so ``auto`` and ``random_walk`` are refused instead of drawing a cache from 0/0
+    (a NaN probability once made the cache nodes 0..|C|−1 and every weight NaN)."""
+    bare = _without_training_nodes(computers)
+    for probability in ("auto", "random_walk"):
+        with pytest.raises(ValueError, match="training_nodes"):
+            GNSSampler(bare, [FANOUT], cache_probability=probability)
+    assert GNSSampler(bare, [FANOUT], cache_probability="degree").cache_probability == "degree"
+
+
+def test_training_nodes_argument_is_v_s(computers):
+    """``training_nodes`` is V_S of Eq. 9 and of the auto rule (§3.2: degree when the training nodes are the
+    majority of the graph): every node given → degree; a tenth → walks from exactly those nodes, equal to
+    :func:`random_walk_probability` from them; the cache and the weights are finite."""
+    bare = _without_training_nodes(computers)
+    everyone = GNSSampler(bare, [FANOUT], training_nodes=torch.arange(bare.num_nodes))
+    assert everyone.cache_probability == "degree"
+    tenth = seeds_of(bare, bare.num_nodes // 10, seed=4)
+    walks = GNSSampler(bare, [FANOUT, 5], training_nodes=tenth, cache_fraction=0.01)
+    assert walks.cache_probability == "random_walk"
+    expected = random_walk_probability(bare, tenth, [FANOUT, 5])
+    assert torch.allclose(walks.probability(), expected / expected.sum())
+    key = SampleKey(8, 0, 0)
+    assert bool(torch.isfinite(walks.cache(key).inclusion).all())
+    batch = walks.sample(tenth[:256], key)
+    assert all(bool(torch.isfinite(block.edge_weight).all()) for block in batch.blocks)
+
+
+def test_cache_holds_only_nodes_the_walks_reach():
+    """A node with p_v = 0 is never drawn (§3.2 samples the cache from P): when fewer than |C| nodes have
+    p_v > 0 the cache holds just those, so no cached node has p^C = 0 and an infinite weight."""
+    src = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    dst = torch.tensor([1, 2, 3, 0, 5, 6, 7, 4])  # two directed 4-cycles: 0→1→2→3→0 and 4→5→6→7→4
+    n = 8
+    graph = Graph.from_edges(src, dst, n, symmetric=False, x=torch.zeros(n, 1), y=torch.zeros(n, dtype=torch.int64),
+                             train_idx=torch.tensor([0]), val_idx=torch.arange(0), test_idx=torch.arange(0),
+                             num_classes=1)
+    sampler = GNSSampler(graph, [1], cache_fraction=0.5, cache_probability="random_walk")  # |C| = 4; P reaches 0, 3
+    assert sampler.cache_size == 4
+    cache = sampler.cache(SampleKey(9, 0, 0))
+    assert cache.nodes.tolist() == [0, 3]
+    assert bool(torch.isfinite(sampler.sample(torch.tensor([0]), SampleKey(9, 0, 0)).blocks[0].edge_weight).all())
+
+
 def test_bad_arguments_are_refused(computers):
     with pytest.raises(ValueError, match="cache_fraction"):
         GNSSampler(computers, [5], cache_fraction=0)

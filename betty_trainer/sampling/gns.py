@@ -84,19 +84,23 @@ class GNSSampler:
         cache_only_input_layer: the input layer (block 0) samples cached neighbours only.
         cache_probability: ``"degree"`` (Eq. 6), ``"random_walk"`` (Eq. 7–9), or ``"auto"``:
             degree when the training nodes are at least half the graph, else random walks.
+        training_nodes: ``(|V_S|,)`` int64 ids of the training nodes V_S the batches' seeds come from
+            (Eq. 9 starts the walks there; ``auto`` compares ``|V_S|`` with ``N``); default
+            ``graph.train_idx``.
         batches_per_epoch: as :class:`~betty_trainer.sampling.labor.LaborSampler` (refreshes run
             across epochs when given; else every epoch starts with a fresh cache).
         kernel: ``"auto"``, ``"tensor"`` or ``"numba"``; all give the same sample.
 
     Raises:
         ValueError: a bad fanout, ``cache_fraction`` outside ``(0, 1]``, ``refresh_every < 1``,
-            an unknown ``cache_probability`` or kernel.
+            an unknown ``cache_probability`` or kernel; ``random_walk`` (or ``auto`` choosing it)
+            without training nodes, which would leave Eq. 9's ``P⁰`` undefined.
     """
 
     def __init__(self, graph: Graph, fanouts: Sequence[int | None], *, cache_fraction: float = 0.01,
                  refresh_every: int = 100, cache_only_input_layer: bool = False,
                  cache_probability: CacheProbability = "auto", batches_per_epoch: int | None = None,
-                 kernel: Kernel = "auto") -> None:
+                 kernel: Kernel = "auto", training_nodes: Tensor | None = None) -> None:
         if not 0 < cache_fraction <= 1:
             raise ValueError(f"cache_fraction must be in (0, 1]; got {cache_fraction}")
         if refresh_every < 1:
@@ -108,8 +112,12 @@ class GNSSampler:
         self.cache_size = gns_cache_size(cache_fraction, graph.num_nodes)
         self.refresh_every = int(refresh_every)
         self.cache_only_input_layer = bool(cache_only_input_layer)
+        self.training_nodes = graph.train_idx if training_nodes is None else training_nodes.long()
         if cache_probability == "auto":
-            cache_probability = "degree" if 2 * graph.train_idx.numel() >= graph.num_nodes else "random_walk"
+            cache_probability = "degree" if 2 * self.training_nodes.numel() >= graph.num_nodes else "random_walk"
+        if cache_probability == "random_walk" and self.training_nodes.numel() == 0:
+            raise ValueError("random-walk cache probability needs training nodes (Eq. 9) and the graph has none; "
+                             "pass training_nodes (the seeds' pool) or cache_probability='degree'")
         self.cache_probability = cache_probability
         self.batches_per_epoch = batches_per_epoch
         _use_numba(kernel, graph.indptr)
@@ -123,7 +131,7 @@ class GNSSampler:
             if self.cache_probability == "degree":
                 weight = self.graph.in_degrees().double()
             else:
-                weight = random_walk_probability(self.graph, self.graph.train_idx, self.fanouts)
+                weight = random_walk_probability(self.graph, self.training_nodes, self.fanouts)
             self._probability = weight / weight.sum()
         return self._probability
 
@@ -132,7 +140,8 @@ class GNSSampler:
 
         ``|C|`` distinct nodes are drawn without replacement with probabilities ∝ ``p``
         (Efraimidis & Spirakis, IPL 97(5), 2006: the largest ``log(u_v) / p_v`` with ``u_v`` a
-        hashed uniform of ``(seed, refresh index, v)``).
+        hashed uniform of ``(seed, refresh index, v)``). A node with ``p_v = 0`` is never drawn: when
+        fewer than ``|C|`` nodes have ``p_v > 0`` (walks that reach few nodes) the cache holds just those.
         """
         sequence, index = key.position(self.batches_per_epoch)
         refresh = (sequence, index // self.refresh_every)
@@ -142,7 +151,8 @@ class GNSSampler:
             ids = torch.arange(n, device=p.device)
             u = (hash_ids(mix_key(key.seed, _GNS_DOMAIN, *refresh), ids).double() + 0.5) / 2**32
             score = torch.where(p > 0, torch.log(u) / p, -math.inf)
-            nodes = torch.sort(torch.topk(score, min(self.cache_size, n)).indices).values
+            top = torch.topk(score, min(self.cache_size, n))
+            nodes = torch.sort(top.indices[top.values > -math.inf]).values
             mask = torch.zeros(n, dtype=torch.bool, device=p.device)
             mask[nodes] = True
             inclusion = -torch.expm1(nodes.numel() * torch.log1p(-p.clamp(max=1 - 1e-12)))
@@ -190,6 +200,10 @@ def random_walk_probability(graph: Graph, train_idx: Tensor, fanouts: Sequence[i
     ``P_s · d_s`` from every dst node ``s`` to each of its in-neighbours, with
     ``d_s = min(k, deg s) / deg s`` the chance NS keeps one of ``s``'s in-edges (Eq. 7), and
     keeps ``P`` itself: ``P^ℓ = (DA + I) P^{ℓ−1}`` (Eq. 8). Returns ``P^L``.
+
+    The product is taken as ``A·D`` (``P_t += Σ_s A_ts d_s P_s``, ``d`` of the node the walk leaves):
+    NS keeps each in-edge of ``s`` with probability ``d_s``, which is what Eq. 7's ``d`` describes; Eq. 8's
+    ``DA`` written literally would scale ``t``'s arrivals by ``t``'s own fraction instead.
     """
     n = graph.num_nodes
     degree = graph.in_degrees()
