@@ -4,12 +4,12 @@ The same replay as the micro-batch estimate (:mod:`estimator.estimate`), from th
 terms (each layer's ``memory_terms``, through ``ModelSpec.layer_terms``), in the executor's order:
 
 - resident: parameters, optimizer state, the accumulated gradients, the batch's blocks and the
-  chunks' slices;
-- forward, layer by layer: ``h_l`` (kept), and per chunk its sub-block's src ids (and edge
-  weights), its gathered input rows and the layer's forward, replayed without autograd's saved
-  tensors (it runs under ``torch.no_grad``);
+  chunks' dst nodes and CSC pointers;
+- forward, layer by layer: ``h_l`` (kept), and per chunk its slice (made when it runs:
+  :func:`chunk_slice`), its sub-block's src ids (and edge weights), its gathered input rows and the
+  layer's forward, replayed without autograd's saved tensors (it runs under ``torch.no_grad``);
 - the loss on the logits;
-- backward, layer by layer from the output: ``∂L/∂h_{l−1}`` (zeros), and per chunk its sub-block,
+- backward, layer by layer from the output: ``∂L/∂h_{l−1}`` (zeros), and per chunk its slice and sub-block,
   its input rows (requiring grad), the recomputed forward, its rows of ``∂L/∂h_l`` and the
   layer's backward; ``h_l`` is freed before its layer's backward, ``∂L/∂h_l`` after it;
 - the optimizer step.
@@ -54,9 +54,24 @@ def row_blocks(num_rows: int, parts: int) -> list[tuple[int, int]]:
 
 
 def chunk_structure_bytes(chunks: Sequence[Sequence[LayerCounts]]) -> int:
-    """Bytes of the chunks' slices (``partition.slicing.LayerSlice``: int64 src positions, CSC pointer,
-    indices and edge ids), ``8·Σ (S + D + 1 + 2E)`` over every chunk of every layer."""
-    return sum((c.num_src + c.num_dst + 1 + 2 * c.num_edges) * INDEX_BYTES for layer in chunks for c in layer)
+    """Bytes the chunks keep for the whole step (``partition.chunks.Chunk``: int64 dst positions and CSC
+    pointer), ``8·Σ (2D + 1)`` over every chunk of every layer."""
+    return sum((2 * c.num_dst + 1) * INDEX_BYTES for layer in chunks for c in layer)
+
+
+def chunk_slice(replay: Replay, block: LayerCounts, c: LayerCounts) -> None:
+    """What running a chunk of counts ``c`` of a block of counts ``block`` allocates before its input rows,
+    on the replay: its slice (``partition.slicing.slice_block_compiled``: an int32 scratch label per src
+    node of the block, freed at once, then the chunk's int64 CSC pointer, edge ids, local indices and src
+    positions), then its sub-block (``Block.restrict``: the gathered float32 edge weights and the int64 src
+    ids); the edge ids die with the slice. The rest lives until the chunk ends."""
+    label = replay.alloc(block.num_src * (4 if block.num_src < 2**31 else INDEX_BYTES), "block_structure")
+    replay.alloc((c.num_dst + 1) * INDEX_BYTES, "block_structure")
+    edge_ids = replay.alloc(c.num_edges * INDEX_BYTES, "block_structure")
+    replay.alloc((c.num_edges + c.num_src) * INDEX_BYTES, "block_structure")
+    replay.drop(label)
+    replay.alloc(c.num_src * INDEX_BYTES + (4 * c.num_edges if c.weighted else 0), "block_structure")
+    replay.drop(edge_ids)
 
 
 def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[LayerCounts]],
@@ -95,11 +110,10 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
     replay.alloc(block_structure_bytes(layers) + chunk_structure_bytes(chunks), "block_structure")
     resident = replay.current
 
-    def chunk_inputs(index: int, c: LayerCounts) -> tuple[int, int]:
-        """The sub-block's src ids (and gathered edge weights), then the gathered input rows."""
-        block = replay.alloc(c.num_src * INDEX_BYTES + (4 * c.num_edges if c.weighted else 0), "block_structure")
-        rows = replay.alloc(c.num_src * widths[index] * f, "input_features" if index == 0 else HID)
-        return block, rows
+    def chunk_inputs(index: int, c: LayerCounts) -> int:
+        """The chunk's slice and sub-block, then its gathered input rows."""
+        chunk_slice(replay, layers[index], c)
+        return replay.alloc(c.num_src * widths[index] * f, "input_features" if index == 0 else HID)
 
     replay.phase, replay.saving = "forward", False  # torch.no_grad: autograd saves nothing
     projections = list(projections) if projections is not None else [None] * model.num_layers
@@ -119,8 +133,8 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
             replay.release_since(mark)  # z is copied into the kept z (forward), its input rows' gradient into ∂L/∂h
 
     def propagated(index: int, c: LayerCounts):
-        """A projected layer's chunk: its sub-block's src ids, its gathered rows of z, the layer's rest."""
-        replay.alloc(c.num_src * INDEX_BYTES + (4 * c.num_edges if c.weighted else 0), "block_structure")
+        """A projected layer's chunk: its slice and sub-block, its gathered rows of z, the layer's rest."""
+        chunk_slice(replay, layers[index], c)
         rows = replay.alloc(c.num_src * projections[index].width * f, HID)
         return projections[index].propagate(tape, c, rows)
 
@@ -136,7 +150,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
             if z_all is not None:
                 propagated(index, c)
             else:
-                block, rows = chunk_inputs(index, c)
+                rows = chunk_inputs(index, c)
                 model.layer_terms(tape, index, c, rows, False, consume_input=index == 0)
             replay.release_since(mark)  # the chunk's rows are copied into h_l; nothing of it survives
         stored.append(out)
@@ -162,7 +176,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
             if z_all is not None:
                 out, backward = propagated(index, c)
             else:
-                block, rows = chunk_inputs(index, c)
+                rows = chunk_inputs(index, c)
                 out, backward = model.layer_terms(tape, index, c, rows, index > 0, consume_input=index == 0)
                 # at layer 1 the executor hands the gathered rows over (no reference left once the recomputed
                 # forward returns): only what autograd saved of them (r.save in the terms) stays live

@@ -6,7 +6,9 @@ Layer-wise execution instead runs one layer at a time over all of that layer's d
 a chunk at a time; every hidden node is computed once per pass. Its chunks are made here:
 block by block, the dst nodes are partitioned by the same partitioners as the outputs
 (REG or METIS on the block, :class:`~partition.partitioners.OutputSplitter`), so a chunk
-gathers few src rows, and each chunk is sliced into its one-layer sub-block.
+gathers few src rows. A chunk keeps only its dst nodes and the shape of its one-layer
+sub-block; the sub-block itself (O(its edges)) is sliced when the chunk runs, so a step holds
+one chunk's slice at a time, not every chunk's.
 """
 
 from __future__ import annotations
@@ -16,9 +18,42 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from partition.partitioners import OutputSplitter
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of a layer: the dst nodes it computes and the shape of its one-layer sub-block.
+
+    Attributes:
+        dst: ``(d,)`` int64 positions among the block's dst nodes (its slice's ``src_index[:d]``).
+        num_src: src nodes of its sub-block (its dst nodes included).
+        indptr: ``(d + 1,)`` int64 CSC pointer of its sub-block (its edge count and in-degrees, for the
+            estimate).
+
+    The rest of the slice (src positions, local indices, edge ids: ``8·(S + 2E)`` bytes) is made by
+    :meth:`slice` when the chunk runs.
+    """
+
+    dst: Tensor
+    num_src: int
+    indptr: Tensor
+
+    @property
+    def num_dst(self) -> int:
+        return self.dst.numel()
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.indptr[-1])
+
+    def slice(self, block: BlockStructure) -> LayerSlice:
+        """The chunk's :class:`LayerSlice` of ``block`` (:func:`partition.slicing.slice_layers`: on the CPU,
+        :func:`partition.slicing.slice_block_compiled`)."""
+        return slice_layers([block], self.dst)[0]
 
 
 @dataclass
@@ -26,16 +61,14 @@ class LayerChunks:
     """The chunks of every layer of one batch.
 
     Attributes:
-        layers: per block (input layer first), per chunk, its :class:`LayerSlice` (the block
-            restricted to the chunk's dst nodes; ``src_index[:num_dst]`` are those dst nodes'
-            positions, dst first).
+        layers: per block (input layer first), its :class:`Chunk` s (they partition the block's dst nodes).
         seconds: wall time of partitioning and slicing.
         host_outputs: keep the hidden layers' outputs ``h_l`` in host memory instead of on the device
             (the planner sets it when the device budget does not hold them; read by the executor,
             ``betty_trainer.training.layerwise``).
     """
 
-    layers: list[list[LayerSlice]]
+    layers: list[list[Chunk]]
     seconds: float = 0.0
     host_outputs: bool = False
 
@@ -45,7 +78,7 @@ class LayerChunks:
         without autograd, then the recomputed forward and its backward of about twice its cost; rows
         read by several chunks of a layer count once in each). Compared with
         :attr:`partition.Plan.work` (Betty's micro-batches) by ``micro_batch.mode=auto``."""
-        return 4 * sum(piece.num_src + int(piece.indptr[-1]) for layer in self.layers for piece in layer)
+        return 4 * sum(piece.num_src + piece.num_edges for layer in self.layers for piece in layer)
 
     @property
     def k(self) -> int:
@@ -54,7 +87,7 @@ class LayerChunks:
 
 
 def chunk_layers(blocks: Sequence[BlockStructure], k: int, partitioner: str = "metis", seed: int = 0) -> LayerChunks:
-    """Split each block's dst nodes into ``min(k, num_dst)`` chunks and slice each chunk's sub-block.
+    """Split each block's dst nodes into ``min(k, num_dst)`` chunks (each sliced once, for its shape).
 
     Args:
         blocks: the batch's blocks, input layer first.
@@ -79,5 +112,10 @@ def chunk_layers(blocks: Sequence[BlockStructure], k: int, partitioner: str = "m
             groups = [torch.arange(block.num_dst)]
         else:
             groups = OutputSplitter(block, partitioner).split(parts, seed)
-        layers.append([slice_layers([block], group)[0] for group in groups if group.numel()])
+        pieces = []
+        for group in groups:
+            if group.numel():
+                piece = slice_layers([block], group)[0]
+                pieces.append(Chunk(group.long(), piece.num_src, piece.indptr))
+        layers.append(pieces)
     return LayerChunks(layers, time.perf_counter() - started)

@@ -119,12 +119,17 @@ def test_a_model_that_cannot_run_layer_by_layer_is_refused(cora):
 
 
 def test_every_hidden_node_is_computed_once_per_pass(cora):
-    """The chunks of a layer partition its dst nodes: no node is computed twice, none is left out."""
+    """The chunks of a layer partition its dst nodes: no node is computed twice, none is left out; the slice a
+    chunk makes when it runs has the shape the chunk was planned with."""
     batch = sample_batch(cora, cora.train_idx, [None, None])
     chunks = chunk_layers(batch.blocks, 8, "metis", seed=0)
     for block, pieces in zip(batch.blocks, chunks.layers):
-        dst = torch.cat([piece.src_index[: piece.num_dst] for piece in pieces])
+        dst = torch.cat([piece.dst for piece in pieces])
         assert torch.equal(dst.sort().values, torch.arange(block.num_dst))
+        for piece in pieces:
+            sliced = piece.slice(block)
+            assert torch.equal(sliced.src_index[: piece.num_dst], piece.dst) and sliced.num_src == piece.num_src
+            assert torch.equal(sliced.indptr, piece.indptr)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -44,7 +44,7 @@ from estimator.counts import LayerCounts
 from estimator.layerwise import row_blocks
 from estimator.measure import MeasuredPeak, measure_peak
 from estimator.tape import StepTape
-from partition.chunks import LayerChunks
+from partition.chunks import Chunk, LayerChunks
 
 
 @dataclass(frozen=True)
@@ -129,22 +129,28 @@ def layerwise_backward(
             del rows, z
         return z_all
 
-    def run(index: int, piece, h_prev: Tensor | None, z_all: Tensor | None, grad: bool) -> tuple[Tensor, Tensor | None]:
-        """One chunk's one-layer step: its sub-block, its input rows (of ``z`` for a projected layer) and
-        its output rows."""
+    def run(index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor | None,
+            grad: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+        """One chunk's one-layer step: its slice and sub-block (made now, freed with the chunk), its input
+        rows (of ``z`` for a projected layer) and its output rows. Returns the output rows, the input rows
+        and the input rows' positions among the block's src nodes."""
+        piece = chunk.slice(blocks[index])
         block = blocks[index].restrict(piece).to(device)
+        src_index = piece.src_index
+        del piece  # its edge ids: the sub-block holds the rest
         if z_all is not None:
-            rows = z_all[piece.src_index.to(device)]
+            rows = z_all[src_index.to(device)]
             if grad:
                 rows.requires_grad_()
             h = model.layers[index].propagate(block, rows)
-            return (F.relu(h) if index < last else h), rows
+            return (F.relu(h) if index < last else h), rows, src_index
         if index == 0:  # a fresh gather: input dropout may overwrite it
-            return model.layer_forward(0, block, store.gather(block.src_nodes, device), consume_input=True), None
-        rows = h_prev[piece.src_index.to(h_prev.device)].to(device, non_blocking=True)
+            h = model.layer_forward(0, block, store.gather(block.src_nodes, device), consume_input=True)
+            return h, None, src_index
+        rows = h_prev[src_index.to(h_prev.device)].to(device, non_blocking=True)
         if grad:
             rows.requires_grad_()
-        return model.layer_forward(index, block, rows), rows
+        return model.layer_forward(index, block, rows), rows, src_index
 
     stored: list[Tensor | None] = []
     projected: list[Tensor | None] = []
@@ -153,11 +159,11 @@ def layerwise_backward(
         for index, pieces in enumerate(chunks.layers):
             z_all = project(index, h_prev) if projects[index] else None
             out = None
-            for piece in pieces:
-                h = run(index, piece, h_prev, z_all, grad=False)[0]  # its input rows die here
+            for chunk in pieces:
+                h = run(index, chunk, h_prev, z_all, grad=False)[0]  # its input rows die here
                 if out is None:
                     out = output_storage(blocks[index].num_dst, h, host=chunks.host_outputs and index < last)
-                out[piece.src_index[: piece.num_dst].to(out.device)] = h.to(out.device)
+                out[chunk.dst.to(out.device)] = h.to(out.device)
                 del h
             stored.append(out)
             projected.append(z_all)
@@ -180,12 +186,12 @@ def layerwise_backward(
         z_all = projected[index]
         projected[index] = None
         grad_rows = grad_in if z_all is None else torch.zeros_like(z_all)  # ∂L/∂z for a projected layer
-        for piece in chunks.layers[index]:
-            h, rows = run(index, piece, h_prev, z_all, grad=True)
-            h.backward(grad_out[piece.src_index[: piece.num_dst].to(device)])
+        for chunk in chunks.layers[index]:
+            h, rows, src_index = run(index, chunk, h_prev, z_all, grad=True)
+            h.backward(grad_out[chunk.dst.to(device)])
             if grad_rows is not None:
-                grad_rows.index_add_(0, piece.src_index.to(device), rows.grad)
-            del h, rows
+                grad_rows.index_add_(0, src_index.to(device), rows.grad)
+            del h, rows, src_index
         grad_out = None  # ∂L/∂h_l: its chunks are done
         if z_all is not None:
             del z_all
@@ -281,7 +287,7 @@ def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, 
 
     This is a real step: it updates the model and the optimizer state. Every parameter starts with a zero
     gradient (resident, as the estimate counts it). CPU ``resident``: the model state, those gradients, the
-    batch's blocks and the chunks' slices.
+    batch's blocks and the chunks' dst nodes and pointers (each chunk's slice is made when it runs).
 
     Args:
         model, optimizer: the model on ``device`` (its dropout key set) and an optimizer over its parameters.
@@ -303,8 +309,7 @@ def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, 
     resident = training_state(model, optimizer) + [parameter.grad for parameter in model.parameters()]
     resident += [t for block in work.batch.blocks for t in (block.src_nodes, block.indptr, block.indices,
                                                              block.edge_weight) if t is not None]
-    resident += [t for layer in work.chunks.layers for piece in layer
-                 for t in (piece.src_index, piece.indptr, piece.indices, piece.edge_ids)]
+    resident += [t for layer in work.chunks.layers for chunk in layer for t in (chunk.dst, chunk.indptr)]
 
     def step() -> None:
         layerwise_backward(model, work.batch, work.chunks, features, labels, device)
