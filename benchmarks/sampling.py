@@ -17,6 +17,11 @@ Run from the repository root (takes a few minutes on 2 loaded cores)::
 
     python benchmarks/sampling.py --graph ego-twitter --fanouts 10,10,10 --batch-size 1024 --batches 48
 
+``--gns-study`` prints GNS against NS at equal fanouts in the GNS paper's setting, graph by graph and
+cache size by cache size (see :func:`gns_study`)::
+
+    python benchmarks/sampling.py --gns-study --graphs amazon-computers,ego-twitter --gns-caches 0.01,0.05
+
 The same file is DGL's side: ``~/.cache/betty-trainer/dgl-venv/bin/python benchmarks/sampling.py --dgl-side`` serves
 JSON-line commands and imports nothing from betty-trainer (DGL's environment pins its own torch).
 """
@@ -149,8 +154,18 @@ class DGLStudy(DGLSide):
 
 # --- our side --------------------------------------------------------------------------------------------------
 
+SHARED_FOLDERS = {"amazon-computers": "graphdata-npz", "amazon-photo": "graphdata-npz", "coauthor-cs": "graphdata-npz",
+                  "coauthor-physics": "graphdata-npz", "musae-facebook": "musae-facebook", "cora": "planetoid",
+                  "citeseer": "planetoid"}  # else snap-* in snap-jlg, fb100-* in facebook100
+
+
 def load_graph(name: str, data_dir: Path | None):
-    """``ego-twitter`` (``data_dir`` or ../shared/datasets/snap-jlg holds its .jlg) or a dataset betty-train knows."""
+    """``ego-twitter`` (``data_dir`` or ../shared/datasets/snap-jlg holds its .jlg) or a dataset betty-train knows
+    (raw files in ``data_dir``, else in its ../shared/datasets folder)."""
+    if data_dir is None and name != "ego-twitter":
+        folder = SHARED_FOLDERS.get(name) or ("snap-jlg" if name.startswith("snap-") else
+                                               "facebook100" if name.startswith("fb100-") else None)
+        data_dir = SHARED / folder if folder else None
     if name == "ego-twitter":
         import importlib.util
 
@@ -164,7 +179,7 @@ def load_graph(name: str, data_dir: Path | None):
     return load_dataset(DatasetConfig(name=name, data_dir=data_dir))
 
 
-def our_samplers(graph, fanouts: list[int], batches: int, gns_fraction: float) -> dict:
+def our_samplers(graph, fanouts: list[int], batches: int, gns_fraction: float, pool: torch.Tensor) -> dict:
     from betty_trainer.sampling import GNSSampler, LaborSampler, NeighborSampler
 
     def labor(importance: int = 0, kappa: float = 1):
@@ -181,7 +196,7 @@ def our_samplers(graph, fanouts: list[int], batches: int, gns_fraction: float) -
         samplers[f"LABOR-0 κ={'∞' if kappa == math.inf else kappa}"] = (labor(0, kappa), ("labor", 0, kappa))
     for only in (False, True):
         gns = GNSSampler(graph, fanouts, cache_fraction=gns_fraction, refresh_every=batches, cache_only_input_layer=only,
-                         batches_per_epoch=batches)
+                         batches_per_epoch=batches, training_nodes=pool)
         samplers[f"GNS {gns_fraction:.0%}" + (" cache-only input" if only else "")] = (gns, None)
     return samplers
 
@@ -247,7 +262,8 @@ def gather_epoch(store, inputs: list[torch.Tensor], device: torch.device, macro:
     return {"stats": store.stats - before, "seconds": seconds}
 
 
-def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], fanouts: list[int], args) -> list[dict]:
+def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], fanouts: list[int], args,
+               pool: torch.Tensor) -> list[dict]:
     """Bytes moved per epoch for each cache kind and macro-batch gathering (see ``--bytes``)."""
     from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
     from betty_trainer.data.feature_store import HostFeatureStore
@@ -261,7 +277,7 @@ def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], fanouts: lis
     degrees = graph.in_degrees()
     def gns(only_input: bool):
         return GNSSampler(graph, fanouts, cache_fraction=args.gns_cache, refresh_every=args.gns_refresh,
-                          cache_only_input_layer=only_input, batches_per_epoch=len(batches))
+                          cache_only_input_layer=only_input, batches_per_epoch=len(batches), training_nodes=pool)
 
     samplers = {"NS": NeighborSampler(graph, fanouts),
                 "LABOR-0 κ=64": LaborSampler(graph, fanouts, batch_dependency=64, batches_per_epoch=len(batches)),
@@ -310,6 +326,141 @@ def print_bytes_table(rows: list[dict], device: str) -> None:
         print(f"| {r['name']} | {r['requested']:,} | {r['hits'] / max(r['hits'] + r['misses'], 1):.3f} | "
               f"{r['host_read'] / mb:,.1f} | {r['fill'] / mb:,.1f} | {r['host_to_device'] / mb:,.1f} | "
               f"{bound / mb:,.1f} | {r['host_read'] / bound:.2f}× | {r['seconds']:.2f} |")
+
+
+# --- GNS against NS in the GNS paper's setting (issue 8, GNS done-when) ------------------------------------
+
+PRODUCTS_NS_INPUT_FRACTION = 433_928 / 2_449_029  # GNS Table 4: NS input nodes per batch / ogbn-products' nodes
+
+
+def study_pool(graph, seed: int) -> tuple[torch.Tensor, str]:
+    """The seeds' pool, the training nodes V_S: the graph's train split when it holds at least 5% of the nodes
+    (ogbn-products: 8%), else a random 10% of the nodes (the Shchur and SNAP graphs have 20 per class or none)."""
+    n = graph.num_nodes
+    if graph.train_idx.numel() >= 0.05 * n:
+        return graph.train_idx.long(), "train split"
+    chosen = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: max(1, n // 10)]
+    return torch.sort(chosen).values, "random 10% of the nodes"
+
+
+def products_like_batch(graph, fanouts: list[int], pool: torch.Tensor, seed: int, probes: int = 4) -> int:
+    """The batch size whose NS input nodes per batch are the same fraction of the graph as in the GNS paper's
+    ogbn-products run (Table 4: 433,928 of 2,449,029 nodes, 17.7%), by bisection over ``probes`` batches."""
+    from betty_trainer.sampling import NeighborSampler, SampleKey
+
+    sampler = NeighborSampler(graph, fanouts)
+    order = pool[torch.randperm(pool.numel(), generator=torch.Generator().manual_seed(seed + 1))]
+
+    def fraction(size: int) -> float:
+        batches = order[: size * probes].split(size)
+        return float(np.mean([sampler.sample(b, SampleKey(seed, 1, i)).input_nodes.numel() for i, b in
+                              enumerate(batches)])) / graph.num_nodes
+
+    low, high = 1, min(1000, pool.numel() // probes)
+    if fraction(high) <= PRODUCTS_NS_INPUT_FRACTION:
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fraction(middle) <= PRODUCTS_NS_INPUT_FRACTION else (low, middle)
+    return low
+
+
+def gns_study_rows(graph, x: torch.Tensor, fanouts: list[int], batch_size: int, pool: torch.Tensor,
+                   fractions: list[float], measured: int, seed: int) -> list[dict]:
+    """NS and GNS (input layer from the cache only) on the first ``measured`` batches of one shuffled epoch
+    over ``pool``; per batch the input nodes, and the rows read from the host through the feature store:
+    NS without a cache and NS with a static cache of the GNS cache's size (its highest-degree nodes), GNS
+    through its own node cache, refreshed once per epoch (Alg. 1, line 2)."""
+    from betty_trainer.data.cache import CachedFeatureStore
+    from betty_trainer.data.feature_store import HostFeatureStore
+    from betty_trainer.sampling import GNSSampler, NeighborSampler, SampleKey
+
+    order = pool[torch.randperm(pool.numel(), generator=torch.Generator().manual_seed(seed))]
+    per_epoch = -(-pool.numel() // batch_size)
+    batches = list(order[: batch_size * measured].split(batch_size))[:measured]
+    host = HostFeatureStore(x, pin=False)
+    row = host.row_bytes
+    degrees = graph.in_degrees()
+
+    def read(sampler, kind: str, capacity: int) -> dict:
+        store = host if kind == "none" else CachedFeatureStore(
+            host, "cpu", kind, capacity, degrees=degrees,
+            node_source=sampler.cache_nodes if kind == "gns" else None)
+        inputs, layer1, cached = [], [], []
+        for step, seeds in enumerate(batches):
+            key = SampleKey(seed, 0, step)
+            batch = sampler.sample(seeds, key)
+            if kind != "none":
+                store.start_batch(key)
+            store.gather(batch.input_nodes, "cpu")
+            inputs.append(batch.input_nodes.numel())
+            layer1.append(batch.blocks[0].num_dst)
+            if isinstance(sampler, GNSSampler):
+                cached.append(int(sampler.cache(key).mask[batch.input_nodes].sum()))
+        stats = store.stats
+        per_batch = stats.misses * row / len(batches)
+        return {"inputs": float(np.mean(inputs)), "layer1": float(np.mean(layer1)),
+                "cached_inputs": float(np.mean(cached)) if cached else 0.0,
+                "hit_rate": stats.hits / max(stats.hits + stats.misses, 1),
+                "epoch_bytes": per_batch * per_epoch + stats.cache_fill_bytes, "fill_bytes": stats.cache_fill_bytes}
+
+    ns = NeighborSampler(graph, fanouts)
+    ns_row = read(ns, "none", 0)
+    rows = []
+    for fraction in fractions:
+        gns = GNSSampler(graph, fanouts, cache_fraction=fraction, refresh_every=per_epoch, cache_only_input_layer=True,
+                         batches_per_epoch=per_epoch, training_nodes=pool)
+        ours = read(gns, "gns", gns.cache_size)
+        static = read(ns, "static", gns.cache_size)
+        rows.append({"graph": graph.name, "nodes": graph.num_nodes, "fanouts": fanouts, "batch": batch_size,
+                     "batches_per_epoch": per_epoch, "measured": len(batches), "cache": fraction,
+                     "cache_rows": int(gns.cache(SampleKey(seed, 0, 0)).nodes.numel()),
+                     "probability": gns.cache_probability, "row_bytes": row, "ns": ns_row, "ns_static": static,
+                     "gns": ours})
+    return rows
+
+
+def gns_study(args) -> None:
+    """For each graph of ``--graphs``: the seeds' pool (:func:`study_pool`), the paper's batch of 1,000 and the
+    products-like batch (:func:`products_like_batch`), each cache size of ``--gns-caches``; prints one table."""
+    fanouts = [int(f) for f in args.fanouts.split(",")]
+    rows = []
+    for name in args.graphs.split(","):
+        graph = load_graph(name, None)
+        pool, pool_name = study_pool(graph, args.seed)
+        x = graph.x if graph.x.shape[1] > 1 else torch.randn(graph.num_nodes, args.feature_width,
+                                                             generator=torch.Generator().manual_seed(args.seed))
+        sizes = [int(b) if b != "products" else products_like_batch(graph, fanouts, pool, args.seed)
+                 for b in args.study_batch_sizes.split(",")]
+        print(f"{name}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges; seeds: {pool_name} "
+              f"({pool.numel():,}); batch sizes {sizes}; rows {x.shape[1] * x.element_size()} bytes", flush=True)
+        for size in dict.fromkeys(sizes):
+            for r in gns_study_rows(graph, x, fanouts, size, pool, [float(c) for c in args.gns_caches.split(",")],
+                                    args.batches, args.seed):
+                rows.append(r)
+                print(f"  batch {size}, cache {r['cache']:.0%}: NS {r['ns']['inputs']:,.0f} inputs/batch, "
+                      f"GNS {r['gns']['inputs']:,.0f} ({r['ns']['inputs'] / r['gns']['inputs']:.2f}×), bytes "
+                      f"{r['ns']['epoch_bytes'] / r['gns']['epoch_bytes']:.2f}×", flush=True)
+    print_gns_study(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def print_gns_study(rows: list[dict]) -> None:
+    mb = 1e6
+    header = ["graph (nodes)", "fanouts", "batch (NS inputs / N)", "cache % (rows, P)", "NS inputs/batch",
+              "GNS inputs/batch (layer-1 nodes; cached)", "inputs NS/GNS", "NS MB/epoch", "NS + static cache MB/epoch",
+              "GNS MB/epoch (fill)", "bytes NS/GNS", "bytes NS+static/GNS", "GNS hit rate"]
+    print(f"\n| {' | '.join(header)} |\n|{'---|' * len(header)}")
+    for r in rows:
+        ns, static, gns = r["ns"], r["ns_static"], r["gns"]
+        print(f"| {r['graph']} ({r['nodes']:,}) | {','.join(map(str, r['fanouts']))} | {r['batch']:,} "
+              f"({ns['inputs'] / r['nodes']:.1%}) | {r['cache']:.0%} ({r['cache_rows']:,}, {r['probability']}) | "
+              f"{ns['inputs']:,.0f} | {gns['inputs']:,.0f} ({gns['layer1']:,.0f}; {gns['cached_inputs']:,.0f}) | "
+              f"{ns['inputs'] / gns['inputs']:.2f}× | {ns['epoch_bytes'] / mb:,.1f} | {static['epoch_bytes'] / mb:,.1f} | "
+              f"{gns['epoch_bytes'] / mb:,.1f} ({gns['fill_bytes'] / mb:,.1f}) | "
+              f"{ns['epoch_bytes'] / gns['epoch_bytes']:.2f}× | {static['epoch_bytes'] / gns['epoch_bytes']:.2f}× | "
+              f"{gns['hit_rate']:.3f} |")
 
 
 # --- which counting gives which LRU miss rate (issue 8, Dependency done-when) ------------------------------
@@ -439,6 +590,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="batches of shuffled seeds, or of seeds in node-id order (an unshuffled loader)")
     parser.add_argument("--feature-width", type=int, default=128,
                         help="--bytes: float32 features per node (ego-twitter has none: random ones of this width)")
+    parser.add_argument("--gns-study", action="store_true",
+                        help="instead of the sampler table: NS against GNS (input layer from the cache only) in the GNS "
+                             "paper's setting on each of --graphs, for each cache size of --gns-caches (use --fanouts "
+                             "5,10,15 and --batches for the measured batches per setting)")
+    parser.add_argument("--graphs", default="amazon-computers,coauthor-physics,fb100-cornell5,snap-slashdot,ego-twitter",
+                        help="--gns-study: comma list of graphs")
+    parser.add_argument("--gns-caches", default="0.01,0.05", help="--gns-study: cache sizes, fractions of the nodes")
+    parser.add_argument("--study-batch-sizes", default="1000,products",
+                        help="--gns-study: batch sizes; 'products' is the size whose NS input nodes are the fraction "
+                             "of the graph they are in the paper's ogbn-products run (17.7%%)")
     parser.add_argument("--gns-refresh", type=int, default=16, help="--bytes: GNS refreshes its cache every this "
                                                                     "many batches")
     return parser.parse_args(argv)
@@ -453,6 +614,9 @@ def main(argv=None) -> None:
         serve(DGLStudy())
         return
     torch.set_num_threads(args.threads)
+    if args.gns_study:
+        gns_study(args)
+        return
     fanouts = [int(f) for f in args.fanouts.split(",")]
     graph = load_graph(args.graph, args.data_dir)
     n = graph.num_nodes
@@ -476,7 +640,7 @@ def main(argv=None) -> None:
         print(f"{args.graph}: {n:,} nodes, {graph.num_edges:,} edges; fanouts {fanouts} (input layer first), "
               f"one epoch = {len(batches)} batches of {args.batch_size} seeds; features {tuple(x.shape)} "
               f"{x.dtype} ({x.shape[1] * x.element_size()} bytes a row); gathers to {args.device}", flush=True)
-        rows = bytes_rows(graph, x, batches, fanouts, args)
+        rows = bytes_rows(graph, x, batches, fanouts, args, pool)
         print_bytes_table(rows, args.device)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
@@ -497,7 +661,8 @@ def main(argv=None) -> None:
             print(f"DGL {hello['dgl']} (torch {hello['torch']}, {hello['threads']} threads) side by side", flush=True)
         rows = []
         wanted = [prefix for prefix in args.samplers.split(",") if prefix]
-        for name, (sampler, dgl_spec) in our_samplers(ours_graph, fanouts, len(batches), args.gns_cache).items():
+        for name, (sampler, dgl_spec) in our_samplers(ours_graph, fanouts, len(batches), args.gns_cache,
+                                                               pool.to(device)).items():
             if wanted and not any(name.startswith(prefix) for prefix in wanted):
                 continue
             ours = run_ours(sampler, our_batches, args.seed, args.reps, lru, n)
