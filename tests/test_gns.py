@@ -51,6 +51,20 @@ def test_degree_cache_favours_high_degree_nodes(computers):
     assert abs(float(inclusion.sum()) / sampler.cache_size - 1) < 0.2
 
 
+def test_degree_on_a_directed_graph_counts_the_neighbour_lists_holding_a_node():
+    """Eq. 6's deg(i) on a directed graph: how many dst nodes have ``i`` among the in-neighbours sampling draws
+    from (its out-degree), the node's one-step reach, as Eq. 8 with P uniform and d = 1 gives; its in-degree
+    says nothing about being sampled. On an undirected graph the two are equal (test above)."""
+    src = torch.tensor([0, 0, 0, 1, 2, 3])
+    dst = torch.tensor([1, 2, 3, 2, 3, 0])  # node 0: 3 out-edges, 1 in-edge; node 3: 1 out-edge, 2 in-edges
+    n = 4
+    graph = Graph.from_edges(src, dst, n, symmetric=False, x=torch.zeros(n, 1), y=torch.zeros(n, dtype=torch.int64),
+                             train_idx=torch.arange(n), val_idx=torch.arange(0), test_idx=torch.arange(0),
+                             num_classes=1)
+    sampler = GNSSampler(graph, [1], cache_probability="degree")
+    assert torch.equal(sampler.probability(), torch.tensor([3.0, 1, 1, 1], dtype=torch.float64) / 6)
+
+
 def test_random_walk_probability_is_eq_8():
     """P^ℓ = (DA + I) P^{ℓ−1} with d_s = min(k, deg s)/deg s and P⁰ uniform on the training nodes (Eq. 7–9),
     against dense matrices on a small graph."""

@@ -2,7 +2,8 @@
 Training on Giant Graphs", KDD 2021, §3; DESIGN.md › GNS).
 
 Every ``refresh_every`` batches a **global node cache** ``C`` of ``⌈cache_fraction · N⌉``
-nodes is sampled with probability ``p_t``: ∝ degree (§3.2, Eq. 6), or from short random
+nodes is sampled with probability ``p_t``: ∝ degree (§3.2, Eq. 6; on a directed graph the number
+of dst nodes whose in-neighbours include ``t``), or from short random
 walks from the training nodes (Eq. 7–9) when those are a small part of the graph. The
 cache's features are meant to live on the training device: :meth:`GNSSampler.cache_nodes`
 hands out the node set a GPU feature cache holds, so the two are one and the same.
@@ -126,10 +127,15 @@ class GNSSampler:
         self._cache: NodeCache | None = None
 
     def probability(self) -> Tensor:
-        """``(N,)`` float64 cache sampling probability ``p`` (sums to 1): Eq. 6 or Eq. 7–9."""
+        """``(N,)`` float64 cache sampling probability ``p`` (sums to 1): Eq. 6 or Eq. 7–9.
+
+        Eq. 6's ``deg(v)`` counts the in-neighbour lists that hold ``v`` (the dst nodes that can sample it):
+        its out-degree, equal to its degree on an undirected graph; on a directed one it is ``v``'s one-step
+        reach, what Eq. 8 gives from a uniform ``P`` with ``d = 1``.
+        """
         if self._probability is None:
             if self.cache_probability == "degree":
-                weight = self.graph.in_degrees().double()
+                weight = torch.bincount(self.graph.indices.long(), minlength=self.graph.num_nodes).double()
             else:
                 weight = random_walk_probability(self.graph, self.training_nodes, self.fanouts)
             self._probability = weight / weight.sum()
