@@ -35,15 +35,19 @@ class ProjectedTerms(Protocol):
     """The memory terms of a projected layer (built beside the layer: ``training.layerwise.projected_terms``)."""
 
     width: int  # z's width (columns)
+    reads_dst_input: bool  # propagate also reads the chunk's dst input rows (SAGE mean's self term)
 
     def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool) -> tuple[int, Callable[[], int | None]]:
         """``W·dropout(h)`` on ``rows`` rows of the layer input ``h`` (a handle for layer 1's gathered rows,
         which input dropout overwrites; ``None`` for a view of the stored ``h_{l−1}``): ``(z, backward)``,
         ``backward()`` taking ``z``'s gradient (a view the caller holds) and returning ``h``'s (or ``None``)."""
 
-    def propagate(self, tape: StepTape, c: LayerCounts, z: int) -> tuple[int, Callable[[int], int | None]]:
-        """The layer's rest (and the stack's ReLU) on a chunk from its gathered rows ``z``: ``(output,
-        backward)``, ``backward(grad)`` returning ``z``'s gradient."""
+    def propagate(self, tape: StepTape, c: LayerCounts, z: int, h_dst: int | None = None,
+                  h_grad: bool = False) -> tuple[int, Callable[[int], int | None]]:
+        """The layer's rest (and the stack's ReLU) on a chunk from its gathered rows ``z`` and, when
+        ``reads_dst_input``, its dst nodes' input rows ``h_dst`` (gathered features at layer 1, which input
+        dropout overwrites; else rows of ``h_{l−1}``, requiring grad with ``h_grad``): ``(output, backward)``,
+        ``backward(grad)`` returning ``z``'s gradient (``h_dst``'s stays in the chunk's scope)."""
 
 
 def row_blocks(num_rows: int, parts: int) -> list[tuple[int, int]]:
@@ -132,11 +136,15 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
                 tape.settle()
             replay.release_since(mark)  # z is copied into the kept z (forward), its input rows' gradient into ∂L/∂h
 
-    def propagated(index: int, c: LayerCounts):
-        """A projected layer's chunk: its slice and sub-block, its gathered rows of z, the layer's rest."""
+    def propagated(index: int, c: LayerCounts, grad: bool):
+        """A projected layer's chunk: its slice and sub-block, its gathered rows of z (and its dst input rows,
+        when the layer reads them), the layer's rest."""
         chunk_slice(replay, layers[index], c)
         rows = replay.alloc(c.num_src * projections[index].width * f, HID)
-        return projections[index].propagate(tape, c, rows)
+        if not projections[index].reads_dst_input:
+            return projections[index].propagate(tape, c, rows)
+        h_dst = replay.alloc(c.num_dst * widths[index] * f, "input_features" if index == 0 else HID)
+        return projections[index].propagate(tape, c, rows, h_dst, grad and index > 0)
 
     for index, pieces in enumerate(chunks):
         z_all = None
@@ -148,7 +156,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         for c in pieces:
             mark = replay.mark()
             if z_all is not None:
-                propagated(index, c)
+                propagated(index, c, grad=False)
             else:
                 rows = chunk_inputs(index, c)
                 model.layer_terms(tape, index, c, rows, False, consume_input=index == 0)
@@ -174,7 +182,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         for c in chunks[index]:
             mark = replay.mark()
             if z_all is not None:
-                out, backward = propagated(index, c)
+                out, backward = propagated(index, c, grad=True)
             else:
                 rows = chunk_inputs(index, c)
                 out, backward = model.layer_terms(tape, index, c, rows, index > 0, consume_input=index == 0)

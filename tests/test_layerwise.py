@@ -96,6 +96,25 @@ def test_layerwise_equals_full_batch_on_amazon_computers(computers64, arch, fano
         assert_same(reference, layerwise_gradients(model, batch, computers, k))
 
 
+@pytest.mark.parametrize("arch", ["sage-mean", "sage-gcn", "gat"])
+def test_a_projecting_layer_projects_its_block_s_src_rows_once_per_pass(cora, arch, monkeypatch):
+    """Layers that project before aggregating (GAT; SAGE mean/gcn with F_in > F_out, 1433 → 16 → 7 here)
+    project each src row of their block once in the forward and once in the recompute, not once per chunk
+    that reads it (the chunks' src rows add up to more: the layer-wise redundancy)."""
+    model = make(arch, cora)
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    chunks = chunk_layers(batch.blocks, 8, "metis", seed=0)
+    projected_rows = [0] * len(model.layers)
+    for index, layer in enumerate(model.layers):
+        def counting(h, index=index, project=layer.project):
+            projected_rows[index] += h.shape[0]
+            return project(h)
+        monkeypatch.setattr(layer, "project", counting)
+    layerwise_backward(model, batch, chunks, cora.x, cora.y, CPU)
+    assert projected_rows == [2 * block.num_src for block in batch.blocks]
+    assert all(sum(piece.num_src for piece in pieces) > block.num_src for block, pieces in zip(batch.blocks, chunks.layers))
+
+
 def test_layerwise_dropout_really_applies(cora):
     """Guards the tests above: with dropout the recomputed masks matter (the gradient differs from p=0)."""
     model = make("sage-mean", cora)

@@ -328,8 +328,9 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise
     Passes: a micro-batch runs a forward and a backward (two more of each linear map above layer 1, one at
     layer 1, whose input takes no gradient); a layer-wise step runs a forward without autograd, the
     recomputed forward and the backward, so one pass more of each term (and one more gather and mask). A
-    layer with ``projected_rows`` (layer-wise GAT: its block's src rows) projects those once per pass, not
-    each chunk's src rows.
+    layer with ``projected_rows`` (layer-wise GAT, and SAGE ``mean``/``gcn`` when it projects first: its
+    block's src rows) projects those once per pass, not each chunk's src rows (SAGE's self term still runs
+    on each chunk's dst rows).
 
     Returns:
         Multiply-adds (a relative cost: only ratios between plans are meaningful).
@@ -345,10 +346,10 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise
         linear_aggregator = spec.arch != "sage" or spec.aggregator in ("mean", "gcn")
         first = spec.arch == "gat" or (linear_aggregator and a > b)
         linear_rows = src if first else dst
-        if spec.arch == "sage" and spec.aggregator != "gcn":
-            linear_rows += dst  # fc_self
         if index < len(projected_rows) and projected_rows[index] is not None:
             linear_rows = projected_rows[index]
+        if spec.arch == "sage" and spec.aggregator != "gcn":
+            linear_rows += dst  # fc_self
         linear, aggregate, gather = linear_rows * a * b, edges * (b if first else a), src * a * MASK_COST
         if spec.arch == "sage" and spec.aggregator == "pool":
             linear += src * a * a  # fc_pool, before the max

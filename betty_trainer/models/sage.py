@@ -88,12 +88,42 @@ class SAGEConv(nn.Module):
         nn.init.zeros_(self.bias)
 
     def forward(self, block: Block, h_src: Tensor) -> Tensor:
-        if self.aggregator in _LINEAR and self.in_feats > self.out_feats:
+        if self.projected_width is not None:  # as propagate(project(h)), without holding z past the aggregation
             out = self.aggregate(block, self.fc_neigh(h_src))
         else:
             out = self.fc_neigh(self.aggregate(block, h_src))
         if self.fc_self is not None:
             out = out + self.fc_self(block.dst_rows(h_src))
+        return out + self.bias
+
+    @property
+    def projected_width(self) -> int | None:
+        """Columns of :meth:`project`'s output, ``F_out``, when the layer projects before aggregating
+        (``mean``/``gcn`` with ``F_in > F_out``); else ``None``, and layer-wise execution runs it whole."""
+        return self.out_feats if self.aggregator in _LINEAR and self.in_feats > self.out_feats else None
+
+    @property
+    def reads_dst_input(self) -> bool:
+        """Whether :meth:`propagate` reads the dst nodes' input rows: ``mean``'s self term ``W_self·h_d``."""
+        return self.fc_self is not None
+
+    def project(self, h: Tensor) -> Tensor:
+        """``z = W_neigh·h`` row by row, the part of a projecting layer's :meth:`forward` that reads no edge:
+        layer-wise execution projects a layer's src rows once per pass and each chunk gathers its rows of
+        ``z`` (``forward(block, h) == propagate(block, project(h), block.dst_rows(h))``, op for op).
+
+        Shapes:
+            ``h`` ``(rows, F_in)`` → ``(rows, F_out)``.
+        """
+        return self.fc_neigh(h)
+
+    def propagate(self, block: Block, z: Tensor, h_dst: Tensor | None = None) -> Tensor:
+        """The rest of a projecting layer's :meth:`forward`: the aggregation of the projected src rows ``z``
+        ``(num_src, F_out)`` (:meth:`project`), ``mean``'s self term on the dst nodes' input rows ``h_dst``
+        ``(num_dst, F_in)`` (unused by ``gcn``), and the bias → ``(num_dst, F_out)``."""
+        out = self.aggregate(block, z)
+        if self.fc_self is not None:
+            out = out + self.fc_self(h_dst)
         return out + self.bias
 
     def aggregate(self, block: Block, h_src: Tensor) -> Tensor:
@@ -123,39 +153,20 @@ class SAGEConv(nn.Module):
         return terms(tape, c, hd, self.in_feats, self.out_feats, hd_grad)
 
     def _mean_gcn_terms(self, tape: StepTape, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
-        r, f = tape.r, tape.f
-        d = c.num_dst
+        r = tape.r
         project_first, w, record = tape.aggregation_width(a, b, hd_grad)
-        h, lin_neigh_bwd = tape.linear(hd, c.num_src, a, b, hd_grad, AGG) if project_first else (hd, None)
-        if self.aggregator == "mean":
-            values, scale = mean_values_terms(tape, c), None
-        else:  # gcn: 1/(deg + 1) (weighted: 1/(Σ w + 1)) per dst node, spread over its edges (times the weights)
-            scale = weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
-            values = per_edge_terms(tape, c)
-        neigh, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
-        r.drop(values, scale)
+        h, lin_neigh_bwd = self.project_terms(tape, c.num_src, hd, hd_grad) if project_first else (hd, None)
+        neigh, agg_bwd = self._neighbour_terms(tape, c, w, record)
         if project_first:
             r.drop(h)  # the projected features die with the statement: the aggregation keeps none of them
             out, lin_out_bwd = neigh, None
         else:
-            out, lin_out_bwd = tape.linear(neigh, d, a, b, True)
+            out, lin_out_bwd = tape.linear(neigh, c.num_dst, a, b, True)
             r.drop(neigh)
-        self_bwd = None
-        if self.aggregator == "mean":
-            self_out, self_bwd = tape.linear(hd, d, a, b, hd_grad)
-            summed = r.alloc(d * b * f, HID)
-            r.drop(out, self_out)
-            out = summed
-        result = r.alloc(d * b * f, HID)  # + bias
-        r.drop(out)
+        result, self_bwd = self._self_bias_terms(tape, c, out, hd, hd_grad)
 
         def backward(grad: int) -> int | None:
-            tape.param_grad(b)  # bias
-            tape.settle()
-            grad_hd = None
-            if self_bwd is not None:
-                grad_self = self_bwd(grad, free_grad=False)
-                grad_hd = _slice_backward_terms(tape, c, a, grad_self)
+            grad_hd = _slice_backward_terms(tape, c, a, self_bwd(grad))
             grad_neigh = lin_out_bwd(grad, True, record) if lin_out_bwd is not None else grad
             if not record:
                 return grad_hd
@@ -165,6 +176,59 @@ class SAGEConv(nn.Module):
             else:
                 grad_h_in = grad_h if hd_grad else r.drop(grad_h)
             return tape.accumulate(grad_hd, grad_h_in)
+
+        return result, backward
+
+    def project_terms(self, tape: StepTape, rows: int, hd: int, hd_grad: bool):
+        """What :meth:`project` allocates on ``rows`` rows: ``(z handle, backward)`` (:meth:`StepTape.linear`)."""
+        return tape.linear(hd, rows, self.in_feats, self.out_feats, hd_grad, AGG)
+
+    def propagate_terms(self, tape: StepTape, c: LayerCounts, z: int, hd_dst: int | None = None,
+                        hd_grad: bool = False):
+        """What :meth:`propagate` allocates from the projected rows ``z`` and (``mean``) the dst input rows
+        ``hd_dst``, handles the caller holds (``hd_grad``: ``hd_dst`` requires grad): ``(output handle,
+        backward)``; ``backward(grad)`` returns the handle of ``z``'s gradient, or given ``hd_dst`` the pair
+        of ``z``'s and ``hd_dst``'s (``None`` without grad), in the order autograd makes them."""
+        neigh, agg_bwd = self._neighbour_terms(tape, c, self.out_feats, True)
+        result, self_bwd = self._self_bias_terms(tape, c, neigh, hd_dst, hd_grad)
+
+        def backward(grad: int) -> int | tuple[int, int | None]:
+            grad_dst = self_bwd(grad)
+            grad_z = agg_bwd(grad)
+            return grad_z if hd_dst is None else (grad_z, grad_dst)
+
+        return result, backward
+
+    def _neighbour_terms(self, tape: StepTape, c: LayerCounts, width: int, record: bool):
+        """:meth:`aggregate` of ``mean``/``gcn`` on ``width`` columns: its per-edge values (and ``gcn``'s
+        per-dst scale), freed once aggregated. Returns ``(neighbourhood vector, backward)``."""
+        if self.aggregator == "mean":
+            values, scale = mean_values_terms(tape, c), None
+        else:  # gcn: 1/(deg + 1) (weighted: 1/(Σ w + 1)) per dst node, spread over its edges (times the weights)
+            scale = weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
+            values = per_edge_terms(tape, c)
+        neigh, agg_bwd = aggregate_terms(tape, c, width, record, values, scale)
+        tape.r.drop(values, scale)
+        return neigh, agg_bwd
+
+    def _self_bias_terms(self, tape: StepTape, c: LayerCounts, out: int, hd: int | None, hd_grad: bool):
+        """``out + fc_self(h_dst)`` (``mean``) ``+ bias`` on ``out`` ``(num_dst, F_out)``, which it frees.
+        Returns ``(result, backward)``; ``backward(grad)`` emits the bias's and ``fc_self``'s gradients (the
+        caller keeps ``grad``) and returns the gradient of ``h_dst`` (``None`` for ``gcn`` or without grad)."""
+        r, f, d, b = tape.r, tape.f, c.num_dst, self.out_feats
+        self_bwd = None
+        if self.aggregator == "mean":
+            self_out, self_bwd = tape.linear(hd, d, self.in_feats, b, hd_grad)
+            summed = r.alloc(d * b * f, HID)
+            r.drop(out, self_out)
+            out = summed
+        result = r.alloc(d * b * f, HID)  # + bias
+        r.drop(out)
+
+        def backward(grad: int) -> int | None:
+            tape.param_grad(b)  # bias
+            tape.settle()
+            return self_bwd(grad, free_grad=False) if self_bwd is not None else None
 
         return result, backward
 

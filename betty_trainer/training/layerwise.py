@@ -124,33 +124,44 @@ def layerwise_backward(
                 z_all[begin:end] = z
             else:
                 z.backward(grad_z[begin:end])
-                if grad_in is not None:
-                    grad_in[begin:end] = rows.grad
+                if grad_in is not None:  # it may hold the dst rows' gradients of a self term already
+                    grad_in[begin:end] += rows.grad
             del rows, z
         return z_all
 
     def run(index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor | None,
-            grad: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+            grad: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         """One chunk's one-layer step: its slice and sub-block (made now, freed with the chunk), its input
-        rows (of ``z`` for a projected layer) and its output rows. Returns the output rows, the input rows
-        and the input rows' positions among the block's src nodes."""
+        rows (of ``z`` for a projected layer, and the dst nodes' rows of ``h_{l−1}`` when the layer reads
+        them) and its output rows. Returns the output rows, the input rows, the input rows' positions among
+        the block's src nodes and the dst input rows (or ``None``)."""
         piece = chunk.slice(blocks[index])
         block = blocks[index].restrict(piece).to(device)
         src_index = piece.src_index
         del piece  # its edge ids: the sub-block holds the rest
         if z_all is not None:
+            layer = model.layers[index]
             rows = z_all[src_index.to(device)]
             if grad:
                 rows.requires_grad_()
-            h = model.layers[index].propagate(block, rows)
-            return (F.relu(h) if index < last else h), rows, src_index
+            h_dst = None
+            if getattr(layer, "reads_dst_input", False):  # e.g. SAGE mean's W_self·h_d
+                dst_nodes = block.src_nodes[: block.num_dst]
+                h_dst = (store.gather(dst_nodes, device) if index == 0
+                         else h_prev[chunk.dst.to(h_prev.device)].to(device, non_blocking=True))
+                if grad and index > 0:
+                    h_dst.requires_grad_()
+                h = layer.propagate(block, rows, model.dropout(h_dst, dst_nodes, index, index == 0))
+            else:
+                h = layer.propagate(block, rows)
+            return (F.relu(h) if index < last else h), rows, src_index, h_dst
         if index == 0:  # a fresh gather: input dropout may overwrite it
             h = model.layer_forward(0, block, store.gather(block.src_nodes, device), consume_input=True)
-            return h, None, src_index
+            return h, None, src_index, None
         rows = h_prev[src_index.to(h_prev.device)].to(device, non_blocking=True)
         if grad:
             rows.requires_grad_()
-        return model.layer_forward(index, block, rows), rows, src_index
+        return model.layer_forward(index, block, rows), rows, src_index, None
 
     stored: list[Tensor | None] = []
     projected: list[Tensor | None] = []
@@ -187,11 +198,13 @@ def layerwise_backward(
         projected[index] = None
         grad_rows = grad_in if z_all is None else torch.zeros_like(z_all)  # ∂L/∂z for a projected layer
         for chunk in chunks.layers[index]:
-            h, rows, src_index = run(index, chunk, h_prev, z_all, grad=True)
+            h, rows, src_index, h_dst = run(index, chunk, h_prev, z_all, grad=True)
             h.backward(grad_out[chunk.dst.to(device)])
             if grad_rows is not None:
                 grad_rows.index_add_(0, src_index.to(device), rows.grad)
-            del h, rows, src_index
+            if h_dst is not None and grad_in is not None:
+                grad_in.index_add_(0, chunk.dst.to(device), h_dst.grad)
+            del h, rows, src_index, h_dst
         grad_out = None  # ∂L/∂h_l: its chunks are done
         if z_all is not None:
             del z_all
@@ -217,15 +230,18 @@ def output_storage(rows: int, like: Tensor, host: bool) -> Tensor:
 def projected_layers(model: LayerStack) -> list[bool]:
     """Per layer, whether layer-wise execution projects its src rows once per pass: the layer has
     ``project(h)`` (row-wise, e.g. GAT's ``W·h``, ``(rows, projected_width)``) and ``propagate(block, z)``
-    with ``layer(block, h) == propagate(block, project(h))``, and ``projected_width``, ``project_terms``
-    and ``propagate_terms`` (its memory terms, as :class:`~betty_trainer.models.gat.GATConv` has them), and
-    the model applies its layers as the stack does.
+    with ``layer(block, h) == propagate(block, project(h))``, a ``projected_width`` that is not ``None``,
+    and ``project_terms`` and ``propagate_terms`` (its memory terms, as
+    :class:`~betty_trainer.models.gat.GATConv` and :class:`~betty_trainer.models.sage.SAGEConv` have them),
+    and the model applies its layers as the stack does. A layer whose ``reads_dst_input`` is true (SAGE
+    ``mean``'s self term) takes the dst nodes' input rows too: ``propagate(block, z, h_dst)`` with
+    ``layer(block, h) == propagate(block, project(h), block.dst_rows(h))``, and
+    ``propagate_terms(tape, counts, z, h_dst, h_dst_grad)``.
     Such a layer's chunks gather rows of ``z`` instead of recomputing ``W·h`` for each chunk's src rows
     (a src row read by several chunks is projected once, not once per chunk, in forward and in backward)."""
     plain = type(model).apply_layer is LayerStack.apply_layer
-    return [plain and all(hasattr(layer, name) for name in ("project", "propagate", "projected_width",
-                                                            "project_terms", "propagate_terms"))
-            for layer in model.layers]
+    return [plain and all(hasattr(layer, name) for name in ("project", "propagate", "project_terms", "propagate_terms"))
+            and getattr(layer, "projected_width", None) is not None for layer in model.layers]
 
 
 @dataclass(frozen=True)
@@ -241,19 +257,25 @@ class ProjectedLayerTerms:
     def width(self) -> int:
         return self.model.layers[self.index].projected_width
 
-    def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
-        r, width_in = tape.r, self.model.widths[self.index]
-        dropout_bwd = None
+    @property
+    def reads_dst_input(self) -> bool:
+        return getattr(self.model.layers[self.index], "reads_dst_input", False)
+
+    def _dropped(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
+        """The stack's node-keyed dropout on ``rows`` input rows ``h``: ``(dropped, backward or None)``."""
+        width_in = self.model.widths[self.index]
         if self.model.dropout.p == 0:
-            hd = h
-        elif self.index == 0:  # the gathered rows, overwritten in place
+            return h, None
+        if self.index == 0:  # the gathered rows, overwritten in place
             keyed_mask_terms(tape, rows, width_in)
-            hd = h
-        else:  # rows of h_{l−1}: a view, dropped out into a new tensor
-            hd, dropout_bwd = dropout_terms(tape, h, rows, width_in, h_grad)
+            return h, None
+        return dropout_terms(tape, h, rows, width_in, h_grad)  # rows of h_{l−1}: into a new tensor
+
+    def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
+        hd, dropout_bwd = self._dropped(tape, rows, h, h_grad)
         z, project_bwd = self.model.layers[self.index].project_terms(tape, rows, hd, h_grad)
         if hd is not h:
-            r.drop(hd)  # the dropout's output: only autograd keeps it
+            tape.r.drop(hd)  # the dropout's output: only autograd keeps it
 
         def backward() -> int | None:
             grad = project_bwd(None, free_grad=False)  # z's gradient is a view of ∂L/∂z
@@ -261,14 +283,28 @@ class ProjectedLayerTerms:
 
         return z, backward
 
-    def propagate(self, tape: StepTape, c: LayerCounts, z: int):
-        out, propagate_bwd = self.model.layers[self.index].propagate_terms(tape, c, z)
+    def propagate(self, tape: StepTape, c: LayerCounts, z: int, h_dst: int | None = None, h_grad: bool = False):
+        layer = self.model.layers[self.index]
+        dropout_bwd = None
+        if h_dst is None:
+            out, propagate_bwd = layer.propagate_terms(tape, c, z)
+        else:
+            hd, dropout_bwd = self._dropped(tape, c.num_dst, h_dst, h_grad)
+            out, propagate_bwd = layer.propagate_terms(tape, c, z, hd, h_grad)
+            if hd is not h_dst:
+                tape.r.drop(hd)  # the dropout's output: only autograd keeps it
         relu_bwd = None
         if self.index < len(self.model.layers) - 1:
             out, relu_bwd = tape.relu(out, c.num_dst, self.model.widths[self.index + 1])
 
         def backward(grad: int) -> int | None:
-            return propagate_bwd(relu_bwd(grad) if relu_bwd is not None else grad)
+            grads = propagate_bwd(relu_bwd(grad) if relu_bwd is not None else grad)
+            if h_dst is None:
+                return grads
+            grad_z, grad_hd = grads  # the dst input rows' gradient stays in the chunk's scope (added into ∂L/∂h)
+            if grad_hd is not None and dropout_bwd is not None:
+                dropout_bwd(grad_hd)
+            return grad_z
 
         return out, backward
 
