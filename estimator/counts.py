@@ -44,7 +44,8 @@ def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None)
     """:class:`LayerCounts` of each block or layer slice (anything with ``indptr`` and ``num_src``).
 
     Args:
-        structures: blocks or :class:`~partition.slicing.LayerSlice` s, input layer first.
+        structures: blocks, :class:`~partition.slicing.LayerSlice` s or :class:`~partition.chunks.Chunk` s,
+            input layer first.
         weighted: per layer, whether the block carries edge weights; ``None`` reads each structure's
             ``edge_weight`` (a layer slice has none: pass the parent batch's answer).
     """

@@ -14,10 +14,11 @@ terms (each layer's ``memory_terms``, through ``ModelSpec.layer_terms``), in the
   layer's backward; ``h_l`` is freed before its layer's backward, ``∂L/∂h_l`` after it;
 - the optimizer step.
 
-A *projected* layer (GAT: ``layer(block, h) = propagate(block, W·h)``; ``projections``) is replayed as the
-executor runs it: ``z = W·dropout(h_{l−1})`` for all its src rows, one row block per chunk, kept until
-its layer's backward; each chunk gathers its rows of ``z``; in backward ``∂L/∂z`` is summed over the
-chunks, then the projection is recomputed block by block and backpropagated.
+A *projected* layer (GAT, SAGE ``mean``/``gcn`` projecting first: ``layer(block, h) = propagate(block,
+W·h)``; ``projections``) is replayed as the executor runs it: ``z = W·dropout(h_{l−1})`` for all its src
+rows, one row block per chunk, kept until its layer's backward; each chunk gathers its rows of ``z`` (and,
+when the layer ``reads_dst_input``, its dst nodes' input rows with their dropout); in backward ``∂L/∂z`` is
+summed over the chunks, then the projection is recomputed block by block and backpropagated.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def chunk_slice(replay: Replay, block: LayerCounts, c: LayerCounts) -> None:
     on the replay: its slice (``partition.slicing.slice_block_compiled``: an int32 scratch label per src
     node of the block, freed at once, then the chunk's int64 CSC pointer, edge ids, local indices and src
     positions), then its sub-block (``Block.restrict``: the gathered float32 edge weights and the int64 src
-    ids); the edge ids die with the slice. The rest lives until the chunk ends."""
+    ids); the edge ids die with the slice. The rest lives until the chunk ends (the executor holds the
+    sub-block until then)."""
     label = replay.alloc(block.num_src * (4 if block.num_src < 2**31 else INDEX_BYTES), "block_structure")
     replay.alloc((c.num_dst + 1) * INDEX_BYTES, "block_structure")
     edge_ids = replay.alloc(c.num_edges * INDEX_BYTES, "block_structure")
@@ -115,9 +117,13 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
     resident = replay.current
 
     def chunk_inputs(index: int, c: LayerCounts) -> int:
-        """The chunk's slice and sub-block, then its gathered input rows."""
+        """The chunk's slice and sub-block, then its gathered input rows (rows of ``h_{l−1}`` stay held by the
+        executor until the chunk ends, whatever the layer drops)."""
         chunk_slice(replay, layers[index], c)
-        return replay.alloc(c.num_src * widths[index] * f, "input_features" if index == 0 else HID)
+        rows = replay.alloc(c.num_src * widths[index] * f, "input_features" if index == 0 else HID)
+        if index > 0:
+            replay.keep(rows)
+        return rows
 
     replay.phase, replay.saving = "forward", False  # torch.no_grad: autograd saves nothing
     projections = list(projections) if projections is not None else [None] * model.num_layers
@@ -152,8 +158,8 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
             z_all = replay.alloc(layers[index].num_src * projections[index].width * f, HID)
             projection(index, grad=False)
         on_host = host_outputs and index < model.num_layers - 1
-        out = None if on_host else replay.alloc(layers[index].num_dst * widths[index + 1] * f, HID)
-        for c in pieces:
+        out = None
+        for position, c in enumerate(pieces):
             mark = replay.mark()
             if z_all is not None:
                 propagated(index, c, grad=False)
@@ -161,6 +167,10 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
                 rows = chunk_inputs(index, c)
                 model.layer_terms(tape, index, c, rows, False, consume_input=index == 0)
             replay.release_since(mark)  # the chunk's rows are copied into h_l; nothing of it survives
+            if position == 0 and not on_host:  # h_l is made beside the first chunk's output rows
+                first = replay.alloc(c.num_dst * widths[index + 1] * f, HID)
+                out = replay.alloc(layers[index].num_dst * widths[index + 1] * f, HID)
+                replay.drop(first)
         stored.append(out)
         projected.append(z_all)
 

@@ -24,7 +24,7 @@ from partition.partitioners import OutputSplitter
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Chunk:
     """One chunk of a layer: the dst nodes it computes and the shape of its one-layer sub-block.
 

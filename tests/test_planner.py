@@ -243,12 +243,14 @@ def test_step_work_counts_each_sage_aggregator_s_own_maps(aggregator, linear, ag
 def test_step_work_of_a_projected_sage_layer_projects_its_block_s_src_rows_once(aggregator, self_rows):
     """Layer-wise, a SAGE layer that projects first projects its block's 7 src rows once per pass instead of
     each chunk's (two chunks of 10 src rows and 2 dst rows each); ``mean``'s self term still runs on each
-    chunk's dst rows."""
+    chunk's dst rows. Gathered: the block's src rows (8 wide), each chunk's rows of z (4 wide) and ``mean``'s
+    dst input rows (8 wide)."""
     from types import SimpleNamespace
 
     from betty_trainer.memory.plan import MASK_COST, step_work
 
     spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1)
     pieces = [SimpleNamespace(num_src=10, num_dst=2, indptr=torch.tensor([0, 5, 10]))] * 2
-    linear, aggregate, gather = (7 + self_rows) * 8 * 4, 20 * 4, 20 * 8 * MASK_COST
+    linear, aggregate = (7 + self_rows) * 8 * 4, 20 * 4
+    gather = (7 * 8 + 20 * 4 + self_rows * 8) * MASK_COST
     assert step_work(spec, [pieces], layerwise=True, projected_rows=[7]) == 3 * (linear + aggregate) + 2 * gather

@@ -37,7 +37,7 @@ from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state
 from estimator.layerwise import estimate_layerwise
 from estimator.spec import ModelSpec, adam_uses_foreach
 from partition import BudgetError, OutputSplitter, Plan, make_plan, redundancy
-from partition.chunks import LayerChunks, chunk_layers
+from partition.chunks import Chunk, LayerChunks, chunk_layers
 from partition.slicing import BlockStructure, LayerSlice
 
 logger = logging.getLogger(__name__)
@@ -310,7 +310,7 @@ class MicroBatchPlanner:
 
 
 
-def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise: bool,
+def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice | Chunk]], layerwise: bool,
               projected_rows: Sequence[int | None] = ()) -> float:
     """Estimated multiply-adds of one training step over ``layers`` (per layer, the slices it runs: a layer-wise
     plan's chunks, or every micro-batch's slice of that layer), which ``micro_batch.mode=auto`` compares.
@@ -323,7 +323,9 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise
       aggregator but ``gcn``) on the dst rows; SAGE ``pool``'s ``fc_pool`` (``a·a``) on the src rows;
     - the aggregation: per edge, the width aggregated (``b`` when projected first, else ``a``); SAGE
       ``lstm``: one LSTM step per edge, ``8·a²`` (four gates over the input and the hidden state);
-    - the input rows' gather and node-keyed dropout: :data:`MASK_COST` per element.
+    - the input rows' gather and node-keyed dropout: :data:`MASK_COST` per element (a projected layer: its
+      block's src rows at width ``a``, each chunk's rows of ``z`` at width ``b`` and, SAGE ``mean``, each
+      chunk's dst input rows at width ``a``).
 
     Passes: a micro-batch runs a forward and a backward (two more of each linear map above layer 1, one at
     layer 1, whose input takes no gradient); a layer-wise step runs a forward without autograd, the
@@ -342,7 +344,7 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise
             b *= spec.heads  # the output layer averages its heads after projecting to all of them
         src = sum(piece.num_src for piece in pieces)
         dst = sum(piece.num_dst for piece in pieces)
-        edges = sum(int(piece.indptr[-1]) for piece in pieces)
+        edges = sum(int(piece.indptr[-1]) for piece in pieces)  # a slice or a chunk: its CSC pointer
         linear_aggregator = spec.arch != "sage" or spec.aggregator in ("mean", "gcn")
         first = spec.arch == "gat" or (linear_aggregator and a > b)
         linear_rows = src if first else dst
@@ -351,6 +353,10 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[LayerSlice]], layerwise
         if spec.arch == "sage" and spec.aggregator != "gcn":
             linear_rows += dst  # fc_self
         linear, aggregate, gather = linear_rows * a * b, edges * (b if first else a), src * a * MASK_COST
+        if index < len(projected_rows) and projected_rows[index] is not None:
+            # the projection's row blocks (a wide), each chunk's rows of z (b wide), SAGE mean's dst input rows
+            self_rows = dst if spec.arch == "sage" and spec.aggregator == "mean" else 0
+            gather = (projected_rows[index] * a + src * b + self_rows * a) * MASK_COST
         if spec.arch == "sage" and spec.aggregator == "pool":
             linear += src * a * a  # fc_pool, before the max
         elif spec.arch == "sage" and spec.aggregator == "lstm":

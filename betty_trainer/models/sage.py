@@ -120,7 +120,13 @@ class SAGEConv(nn.Module):
     def propagate(self, block: Block, z: Tensor, h_dst: Tensor | None = None) -> Tensor:
         """The rest of a projecting layer's :meth:`forward`: the aggregation of the projected src rows ``z``
         ``(num_src, F_out)`` (:meth:`project`), ``mean``'s self term on the dst nodes' input rows ``h_dst``
-        ``(num_dst, F_in)`` (unused by ``gcn``), and the bias → ``(num_dst, F_out)``."""
+        ``(num_dst, F_in)`` (unused by ``gcn``), and the bias → ``(num_dst, F_out)``.
+
+        Raises:
+            ValueError: ``mean`` without ``h_dst``.
+        """
+        if self.fc_self is not None and h_dst is None:
+            raise ValueError("SAGEConv(mean).propagate needs h_dst, the dst nodes' input rows, for W_self·h_d")
         out = self.aggregate(block, z)
         if self.fc_self is not None:
             out = out + self.fc_self(h_dst)

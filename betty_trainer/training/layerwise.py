@@ -13,10 +13,14 @@ a time (:func:`partition.chunks.chunk_layers`):
   autograd on and backpropagates its rows of ``∂L/∂h_l``; the parameter gradients add into
   ``.grad`` and its input rows' gradients into ``∂L/∂h_{l−1}`` (not at layer 1). ``h_l`` is freed
   before its layer's backward (the recompute makes what it needs), ``∂L/∂h_l`` after it.
-- **Projected layers** (:func:`projected_layers`; GAT): ``z = W·dropout(h_{l−1})`` is computed once
-  per pass for all the layer's src rows (one row block per chunk) and kept until the layer's
-  backward; each chunk gathers its rows of ``z``. Backward sums ``∂L/∂z`` over the chunks, then
-  recomputes the projection block by block and backpropagates it.
+- **Projected layers** (:func:`projected_layers`; GAT, and SAGE ``mean``/``gcn`` when they project
+  first): ``z = W·dropout(h_{l−1})`` is computed once per pass for all the layer's src rows (one row
+  block per chunk) and kept until the layer's backward; each chunk gathers its rows of ``z`` (and, for a
+  layer that ``reads_dst_input``, such as SAGE ``mean``'s self term, its dst nodes' input rows, whose
+  gradient it adds into ``∂L/∂h_{l−1}``). Backward sums ``∂L/∂z`` over the chunks, then recomputes the
+  projection block by block and backpropagates it.
+- **Structure**: a chunk keeps its dst nodes and CSC pointer; its slice and sub-block are made when it
+  runs and freed when it ends (:meth:`partition.chunks.Chunk.slice`).
 - **Where h_l lives**: on the device, or in host memory when the plan says so
   (``LayerChunks.host_outputs``); the chunks then copy their rows to the device.
 
@@ -34,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from betty_trainer.data.block import Batch
+from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, as_feature_store
 from betty_trainer.errors import TrainingError
 from betty_trainer.models.dropout import dropout_terms, keyed_mask_terms
@@ -130,11 +134,12 @@ def layerwise_backward(
         return z_all
 
     def run(index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor | None,
-            grad: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+            grad: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Block]:
         """One chunk's one-layer step: its slice and sub-block (made now, freed with the chunk), its input
-        rows (of ``z`` for a projected layer, and the dst nodes' rows of ``h_{l−1}`` when the layer reads
-        them) and its output rows. Returns the output rows, the input rows, the input rows' positions among
-        the block's src nodes and the dst input rows (or ``None``)."""
+        rows (of ``z`` for a projected layer, and the dst nodes' rows of ``h_{l−1}`` or features when the layer
+        reads them) and its output rows. Returns the output rows, the input rows, the input rows' positions
+        among the block's src nodes, the dst input rows (or ``None``) and the sub-block (the caller holds it
+        until the chunk ends)."""
         piece = chunk.slice(blocks[index])
         block = blocks[index].restrict(piece).to(device)
         src_index = piece.src_index
@@ -154,14 +159,14 @@ def layerwise_backward(
                 h = layer.propagate(block, rows, model.dropout(h_dst, dst_nodes, index, index == 0))
             else:
                 h = layer.propagate(block, rows)
-            return (F.relu(h) if index < last else h), rows, src_index, h_dst
+            return (F.relu(h) if index < last else h), rows, src_index, h_dst, block
         if index == 0:  # a fresh gather: input dropout may overwrite it
             h = model.layer_forward(0, block, store.gather(block.src_nodes, device), consume_input=True)
-            return h, None, src_index, None
+            return h, None, src_index, None, block
         rows = h_prev[src_index.to(h_prev.device)].to(device, non_blocking=True)
         if grad:
             rows.requires_grad_()
-        return model.layer_forward(index, block, rows), rows, src_index, None
+        return model.layer_forward(index, block, rows), rows, src_index, None, block
 
     stored: list[Tensor | None] = []
     projected: list[Tensor | None] = []
@@ -198,13 +203,13 @@ def layerwise_backward(
         projected[index] = None
         grad_rows = grad_in if z_all is None else torch.zeros_like(z_all)  # ∂L/∂z for a projected layer
         for chunk in chunks.layers[index]:
-            h, rows, src_index, h_dst = run(index, chunk, h_prev, z_all, grad=True)
+            h, rows, src_index, h_dst, block = run(index, chunk, h_prev, z_all, grad=True)
             h.backward(grad_out[chunk.dst.to(device)])
             if grad_rows is not None:
                 grad_rows.index_add_(0, src_index.to(device), rows.grad)
             if h_dst is not None and grad_in is not None:
                 grad_in.index_add_(0, chunk.dst.to(device), h_dst.grad)
-            del h, rows, src_index, h_dst
+            del h, rows, src_index, h_dst, block
         grad_out = None  # ∂L/∂h_l: its chunks are done
         if z_all is not None:
             del z_all
