@@ -235,7 +235,7 @@ class CacheConfig(_Section):
     """``features.cache``: the device node cache in front of the host features (issue 8; GNS §3)."""
 
     kind: Literal[CACHE_KINDS] = Field(
-        "none", description="none; static (highest in-degree nodes, filled once); lru (most recently read); "
+        "none", description="none; static (highest out-degree nodes, filled once); lru (most recently read); "
                             "gns (the GNS sampler's node cache, refreshed with it; needs sampling.sampler=gns)")
     size: float | int | str = Field(
         0.1, description="static/lru cache size: a fraction of the nodes in (0, 1] (0.1), a node count (50000) or "

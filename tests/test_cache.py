@@ -12,6 +12,7 @@ import torch
 from betty_trainer import HostFeatureStore, TransferStats, load_config
 from betty_trainer.data import cache as cache_module
 from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
+from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
 from betty_trainer.sampling.schedule import make_feature_store, make_sampler, staging_rounds
 from betty_trainer.training import trainer as trainer_module
@@ -359,3 +360,17 @@ def test_a_gns_refresh_takes_rows_a_staged_macro_batch_already_holds(x, crossing
     store.start_batch(0)  # 2, 3, 4 come from the stage on the device; only 9 is read from the host
     assert store.stats - read == TransferStats(0, 0, ROW, cache_fill_bytes=ROW)
     assert torch.equal(store.gather(ids(9, 2, 4), CPU), x[ids(9, 2, 4)])
+
+
+def test_a_static_cache_holds_the_nodes_most_neighbour_lists_hold_on_a_directed_graph():
+    """Node 0 points at 1..5 (out-degree 5: five neighbour lists hold it, so it is read most); node 6 is pointed
+    at by 1..5 (in-degree 5, read by no one). A static cache of one node holds 0, not 6."""
+    src = torch.tensor([0, 0, 0, 0, 0, 1, 2, 3, 4, 5])
+    dst = torch.tensor([1, 2, 3, 4, 5, 6, 6, 6, 6, 6])
+    graph = Graph.from_edges(src, dst, 7, symmetric=False, x=torch.randn(7, 4), y=torch.zeros(7, dtype=torch.long),
+                             train_idx=torch.arange(7), val_idx=torch.arange(0), test_idx=torch.arange(0), num_classes=2)
+    assert graph.out_degrees().tolist() == [5, 1, 1, 1, 1, 1, 0] and int(graph.in_degrees()[6]) == 5
+    config = load_config(None, ["features.cache.kind=static", "features.cache.size=1"])
+    store = make_feature_store(config, graph, CPU, make_sampler(config, graph))
+    store.gather(torch.tensor([1]), CPU)  # the first gather fills it
+    assert store.cached_nodes.tolist() == [0]

@@ -9,7 +9,8 @@ and serves ``gather(node_ids, device)`` from three places, in this order:
    :meth:`CachedFeatureStore.stage` and kept on the device until :meth:`~CachedFeatureStore.unstage`;
 2. the **node cache**: ``capacity`` rows resident on the device, chosen by ``kind``:
 
-   * ``static``: the ``capacity`` nodes of highest in-degree, filled once at the first gather
+   * ``static``: the ``capacity`` nodes of highest degree (out-degree: the neighbour lists holding them),
+     filled once at the first gather
      (PaGraph's policy; GNS §2.2 discusses it);
    * ``lru``: the ``capacity`` most recently read nodes. Recency has gather granularity: every row
      of one gather is read "at the same time"; after a gather the cache holds the ``capacity`` nodes
@@ -122,7 +123,8 @@ class CachedFeatureStore:
         kind: ``"none"`` (no cache; macro-batch staging only), ``"static"``, ``"lru"`` or ``"gns"``.
         capacity: cached rows (``static``, ``lru``); ignored by ``gns`` (its node set decides) and
             ``none``.
-        degrees: ``(N,)`` in-degrees, for ``static`` (the highest are cached; ties by lower node id).
+        degrees: ``(N,)`` degrees, for ``static`` (the highest are cached; ties by lower node id):
+            ``Graph.out_degrees``, how many neighbour lists hold each node.
         node_source: for ``gns``: ``key -> (|C|,) int64`` the cached node set of the batch ``key``
             (``GNSSampler.cache_nodes``).
 

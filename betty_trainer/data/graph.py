@@ -203,6 +203,12 @@ class Graph:
         """``(N,)`` int64 in-degree of every node."""
         return self.indptr[1:] - self.indptr[:-1]
 
+    def out_degrees(self) -> Tensor:
+        """``(N,)`` int64 out-degree of every node: the in-neighbour lists that hold it, so how many dst
+        nodes can sample it as a neighbour (its degree on an undirected graph). What predicts how often a
+        node's features are read, and GNS's ``deg(v)`` (Eq. 6)."""
+        return torch.bincount(self.indices.long(), minlength=self.num_nodes)
+
     def __repr__(self) -> str:
         return (
             f"Graph({self.name!r}, nodes={self.num_nodes}, edges={self.num_edges}, "

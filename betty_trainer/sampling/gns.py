@@ -142,7 +142,7 @@ class GNSSampler:
         """
         if self._probability is None:
             if self.cache_probability == "degree":
-                weight = torch.bincount(self.graph.indices.long(), minlength=self.graph.num_nodes).double()
+                weight = self.graph.out_degrees().double()
             else:
                 weight = random_walk_probability(self.graph, self.training_nodes, self.fanouts)
             self._probability = weight / weight.sum()

@@ -129,7 +129,8 @@ def make_feature_store(config: Config, graph: Graph, device: torch.device | str,
 
     ``features.cache.kind=none`` with ``features.macro_batch=0`` is the host store itself; otherwise a
     :class:`~betty_trainer.data.cache.CachedFeatureStore` over it: ``static`` caches the
-    ``features.cache.size`` nodes of highest in-degree, ``lru`` the most recently read ones, ``gns``
+    ``features.cache.size`` nodes of highest out-degree (:meth:`Graph.out_degrees`: the most often sampled as
+    neighbours), ``lru`` the most recently read ones, ``gns``
     the node set of ``sampler`` (a :class:`GNSSampler`; the config check ensures it).
 
     Args:
@@ -153,7 +154,7 @@ def make_feature_store(config: Config, graph: Graph, device: torch.device | str,
             raise ConfigError(f"features.cache.kind=gns needs sampling.sampler=gns, got {type(sampler).__name__}")
         return CachedFeatureStore(host, device, "gns", node_source=sampler.cache_nodes)
     capacity = 0 if kind == "none" else cache_capacity(features.cache.size, graph.num_nodes, host.row_bytes)
-    return CachedFeatureStore(host, device, kind, capacity, degrees=graph.in_degrees() if kind == "static" else None)
+    return CachedFeatureStore(host, device, kind, capacity, degrees=graph.out_degrees() if kind == "static" else None)
 
 
 def sampled_batches(config: Config, sampler: Sampler, features: FeatureStore, seed_batches: Sequence[Tensor],
