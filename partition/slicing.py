@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -136,7 +137,9 @@ def slice_block_compiled(block: BlockStructure, dst: Tensor) -> LayerSlice:
     """:func:`slice_block_tensors` by two compiled passes over the kept edges (CPU tensors; needs numba): the
     first writes the pointer and marks the touched src positions, the second writes the slice.
 
-    Work O(e + num_src) for ``e`` kept edges. Allocated by torch (so a profiled step counts them:
+    Work O(e + num_src) for ``e`` kept edges, the ``num_src`` part a fill of the scratch labels (the touched
+    src positions are sorted from the kept edges when that is cheaper than scanning the block's src nodes,
+    as for a small chunk of a large block: :func:`_fill_kernel`). Allocated by torch (so a profiled step counts them:
     :mod:`estimator.measure`), in this order: a ``(num_src,)`` int32 scratch array (int64 from 2³¹ src
     nodes; freed on return), the ``(n + 1,)`` pointer, the ``(e,)`` edge ids, the ``(e,)`` local indices and
     the src positions. The result equals :func:`slice_block_tensors`'s, tensor for tensor.
@@ -188,16 +191,30 @@ def _mark_kernel(indptr, indices, dst, label, pointer):  # pragma: no cover - co
 
 @_jit
 def _fill_kernel(indptr, indices, dst, label, edge_ids, local, src_index):  # pragma: no cover - compiled
-    """The slice's edge ids, src positions (dst first, then the other touched ones ascending) and local
-    indices, from :func:`_mark_kernel`'s labels."""
+    """The slice's src positions (dst first, then the other touched ones ascending), edge ids and local
+    indices, from :func:`_mark_kernel`'s labels. The ``x`` other touched positions are found by a scan of the
+    block's src nodes, or, when ``x·log₂x`` is smaller (a small chunk of a large block), collected from the
+    kept edges and sorted, so many small chunks do not each pay for the whole block."""
     n, num_src = dst.shape[0], label.shape[0]
+    extra = src_index.shape[0] - n
     src_index[:n] = dst
-    next_label = n
-    for src in range(num_src):  # the other touched src positions in ascending order
-        if label[src] == -2:
-            label[src] = next_label
-            src_index[next_label] = src
-            next_label += 1
+    if extra * np.log2(extra + 1) < num_src:
+        count = n
+        for i in range(n):
+            for edge in range(indptr[dst[i]], indptr[dst[i] + 1]):
+                if label[indices[edge]] == -2:
+                    label[indices[edge]] = -3  # collected
+                    src_index[count] = indices[edge]
+                    count += 1
+        src_index[n:].sort()
+    else:
+        count = n
+        for src in range(num_src):
+            if label[src] == -2:
+                src_index[count] = src
+                count += 1
+    for position in range(n, n + extra):
+        label[src_index[position]] = position
     position = 0
     for i in range(n):
         for edge in range(indptr[dst[i]], indptr[dst[i] + 1]):

@@ -329,7 +329,9 @@ def test_compiled_slicing_equals_tensor_slicing(cora, fanouts):
 
     batch = sample_batch(cora, cora.train_idx, fanouts, torch.Generator().manual_seed(0))
     groups = partition_outputs(batch.blocks[-1], 5, "random", seed=1)
-    groups += [torch.arange(batch.blocks[-1].num_dst), torch.zeros(0, dtype=torch.int64)]
+    # one or two outputs: few touched src nodes, which the kernel sorts; every output: it scans the block's
+    groups += [torch.tensor([0]), torch.tensor([3, 17]), torch.arange(batch.blocks[-1].num_dst),
+               torch.zeros(0, dtype=torch.int64)]
     for group in groups:
         compiled = slice_with(slice_block_compiled, batch.blocks, group)
         assert_same_slices(compiled, slice_with(slice_block_tensors, batch.blocks, group))
