@@ -103,11 +103,15 @@ def layerwise_backward(
     last = len(blocks) - 1
     projects = projected_layers(model)
 
-    def layer_input(index: int, rows: slice | Tensor, h_prev: Tensor | None, src_nodes: Tensor) -> Tensor:
-        """Rows of the layer's input: gathered features (layer 1, a fresh tensor) or rows of ``h_{l−1}``."""
+    def layer_input(index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
+        """Rows of the layer's input for ``nodes`` (global ids) at ``positions`` among the block's src nodes:
+        gathered features (layer 1, a fresh tensor) or rows of ``h_{l−1}`` (a view for a slice of a
+        device-resident ``h_{l−1}``)."""
         if index == 0:
-            return store.gather(src_nodes[rows], device)
-        return h_prev[rows].to(device, non_blocking=True)  # host-resident h_l: the rows are copied over
+            return store.gather(nodes, device)
+        if isinstance(positions, Tensor):
+            positions = positions.to(h_prev.device)
+        return h_prev[positions].to(device, non_blocking=True)  # host-resident h_l: the rows are copied over
 
     def project(index: int, h_prev: Tensor | None, grad_z: Tensor | None = None, grad_in: Tensor | None = None):
         """A projected layer's ``z = W·dropout(h_{l−1})`` for all its src rows, block by block (one block per
@@ -120,7 +124,7 @@ def layerwise_backward(
             z_all = torch.empty(block.num_src, layer.projected_width, device=device,
                                 dtype=next(layer.parameters()).dtype)
         for begin, end in row_blocks(block.num_src, len(chunks.layers[index])):
-            rows = layer_input(index, slice(begin, end), h_prev, src_nodes)
+            rows = layer_input(index, src_nodes[begin:end], slice(begin, end), h_prev)
             if grad_z is not None and index > 0:
                 rows = rows.detach().requires_grad_()
             z = layer.project(model.dropout(rows, src_nodes[begin:end], index, index == 0))
@@ -152,8 +156,7 @@ def layerwise_backward(
             h_dst = None
             if getattr(layer, "reads_dst_input", False):  # e.g. SAGE mean's W_self·h_d
                 dst_nodes = block.src_nodes[: block.num_dst]
-                h_dst = (store.gather(dst_nodes, device) if index == 0
-                         else h_prev[chunk.dst.to(h_prev.device)].to(device, non_blocking=True))
+                h_dst = layer_input(index, dst_nodes, chunk.dst, h_prev)
                 if grad and index > 0:
                     h_dst.requires_grad_()
                 h = layer.propagate(block, rows, model.dropout(h_dst, dst_nodes, index, index == 0))
@@ -161,9 +164,9 @@ def layerwise_backward(
                 h = layer.propagate(block, rows)
             return (F.relu(h) if index < last else h), rows, src_index, h_dst, block
         if index == 0:  # a fresh gather: input dropout may overwrite it
-            h = model.layer_forward(0, block, store.gather(block.src_nodes, device), consume_input=True)
+            h = model.layer_forward(0, block, layer_input(0, block.src_nodes, src_index, None), consume_input=True)
             return h, None, src_index, None, block
-        rows = h_prev[src_index.to(h_prev.device)].to(device, non_blocking=True)
+        rows = layer_input(index, block.src_nodes, src_index, h_prev)
         if grad:
             rows.requires_grad_()
         return model.layer_forward(index, block, rows), rows, src_index, None, block
