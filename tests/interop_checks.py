@@ -13,6 +13,16 @@ from tests.test_exactness import assert_same_gradients, gradients
 from tests.test_runs import QUICKSTART, SMALL
 
 
+def assert_computes_logits(expected: torch.Tensor, models: list[nn.Module], batch: Batch, x: torch.Tensor) -> None:
+    """Each of ``models`` gives ``expected`` (our model's ``(outputs, classes)`` logits) on ``batch`` and input
+    rows ``x``, equal up to float32 rounding: the libraries sum each neighbourhood in a different order (eps
+    1.2e-7 per add)."""
+    for model in models:
+        got = model(batch.blocks, x)
+        assert got.shape == expected.shape == (batch.output_nodes.numel(), expected.shape[1])
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 def assert_micro_batches_equal_full_batch(model: nn.Module, batch: Batch, graph: Graph,
                                           dropout: nn.Module | None = None) -> None:
     """K = 4 REG micro-batches of ``batch`` give ``model`` the full batch's gradient (Betty §4.2.3), under a
