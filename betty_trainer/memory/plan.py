@@ -29,7 +29,7 @@ from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.rng import compiled_kernels
 from betty_trainer.sampling.schedule import feature_store_device_bytes
-from betty_trainer.training.layerwise import LayerwiseBatch, projected_layers, projected_terms
+from betty_trainer.training.layerwise import LayerwiseBatch, projected_terms
 from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
@@ -219,9 +219,8 @@ class MicroBatchPlanner:
         if self.spec is None:
             return float(plan.work)
         if isinstance(plan, LayerwisePlan):
-            model = getattr(self.spec.layer_terms, "__self__", None)
-            projected = projected_layers(model) if isinstance(model, LayerStack) else [False] * len(batch.blocks)
-            rows = [block.num_src if flag else None for block, flag in zip(batch.blocks, projected)]
+            projections = self._projections() or [None] * len(batch.blocks)
+            rows = [block.num_src if terms is not None else None for block, terms in zip(batch.blocks, projections)]
             return step_work(self.spec, plan.chunks.layers, True, rows)
         return step_work(self.spec, [list(layer) for layer in zip(*plan.layers)], False)
 
@@ -251,9 +250,14 @@ class MicroBatchPlanner:
             host_outputs = chunks.host_outputs
         weighted = [block.edge_weight is not None for block in batch.blocks]
         pieces = [counts_of(layer, [flag] * len(layer)) for layer, flag in zip(chunks.layers, weighted)]
+        return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec, self._projections(),
+                                  host_outputs).peak_bytes
+
+    def _projections(self) -> list | None:
+        """Per layer, the built-in model's projected-layer terms (``training.layerwise.projected_terms``: a layer
+        projected once per pass, else ``None``); ``None`` when the spec's terms are not a ``LayerStack``'s."""
         model = getattr(self.spec.layer_terms, "__self__", None)  # the instance whose terms the spec holds
-        projections = projected_terms(model) if isinstance(model, LayerStack) else None
-        return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec, projections, host_outputs).peak_bytes
+        return projected_terms(model) if isinstance(model, LayerStack) else None
 
     def _plan_layerwise(self, batch: Batch, seed: int, min_k: int) -> tuple[LayerwiseBatch, LayerwisePlan]:
         """``num_micro_batches`` chunks per layer, or under a budget the fewest that fit: doubling
