@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 INDEX_BYTES = 8  # int64 node ids and CSC pointers
+LOCAL_INDEX_BYTES = 4  # int32 local src positions: a block's indices (partition.slicing.LOCAL_INDEX)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None)
 
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:
-    """Bytes of the blocks' int64 src ids, CSC pointers and indices, ``8·Σ_l (S_l + D_l + 1 + E_l)``,
+    """Bytes of the blocks' int64 src ids and CSC pointers and int32 indices, ``Σ_l 8·(S_l + D_l + 1) + 4·E_l``,
     plus ``4·E_l`` for float32 edge weights where a block has them."""
-    return sum((c.num_src + c.num_dst + 1 + c.num_edges) * INDEX_BYTES + (4 * c.num_edges if c.weighted else 0)
-               for c in layers)
+    return sum((c.num_src + c.num_dst + 1) * INDEX_BYTES + c.num_edges * LOCAL_INDEX_BYTES
+               + (4 * c.num_edges if c.weighted else 0) for c in layers)

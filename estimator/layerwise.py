@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from estimator.counts import INDEX_BYTES, LayerCounts, block_structure_bytes
+from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts, block_structure_bytes
 from estimator.estimate import MemoryEstimate, model_state_bytes
 from estimator.spec import ModelSpec
 from estimator.tape import GRAD, HID, OVER, Replay, StepTape
@@ -67,14 +67,14 @@ def chunk_structure_bytes(chunks: Sequence[Sequence[LayerCounts]]) -> int:
 def chunk_slice(replay: Replay, block: LayerCounts, c: LayerCounts) -> None:
     """What running a chunk of counts ``c`` of a block of counts ``block`` allocates before its input rows,
     on the replay: its slice (``partition.slicing.slice_block_compiled``: an int32 scratch label per src
-    node of the block, freed at once, then the chunk's int64 CSC pointer, edge ids, local indices and src
-    positions), then its sub-block (``Block.restrict``: the gathered float32 edge weights and the int64 src
+    node of the block, freed at once, then the chunk's int64 CSC pointer and edge ids, int32 local indices and
+    int64 src positions), then its sub-block (``Block.restrict``: the gathered float32 edge weights and the int64 src
     ids); the edge ids die with the slice. The rest lives until the chunk ends (the executor holds the
     sub-block until then)."""
     label = replay.alloc(block.num_src * (4 if block.num_src < 2**31 else INDEX_BYTES), "block_structure")
     replay.alloc((c.num_dst + 1) * INDEX_BYTES, "block_structure")
     edge_ids = replay.alloc(c.num_edges * INDEX_BYTES, "block_structure")
-    replay.alloc((c.num_edges + c.num_src) * INDEX_BYTES, "block_structure")
+    replay.alloc(c.num_edges * LOCAL_INDEX_BYTES + c.num_src * INDEX_BYTES, "block_structure")
     replay.drop(label)
     replay.alloc(c.num_src * INDEX_BYTES + (4 * c.num_edges if c.weighted else 0), "block_structure")
     replay.drop(edge_ids)

@@ -34,7 +34,7 @@ class Chunk:
         indptr: ``(d + 1,)`` int64 CSC pointer of its sub-block (its edge count and in-degrees, for the
             estimate).
 
-    The rest of the slice (src positions, local indices, edge ids: ``8·(S + 2E)`` bytes) is made by
+    The rest of the slice (int64 src positions and edge ids, int32 local indices: ``8·S + 12·E`` bytes) is made by
     :meth:`slice` when the chunk runs.
     """
 

@@ -16,11 +16,15 @@ try:
 except ImportError:  # pragma: no cover - numba is a declared dependency
     numba = None
 
+LOCAL_INDEX = torch.int32
+"""dtype of a block's ``indices`` (local src positions: a block holds fewer than 2³¹ src nodes), half of int64's
+bytes per edge; node ids and CSC pointers stay int64."""
+
 
 class BlockStructure(Protocol):
     """The structure of one block (MFG) that partitioning needs.
 
-    ``indptr`` is ``(num_dst + 1,)`` int64 and ``indices`` ``(E,)`` int64 local src
+    ``indptr`` is ``(num_dst + 1,)`` int64 and ``indices`` ``(E,)`` int32 (:data:`LOCAL_INDEX`) local src
     positions; the first ``num_dst`` src positions are the dst nodes.
     """
 
@@ -43,7 +47,7 @@ class LayerSlice:
             the first ``num_dst`` are the micro-batch's dst nodes.
         num_dst: number of dst nodes kept.
         indptr: ``(num_dst + 1,)`` int64 CSC pointer of the sliced block.
-        indices: ``(e,)`` int64 positions into ``src_index`` (local src ids).
+        indices: ``(e,)`` int32 (:data:`LOCAL_INDEX`) positions into ``src_index`` (local src ids).
         edge_ids: ``(e,)`` int64 positions of the kept edges in the parent block,
             in the sliced block's CSC order.
     """
@@ -158,7 +162,7 @@ def slice_block_compiled(block: BlockStructure, dst: Tensor) -> LayerSlice:
     extra = _mark_kernel(indptr, indices, dst_ids, label.numpy(), pointer.numpy())
     # the outputs are allocated by torch (not inside the kernel), so a profiled step sees them (estimator.measure)
     edge_ids = torch.empty(int(pointer[-1]), dtype=torch.int64)
-    local = torch.empty(edge_ids.numel(), dtype=torch.int64)
+    local = torch.empty(edge_ids.numel(), dtype=LOCAL_INDEX)
     src_index = torch.empty(n + extra, dtype=torch.int64)
     _fill_kernel(indptr, indices, dst_ids, label.numpy(), edge_ids.numpy(), local.numpy(), src_index.numpy())
     return LayerSlice(src_index=src_index, num_dst=n, indptr=pointer, indices=local, edge_ids=edge_ids)
@@ -260,25 +264,25 @@ def relabel_dst_first(dst: Tensor, touched: Tensor, id_space: int | None = None)
         id_space: if given, every id is below it; pass it only when it is O(batch).
 
     Returns:
-        ``src_ids`` ``(n + m,)`` int64 (``src_ids[:n] == dst``) and ``local`` ``(e,)`` int64,
-        the position of each touched id in ``src_ids``.
+        ``src_ids`` ``(n + m,)`` int64 (``src_ids[:n] == dst``) and ``local`` ``(e,)`` int32
+        (:data:`LOCAL_INDEX`), the position of each touched id in ``src_ids``.
     """
     n, device = dst.numel(), dst.device
     if id_space is not None:
         # mark the touched ids, unmark the dst ids: the others, in ascending order, without a sort
         seen = torch.zeros(id_space, dtype=torch.bool, device=device)
-        seen.index_fill_(0, touched, True)
+        seen[touched] = True  # index_fill_ takes int64 ids only, and touched may be int32 local positions
         seen.index_fill_(0, dst, False)
         extra = torch.nonzero(seen).flatten()
-        local = torch.empty(id_space, dtype=torch.int64, device=device)  # read only at dst and extra ids
-        local.index_copy_(0, dst, torch.arange(n, device=device))
-        local.index_copy_(0, extra, torch.arange(n, n + extra.numel(), device=device))
+        local = torch.empty(id_space, dtype=LOCAL_INDEX, device=device)  # read only at dst and extra ids
+        local.index_copy_(0, dst, torch.arange(n, dtype=LOCAL_INDEX, device=device))
+        local.index_copy_(0, extra, torch.arange(n, n + extra.numel(), dtype=LOCAL_INDEX, device=device))
         return torch.cat([dst, extra]), local.index_select(0, touched)
     unique, inverse = torch.unique(torch.cat([dst, touched]), return_inverse=True)
     is_extra = torch.ones(unique.numel(), dtype=torch.bool, device=device)
     is_extra[inverse[:n]] = False
     extra = torch.nonzero(is_extra).flatten()
-    label = torch.empty(unique.numel(), dtype=torch.int64, device=device)
-    label[inverse[:n]] = torch.arange(n, device=device)
-    label[extra] = torch.arange(n, n + extra.numel(), device=device)
+    label = torch.empty(unique.numel(), dtype=LOCAL_INDEX, device=device)
+    label[inverse[:n]] = torch.arange(n, dtype=LOCAL_INDEX, device=device)
+    label[extra] = torch.arange(n, n + extra.numel(), dtype=LOCAL_INDEX, device=device)
     return torch.cat([dst, unique[extra]]), label[inverse[n:]]

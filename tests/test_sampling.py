@@ -104,10 +104,35 @@ def test_keyed_sample_of_each_seed_equals_its_sample_alone(cora):
         assert global_edges(alone) == {(s, v) for s, v in global_edges(batch.blocks[-1]) if v == seed}
 
 
-def test_graph_indices_are_int32_and_blocks_int64(cora):
+@pytest.mark.parametrize("kernel", ["numba", "tensor"])
+def test_graph_and_block_indices_are_int32(cora, kernel):
+    """Local src positions are int32 (half of int64's bytes per edge) from every sampler and kernel, and in
+    micro-batch slices made by either slicer; node ids and pointers stay int64."""
+    from betty_trainer.sampling import GNSSampler, LaborSampler, NeighborSampler, SampleKey
+    from partition.slicing import slice_block_compiled, slice_block_tensors
+
     assert cora.indices.dtype == torch.int32 and cora.indptr.dtype == torch.int64
-    block = sample_batch(cora, cora.train_idx, [5], torch.Generator().manual_seed(0)).blocks[0]
-    assert {block.src_nodes.dtype, block.indptr.dtype, block.indices.dtype} == {torch.int64}
+    samplers = [NeighborSampler(cora, [None, 5], kernel=kernel), LaborSampler(cora, [5, 5], kernel=kernel),
+                LaborSampler(cora, [5, 5], importance_iterations=2, kernel=kernel),
+                GNSSampler(cora, [5, 5], cache_fraction=0.1, kernel=kernel)]
+    for sampler in samplers:
+        for block in sampler.sample(cora.train_idx, SampleKey(0, 0, 0)).blocks:
+            assert block.indices.dtype == torch.int32, type(sampler).__name__
+            assert block.src_nodes.dtype == block.indptr.dtype == torch.int64
+            for slicer in (slice_block_compiled, slice_block_tensors):
+                piece = slicer(block, torch.arange(0, block.num_dst, 2))
+                assert piece.indices.dtype == torch.int32 and piece.indptr.dtype == torch.int64
+                assert block.restrict(piece).indices.dtype == torch.int32
+
+
+def test_block_converts_int64_indices_and_refuses_too_many_src_nodes():
+    from betty_trainer.data.block import Block
+
+    block = Block(torch.arange(3), 2, torch.tensor([0, 1, 2]), torch.tensor([2, 0]))
+    assert block.indices.dtype == torch.int32 and block.indices.tolist() == [2, 0]
+    with pytest.raises(ValueError, match="2³¹"):
+        Block(torch.zeros(1, dtype=torch.int64).expand(2**31), 0, torch.zeros(1, dtype=torch.int64),
+              torch.zeros(0, dtype=torch.int64))  # a view: 2³¹ src ids without their memory
 
 
 SAMPLER_CONFIGS = {

@@ -54,8 +54,9 @@ def assert_same_block(one, two):
     assert torch.equal(one.src_nodes, two.src_nodes)
     assert torch.equal(one.indptr, two.indptr)
     assert torch.equal(one.indices, two.indices)
-    for tensor in (one.src_nodes, one.indptr, one.indices):
+    for tensor in (one.src_nodes, one.indptr):
         assert tensor.dtype == torch.int64
+    assert one.indices.dtype == two.indices.dtype == torch.int32  # local positions
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +276,7 @@ def test_graph_stores_int32_indices_and_checks_dtypes():
     graph = Graph.from_edges(src, dst, 3, **fields)
     assert graph.indices.dtype == torch.int32 and graph.indptr.dtype == torch.int64
     block = sample_block(graph, torch.tensor([0, 2]), None)
-    assert block.src_nodes.dtype == torch.int64 and block.indices.dtype == torch.int64
+    assert block.src_nodes.dtype == torch.int64 and block.indices.dtype == torch.int32
     with pytest.raises(DatasetError, match="indices int32 or int64"):
         Graph(graph.indptr, graph.indices.float(), **fields)
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from partition import LayerSlice, slice_layers
+from partition.slicing import LOCAL_INDEX
 
 
 class PyGAdj(NamedTuple):
@@ -39,8 +40,12 @@ class Block:
         src_nodes: ``(num_src,)`` int64 global node ids; ``src_nodes[:num_dst]`` are the dst nodes.
         num_dst: number of dst nodes.
         indptr: ``(num_dst + 1,)`` int64 local CSC pointer.
-        indices: ``(E,)`` int64 local src positions.
+        indices: ``(E,)`` int32 local src positions (:data:`partition.slicing.LOCAL_INDEX`; other integer
+            dtypes are converted on construction).
         edge_weight: optional ``(E,)`` float32 per-edge weight (importance weights of GNS/LABOR).
+
+    Raises:
+        ValueError: ``2³¹`` or more src nodes (the int32 local positions cannot number them).
     """
 
     src_nodes: Tensor
@@ -48,6 +53,12 @@ class Block:
     indptr: Tensor
     indices: Tensor
     edge_weight: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.src_nodes.numel() >= 2**31:
+            raise ValueError(f"a block of {self.src_nodes.numel()} src nodes: at most 2³¹ − 1 fit its int32 indices")
+        if self.indices.dtype != LOCAL_INDEX:
+            self.indices = self.indices.to(LOCAL_INDEX)
 
     @property
     def num_src(self) -> int:
@@ -94,7 +105,7 @@ class Block:
     def edge_index(self) -> Tensor:
         """``(2, E)`` int64 ``[src_local; dst_local]`` (PyG's ``edge_index`` convention), edges in CSC order
         (grouped by dst, as ``indices`` and ``edge_weight``)."""
-        return torch.stack([self.indices, self.edge_dst()])
+        return torch.stack([self.indices.long(), self.edge_dst()])
 
     def pyg_inputs(self, h_src: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor, tuple[int, int]]:
         """The arguments of a ``torch_geometric.nn`` layer's bipartite call on this block:
@@ -137,7 +148,7 @@ class Block:
         import dgl
 
         edge_ids = torch.arange(self.num_edges, device=self.indices.device)
-        block = dgl.create_block(("csc", (self.indptr, self.indices, edge_ids)),
+        block = dgl.create_block(("csc", (self.indptr, self.indices.long(), edge_ids)),
                                  num_src_nodes=self.num_src, num_dst_nodes=self.num_dst)
         block.srcdata[dgl.NID] = self.src_nodes
         block.dstdata[dgl.NID] = self.dst_nodes

@@ -12,7 +12,7 @@ from torch import Tensor
 from betty_trainer.data.block import Block
 from betty_trainer.models.lstm import LSTM, lstm_terms
 from betty_trainer.rng import compiled_kernels, jit, numba
-from estimator.counts import INDEX_BYTES, LayerCounts
+from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts
 from estimator.tape import AGG, GRAD, OVER, SharedGradient, StepTape
 
 
@@ -87,7 +87,8 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, values: Tensor, num_rows: int, 
     """``M·dense`` for the CSR matrix ``M`` = ``(indptr, indices, values)`` of shape ``(num_rows, len(dense))``;
     the result is the only full-width tensor allocated. On the CPU (float32) a compiled kernel sums each
     row's edges in order, rows in parallel; elsewhere the sparse library's product (``addmm`` with
-    ``beta=0`` ignores its zero input)."""
+    ``beta=0`` ignores its zero input) on int32 copies of the pointer and of int64 indices (the int32
+    CSR that cuSPARSE and MKL take; a block's own indices are int32 already)."""
     if compiled_kernels(dense.device, dense.dtype):
         out = dense.new_empty(num_rows, dense.shape[1])
         _csr_matmul_kernel(indptr.numpy(), indices.numpy(), values.to(dense.dtype).numpy(),
@@ -95,8 +96,8 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, values: Tensor, num_rows: int, 
         return out
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the CSR × dense product used here is stable
         warnings.simplefilter("ignore", UserWarning)
-        matrix = torch.sparse_csr_tensor(indptr, indices, values.to(dense.dtype), (num_rows, dense.shape[0]),
-                                         check_invariants=False)
+        matrix = torch.sparse_csr_tensor(indptr.int(), indices.int(), values.to(dense.dtype),
+                                         (num_rows, dense.shape[0]), check_invariants=False)
     return torch.addmm(dense.new_zeros(()).expand(num_rows, dense.shape[1]), matrix, dense, beta=0)
 
 
@@ -461,16 +462,18 @@ def weight_totals_terms(tape: StepTape, c: LayerCounts, component: str) -> int:
     return total
 
 
-def csr_matmul_terms(tape: StepTape, rows: int, c: LayerCounts, width: int, component: str) -> int:
+def csr_matmul_terms(tape: StepTape, rows: int, c: LayerCounts, width: int, component: str,
+                     int64_indices: bool = False) -> int:
     """aggregate._csr_matmul: the ``(rows, width)`` result. The compiled CPU kernel makes nothing else;
-    the sparse library's ``addmm`` makes and frees int32 copies of the CSR pointer and indices."""
+    the sparse library's path makes and frees an int32 copy of the CSR pointer, and of the indices when
+    they are int64 (``int64_indices``: the transpose's; a block's own are int32)."""
     r = tape.r
     if tape.compiled_kernels:
         return r.alloc(rows * width * tape.f, component)
+    copies = [r.alloc((rows + 1) * 4, OVER)] + ([r.alloc(c.num_edges * 4, OVER)] if int64_indices else [])
     zero = r.alloc(tape.f, OVER)
     out = r.alloc(rows * width * tape.f, component)
-    pointer, indices = r.alloc((rows + 1) * 4, OVER), r.alloc(c.num_edges * 4, OVER)
-    r.drop(indices, pointer, zero)
+    r.drop(*copies, zero)
     return out
 
 
@@ -500,7 +503,7 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, va
         transposed = r.alloc(e * INDEX_BYTES, OVER)  # edge_dst[order]
         r.drop(edge_dst)
         transposed_values = r.alloc(e * tape.f, OVER)  # values[order]
-        grad_src = csr_matmul_terms(tape, s, c, width, GRAD)
+        grad_src = csr_matmul_terms(tape, s, c, width, GRAD, int64_indices=True)
         r.drop(transposed_values, transposed, order, pointer, grad, values, self_scale)
         return grad_src
 
@@ -560,9 +563,9 @@ def segment_max_chunks_terms(tape: StepTape, c: LayerCounts, width: int) -> None
     first_hit = r.alloc(rows * width * INDEX_BYTES, AGG)
     has_edges = r.alloc(rows, OVER)  # bool
     clamped = r.alloc(rows * width * INDEX_BYTES, AGG)
-    chosen = r.alloc(rows * width * INDEX_BYTES, AGG)
+    chosen = r.alloc(rows * width * LOCAL_INDEX_BYTES, AGG)  # indices[clamped]: int32 local positions
     r.drop(clamped)
-    r.transient(rows * width * INDEX_BYTES, AGG)  # torch.where, copied into the int32 argmax
+    r.transient(rows * width * LOCAL_INDEX_BYTES, AGG)  # torch.where, copied into the int32 argmax
     r.drop(chosen, segment, gathered, peak, position, first_hit, has_edges, degrees)
 
 
@@ -596,7 +599,7 @@ def lstm_neighbours_terms(tape: StepTape, c: LayerCounts, hd: int, a: int, hd_gr
         new_edges = r.alloc(rows * length * INDEX_BYTES, OVER)
         r.drop(starts, steps, edges)
         edges = new_edges
-        index = r.alloc(rows * length * INDEX_BYTES, AGG)  # indices[edges]
+        index = r.alloc(rows * length * LOCAL_INDEX_BYTES, AGG)  # indices[edges]: int32 local positions
         previous, seq = seq, r.alloc(rows * length * a * f, AGG)
         if hd_grad:
             r.save(index)  # IndexSelectBackward keeps the index

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, attention_aggregate, edge_dst_terms, edge_softmax
 from betty_trainer.models.stack import LayerStack, layer_widths
-from estimator.counts import INDEX_BYTES, LayerCounts
+from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts
 from estimator.tape import AGG, GRAD, HID, OVER, StepTape
 
 
@@ -141,9 +141,9 @@ class GATConv(nn.Module):
         edge_dst = edge_dst_terms(tape, c)
         not_self, loops = r.alloc(e, OVER), r.alloc(d * INDEX_BYTES, OVER)
         ends = []
-        for _ in range(2):  # torch.cat([ids[not_self], loops]) for src and for dst
+        for kept_bytes in (LOCAL_INDEX_BYTES, INDEX_BYTES):  # torch.cat([ids[not_self], loops]): src, then dst
             nonzero = r.alloc(e * INDEX_BYTES, OVER)
-            kept = r.alloc(e * INDEX_BYTES, OVER)
+            kept = r.alloc(e * kept_bytes, OVER)  # the src ends are the block's int32 indices
             r.drop(nonzero)
             ends.append(r.alloc(e2 * INDEX_BYTES, AGG))
             r.drop(kept)

@@ -161,7 +161,7 @@ def sample_block(
         kernel: ``"auto"``, ``"tensor"`` or ``"numba"`` (see :class:`NeighborSampler`).
 
     Returns:
-        A :class:`Block` with ``src_nodes[:n] == dst``; int64 ``src_nodes``, ``indptr``, ``indices``.
+        A :class:`Block` with ``src_nodes[:n] == dst``; int64 ``src_nodes`` and ``indptr``, int32 ``indices``.
 
     Raises:
         ValueError: if ``fanout`` is 0 or below -1, or ``kernel`` is unknown or unavailable.
@@ -396,7 +396,7 @@ def _relabel(dst, src):
     while size < 4 * n:
         size *= 2
     extra = np.empty(total, np.int64)
-    local = np.empty(total, np.int64)
+    local = np.empty(total, np.int32)  # a block's local positions (partition.slicing.LOCAL_INDEX)
     table_id, table_label = _table(size, dst, np.arange(n))
     e, m = _insert(table_id, table_label, src, 0, extra, 0, local, n)
     while e < total:
