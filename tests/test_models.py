@@ -11,6 +11,7 @@ from betty_trainer.errors import ConfigError
 from betty_trainer.models import GAT, GCN, GATConv, GraphSAGE, SAGEConv, build_model, set_dropout_key
 from betty_trainer.models.lstm import LSTM
 from tests.test_exactness import assert_same_gradients, gradients
+from tests.test_labor import bonferroni_z
 
 # 6 src nodes, 4 dst nodes (the first 4 src). dst 0 and 1 share in-degree 3 (one LSTM group of two),
 # dst 2 is isolated, dst 3 has a self edge (3 → 3) that GAT must not count twice.
@@ -215,3 +216,48 @@ def test_gcn_checkpoints_hold_no_graph_sized_state(cora):
     batch = sample_batch(cora, cora.test_idx[:50], [None, None])
     x = cora.x[batch.input_nodes]
     torch.testing.assert_close(fresh(batch.blocks, x), model(batch.blocks, x), rtol=0, atol=0)
+
+
+def gcn_samples(graph, sampler, dst, repetitions):
+    """A one-feature ``GCNConv`` (weight 1, no bias, float64) on ``repetitions`` sampled blocks of ``dst``: their
+    outputs ``(repetitions, len(dst))`` and the full-neighbourhood output ``(len(dst),)``."""
+    from betty_trainer.models.gcn import GCNConv
+    from betty_trainer.sampling import NeighborSampler, SampleKey
+
+    conv = GCNConv(1, 1).double()
+    with torch.no_grad():
+        conv.linear.weight.fill_(1.0)
+        conv.bias.zero_()
+    inv_sqrt_degree = (graph.in_degrees().double() + 1).rsqrt()
+    h = graph.x[:, :8].double() @ torch.linspace(1, 2, 8, dtype=torch.float64) * 10  # a non-constant signal
+
+    def run(block):
+        with torch.no_grad():
+            return conv(block, h[block.src_nodes].unsqueeze(1), inv_sqrt_degree[block.src_nodes]).squeeze(1)
+
+    full = run(NeighborSampler(graph, [None]).sample(dst, SampleKey(0)).blocks[0])
+    return torch.stack([run(sampler.sample(dst, SampleKey(1, 0, r)).blocks[0]) for r in range(repetitions)]), full
+
+
+@pytest.mark.parametrize("kind", ["ns", "labor"])
+def test_gcn_on_sampled_blocks_is_unbiased(computers, kind, monkeypatch):
+    """GCN's sum over a sampled neighbourhood estimates the full one without bias (Horvitz–Thompson: ``d/k`` per
+    kept edge under neighbour sampling, the weights ``1/p`` under LABOR): over R samples the mean output is within
+    a Bonferroni bound of its standard error for every dst node. Without the ``d/k`` scale, neighbour sampling's
+    sum is about ``k/d`` of the full one and the same check fails."""
+    from betty_trainer.models import gcn
+    from betty_trainer.sampling import LaborSampler, NeighborSampler
+
+    degree = computers.in_degrees()
+    candidates = torch.nonzero(degree > 30).flatten()
+    dst = candidates[torch.randperm(candidates.numel(), generator=torch.Generator().manual_seed(0))[:300]]
+    sampler = NeighborSampler(computers, [10]) if kind == "ns" else LaborSampler(computers, [10])
+    repetitions = 300
+    samples, full = gcn_samples(computers, sampler, dst, repetitions)
+    z = (samples.mean(0) - full) / (samples.std(0) / repetitions**0.5)
+    assert float(z.abs().max()) < bonferroni_z(dst.numel()), float(z.abs().max())
+    if kind == "ns":
+        monkeypatch.setattr(gcn, "sampled_row_scale", lambda block, dst_norm: dst_norm)
+        samples, full = gcn_samples(computers, sampler, dst, 50)
+        z = (samples.mean(0) - full) / (samples.std(0) / 50**0.5)
+        assert float(z.abs().max()) > bonferroni_z(dst.numel())

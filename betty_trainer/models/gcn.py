@@ -8,8 +8,8 @@ from torch import Tensor, nn
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import aggregate, aggregate_terms, per_edge, per_edge_terms
 from betty_trainer.models.stack import LayerStack, layer_widths
-from estimator.counts import LayerCounts
-from estimator.tape import AGG, HID, StepTape
+from estimator.counts import INDEX_BYTES, LayerCounts
+from estimator.tape import AGG, HID, OVER, StepTape
 
 
 class GCNConv(nn.Module):
@@ -19,6 +19,14 @@ class GCNConv(nn.Module):
     the model), not from the block: a block's src out-degrees change when a batch
     is split into micro-batches, and the graph's do not, so the layer computes the
     same function on any micro-batch.
+
+    On a sampled block the neighbour sum is a Horvitz–Thompson estimate of the full one: a
+    weighted block's edges (LABOR, GNS) are multiplied by their weights, and an unweighted
+    block's (neighbour sampling keeps a uniform ``k`` of a node's ``d`` in-edges, each with
+    probability ``k/d``) by ``d / k``, the node's graph in-degree over its in-degree in the
+    block (:func:`sampled_row_scale`): 1 for a full neighbourhood, so full-graph and micro-batch
+    results are unchanged. Without it a sampled row would sum about ``k/d`` of its neighbourhood
+    in training and all of it in full-neighbourhood evaluation.
 
     Args:
         in_feats: ``F_in``.
@@ -44,9 +52,11 @@ class GCNConv(nn.Module):
         h = self.linear(h_src) if project_first else h_src
         norm = inv_sqrt_degree.to(h.dtype)
         dst_norm = norm[: block.num_dst]
-        values = norm[block.indices].mul_(per_edge(block, dst_norm))  # 1 / sqrt(d̃_s · d̃_d) per edge
         if block.edge_weight is not None:
+            values = norm[block.indices].mul_(per_edge(block, dst_norm))  # 1 / sqrt(d̃_s · d̃_d) per edge
             values.mul_(block.edge_weight)
+        else:  # times d/k for a row that kept k of its d in-edges
+            values = norm[block.indices].mul_(per_edge(block, sampled_row_scale(block, dst_norm)))
         out = aggregate(block, h, values, self_scale=dst_norm * dst_norm)
         return (out if project_first else self.linear(out)) + self.bias
 
@@ -62,7 +72,8 @@ class GCNConv(nn.Module):
         norm = r.alloc(s * f, AGG)  # inv_sqrt_degree[src_nodes]
         h, lin_in_bwd = tape.linear(hd, s, a, b, hd_grad, AGG) if project_first else (hd, None)
         values = r.alloc(c.num_edges * f, AGG)  # norm[indices], times the dst norm per edge in place
-        r.drop(per_edge_terms(tape, c))
+        row_scale = None if c.weighted else sampled_row_scale_terms(tape, c)
+        r.drop(per_edge_terms(tape, c), row_scale)
         scale = r.alloc(d * f, AGG)  # dst norm²
         out, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
         r.drop(scale)
@@ -88,6 +99,24 @@ class GCNConv(nn.Module):
 
     def __repr__(self) -> str:
         return f"GCNConv({self.in_feats}, {self.out_feats})"
+
+
+def sampled_row_scale(block: Block, dst_norm: Tensor) -> Tensor:
+    """``(num_dst,)``: each dst node's ``1 / sqrt(d̃_d)`` (``dst_norm``) times ``d / k``, its graph in-degree
+    ``d = 1/dst_norm² − 1`` (rounded: exact below 2²⁴) over its in-degree ``k`` in the block (at least 1).
+
+    The inverse of the inclusion probability ``k/d`` of each in-edge under neighbour sampling's uniform
+    ``k``-subsets (Horvitz & Thompson 1952): the sampled sum is then unbiased for the full one. Exactly
+    ``dst_norm`` on rows that kept every in-edge."""
+    degree = dst_norm.pow(-2).sub_(1).round_()
+    return degree.div_(block.in_degrees().clamp_(min=1)).mul_(dst_norm)
+
+
+def sampled_row_scale_terms(tape: StepTape, c: LayerCounts) -> int:
+    """:func:`sampled_row_scale`: the ``(D,)`` result, the block's int64 in-degrees made and freed beside it."""
+    scale = tape.r.alloc(c.num_dst * tape.f, AGG)
+    tape.r.transient(c.num_dst * INDEX_BYTES, OVER)
+    return scale
 
 
 class GCN(LayerStack):
