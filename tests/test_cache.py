@@ -192,6 +192,14 @@ def test_cache_capacity_reads_fractions_counts_and_bytes():
             cache_capacity(bad, 1000, 400)
 
 
+def test_cache_capacity_of_a_fraction_is_the_exact_ceiling_of_the_decimal():
+    """⌈fraction · N⌉ on the decimal the fraction is written as: in floats 0.07 · 100 = 7.000000000000001, whose
+    ceiling (8) once gave a row more than asked."""
+    for fraction, rows in ((0.07, 7), (0.14, 14), (0.28, 28), (0.55, 55), (0.56, 56), (0.015, 2), (0.0015, 1)):
+        assert cache_capacity(fraction, 100, 400) == rows, fraction
+    assert cache_capacity(0.29, 100, 400) == 29  # 28.999999999999996 in floats: the ceiling was right already
+
+
 def test_staging_rounds_keep_each_round_s_distinct_rows_within_the_budget():
     inputs = [ids(0, 1, 2), ids(1, 2, 3), ids(4, 5), ids(6, 7, 8, 9, 10), ids(10)]
     assert staging_rounds(inputs, ROW, None) == [range(0, 5)]

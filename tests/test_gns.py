@@ -9,7 +9,7 @@ import torch
 
 from betty_trainer.data.graph import Graph
 from betty_trainer.sampling import GNSSampler, NeighborSampler, SampleKey
-from betty_trainer.sampling.gns import random_walk_probability
+from betty_trainer.sampling.gns import gns_cache_size, random_walk_probability
 
 FANOUT = 10
 
@@ -30,6 +30,12 @@ def test_cache_size_refresh_and_determinism(computers):
     assert torch.equal(fifth, sampler.cache_nodes(SampleKey(1, 1, 1)))  # run batch 9 is in window 1, with batch 5
     again = GNSSampler(computers, [FANOUT], cache_fraction=0.02, refresh_every=5, batches_per_epoch=8)
     assert torch.equal(first, again.cache_nodes(SampleKey(1, 0, 3)))
+
+
+def test_cache_size_is_the_exact_ceiling_of_the_decimal_fraction():
+    """⌈0.07 · 100⌉ = 7, not the 8 that the float product 7.000000000000001 rounds up to."""
+    for fraction, nodes in ((0.07, 7), (0.14, 14), (0.56, 56), (0.0001, 1), (1.0, 100)):
+        assert gns_cache_size(fraction, 100) == nodes, fraction
 
 
 def test_degree_cache_favours_high_degree_nodes(computers):

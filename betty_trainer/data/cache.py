@@ -34,8 +34,10 @@ smaller for huge ``N``; the array keeps the lookup one ``index_select``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any, Literal, get_args
 
 import torch
@@ -48,6 +50,20 @@ CACHE_KINDS: tuple[str, ...] = get_args(CacheKind)  # what features.cache.kind m
 FILL_CHUNK_ROWS = 65536  # a cache fill reads the host in chunks of this many rows (bounds the pinned staging buffer)
 
 
+def ceil_fraction(fraction: float, count: int) -> int:
+    """``⌈fraction · count⌉`` computed exactly on the decimal ``fraction`` is written as (``repr``), not on
+    its binary float: ``0.07 · 100`` is ``7.000000000000001`` in floats, whose ceiling would be 8.
+
+    Args:
+        fraction: a finite float (a configured fraction such as ``0.07``).
+        count: the number it is a fraction of (``N``).
+
+    Returns:
+        The int ``⌈Fraction(repr(fraction)) · count⌉``.
+    """
+    return math.ceil(Fraction(repr(float(fraction))) * count)
+
+
 def cache_capacity(size: float | int, num_nodes: int, row_bytes: int) -> int:
     """Rows a cache of ``size`` holds: a fraction of the nodes (a float in ``(0, 1]``), a node
     count (an int ≥ 1) or, given as a string with a unit (``"64MiB"``), bytes; at most ``num_nodes``.
@@ -58,7 +74,8 @@ def cache_capacity(size: float | int, num_nodes: int, row_bytes: int) -> int:
         row_bytes: bytes of one node's features (``F × itemsize``), for a size in bytes.
 
     Returns:
-        The capacity in rows (``⌈fraction · N⌉``, the count, or ``⌊bytes / row_bytes⌋``), in ``[0, N]``.
+        The capacity in rows (``⌈fraction · N⌉`` by :func:`ceil_fraction`, the count, or
+        ``⌊bytes / row_bytes⌋``), in ``[0, N]``.
 
     Raises:
         ValueError: a non-positive size, a fraction above 1 given as a float, or an unreadable string.
@@ -76,7 +93,7 @@ def cache_capacity(size: float | int, num_nodes: int, row_bytes: int) -> int:
     if isinstance(size, float):
         if not 0 < size <= 1:
             raise ValueError(f"a cache size given as a fraction must be in (0, 1], got {size}")
-        return min(num_nodes, -int(-size * num_nodes // 1))
+        return min(num_nodes, ceil_fraction(size, num_nodes))
     if size < 1:
         raise ValueError(f"a cache size given as a node count must be at least 1, got {size}")
     return min(num_nodes, int(size))

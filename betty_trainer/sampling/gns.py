@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from betty_trainer.data.block import Batch, Block
+from betty_trainer.data.cache import ceil_fraction
 from betty_trainer.data.graph import Graph
 from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
 from betty_trainer.sampling.base import SampleKey
@@ -77,8 +78,9 @@ class NodeCache:
 
 
 def gns_cache_size(cache_fraction: float, num_nodes: int) -> int:
-    """Nodes in the GNS cache: ``max(1, ⌈cache_fraction · N⌉)`` (GNS §3.1)."""
-    return max(1, math.ceil(cache_fraction * num_nodes))
+    """Nodes in the GNS cache: ``max(1, ⌈cache_fraction · N⌉)`` (GNS §3.1), the ceiling taken exactly on the
+    decimal fraction (:func:`~betty_trainer.data.cache.ceil_fraction`: 7 nodes for 0.07 of 100)."""
+    return max(1, ceil_fraction(cache_fraction, num_nodes))
 
 
 class GNSSampler:
