@@ -200,6 +200,34 @@ def test_cache_capacity_of_a_fraction_is_the_exact_ceiling_of_the_decimal():
     assert cache_capacity(0.29, 100, 400) == 29  # 28.999999999999996 in floats: the ceiling was right already
 
 
+@pytest.mark.parametrize("size, row_bytes", [("0B", 400), ("0.1", 400), ("100B", 400), ("399B", 400), ("0B", 1)])
+def test_cache_capacity_refuses_a_size_in_bytes_below_one_row(size, row_bytes):
+    """A size in bytes that holds no row (a quoted fraction '0.1' reads as 0 bytes) is refused naming the key and
+    the fix, as a ConfigError (the CLI prints it) that is also a ValueError; it once gave a capacity of 0."""
+    with pytest.raises(ConfigError, match=r"features\.cache\.size") as error:
+        cache_capacity(size, 1000, row_bytes)
+    assert isinstance(error.value, ValueError)
+    assert cache_capacity("400B", 1000, 400) == 1 and cache_capacity("799B", 1000, 400) == 1
+
+
+@pytest.mark.parametrize("size", ["'0.1'", "0B", "0KiB"])
+def test_a_size_of_zero_bytes_is_refused_by_the_config(size):
+    """Sizes that read as 0 bytes are refused when the config is read, before any graph is loaded."""
+    with pytest.raises(ConfigError, match=r"features\.cache\.size.*0 bytes"):
+        load_config(None, ["features.cache.kind=lru", f"features.cache.size={size}"])
+
+
+def test_a_size_below_one_row_is_refused_when_the_store_is_built():
+    """The row size is known only with the graph: the feature store refuses the size as a ConfigError then."""
+    config = load_config(None, SMALL + ["features.cache.kind=static", "features.cache.size=8B"])
+    from betty_trainer.datasets import load_dataset
+
+    graph = load_dataset(config.dataset)
+    assert graph.x.shape[1] * graph.x.element_size() > 8
+    with pytest.raises(ConfigError, match=r"features\.cache\.size '8B' is 8 bytes, less than one"):
+        make_feature_store(config, graph, CPU, make_sampler(config, graph))
+
+
 def test_staging_rounds_keep_each_round_s_distinct_rows_within_the_budget():
     inputs = [ids(0, 1, 2), ids(1, 2, 3), ids(4, 5), ids(6, 7, 8, 9, 10), ids(10)]
     assert staging_rounds(inputs, ROW, None) == [range(0, 5)]

@@ -44,10 +44,17 @@ import torch
 from torch import Tensor
 
 from betty_trainer.data.feature_store import HostFeatureStore, TransferStats, same_device, transfer_bytes
+from betty_trainer.errors import ConfigError
 
 CacheKind = Literal["none", "static", "lru", "gns"]
 CACHE_KINDS: tuple[str, ...] = get_args(CacheKind)  # what features.cache.kind may name
 FILL_CHUNK_ROWS = 65536  # a cache fill reads the host in chunks of this many rows (bounds the pinned staging buffer)
+
+
+class CacheSizeError(ConfigError, ValueError):
+    """A ``features.cache.size`` that gives no rows: a :class:`~betty_trainer.errors.ConfigError` (the CLI
+    prints its one line) that is also a ``ValueError``, so the config's field validator reports it under the
+    key like its other rules."""
 
 
 def ceil_fraction(fraction: float, count: int) -> int:
@@ -64,38 +71,48 @@ def ceil_fraction(fraction: float, count: int) -> int:
     return math.ceil(Fraction(repr(float(fraction))) * count)
 
 
-def cache_capacity(size: float | int, num_nodes: int, row_bytes: int) -> int:
+def cache_capacity(size: float | int | str, num_nodes: int, row_bytes: int) -> int:
     """Rows a cache of ``size`` holds: a fraction of the nodes (a float in ``(0, 1]``), a node
     count (an int ≥ 1) or, given as a string with a unit (``"64MiB"``), bytes; at most ``num_nodes``.
 
     Args:
-        size: the configured size.
+        size: the configured size (``features.cache.size``).
         num_nodes: ``N``.
         row_bytes: bytes of one node's features (``F × itemsize``), for a size in bytes.
 
     Returns:
         The capacity in rows (``⌈fraction · N⌉`` by :func:`ceil_fraction`, the count, or
-        ``⌊bytes / row_bytes⌋``), in ``[0, N]``.
+        ``⌊bytes / row_bytes⌋``), in ``[1, N]`` (0 only when ``N = 0``).
 
     Raises:
-        ValueError: a non-positive size, a fraction above 1 given as a float, or an unreadable string.
+        CacheSizeError: (a ``ValueError``) a non-positive size, a fraction above 1 given as a float, an
+            unreadable string, or a size in bytes below one row (``"0B"``, ``"100B"`` for 400-byte rows, or a
+            fraction written as a string, ``'0.1'``, which reads as 0 bytes).
     """
     if isinstance(size, bool):
-        raise ValueError(f"cache size must be a fraction of the nodes, a node count or bytes, got {size!r}")
+        raise CacheSizeError(f"features.cache.size must be a fraction of the nodes, a node count or bytes, "
+                             f"got {size!r}")
     if isinstance(size, str):
         from pydantic import ByteSize, TypeAdapter, ValidationError
 
         try:
             number = int(TypeAdapter(ByteSize).validate_python(size.strip()))
         except ValidationError:
-            raise ValueError(f"cache size {size!r} is not a size in bytes such as '64MiB'") from None
-        return min(num_nodes, number // max(row_bytes, 1))
+            raise CacheSizeError(f"features.cache.size {size!r} is not a size in bytes such as '64MiB'") from None
+        if number < 1:
+            raise CacheSizeError(f"features.cache.size {size!r} reads as 0 bytes: give a size such as '64MiB', a node "
+                                 f"count, or a fraction of the nodes unquoted (0.1, not '0.1')")
+        rows = number // max(row_bytes, 1)
+        if rows < 1:
+            raise CacheSizeError(f"features.cache.size {size!r} is {number} bytes, less than one {row_bytes}-byte "
+                                 f"feature row: give at least '{row_bytes}B', a node count or a fraction of the nodes")
+        return min(num_nodes, rows)
     if isinstance(size, float):
         if not 0 < size <= 1:
-            raise ValueError(f"a cache size given as a fraction must be in (0, 1], got {size}")
+            raise CacheSizeError(f"features.cache.size given as a fraction must be in (0, 1], got {size}")
         return min(num_nodes, ceil_fraction(size, num_nodes))
     if size < 1:
-        raise ValueError(f"a cache size given as a node count must be at least 1, got {size}")
+        raise CacheSizeError(f"features.cache.size given as a node count must be at least 1, got {size}")
     return min(num_nodes, int(size))
 
 
