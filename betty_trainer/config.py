@@ -164,7 +164,8 @@ class LaborConfig(_Section):
 
     importance_iterations: int = Field(
         0, ge=-1, description="fixed-point iterations of LABOR-*'s importance probabilities: 0 = LABOR-0, "
-                              "n = LABOR-n, -1 = until the expected sampled vertices stop falling")
+                              "n = LABOR-n, -1 = until an iteration lowers sum_t min(1, pi_t) by less than a "
+                              "relative 1e-4 (at most 100 iterations)")
     layer_dependency: bool = Field(False, description="the same per-vertex variate r_t in every layer")
     batch_dependency: int | Literal["inf"] = Field(
         1, description="kappa: consecutive batches interpolate their variates over this many batches "

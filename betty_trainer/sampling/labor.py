@@ -112,8 +112,9 @@ class LaborSampler:
         graph: the graph (on any device; blocks come out on the same device).
         fanouts: one entry per layer, **input layer first**; ``None`` or ``-1`` keeps every in-edge.
         importance_iterations: LABOR-*'s fixed-point iterations: ``0`` = LABOR-0, ``n > 0`` =
-            LABOR-n, ``-1`` = until the expected number of sampled vertices falls by less than
-            a relative 10⁻⁴ (at most 100).
+            LABOR-n, ``-1`` = until an iteration lowers ``Σ_t min(1, π_t)`` (the importance values
+            of the layer's candidate src vertices, capped at 1) by less than a relative 10⁻⁴, or
+            raises it (at most 100 iterations).
         layer_dependency: the same ``r_t`` in every layer (DGL's ``layer_dependency``).
         batch_dependency: κ ≥ 1, or ``math.inf`` (static neighbourhoods).
         batches_per_epoch: batches in one epoch, so batch ``(epoch, step)`` is the run's batch
@@ -267,7 +268,8 @@ def _importance_tensor(pointer: Tensor, local: Tensor, num_src: int, fanout: int
 
     Each iteration sets ``π_t ← π_t · max_{s ∋ t} c_s``, then solves every ``c_s`` of
     ``Σ_t 1 / min(1, c_s π_t) = d_s² / min(k, d_s)`` by the step ``c ← c · lhs / rhs``; it
-    stops after ``iterations`` (``-1``: once ``Σ_t min(1, π_t)`` falls by less than 10⁻⁴).
+    stops after ``iterations`` (``-1``: once an iteration lowers ``Σ_t min(1, π_t)`` by less than a relative
+    10⁻⁴, or raises it; at most ``_MAX_IMPORTANCE``).
     """
     device = pointer.device
     n = pointer.numel() - 1
