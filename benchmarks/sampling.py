@@ -274,7 +274,7 @@ def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], fanouts: lis
     row = host.row_bytes
     n = graph.num_nodes
     capacity = cache_capacity(args.lru, n, row)
-    degrees = graph.in_degrees()
+    degrees = graph.out_degrees()  # as make_feature_store: how many neighbour lists hold a node
     def gns(only_input: bool):
         return GNSSampler(graph, fanouts, cache_fraction=args.gns_cache, refresh_every=args.gns_refresh,
                           cache_only_input_layer=only_input, batches_per_epoch=len(batches), training_nodes=pool)
@@ -380,7 +380,7 @@ def gns_study_rows(graph, x: torch.Tensor, fanouts: list[int], batch_size: int, 
     batches = list(order[: batch_size * measured].split(batch_size))[:measured]
     host = HostFeatureStore(x, pin=False)
     row = host.row_bytes
-    degrees = graph.in_degrees()
+    degrees = graph.out_degrees()  # as make_feature_store: how many neighbour lists hold a node
 
     def read(sampler, kind: str, capacity: int) -> dict:
         store = host if kind == "none" else CachedFeatureStore(
