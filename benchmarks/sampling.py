@@ -22,6 +22,11 @@ cache size by cache size (see :func:`gns_study`)::
 
     python benchmarks/sampling.py --gns-study --graphs amazon-computers,ego-twitter --gns-caches 0.01,0.05
 
+``--gns-bias`` measures how far GNS's importance-weighted sum (GCN), mean (SAGE) and GCN layer are from
+the full neighbourhood's across caches (see :func:`gns_bias`)::
+
+    python benchmarks/sampling.py --gns-bias --graph amazon-computers --fanouts 10 --threads 1
+
 The same file is DGL's side: ``~/.cache/betty-trainer/dgl-venv/bin/python benchmarks/sampling.py --dgl-side`` serves
 JSON-line commands and imports nothing from betty-trainer (DGL's environment pins its own torch).
 """
@@ -465,6 +470,77 @@ def print_gns_study(rows: list[dict]) -> None:
 
 # --- which counting gives which LRU miss rate (issue 8, Dependency done-when) ------------------------------
 
+def gns_bias(args) -> None:
+    """How far GNS's importance weights are from unbiased across caches (``sampling/gns.py``'s module docstring).
+
+    On ``--graph``, 300 dst rows of in-degree above ``3k`` (``k`` the first of ``--fanouts``; rows drawn by
+    ``--seed``), a scalar feature ``h`` (the first 8 features against weights 1..2) and, for each cache of
+    ``--gns-caches`` (a degree cache drawn for every batch), ``--bias-batches`` one-layer GNS samples of the rows.
+    Per row it compares the mean over the batches of three estimates with their full-neighbourhood values:
+    the weighted sum ``Σ w h`` (Horvitz–Thompson), the weighted mean ``Σ w h / Σ w`` (SAGE's mean) and
+    ``GCNConv``'s output (unit weight, no bias). A row is off when its mean is more than the Bonferroni bound
+    (two-sided 10⁻³ over the rows: 4.65 for 300) of standard errors away. Rows "mixing regimes" have at least
+    ``k`` cached neighbours in 20–80% of the caches.
+    """
+    from betty_trainer.models.gcn import GCNConv
+    from betty_trainer.sampling import GNSSampler, NeighborSampler, SampleKey
+
+    graph = load_graph(args.graph, args.data_dir)
+    k = int(args.fanouts.split(",")[0])
+    degree = graph.in_degrees()
+    dst = torch.nonzero(degree > 3 * k).flatten()
+    dst = dst[torch.randperm(dst.numel(), generator=torch.Generator().manual_seed(args.seed))[:300]]
+    rows = dst.numel()
+    h = graph.x[:, :8].double() @ torch.linspace(1, 2, 8, dtype=torch.float64) * 10
+    neighbours = torch.cat([graph.indices[graph.indptr[s]:graph.indptr[s + 1]].long() for s in dst.tolist()])
+    row_of_edge = torch.repeat_interleave(torch.arange(rows), degree[dst])
+    full_sum = torch.zeros(rows, dtype=torch.float64).index_add_(0, row_of_edge, h[neighbours])
+    full_mean = full_sum / degree[dst].double()
+    conv = GCNConv(1, 1).double()
+    with torch.no_grad():
+        conv.linear.weight.fill_(1.0)
+        conv.bias.zero_()
+    inv_sqrt = (degree.double() + 1).rsqrt()
+
+    def gcn(block):
+        with torch.no_grad():
+            return conv(block, h[block.src_nodes].unsqueeze(1), inv_sqrt[block.src_nodes]).squeeze(1)
+
+    full_gcn = gcn(NeighborSampler(graph, [None]).sample(dst, SampleKey(0)).blocks[0])
+    bound = -float(torch.special.ndtri(torch.tensor(1e-3 / (2 * rows), dtype=torch.float64)))
+    reps = args.bias_batches
+    print(f"{args.graph}: {rows} dst rows with in-degree > {3 * k}, k = {k}, {reps} batches per cache; a row is off "
+          f"beyond {bound:.2f} standard errors", flush=True)
+    for fraction in (float(c) for c in args.gns_caches.split(",")):
+        sampler = GNSSampler(graph, [k], cache_fraction=fraction, refresh_every=1, cache_probability="degree")
+        sums = torch.empty(reps, rows, dtype=torch.float64)
+        means, convs, totals = torch.empty_like(sums), torch.empty_like(sums), torch.empty_like(sums)
+        at_least_k = torch.zeros(rows)
+        for rep in range(reps):
+            key = SampleKey(7, 0, rep)
+            block = sampler.sample(dst, key).blocks[0]
+            weight = block.edge_weight.double()
+            edge_dst = block.edge_dst()
+            sums[rep] = torch.zeros(rows, dtype=torch.float64).index_add_(0, edge_dst,
+                                                                          weight * h[block.src_nodes[block.indices]])
+            totals[rep] = torch.zeros(rows, dtype=torch.float64).index_add_(0, edge_dst, weight)
+            means[rep] = sums[rep] / totals[rep]
+            convs[rep] = gcn(block)
+            cached = torch.zeros(rows).index_add_(0, row_of_edge, sampler.cache(key).mask[neighbours].float())
+            at_least_k += (cached >= k).float()
+        mixing = (at_least_k / reps > 0.2) & (at_least_k / reps < 0.8)
+        for name, estimates, full in (("weighted sum (HT)", sums, full_sum), ("weighted mean (SAGE)", means, full_mean),
+                                      ("GCNConv output", convs, full_gcn)):
+            z = (estimates.mean(0) - full) / (estimates.std(0) / math.sqrt(reps))
+            relative = estimates.mean(0) / full - 1  # noisy on heavy-tailed rows: the rows off are the resolved biases
+            off = z.abs() > bound
+            print(f"  cache {fraction:.0%} {name:21s}: {int(off.sum()):3d}/{rows} rows off "
+                  f"(median relative bias {float(relative[off].median()) if off.any() else math.nan:+.2%}); all rows: "
+                  f"median {float(relative.median()):+.2%}, median |.| {float(relative.abs().median()):.2%}; "
+                  f"{int(mixing.sum())} rows mixing regimes: median {float(relative[mixing].median()):+.2%}", flush=True)
+        print(f"  cache {fraction:.0%} median E[Σ w] / d_s: {float((totals.mean(0) / degree[dst]).median()):.3f}")
+
+
 def load_directed_jlg(path: Path):
     """ego-Twitter's .jlg with its edges as stored (``src → dst``, one direction; the file lists each
     undirected edge once), as a naive ``dgl.graph((src, dst))`` would read it."""
@@ -600,6 +676,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--study-batch-sizes", default="1000,products",
                         help="--gns-study: batch sizes; 'products' is the size whose NS input nodes are the fraction "
                              "of the graph they are in the paper's ogbn-products run (17.7%%)")
+    parser.add_argument("--gns-bias", action="store_true",
+                        help="instead of the sampler table: how far GNS's weighted sum, weighted mean and GCN output are "
+                             "from the full neighbourhood's across caches, per cache size of --gns-caches (on --graph; "
+                             "k: the first of --fanouts)")
+    parser.add_argument("--bias-batches", type=int, default=600, help="--gns-bias: samples per cache size")
     parser.add_argument("--gns-refresh", type=int, default=16, help="--bytes: GNS refreshes its cache every this "
                                                                     "many batches")
     return parser.parse_args(argv)
@@ -616,6 +697,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.gns_study:
         gns_study(args)
+        return
+    if args.gns_bias:
+        gns_bias(args)
         return
     fanouts = [int(f) for f in args.fanouts.split(",")]
     graph = load_graph(args.graph, args.data_dir)
