@@ -31,15 +31,15 @@ neighbours: ``E[w_ts · 1{t → s kept}] = P(c_s ≥ k | t ∈ C) + P(c_s < k)``
 being cached makes ``c_s ≥ k`` likelier (rows that use both regimes). The weighted **sum**
 (GCN's aggregation) is therefore biased upward on those rows; the **self-normalised mean**
 ``Σ w h / Σ w`` (SAGE's mean) cancels each row's common factors and is close to unbiased (a
-ratio estimator: consistent, not exact). Measured on
-Amazon Computers (degree cache drawn for every batch, ``k = 10``, 300 dst rows with
-``d_s > 30``, 600 batches; a row is "off" past 4.65 standard errors, Bonferroni at 10⁻³):
+ratio estimator: consistent, not exact). Measured on Amazon Computers (degree cache drawn for
+every batch, ``k = 10``, 300 dst rows with ``d_s > 30``, 600 batches; a row is "off" past 4.65
+standard errors, Bonferroni at 10⁻³; ``python benchmarks/sampling.py --gns-bias --graph
+amazon-computers --fanouts 10 --threads 1``), at 1% and 5% caches:
 
-* weighted sum: 1% cache, 27/300 rows off, median |relative bias| 0.7%; 5% cache, 33/300,
-  1.3%; the rows using both regimes 20–80% of the time (19 and 43 of them) +12.8% and
-  +12.7% (median); ``GCNConv`` at 5%: 14/300 rows off, median +0.7%, 90th percentile 12%;
-* weighted mean: 0/300 (1%) and 2/300 (5%) rows off, median |relative bias| 0.6% (at 5% the
-  worst row of ``tests/test_gns.py``'s check, −8.1%).
+* weighted sum: 27/300 and 33/300 rows off, by +11% and +14% (median of those); the rows using
+  both regimes 20–80% of the time (19 and 43 of them) +12.8% and +12.7% (median);
+* ``GCNConv``'s output: 6/300 and 13/300 rows off, by +16% (median of those);
+* weighted mean: 0/300 and 2/300 rows off (−4.5%, median of those); median |relative bias| 0.6%.
 
 Correcting the sum would take, per edge, ``P(c_s ≥ k | t ∈ C)``, which depends on the joint
 draw of ``s``'s neighbours; nothing here computes it.
@@ -110,8 +110,8 @@ class GNSSampler:
 
     The weights make a self-normalised weighted mean (SAGE) close to unbiased, not a weighted sum:
     GCN's sum is biased upward on rows whose cached-neighbour count crosses the fanout from cache
-    to cache (on Amazon Computers at a 5% cache, 33 of 300 rows beyond 4.65 standard errors, those
-    rows +12.7% at the median); see the module docstring.
+    to cache (on Amazon Computers at a 5% cache and ``k = 10``, 43 of 300 rows with ``d_s > 30``,
+    +12.7% at the median); see the module docstring.
 
     Args:
         graph: the graph (any device; blocks come out on the same device).
