@@ -342,6 +342,17 @@ def test_a_custom_model_with_torch_dropout_warns_when_batches_are_split(tmp_path
     assert not [r for r in caplog.records if "torch.nn dropout" in r.getMessage()]
 
 
+def test_gcn_with_the_gns_sampler_warns_of_the_sum_bias(tmp_path, caplog):
+    gns = ["sampling.sampler=gns", "sampling.fanouts=[3,3]", "sampling.batch_size=64", "optim.epochs=1"]
+    with caplog.at_level("WARNING", logger="betty_trainer"):
+        train(load_config(QUICKSTART, SMALL + gns + ["model.arch=gcn"]), run_dir=tmp_path / "gcn")
+    assert [r for r in caplog.records if "GNS's importance weights" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="betty_trainer"):
+        train(load_config(QUICKSTART, SMALL + gns + ["model.arch=sage"]), run_dir=tmp_path / "sage")
+    assert not [r for r in caplog.records if "GNS's importance weights" in r.getMessage()]
+
+
 def test_early_stopping_and_the_lr_scheduler(tmp_path, capsys):
     config = load_config(QUICKSTART, SMALL + ["optim.epochs=12", "train.patience=1", "optim.lr=1.0",
                                               "optim.scheduler=step", "optim.step_size=2", "optim.gamma=0.5"])
