@@ -28,12 +28,29 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _PACKAGES = ("betty_trainer", "partition", "estimator")
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """A subcommand's parser that takes its positionals (the ``key.path=value`` overrides) between its
+    options too (``train --config c.yaml optim.epochs=1 --overwrite train.run_dir=runs/c``): argparse's
+    plain parse stops collecting a ``nargs="*"`` positional at the first option after it."""
+
+    _inner = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._inner:  # parse_known_intermixed_args calls back here for each of its two passes
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="betty-train",
         description="Train GNNs with memory-fitting micro-batches (REG partitioning, Betty).",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
                         help="messages shown on stderr (default warning; info adds planning and calibration)")

@@ -170,3 +170,36 @@ def test_resume_needs_a_run_directory(tmp_path):
     assert_one_line_error(betty("train", "--resume", str(tmp_path), cwd=tmp_path), "not a run directory")
     with pytest.raises(ConfigError):
         load_config(None, ["train.device=tpu"]) and train(load_config(None, ["train.device=tpu"]))
+
+
+@pytest.mark.parametrize("command", ["train", "validate", "plan"])
+def test_overrides_on_both_sides_of_an_option_are_all_applied(capsys, command):
+    result = betty_in_process(capsys, command, "--config", str(REPO / "configs/quickstart.yaml"), "optim.epochs=3",
+                              "--print-config", "train.run_dir=runs/c", "--data-dir", "some/dir", "model.hidden=7",
+                              *(["--overwrite"] if command == "train" else []), "optim.epochs=5")
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["optim"]["epochs"] == 5  # the last override of a key wins, wherever it stands
+    assert resolved["train"]["run_dir"] == "runs/c" and resolved["model"]["hidden"] == 7
+    assert resolved["dataset"]["data_dir"] == "some/dir"
+
+
+def test_every_subcommand_parses_as_documented(tmp_path):
+    from betty_trainer.cli import _parser
+
+    parser = _parser()
+    train_args = parser.parse_args(["train", "--resume", "r", "optim.epochs=4", "--log-level", "info", "seed=1"])
+    assert (train_args.resume, train_args.overrides, train_args.log_level) == (Path("r"), ["optim.epochs=4", "seed=1"],
+                                                                               "info")
+    evaluate = parser.parse_args(["evaluate", "--run", "r", "--checkpoint", "last", "--split", "all"])
+    assert (evaluate.run, evaluate.checkpoint, evaluate.split) == (Path("r"), "last", "all")
+    predict = parser.parse_args(["predict", "--output", "p.csv", "--run", "r"])
+    assert (predict.run, predict.output, predict.checkpoint) == (Path("r"), Path("p.csv"), "best")
+    plan = parser.parse_args(["plan", "a=1", "--config", "c.yaml", "--measure", "b=2", "--output", "x.json"])
+    assert (plan.config, plan.overrides, plan.measure, plan.output) == (Path("c.yaml"), ["a=1", "b=2"], True,
+                                                                        Path("x.json"))
+    assert parser.parse_args(["datasets"]).command == "datasets"
+    for bad in (["evaluate", "--run", "r", "seed=1"], ["train", "--bogus", "seed=1"], ["plan", "seed=1"]):
+        with pytest.raises(SystemExit) as error:
+            parser.parse_args(bad)
+        assert error.value.code == 2
