@@ -227,6 +227,87 @@ def test_a_failed_resume_leaves_config_yaml_unchanged(run_copy, capsys):
     assert not (run_copy / "resumes.yaml").exists() and [m["epoch"] for m in metrics(run_copy)] == list(range(6))
 
 
+def files_of(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != "run.lock"}
+
+
+def test_a_run_refused_by_its_budget_loses_nothing(run_copy, tmp_path, capsys):
+    """The first batch's plan is made before anything is written: an impossible budget refuses --overwrite without
+    removing the old run, refuses a resume without touching config.yaml, and leaves no directory for a new run."""
+    before = files_of(run_copy)
+    refused = betty_in_process(capsys, *train_cli(run_copy, "optim.epochs=2", "micro_batch.budget=1KiB"),
+                               "--overwrite")
+    assert_one_line_error(refused, "budget")
+    assert files_of(run_copy) == before
+    refused = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=10", "micro_batch.budget=1KiB")
+    assert_one_line_error(refused, "budget")
+    assert files_of(run_copy) == before and not (run_copy / "resumes.yaml").exists()
+    new = tmp_path / "new" / "run"
+    refused = betty_in_process(capsys, *train_cli(new, "micro_batch.budget=1KiB"))
+    assert_one_line_error(refused, "budget")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_run_without_a_checkpoint_is_not_offered_for_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 0\n")  # what a run that failed in its first epoch leaves
+    refused = betty_in_process(capsys, *train_cli(run))
+    assert_one_line_error(refused, "no checkpoint to resume from", "--overwrite")
+    assert "--resume" not in refused.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["none", "step"])
+def test_a_resume_applies_the_optim_section_it_is_given(tmp_path, scheduler):
+    """optim.lr, optim.weight_decay and the schedule's gamma given at resume are what the resumed epochs use (the
+    schedule keeps its position: step: lr·gamma^⌊t/step_size⌋); a plain resume keeps the run's values."""
+    base = SMALL + [f"optim.scheduler={scheduler}", "optim.step_size=1", "optim.gamma=0.5"]
+    train(load_config(QUICKSTART, base + ["optim.epochs=2"]), run_dir=tmp_path / "run")
+    train(load_config(QUICKSTART, base + ["optim.epochs=4", "optim.lr=0.001", "optim.gamma=0.9",
+                                          "optim.weight_decay=0.1"]), run_dir=tmp_path / "run", resume=True)
+    lrs = [m["lr"] for m in metrics(tmp_path / "run")]
+    if scheduler == "none":
+        assert lrs == [0.01, 0.01, 0.001, 0.001]
+    else:
+        assert lrs[:2] == [0.01, 0.005] and lrs[2:] == pytest.approx([0.001 * 0.9**2, 0.001 * 0.9**3])
+    state = load_checkpoint(tmp_path / "run")
+    assert {group["weight_decay"] for group in state["optimizer"]["param_groups"]} == {0.1}
+    plain = tmp_path / "plain"
+    train(load_config(QUICKSTART, base + ["optim.epochs=2"]), run_dir=plain)
+    train(load_config(QUICKSTART, base + ["optim.epochs=3"]), run_dir=plain, resume=True)
+    assert [m["lr"] for m in metrics(plain)] == lrs[:2] + ([0.01] if scheduler == "none" else [0.0025])
+
+
+def test_ctrl_c_names_the_run_to_resume(tmp_path, monkeypatch):
+    from betty_trainer.training import trainer
+
+    real = trainer.save_checkpoint
+    calls = []
+
+    def interrupted(path, state, name):  # the second epoch's last.pt write is cut short by Ctrl-C
+        calls.append(name)
+        if len(calls) == 4:
+            (Path(path) / f"{name}.partial").write_bytes(b"half")
+            raise KeyboardInterrupt
+        return real(path, state, name)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        train(load_config(QUICKSTART, SMALL + ["optim.epochs=4", "optim.lr=1.0"]), run_dir=tmp_path / "run")
+    assert caught.value.run_dir == tmp_path / "run"
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_partial(tmp_path, monkeypatch):
+    from betty_trainer.training import rundir
+
+    target = tmp_path / "file"
+    target.write_bytes(b"old")
+    monkeypatch.setattr(rundir, "_write_all", lambda fd, data: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        rundir.write_bytes(target, b"new")
+    assert target.read_bytes() == b"old" and not (tmp_path / "file.partial").exists()
+
+
 def _evil_checkpoint(run: Path) -> None:
     rewrite_checkpoint(run / LAST_NAME, pickle.dumps(Evil(), protocol=2))
 

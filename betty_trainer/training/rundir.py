@@ -79,9 +79,10 @@ class RunDirectory:
         path: the directory.
     """
 
-    def __init__(self, path: Path, lock_fd: int):
+    def __init__(self, path: Path, lock_fd: int, created: Sequence[Path] = ()):
         self.path = path
         self._lock_fd: int | None = lock_fd
+        self._created = list(created)  # the folders open() made, deepest first
 
     @classmethod
     def open(cls, path: Path, *, create: bool = True, overwrite: bool = False) -> RunDirectory:
@@ -105,7 +106,9 @@ class RunDirectory:
         """
         path = Path(path)
         check_run_dir_path(path)
+        created = []
         if create:
+            created = [folder for folder in [path, *path.parents] if not folder.exists()]
             try:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as error:
@@ -124,12 +127,13 @@ class RunDirectory:
             os.close(fd)
             raise RunDirError(f"run directory {path} is in use by another run ({holder}); wait for it to end, "
                               "or choose another train.run_dir") from None
-        run = cls(path, fd)
+        run = cls(path, fd, created)
         if create and not overwrite and holds_run(path):
             run.close()
-            raise RunDirError(f"run directory {path} already holds a run ({', '.join(run_files(path))}); continue it "
-                              f"with betty-train train --resume {path}, replace it with --overwrite, or choose "
-                              "another train.run_dir")
+            go_on = (f"continue it with betty-train train --resume {path}, " if (path / "last.pt").exists()
+                     else "it has no checkpoint to resume from; ")
+            raise RunDirError(f"run directory {path} already holds a run ({', '.join(run_files(path))}); {go_on}"
+                              "replace it with --overwrite, or choose another train.run_dir")
         try:
             os.ftruncate(fd, 0)
             _write_all(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -147,6 +151,18 @@ class RunDirectory:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor drops its flock
             self._lock_fd = None
+
+    def abandon(self) -> None:
+        """A run refused before it started: release the lock and remove the folders :meth:`open` made, as
+        long as they hold nothing but the lock file (a refused run leaves no directory behind)."""
+        self.close()
+        if self._created and [entry.name for entry in self.path.iterdir()] in ([], [LOCK_NAME]):
+            _discard(self.path / LOCK_NAME)
+            for folder in self._created:
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break  # not empty (or not ours to remove): the rest are its parents
 
     def clear(self) -> None:
         """Remove the files a run writes (:data:`RUN_FILES`, their ``.partial`` leftovers and the
@@ -325,6 +341,9 @@ def write_bytes(path: Path, data: bytes | memoryview) -> Path:
         _discard(partial)
         kept = f"; the previous {path.name} is unchanged" if path.exists() else ""
         raise RunDirError(_failure("cannot write", path, error) + kept) from None
+    except BaseException:  # e.g. Ctrl-C during the write: the old file stands, the partial one goes
+        _discard(partial)
+        raise
     return path
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -29,6 +30,7 @@ from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.memory.plan import LayerwisePlan, MicroBatchPlanner, make_planner, plan_redundancy, plan_report
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
+from betty_trainer.sampling.base import SampleKey
 from betty_trainer.sampling.schedule import epoch_seeds, make_feature_store, make_sampler, plan_seed, sampled_batches
 from betty_trainer.training.checkpoint import (
     BEST_NAME,
@@ -212,58 +214,69 @@ def train(
     path = Path(run_dir or new_run_dir(config))
     check_config(config, dataset=graph is None, run_dir=path)
     run = RunDirectory.open(path, create=not resume, overwrite=overwrite)  # refused if another run holds it
-    state = load_checkpoint(path) if resume else None  # verified before any data is loaded
-    if state is not None:
-        _check_resumable(config, state, path)
+    try:
+        state = load_checkpoint(path) if resume else None  # verified before any data is loaded
+        if state is not None:
+            _check_resumable(config, state, path)
 
-    graph = graph if graph is not None else load_dataset(config.dataset)
-    if graph.train_idx.numel() == 0:
-        raise ConfigError(f"dataset {graph.name!r} has no training nodes")
-    builtin = model is None
-    if builtin:
-        check_model_size(config, graph, device)
-    with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
-        planner = make_planner(config, graph, model, device)
-    model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-    scheduler = make_scheduler(config, optimizer)
-    sampler = make_sampler(config, graph)
-    if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
-        logger.warning("GCN sums its neighbours, and GNS's importance weights leave a weighted sum biased upward on "
-                       "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "
-                       "+13%% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
-                       "unbiased under GNS (model.arch=sage)")
-    features = make_feature_store(config, graph, device, sampler, HostFeatureStore(graph.x, pin=device.type == "cuda"))
-    # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
-    evaluation_features = features.host if isinstance(features, CachedFeatureStore) else features
-    splits = {"val": graph.val_idx, "test": graph.test_idx}
-    model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
-    ident = identity(dataset_identity(graph), model_id, model.state_dict())
+        graph = graph if graph is not None else load_dataset(config.dataset)
+        if graph.train_idx.numel() == 0:
+            raise ConfigError(f"dataset {graph.name!r} has no training nodes: it has no labels or split (a structure-only "
+                              "graph, e.g. SNAP's, serves the sampling and planning benchmarks); train on a dataset "
+                              "with labels (betty-train datasets lists them)")
+        builtin = model is None
+        if builtin:
+            check_model_size(config, graph, device)
+        with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
+            planner = make_planner(config, graph, model, device)
+        model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+        scheduler = make_scheduler(config, optimizer)
+        sampler = make_sampler(config, graph)
+        if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
+            logger.warning("GCN sums its neighbours, and GNS's importance weights leave a weighted sum biased upward on "
+                           "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "
+                           "+13%% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
+                           "unbiased under GNS (model.arch=sage)")
+        features = make_feature_store(config, graph, device, sampler, HostFeatureStore(graph.x, pin=device.type == "cuda"))
+        # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
+        evaluation_features = features.host if isinstance(features, CachedFeatureStore) else features
+        splits = {"val": graph.val_idx, "test": graph.test_idx}
+        model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
+        ident = identity(dataset_identity(graph), model_id, model.state_dict())
 
-    metrics_path = path / "metrics.jsonl"
-    start_epoch, best = 0, {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")}
-    if state is not None:
-        difference = identity_difference(state["identity"], ident)
-        if difference is not None:
-            raise TrainingError(f"cannot resume {path}: {difference}; resume with the run's own model and dataset, "
-                                "or start a new run (--overwrite, or another train.run_dir)")
-        if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) and state.get("scheduler") \
-                and state["scheduler"].get("T_max") != config.optim.epochs:
-            raise TrainingError(f"cannot resume {path}: optim.scheduler=cosine anneals over optim.epochs "
-                                f"({state['scheduler'].get('T_max')} in the run, {config.optim.epochs} here); "
-                                "resume with the run's optim.epochs, or start a new run")
-        if (state.get("scheduler") is None) != (scheduler is None):
-            raise TrainingError(f"cannot resume {path}: optim.scheduler differs from the run's "
-                                f"({config.optim.scheduler!r} here); resume with the run's optim.scheduler")
-        try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            if scheduler is not None:
-                scheduler.load_state_dict(state["scheduler"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as error:
-            raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} does not fit this model "
-                                f"({str(error).strip().splitlines()[0]}); start a new run") from None
-        start_epoch, best = state["epoch"] + 1, state["best"]
+        metrics_path = path / "metrics.jsonl"
+        start_epoch, best = 0, {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")}
+        if state is not None:
+            difference = identity_difference(state["identity"], ident)
+            if difference is not None:
+                raise TrainingError(f"cannot resume {path}: {difference}; resume with the run's own model and dataset, "
+                                    "or start a new run (--overwrite, or another train.run_dir)")
+            if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) and state.get("scheduler") \
+                    and state["scheduler"].get("T_max") != config.optim.epochs:
+                raise TrainingError(f"cannot resume {path}: optim.scheduler=cosine anneals over optim.epochs "
+                                    f"({state['scheduler'].get('T_max')} in the run, {config.optim.epochs} here); "
+                                    "resume with the run's optim.epochs, or start a new run")
+            if (state.get("scheduler") is None) != (scheduler is None):
+                raise TrainingError(f"cannot resume {path}: optim.scheduler differs from the run's "
+                                    f"({config.optim.scheduler!r} here); resume with the run's optim.scheduler")
+            try:
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+                if scheduler is not None:
+                    scheduler.load_state_dict(state["scheduler"])
+            except (RuntimeError, ValueError, KeyError, TypeError) as error:
+                raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} does not fit this model "
+                                    f"({str(error).strip().splitlines()[0]}); start a new run") from None
+            start_epoch, best = state["epoch"] + 1, state["best"]
+            apply_optim_config(config, optimizer, scheduler)
+
+        # the first batch's plan: an impossible budget is refused here, before anything is written
+        first_seeds = epoch_seeds(config, graph, start_epoch)[0]
+        planner.plan(sampler.sample(first_seeds, SampleKey(config.seed, start_epoch, 0)), plan_seed(config))
+    except BaseException:  # refused before the run started: nothing written, a directory made for it removed
+        run.abandon()
+        raise
 
     # Everything is checked and loaded: the run really starts (or resumes) here.
     if state is not None:
@@ -342,6 +355,10 @@ def train(
                                   f"{epoch - best['epoch']} epoch(s) (train.patience={config.train.patience})",
                                   highlight=False, soft_wrap=True)
                     break
+    except KeyboardInterrupt as error:  # the CLI names the run to resume (it has a checkpoint from here on)
+        if (path / LAST_NAME).exists():
+            error.run_dir = path
+        raise
     finally:
         if board is not None:
             board.close()
@@ -363,6 +380,37 @@ def make_scheduler(config: Config, optimizer: torch.optim.Optimizer) -> torch.op
     if optim.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=optim.epochs, eta_min=optim.min_lr)
     return None
+
+
+def apply_optim_config(config: Config, optimizer: torch.optim.Optimizer,
+                       scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+    """On resume, make the checkpoint's optimizer and schedule follow the config's ``optim`` section where it
+    changed (``optim.lr``, ``optim.weight_decay``, ``optim.gamma``, ``optim.step_size``, ``optim.min_lr``); Adam's
+    moments and the schedule's position are kept. With a schedule, the next epoch's learning rate is the
+    schedule's closed form at its position for the new values (``step``: ``lr·gamma^⌊t/step_size⌋``;
+    ``cosine``: ``min_lr + (lr − min_lr)(1 + cos(πt/T))/2``). Nothing is touched when nothing changed, so a
+    plain resume stays bit-exact."""
+    optim = config.optim
+    for group in optimizer.param_groups:
+        group["weight_decay"] = optim.weight_decay
+    if scheduler is None:
+        for group in optimizer.param_groups:
+            group["lr"] = optim.lr
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.StepLR):
+        changed = (scheduler.base_lrs[0], scheduler.gamma, scheduler.step_size) != (optim.lr, optim.gamma,
+                                                                                    optim.step_size)
+        scheduler.gamma, scheduler.step_size = optim.gamma, optim.step_size
+        lr = optim.lr * optim.gamma ** (scheduler.last_epoch // optim.step_size)
+    else:  # CosineAnnealingLR over optim.epochs (a different T_max is refused before this)
+        changed = (scheduler.base_lrs[0], scheduler.eta_min) != (optim.lr, optim.min_lr)
+        scheduler.eta_min = optim.min_lr
+        lr = optim.min_lr + (optim.lr - optim.min_lr) * (1 + math.cos(math.pi * scheduler.last_epoch
+                                                                       / scheduler.T_max)) / 2
+    if changed:
+        scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
+        for group in optimizer.param_groups:
+            group["initial_lr"], group["lr"] = optim.lr, lr
 
 
 def _patience_exhausted(config: Config, epoch: int, best: dict) -> bool:
