@@ -254,3 +254,21 @@ def test_step_work_of_a_projected_sage_layer_projects_its_block_s_src_rows_once(
     linear, aggregate = (7 + self_rows) * 8 * 4, 20 * 4
     gather = (7 * 8 + 20 * 4 + self_rows * 8) * MASK_COST
     assert step_work(spec, [pieces], layerwise=True, projected_rows=[7]) == 3 * (linear + aggregate) + 2 * gather
+
+
+def test_fewer_micro_batches_than_asked_are_reported_once(cora, caplog):
+    """REG's METIS may leave parts empty: the planner says so (once) and names the partitioners that give exactly K."""
+    config = load_config(None, ["dataset.name=cora", "micro_batch.num_micro_batches=64"])
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    for partitioner in ("reg", "range"):
+        section = config.micro_batch.model_copy(update={"partitioner": partitioner})
+        planner = MicroBatchPlanner(section, model_spec(config, cora), torch.device("cpu"))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="betty_trainer"):
+            _, plan = planner.plan(batch, seed=0)
+            planner.plan(batch, seed=1)
+        said = [r.getMessage() for r in caplog.records if "asks for 64 micro-batches" in r.getMessage()]
+        if partitioner == "reg":
+            assert plan.k < 64 and len(said) == 1 and f"made {plan.k}" in said[0]
+        else:
+            assert plan.k == 64 and not said

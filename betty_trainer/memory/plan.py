@@ -160,6 +160,7 @@ class MicroBatchPlanner:
         self.layerwise_allowed = True  # make_planner: False for a custom model that cannot run layer by layer
         self._last: _LastPlan | None = None
         self._splitter: OutputSplitter | None = None
+        self._warned_fewer = False  # REG gave fewer micro-batches than asked: said once
 
     def estimate(self, structures: Sequence[BlockStructure], accumulate: bool = False,
                  weighted: Sequence[bool] | None = None) -> MemoryEstimate:
@@ -239,6 +240,11 @@ class MicroBatchPlanner:
             )
         except BudgetError as error:
             raise PlanningError(str(error)) from None
+        if fixed_k is not None and plan.k < max(fixed_k, min_k) and not self._warned_fewer:
+            self._warned_fewer = True
+            logger.warning("micro_batch.num_micro_batches asks for %d micro-batches; %s made %d (METIS left parts "
+                           "empty); micro_batch.partitioner=metis, range or random give exactly K",
+                           max(fixed_k, min_k), self.config.partitioner, plan.k)
         self._splitter = splitter
         return MicroBatches(batch, plan.layers), plan  # each micro-batch built when it is read
 
