@@ -375,6 +375,12 @@ def test_validate_runs_the_checks_train_runs_before_loading_data(capsys, tmp_pat
     assert_one_line_error(unknown, "unknown dataset 'nope'")
 
 
+def test_validate_says_when_the_run_directory_holds_a_run(finished, capsys):
+    shown = betty_in_process(capsys, "validate", "--config", QUICKSTART, f"train.run_dir={finished}")
+    assert shown.returncode == 0, shown.stderr
+    assert f"{finished} holds a run" in shown.stdout and "--resume" in shown.stdout and "--overwrite" in shown.stdout
+
+
 def test_diverged_parameters_are_never_saved_and_the_error_names_the_last_good_checkpoint(tmp_path):
     class Diverging(torch.nn.Module):
         def __init__(self):

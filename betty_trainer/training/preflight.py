@@ -20,7 +20,7 @@ from betty_trainer.config import Config
 from betty_trainer.datasets import DATASETS
 from betty_trainer.errors import ConfigError
 from betty_trainer.memory.plan import model_spec, resolve_budget
-from betty_trainer.training.rundir import check_run_dir_path
+from betty_trainer.training.rundir import check_run_dir_path, holds_run
 
 _STATE_COPIES = 4  # parameters, gradients and Adam's two moments
 
@@ -94,7 +94,11 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
     path = run_dir if run_dir is not None else config.train.run_dir
     if path is not None:
         check_run_dir_path(Path(path))
-        checked.append("run directory")
+        if run_dir is None and holds_run(Path(path)):  # validate: train decides with --resume or --overwrite
+            checked.append(f"run directory ({path} holds a run: train continues it with --resume, replaces it "
+                           "with --overwrite, and refuses it otherwise)")
+        else:
+            checked.append("run directory")
     if config.train.tensorboard:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install tensorboard "
