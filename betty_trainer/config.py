@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Sequence, Union, get_args, get_origin
 
+import torch
 import yaml
 from pydantic import (
     BaseModel,
@@ -31,7 +32,7 @@ from partition import PARTITIONERS
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # floats are finite
 
 
 class SyntheticConfig(_Section):
@@ -330,6 +331,14 @@ class MicroBatchConfig(_Section):
         return parse_bytes(value, allow_zero=True)
 
 
+MAX_WEIGHT_DECAY = float(torch.finfo(torch.float32).max)
+"""Largest ``optim.weight_decay``: float32's largest value (Adam converts it to a float32 scalar)."""
+MAX_LR = 3.4e37
+"""Largest ``optim.lr``/``optim.min_lr``: Adam's first step divides the learning rate by its bias correction
+``1 - beta1 = 0.1`` (Kingma & Ba 2015, Algorithm 1) and converts the quotient to a float32 scalar, which
+overflows above float32's largest value (3.4028e38)."""
+
+
 class OptimConfig(_Section):
     """``optim``: Adam's learning rate and weight decay, the number of epochs and the learning-rate
     schedule (``torch.optim.lr_scheduler``, stepped once per epoch; off by default)."""
@@ -343,6 +352,21 @@ class OptimConfig(_Section):
     step_size: int = Field(50, ge=1, description="epochs between two decays of the step scheduler")
     gamma: float = Field(0.5, gt=0, le=1, description="decay factor of the step scheduler")
     min_lr: float = Field(0.0, ge=0, description="last learning rate of the cosine scheduler")
+
+    @field_validator("lr", "min_lr")
+    @classmethod
+    def _lr_fits_float32(cls, value: float) -> float:
+        if value > MAX_LR:
+            raise ValueError(f"a learning rate must be at most {MAX_LR:.3g}: Adam divides it by 1 - beta1 = 0.1 "
+                             "and the result must fit in float32")
+        return value
+
+    @field_validator("weight_decay")
+    @classmethod
+    def _decay_fits_float32(cls, value: float) -> float:
+        if value > MAX_WEIGHT_DECAY:
+            raise ValueError(f"weight decay must be at most {MAX_WEIGHT_DECAY:.5g} (float32's largest value)")
+        return value
 
 
 _DEVICE = r"^(auto|cpu|cuda(:[0-9]+)?)$"

@@ -157,3 +157,34 @@ def test_the_readme_table_names_every_key_and_every_allowed_value():
     assert keys <= documented, sorted(keys - documented)
     assert set(PARTITIONERS) | set(AGGREGATORS) | {"sage", "gcn", "gat"} <= documented
     assert config.micro_batch.partitioner in documented
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("optim.lr=1e39", "at most"), ("optim.lr=3.4e38", "at most"), ("optim.lr=1e300", "at most"),
+    ("optim.lr=.inf", "finite"), ("optim.lr=.nan", "finite"), ("optim.weight_decay=1e39", "at most"),
+    ("optim.weight_decay=.inf", "finite"), ("optim.min_lr=1e39", "at most"), ("optim.min_lr=.inf", "finite"),
+    ("optim.gamma=.nan", "finite"), ("dataset.synthetic.avg_degree=.inf", "finite"),
+])
+def test_non_finite_and_float32_overflowing_optimiser_values_are_refused_naming_the_key(capsys, override, fragment):
+    key = override.partition("=")[0]
+    result = betty_in_process(capsys, "validate", "--config", str(REPO / "configs/quickstart.yaml"), override)
+    assert_one_line_error(result, f"invalid config value for {key!r}", fragment)
+
+
+def test_the_largest_accepted_learning_rate_and_weight_decay_step_adam():
+    """The bounds are the largest values Adam's float32 step takes without an overflow error: the step
+    divides lr by 1 - beta1 = 0.1 (Kingma & Ba, Algorithm 1), and weight decay multiplies the parameters."""
+    from betty_trainer.config import MAX_LR, MAX_WEIGHT_DECAY
+
+    config = load_config(None, [f"optim.lr={MAX_LR!r}", f"optim.weight_decay={MAX_WEIGHT_DECAY!r}",
+                                f"optim.min_lr={MAX_LR!r}"])
+    assert (config.optim.lr, config.optim.weight_decay) == (MAX_LR, MAX_WEIGHT_DECAY)
+    for lr, weight_decay in ((MAX_LR, 0.0), (0.01, MAX_WEIGHT_DECAY)):
+        parameter = torch.nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.Adam([parameter], lr=lr, weight_decay=weight_decay)
+        parameter.sum().backward()
+        optimizer.step()  # no "value cannot be converted to type float without overflow"
+    with pytest.raises(RuntimeError, match="overflow"):  # the bound is tight: 2x over it overflows
+        torch.optim.Adam([parameter], lr=2 * MAX_LR).step()
+    with pytest.raises(ConfigError, match="'optim.lr'"):
+        load_config(None, [f"optim.lr={2 * MAX_LR!r}"])
