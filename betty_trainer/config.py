@@ -429,15 +429,18 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         overrides: ``"dotted.key=value"`` strings.
 
     Raises:
-        ConfigError: unreadable file, bad YAML, malformed override, unknown key or bad value.
+        ConfigError: unreadable or not UTF-8 file, bad YAML, malformed override, unknown key or bad value.
     """
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as error:
             raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"config {path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}): "
+                              "a config must be a UTF-8 YAML file") from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as error:

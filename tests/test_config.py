@@ -188,3 +188,11 @@ def test_the_largest_accepted_learning_rate_and_weight_decay_step_adam():
         torch.optim.Adam([parameter], lr=2 * MAX_LR).step()
     with pytest.raises(ConfigError, match="'optim.lr'"):
         load_config(None, [f"optim.lr={2 * MAX_LR!r}"])
+
+
+def test_a_config_that_is_not_utf8_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"\xff\xfe bad")
+    for command in ("validate", "train"):
+        result = betty_in_process(capsys, command, "--config", str(path))
+        assert_one_line_error(result, f"config {path}", "UTF-8")
