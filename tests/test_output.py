@@ -42,15 +42,18 @@ def live_frames(width: int, description: str, status: str) -> tuple[list[str], l
 def test_at_80_columns_the_bar_keeps_the_count_the_elapsed_time_and_the_eta():
     long_status = epoch_status(summary(feature_hits=30, feature_misses=70, host_to_device_bytes=3 * 2**20),
                                {"epoch": 47, "val_acc": 0.872, "test_acc": 0.86})
-    for description in ("synthetic · reg", "ogbn-products-with-a-very-long-name · metis"):
-        drawn, alone = live_frames(80, description, long_status)
-        assert drawn == alone  # the live display's last frame is what stays on screen
-        bar, status = alone
-        assert re.search(rf"━+.* 48/50 epochs {TIME} ETA {TIME}$", bar), bar
-        assert bar.startswith(description if len(description) <= 30 else description[:29] + "…")
-        assert len(bar) <= 80 and len(status) == 80
-        assert status.startswith("epoch 47 · loss 2.7026 · val 0.872 · best val 0.872 (epoch 47, test 0.860)")
-        assert status.endswith("…")  # the status (107 characters) is cut, not wrapped onto the bar's line
+    for width in (80, 50):
+        for description in ("synthetic · reg", "ogbn-products-with-a-very-long-name · metis"):
+            drawn, alone = live_frames(width, description, long_status)
+            assert drawn == alone  # the live display's last frame is what stays on screen
+            bar, status = alone
+            shown = re.fullmatch(rf"(.+?) [━╸╺]+ +48/50 epochs {TIME} ETA {TIME}", bar)
+            assert shown, bar
+            label = shown.group(1)
+            assert label == description or (label.endswith("…") and description.startswith(label[:-1])), label
+            assert len(bar) <= width and len(status) == width
+            assert status.startswith("epoch 47 · loss 2.7026 · val 0.872 · best val 0."[:width - 1])
+            assert status.endswith("…")  # the status (107 characters) is cut, not wrapped onto the bar's line
 
 
 def test_on_a_wide_terminal_the_bar_is_40_columns_and_the_status_is_whole():

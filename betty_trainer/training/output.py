@@ -7,8 +7,8 @@ that same index and shows how many of the run's epochs are done beside it: after
 
 On a terminal, :class:`EpochProgress` is a ``rich`` progress bar on one line (label, bar, epochs done,
 elapsed time, ``ETA`` and rich's own estimate of the time remaining) and the epoch's status on a second
-line. The bar shrinks and the status is cut with an ellipsis to fit the terminal's width, so the count,
-the elapsed time and the ETA stay visible down to about 60 columns. When stdout is not a terminal
+line. The bar and the label shrink and the status is cut with an ellipsis to fit the terminal's width,
+so the count, the elapsed time and the ETA stay whole down to about 50 columns. When stdout is not a terminal
 (``nohup … > log``, a batch job, CI), rich's live display would print once at the end, cut to 80
 columns, so it prints one plain line per epoch instead, with the same ETA (read off the same rich
 task). ``train.progress=false`` also asks for the plain lines.
@@ -35,6 +35,8 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -49,7 +51,8 @@ BAR_WIDTH = 40
 """The bar's width in columns on a wide terminal; it shrinks to leave room for the count and the times."""
 
 LABEL_WIDTH = 30
-"""The most columns the bar's label (dataset · partitioner) takes; a longer one ends in an ellipsis."""
+"""The most columns the bar's label (dataset · partitioner) takes; a longer one, or one on a terminal too
+narrow for it, ends in an ellipsis."""
 
 
 class EpochSummary(Protocol):
@@ -100,6 +103,14 @@ def _best(best: Mapping[str, float | int | None]) -> str:
     return f"{val:.3f} ({where}test {test_text})"
 
 
+class _LabelColumn(ProgressColumn):
+    """The task's description in bold on one line, ending in an ellipsis when its column is narrowed (not
+    read as rich markup, so a dataset named ``[x]`` shows as such)."""
+
+    def render(self, task: Task) -> Text:
+        return Text(task.description, style="bold", no_wrap=True, overflow="ellipsis")
+
+
 class _BarAndStatus(Progress):
     """rich's progress table (the bar line), then each task's status on a line of its own, cut to the
     console's width with an ellipsis (rich's documented extension point, ``get_renderables``)."""
@@ -128,7 +139,7 @@ class EpochProgress:
 
     Args:
         console: where to print (its ``is_terminal`` picks the form).
-        description: the bar's label (cut to :data:`LABEL_WIDTH` columns).
+        description: the bar's label (at most :data:`LABEL_WIDTH` columns, fewer on a narrow terminal).
         total: the run's epochs.
         completed: epochs already done (a resumed run).
         live: show the live bar when the console is a terminal (``train.progress``); without it,
@@ -138,12 +149,12 @@ class EpochProgress:
     def __init__(self, console: Console, description: str, total: int, completed: int, live: bool = True):
         self.console, self.total = console, total
         self.live = live and console.is_terminal
-        # Only the bar may wrap, so only the bar gives up columns when the line is too wide (rich's table
-        # collapses wrappable columns first, then shrinks every column alike, which hid the count and times).
+        # Only the label and the bar may wrap, so only they give up columns when the line is too wide (rich's
+        # table narrows wrappable columns first, then shrinks every column alike, which hid the count and the
+        # times); the label itself never wraps (:class:`_LabelColumn`).
         fixed = Column(no_wrap=True)
         self.progress = _BarAndStatus(
-            TextColumn("[bold]{task.description}",
-                       table_column=Column(no_wrap=True, overflow="ellipsis", max_width=LABEL_WIDTH)),
+            _LabelColumn(table_column=Column(max_width=LABEL_WIDTH)),
             BarColumn(bar_width=None, table_column=Column(max_width=BAR_WIDTH)),
             MofNCompleteColumn(table_column=fixed.copy()), TextColumn("epochs", table_column=fixed.copy()),
             TimeElapsedColumn(table_column=fixed.copy()), TextColumn("ETA", table_column=fixed.copy()),
