@@ -7,6 +7,8 @@ dotted key and what is allowed.
 
 from __future__ import annotations
 
+import math
+import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, Sequence, Union, get_args, get_origin
 
@@ -21,6 +23,7 @@ from pydantic import (
     Tag,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -33,6 +36,50 @@ from partition import PARTITIONERS
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # floats are finite
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number key (``int``/``float``, optional, or a list of ints) refuses ``true``/``false``
+        (pydantic would read them as 1 and 0), and an integer key takes a whole number written with an
+        exponent (``1e2``, which PyYAML reads as a string, or ``1.5e+2``, a float)."""
+        kind, is_list = _number_kind(cls.model_fields[info.field_name].annotation)
+        if kind is None:
+            return value
+        if is_list and isinstance(value, list):
+            return [_number(item, kind) for item in value]
+        return _number(value, kind)
+
+
+def _number_kind(annotation: Any) -> tuple[type | None, bool]:
+    """``(int or float, is a list)`` of a plain number field (``int``, ``float | None``, ``list[int] | None``),
+    ``(None, False)`` for any other annotation (a size, a choice, a union with strings)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        members = [member for member in get_args(annotation) if member is not type(None)]
+        if len(members) != 1:
+            return None, False
+        annotation = members[0]
+    if get_origin(annotation) is list and get_args(annotation) in ((int,), (float,)):
+        return get_args(annotation)[0], True
+    return (annotation, False) if annotation in (int, float) else (None, False)
+
+
+_EXACT_INTEGERS = 2**53  # floats up to here are exact integers
+
+
+def _number(value: Any, kind: type) -> Any:
+    """``value`` for a number field of ``kind``: a bool refused, a whole number given as a float or a string
+    (``100.0``, ``'1e2'``) made an ``int`` for an integer field; anything else is left to pydantic."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected {'an integer' if kind is int else 'a number'}, not true/false")
+    if kind is int and isinstance(value, (float, str)):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        if math.isfinite(number) and number.is_integer() and abs(number) <= _EXACT_INTEGERS:
+            return int(number)
+    return value
 
 
 class SyntheticConfig(_Section):

@@ -196,3 +196,33 @@ def test_a_config_that_is_not_utf8_is_a_one_line_error(tmp_path, capsys):
     for command in ("validate", "train"):
         result = betty_in_process(capsys, command, "--config", str(path))
         assert_one_line_error(result, f"config {path}", "UTF-8")
+
+
+@pytest.mark.parametrize("override", [
+    "model.hidden=true", "optim.epochs=true", "seed=false", "micro_batch.num_micro_batches=true",
+    "sampling.batch_size=true", "sampling.fanouts=[true, 5]", "optim.lr=true", "train.patience=yes",
+])
+def test_booleans_are_not_numbers(capsys, override):
+    key = override.partition("=")[0]
+    result = betty_in_process(capsys, "validate", "--config", str(REPO / "configs/quickstart.yaml"), override)
+    assert_one_line_error(result, f"invalid config value for {key!r}", "not true/false")
+
+
+def test_a_boolean_in_the_file_is_not_an_integer(tmp_path, capsys):
+    path = tmp_path / "bool.yaml"
+    path.write_text("model:\n  hidden: true\n")
+    assert_one_line_error(betty_in_process(capsys, "validate", "--config", str(path)),
+                          "invalid config value for 'model.hidden' (True)", "not true/false")
+
+
+def test_integer_keys_take_integral_numbers_written_with_an_exponent():
+    """PyYAML (YAML 1.1) reads ``1e2`` as the string '1e2' and ``1.5e+2`` as the float 150.0; an integer key
+    takes both when the value is a whole number, and refuses a fraction."""
+    config = load_config(None, ["optim.epochs=1e2", "model.hidden=1.5e+2", "sampling.fanouts=[1e1, 2.5e1]",
+                                "sampling.batch_size=1E3"])
+    assert (config.optim.epochs, config.model.hidden, config.sampling.fanouts, config.sampling.batch_size) == \
+        (100, 150, [10, 25], 1000)
+    assert type(config.optim.epochs) is int and type(config.model.hidden) is int
+    for bad in ("optim.epochs=1.5", "optim.epochs=2.5e0", "optim.epochs=1e400"):
+        with pytest.raises(ConfigError, match="'optim.epochs'"):
+            load_config(None, [bad])
