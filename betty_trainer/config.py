@@ -465,6 +465,41 @@ class Config(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+class _DuplicateKey(Exception):
+    """A mapping of a YAML document names a key twice (raised by :class:`_ConfigLoader`)."""
+
+    def __init__(self, key: str, first_line: int, second_line: int) -> None:
+        super().__init__(f"key {key!r} appears twice (lines {first_line} and {second_line}); keep one")
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (plain YAML keeps the last one
+    silently) with :class:`_DuplicateKey` naming the dotted key and both lines."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node, [])
+        return self.construct_document(node)
+
+
+def _check_unique_keys(node: yaml.Node, path: list[str]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise _DuplicateKey(".".join([*path, key]), seen[key], line)
+                seen[key] = line
+            _check_unique_keys(value_node, [*path, str(key)])
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_unique_keys(item, [*path, str(index)])
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config, apply ``key.path=value`` overrides and validate.
 
@@ -476,7 +511,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         overrides: ``"dotted.key=value"`` strings.
 
     Raises:
-        ConfigError: unreadable or not UTF-8 file, bad YAML, malformed override, unknown key or bad value.
+        ConfigError: unreadable or not UTF-8 file, bad YAML, a key written twice, malformed override, unknown key or bad value.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -489,7 +524,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raise ConfigError(f"config {path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}): "
                               "a config must be a UTF-8 YAML file") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_ConfigLoader) or {}
+        except _DuplicateKey as error:
+            raise ConfigError(f"config {path}: {error}") from None
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -522,7 +559,9 @@ def _parse_override(override: str) -> tuple[str, list[str], Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {override!r} must look like key.path=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=_ConfigLoader) if raw.strip() else None
+    except _DuplicateKey as error:
+        raise ConfigError(f"override {override!r}: {error}") from None
     except yaml.YAMLError:
         value = raw
     return override, key.strip().split("."), value

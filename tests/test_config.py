@@ -226,3 +226,22 @@ def test_integer_keys_take_integral_numbers_written_with_an_exponent():
     for bad in ("optim.epochs=1.5", "optim.epochs=2.5e0", "optim.epochs=1e400"):
         with pytest.raises(ConfigError, match="'optim.epochs'"):
             load_config(None, [bad])
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("optim:\n  lr: 0.1\n  epochs: 3\n  lr: 0.2\n", "key 'optim.lr' appears twice (lines 2 and 4)"),
+    ("seed: 1\nseed: 2\n", "key 'seed' appears twice (lines 1 and 2)"),
+    ("optim: {lr: 0.1}\nmodel: {hidden: 8}\noptim: {epochs: 2}\n", "key 'optim' appears twice (lines 1 and 3)"),
+    ("sampling:\n  labor: {layer_dependency: true, layer_dependency: false}\n",
+     "key 'sampling.labor.layer_dependency' appears twice (lines 2 and 2)"),
+])
+def test_a_key_written_twice_in_a_file_is_refused(tmp_path, capsys, content, fragment):
+    path = tmp_path / "twice.yaml"
+    path.write_text(content)
+    assert_one_line_error(betty_in_process(capsys, "validate", "--config", str(path)), f"config {path}", fragment)
+
+
+def test_a_key_written_twice_in_an_override_value_is_refused():
+    with pytest.raises(ConfigError, match=r"override 'optim=\{lr: 1, lr: 2\}': key 'lr' appears twice"):
+        load_config(None, ["optim={lr: 1, lr: 2}"])
+    assert load_config(None, ["optim={lr: 1, epochs: 2}"]).optim.epochs == 2
