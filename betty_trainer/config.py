@@ -460,6 +460,14 @@ class Config(_Section):
                              f"{self.sampling.sampler!r}: set sampling.sampler=gns, or features.cache.kind=static or lru")
         return self
 
+    @field_validator("name")
+    @classmethod
+    def _name_is_not_a_path(cls, value: str) -> str:
+        if any(sep in value for sep in ("/", "\\", "\0")) or value in (".", ".."):
+            raise ValueError("the name goes into the run directory runs/<name>-<timestamp>, so it must not contain "
+                             "'/', '\\' or a NUL byte, nor be '.' or '..'; set train.run_dir to choose the folder")
+        return value
+
     def to_yaml(self) -> str:
         """The resolved config as YAML (paths as strings)."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

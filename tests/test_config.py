@@ -245,3 +245,14 @@ def test_a_key_written_twice_in_an_override_value_is_refused():
     with pytest.raises(ConfigError, match=r"override 'optim=\{lr: 1, lr: 2\}': key 'lr' appears twice"):
         load_config(None, ["optim={lr: 1, lr: 2}"])
     assert load_config(None, ["optim={lr: 1, epochs: 2}"]).optim.epochs == 2
+
+
+@pytest.mark.parametrize("name", ["../../escape", "/tmp/x", "a/b", "..", ".", "a\\b", '"x\\0y"'])
+def test_a_name_that_is_a_path_is_refused(capsys, name):
+    result = betty_in_process(capsys, "validate", "--config", str(REPO / "configs/quickstart.yaml"), f"name={name}")
+    assert_one_line_error(result, "invalid config value for 'name'", "runs/<name>-<timestamp>")
+
+
+def test_ordinary_names_are_kept():
+    for name in ("cora-sage", "my run", "v1.2", "a..b"):
+        assert load_config(None, [f"name={name}"]).name == name
