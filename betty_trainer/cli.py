@@ -87,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check a config as train would, before loading data",
                                    parents=[common])
     add_config_args(validate, required=True)
-    commands.add_parser("datasets", help="list known datasets and where their files are", parents=[common])
+    datasets = commands.add_parser("datasets", help="list known datasets and where their files are", parents=[common])
+    datasets.add_argument("--data-dir", type=Path,
+                          help="folder to look for the raw files in (as train's --data-dir; else $BETTY_DATA_DIR)")
     return parser
 
 
@@ -278,7 +280,7 @@ def _datasets(args: argparse.Namespace, console: Console) -> None:
     table = Table(title=f"datasets (cache: {cache_dir()})")
     for column in ("name", "kind", "description", "raw files", "converted"):
         table.add_column(column)
-    for status in list_datasets(getattr(args, "data_dir", None)):
+    for status in list_datasets(args.data_dir):
         converted = "\n".join(f"{folder.name}: {size / 2**20:.0f} MiB" for folder, size in status.processed)
         table.add_row(status.name, status.kind, status.description, status.raw, converted or "-")
     Console(width=max(console.width, 160)).print(table)

@@ -203,3 +203,20 @@ def test_every_subcommand_parses_as_documented(tmp_path):
         with pytest.raises(SystemExit) as error:
             parser.parse_args(bad)
         assert error.value.code == 2
+
+
+def test_datasets_lists_the_files_of_the_data_dir_it_is_given(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # one table line per dataset
+    monkeypatch.setenv("BETTY_DATA_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("BETTY_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    data.mkdir()
+    for part in ("x", "y", "graph"):
+        (data / f"ind.cora.{part}").write_bytes(b"")
+    result = betty_in_process(capsys, "datasets", "--data-dir", str(data), "--log-level", "info")
+    assert result.returncode == 0, result.stderr
+    cora = next(line for line in result.stdout.splitlines() if "│ cora " in line)
+    assert f"{data} (3/8 files)" in cora
+    from_env = betty_in_process(capsys, "datasets")
+    cora = next(line for line in from_env.stdout.splitlines() if "│ cora " in line)
+    assert f"{tmp_path / 'elsewhere'} (0/8 files)" in cora
