@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +22,7 @@ from rich.table import Table
 from betty_trainer.config import Config, load_config
 from betty_trainer.datasets import cache_dir, list_datasets
 from betty_trainer.errors import BettyError, ConfigError
+from betty_trainer.training.checkpoint import LAST_NAME
 from betty_trainer.training.rundir import write_text
 
 EXIT_USER_ERROR = 2
@@ -307,10 +309,23 @@ def _run(args: argparse.Namespace) -> int:
     except BettyError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted; continue with: betty-train train --resume RUN_DIR", file=sys.stderr)
+    except KeyboardInterrupt as error:
+        print(_interrupted(args.command, getattr(error, "run_dir", None)), file=sys.stderr)
         return 130
     return 0
+
+
+def _interrupted(command: str, run_dir: Path | None) -> str:
+    """The line printed on Ctrl-C. ``train`` attaches its run directory to the ``KeyboardInterrupt`` as
+    ``run_dir`` once it has one; a resume needs that directory's ``last.pt``."""
+    if command != "train":
+        return "interrupted"
+    if run_dir is None:
+        return "interrupted before the run directory was created; nothing to resume: start the run again"
+    if not (Path(run_dir) / LAST_NAME).is_file():
+        return (f"interrupted before the first epoch's checkpoint; nothing to resume in {shlex.quote(str(run_dir))}: "
+                "start the run again")
+    return f"interrupted; continue with: betty-train train --resume {shlex.quote(str(run_dir))}"
 
 
 if __name__ == "__main__":

@@ -220,3 +220,45 @@ def test_datasets_lists_the_files_of_the_data_dir_it_is_given(tmp_path, capsys, 
     from_env = betty_in_process(capsys, "datasets")
     cora = next(line for line in from_env.stdout.splitlines() if "│ cora " in line)
     assert f"{tmp_path / 'elsewhere'} (0/8 files)" in cora
+
+
+def _interrupting(run_dir):
+    def interrupted(*args, **kwargs):
+        error = KeyboardInterrupt()
+        if run_dir is not None:
+            error.run_dir = run_dir
+        raise error
+    return interrupted
+
+
+def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, capsys, monkeypatch):
+    import betty_trainer.training.trainer as trainer
+
+    run = tmp_path / "my run"
+    run.mkdir()
+    (run / "last.pt").write_bytes(b"")
+    monkeypatch.setattr(trainer, "train", _interrupting(run))
+    result = betty_in_process(capsys, "train", "--config", str(REPO / "configs/quickstart.yaml"))
+    assert result.returncode == 130
+    assert result.stderr.strip() == f"interrupted; continue with: betty-train train --resume '{run}'"
+
+
+@pytest.mark.parametrize("has_dir", [True, False])
+def test_ctrl_c_without_a_checkpoint_offers_no_resume(tmp_path, capsys, monkeypatch, has_dir):
+    import betty_trainer.training.trainer as trainer
+
+    monkeypatch.setattr(trainer, "train", _interrupting(tmp_path if has_dir else None))
+    result = betty_in_process(capsys, "train", "--config", str(REPO / "configs/quickstart.yaml"))
+    assert result.returncode == 130
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted") and "RUN_DIR" not in lines[0], lines
+    assert "--resume" not in lines[0] and "nothing to resume" in lines[0]
+    assert (str(tmp_path) in lines[0]) == has_dir
+
+
+def test_ctrl_c_in_another_command_says_interrupted(tmp_path, capsys, monkeypatch):
+    import betty_trainer.training.inference as inference
+
+    monkeypatch.setattr(inference, "evaluate_run", _interrupting(None))
+    result = betty_in_process(capsys, "evaluate", "--run", str(tmp_path))
+    assert (result.returncode, result.stderr) == (130, "interrupted\n")
