@@ -310,15 +310,6 @@ def test_training_with_the_gns_cache_gives_the_losses_of_gns_without_it(tmp_path
     assert store.kind == "gns" and store.stats.hits > 0 and store.stats.cache_fill_bytes > 0
 
 
-def test_the_progress_line_shows_the_feature_hit_rate_and_the_bytes_moved_only_when_there_are_some():
-    best = {"val_acc": 0.5, "test_acc": 0.4}
-    plain = trainer_module.EpochMetrics(0, 1.0, 0.5, 0.5, 0.4, 1, 1.0, 1.0, feature_misses=100)
-    assert "hits" not in trainer_module._status(plain, best) and "MiB" not in trainer_module._status(plain, best)
-    cached = trainer_module.EpochMetrics(0, 1.0, 0.5, 0.5, 0.4, 1, 1.0, 1.0, host_to_device_bytes=3 * 2**20,
-                                         feature_hits=30, feature_misses=70)
-    assert trainer_module._status(cached, best).endswith("feature hits 30% · 3 MiB to the device")
-
-
 # --- what the memory plan leaves for the store -----------------------------------------------------------------
 
 def test_the_device_bytes_bound_equals_what_a_full_store_holds(x):

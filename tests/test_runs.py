@@ -488,7 +488,9 @@ def test_a_run_under_nohup_logs_one_line_per_epoch_with_the_run_directory_first_
     assert lines[0] == f"run directory {tmp_path / 'run'} (new run)"
     assert lines[1].startswith(f"device {DEVICE} · torch ")
     epochs = [line for line in lines if line.startswith("epoch ")]
-    assert [line.split()[1] for line in epochs] == ["1/3", "2/3", "3/3"] and all("ETA" in line for line in epochs)
+    assert [line.split(" · ")[0] for line in epochs] == ["epoch 0 (1/3 done)", "epoch 1 (2/3 done)",
+                                                         "epoch 2 (3/3 done)"]
+    assert all("ETA" in line for line in epochs)
     assert lines[-1].startswith("final test accuracy ")
     assert all(len(line) < 400 for line in lines)
 
@@ -533,11 +535,11 @@ def test_on_a_terminal_the_progress_is_a_live_bar_with_an_eta():
     with EpochProgress(console, "synthetic", total=4, completed=1) as progress:
         progress.advance(1, "loss 1.0")
     shown = console.file.getvalue()
-    assert "ETA" in shown and "2/4" in shown and "epoch 2/4" not in shown  # the bar, not the plain lines
+    assert "ETA" in shown and "2/4" in shown and "done)" not in shown  # the bar, not the plain lines
     plain = Console(file=io.StringIO(), force_terminal=False, width=80)
     with EpochProgress(plain, "synthetic", total=4, completed=1) as progress:
         progress.advance(1, "loss 1.0 · " + "x" * 100)
-    assert plain.file.getvalue().startswith("epoch 2/4 · loss 1.0 · ") and plain.file.getvalue().count("\n") == 1
+    assert plain.file.getvalue().startswith("epoch 1 (2/4 done) · loss 1.0 · ") and plain.file.getvalue().count("\n") == 1
 
 
 def test_host_memory_running_out_mid_step_is_one_error_line(tmp_path, capsys, monkeypatch):
@@ -559,3 +561,12 @@ def test_a_run_of_an_earlier_version_is_named_as_such(tmp_path, capsys):
     assert_one_line_error(betty_in_process(capsys, "train", "--resume", str(run)),
                           "holds a checkpoint.pt of an earlier betty-train", "start a new run")
     assert_one_line_error(betty_in_process(capsys, *train_cli(run)), "already holds a run", "checkpoint.pt")
+
+
+def test_the_status_names_no_best_before_the_first_evaluation_and_then_the_epoch_the_final_line_names(tmp_path):
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    config = load_config(QUICKSTART, [*QUICK[1:], "optim.epochs=3", "train.eval_every=2"])
+    result = train(config, run_dir=tmp_path / "run", console=console)
+    epochs = [line for line in console.file.getvalue().splitlines() if line.startswith("epoch ")]
+    assert " · val - · best val - · ETA " in epochs[0] and "nan" not in epochs[0] and "-1.000" not in epochs[0]
+    assert f"best val {result.best_val_acc:.3f} (epoch {result.best_epoch}, test {result.test_acc:.3f})" in epochs[-1]

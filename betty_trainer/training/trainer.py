@@ -46,7 +46,7 @@ from betty_trainer.training.checkpoint import (
 )
 from betty_trainer.training.evaluation import evaluate_splits
 from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward
-from betty_trainer.training.output import EpochProgress, quiet_native_stderr
+from betty_trainer.training.output import EpochProgress, epoch_status, quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.rundir import (
     TENSORBOARD_DIR,
@@ -348,7 +348,7 @@ def train(
                                        "best": best, "identity": ident}, LAST_NAME)
                 if board is not None:
                     _log_tensorboard(board, last)
-                progress.advance(epoch, _status(last, best))
+                progress.advance(epoch, epoch_status(last, best))
                 if _patience_exhausted(config, epoch, best) and val_acc is not None:
                     stopped_early = True
                     console.print(f"early stopping after epoch {epoch}: validation accuracy has not improved for "
@@ -578,16 +578,6 @@ def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: Mi
             raise TrainingError(f"{where}: out of host memory ({str(error).splitlines()[0][-100:]}); lower "
                                 "model.hidden or sampling.batch_size, or raise micro_batch.num_micro_batches; "
                                 f"{last_good}") from None
-
-
-def _status(metrics: EpochMetrics, best: dict) -> str:
-    val = "-" if metrics.val_acc is None else f"{metrics.val_acc:.3f}"
-    status = f"loss {metrics.loss:.4f} · val {val} · best val {best['val_acc']:.3f} (test {best['test_acc']:.3f})"
-    if metrics.feature_hits:  # a node cache or a staged macro-batch served rows
-        status += f" · feature hits {metrics.feature_hits / (metrics.feature_hits + metrics.feature_misses):.0%}"
-    if metrics.host_to_device_bytes:
-        status += f" · {metrics.host_to_device_bytes / 2**20:,.0f} MiB to the device"
-    return status
 
 
 def _truncate_metrics(path: Path, last_epoch: int) -> None:
