@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from betty_trainer.config import Config, load_config
-from betty_trainer.datasets import cache_dir, list_datasets
+from betty_trainer.datasets import cache_dir, list_datasets, require_labels
 from betty_trainer.errors import BettyError, ConfigError
 from betty_trainer.training.checkpoint import LAST_NAME
 from betty_trainer.training.rundir import write_text
@@ -152,6 +152,7 @@ def _train(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
+    require_labels(config.dataset.name)
     result = train(config, run_dir=args.resume, resume=args.resume is not None, overwrite=args.overwrite,
                    command=["betty-train", *sys.argv[1:]] if args.argv is None else ["betty-train", *args.argv],
                    console=console)
@@ -191,6 +192,7 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
+    require_labels(config.dataset.name)
     output = args.output
     if output.is_dir():
         raise ConfigError(f"--output {output} is a folder; give a file name such as {output / 'plan.json'}")
@@ -273,6 +275,7 @@ def _validate(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
+    require_labels(config.dataset.name)
     checked = check_config(config, strict_device=False)
     console.print(f"{args.config}: well-formed; checked as train would before loading data: {', '.join(checked)}",
                   highlight=False, soft_wrap=True)
@@ -284,9 +287,13 @@ def _datasets(args: argparse.Namespace, console: Console) -> None:
         table.add_column(column)
     for status in list_datasets(args.data_dir):
         converted = "\n".join(f"{folder.name}: {size / 2**20:.0f} MiB" for folder, size in status.processed)
-        table.add_row(status.name, status.kind, status.description, status.raw, converted or "-")
+        kind = f"{status.kind}, structure only" if status.structure_only else status.kind
+        table.add_row(status.name, kind, status.description, status.raw, converted or "-")
     Console(width=max(console.width, 160)).print(table)
     console.print("Files are read from --data-dir, else $BETTY_DATA_DIR, else the cache (downloaded when online).")
+    console.print("Datasets marked structure only have no labels or splits: they serve the sampling benchmarks "
+                  "(python benchmarks/sampling.py --graph NAME) and the Python API, not train or plan.",
+                  highlight=False, soft_wrap=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -201,3 +201,40 @@ def test_malicious_pickle_inside_an_npz_is_refused(tmp_path, monkeypatch):
     # the same archive through numpy's own loader would have called it
     np.load(tmp_path / "amazon_photo.npz", allow_pickle=True)["adj_matrix"]
     assert calls == [("/nonexistent-betty",)]
+
+
+def test_structure_only_datasets_are_the_ones_without_labels_or_splits():
+    from betty_trainer.datasets import DATASETS
+
+    snap = shared_data("snap-jlg", "as-caida20071105.jlg")
+    assert {name for name, spec in DATASETS.items() if spec.structure_only} == \
+        {name for name in DATASETS if name.startswith("snap-")}
+    graph = load_dataset(DatasetConfig(name="snap-as-caida", data_dir=snap))
+    assert graph.train_idx.numel() == graph.val_idx.numel() == graph.test_idx.numel() == 0
+    assert bool((graph.y == -1).all()) and graph.num_classes == 0
+    assert not DATASETS["cora"].structure_only
+
+
+def test_the_listing_says_which_datasets_are_structure_only(tmp_path, capsys, monkeypatch):
+    from tests.test_cli import betty_in_process
+
+    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setenv("BETTY_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BETTY_DATA_DIR", raising=False)
+    result = betty_in_process(capsys, "datasets")
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
+    assert "structure only" in rows["snap-as-caida"] and "structure only" not in rows["cora"]
+    assert "not train or plan" in rows["snap-as-caida"]
+    assert "structure only" in result.stdout.splitlines()[-2] + result.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "validate"])
+def test_train_plan_and_validate_refuse_a_structure_only_dataset_before_loading_it(tmp_path, capsys, command):
+    from tests.conftest import REPO
+    from tests.test_cli import assert_one_line_error, betty_in_process
+
+    output = ["--output", str(tmp_path / "plan.json")] if command == "plan" else []
+    result = betty_in_process(capsys, command, "--config", str(REPO / "configs/quickstart.yaml"), "--data-dir",
+                              str(tmp_path), "dataset.name=snap-as-caida", *output)
+    assert_one_line_error(result, "dataset 'snap-as-caida' is structure only", "no labels",
+                          "python benchmarks/sampling.py --graph snap-as-caida", "betty-train datasets")

@@ -17,6 +17,9 @@ from betty_trainer.datasets.registry import (
     dataset_status,
     list_datasets,
     load_dataset,
+    no_training_nodes_message,
+    require_labels,
+    structure_only_message,
 )
 from betty_trainer.datasets.safe_pickle import RestrictedUnpickler, restricted_load
 from betty_trainer.datasets.splits import random_split
@@ -43,12 +46,15 @@ __all__ = [
     "load_planetoid",
     "make_powerlaw",
     "make_sbm",
+    "no_training_nodes_message",
     "processed_dir",
     "random_split",
     "read_jlg",
     "read_npz",
+    "require_labels",
     "restricted_load",
     "save_graph",
     "stratified_split",
+    "structure_only_message",
     "write_powerlaw",
 ]

@@ -54,6 +54,8 @@ class DatasetSpec:
         load: ``(folder, config) -> Graph``.
         urls: file name → full URL, where it is not ``base_url + name`` (a renamed file).
         kind: ``files``, ``ogb`` or ``generated`` (see the module docstring).
+        structure_only: the graph has no labels or splits (SNAP edge lists): it serves the sampling and
+            partitioning benchmarks and the Python API, not ``train`` or ``plan`` (:func:`require_labels`).
     """
 
     name: str
@@ -63,6 +65,7 @@ class DatasetSpec:
     base_url: str = ""
     urls: dict[str, str] = field(default_factory=dict)
     kind: str = "files"
+    structure_only: bool = False
 
     def url(self, file: str) -> str:
         """Canonical download URL of raw file ``file``."""
@@ -95,9 +98,14 @@ def _ogb(name: str) -> DatasetSpec:
 
 def _snap(name: str, path: str, sha256: str, description: str) -> DatasetSpec:
     file = path.rsplit("/", 1)[-1]
-    return DatasetSpec(name, description + " (structure only: x = log(1+in-degree), no labels)",
+    return DatasetSpec(name, description + f"; {STRUCTURE_ONLY}",
                        load=lambda folder, config: load_jlg(folder / file, name, config.to_undirected),
-                       files={file: sha256}, base_url=_SNAP_URL, urls={file: _SNAP_URL + path})
+                       files={file: sha256}, base_url=_SNAP_URL, urls={file: _SNAP_URL + path}, structure_only=True)
+
+
+STRUCTURE_ONLY = ("structure only: no labels or splits, x = log(1+in-degree); for sampling benchmarks, "
+                  "not train or plan")
+"""How ``betty-train datasets`` describes a structure-only dataset."""
 
 
 def _fb100(name: str, file: str, upstream: str, sha256: str, description: str) -> DatasetSpec:
@@ -251,6 +259,38 @@ def verify_files(spec: DatasetSpec, folder: Path) -> None:
             )
 
 
+def structure_only_message(name: str) -> str:
+    """One line saying that dataset ``name`` is structure only, what it serves and what to train on instead
+    (the refusal of :func:`require_labels`; also for a trainer that finds no training nodes)."""
+    return (f"dataset {name!r} is structure only (a SNAP edge list: no labels or splits; its one feature is "
+            "log(1+in-degree)), so it cannot be trained or planned on; it serves the sampling benchmarks "
+            f"(python benchmarks/sampling.py --graph {name}) and the Python API; to train, choose a labelled "
+            "dataset (`betty-train datasets` lists them) or give the graph labels y and a train_idx in Python "
+            "(Graph.from_edges(..., y=..., train_idx=...))")
+
+
+def no_training_nodes_message(name: str) -> str:
+    """One line for a graph named ``name`` whose ``train_idx`` is empty: :func:`structure_only_message`
+    for a registered structure-only dataset, else what to change."""
+    spec = DATASETS.get(name)
+    if spec is not None and spec.structure_only:
+        return structure_only_message(name)
+    return (f"dataset {name!r} has no training nodes (its train_idx is empty): give the graph labels y and a "
+            "train_idx, or choose a labelled dataset (`betty-train datasets` lists them)")
+
+
+def require_labels(name: str) -> None:
+    """Refuse to train or plan on a registered structure-only dataset, before its files are read.
+
+    Raises:
+        DatasetError: ``name`` is a :attr:`DatasetSpec.structure_only` dataset (message:
+            :func:`structure_only_message`). An unknown name passes (:func:`load_dataset` refuses it).
+    """
+    spec = DATASETS.get(name)
+    if spec is not None and spec.structure_only:
+        raise DatasetError(structure_only_message(name))
+
+
 def load_dataset(config) -> Graph:
     """Load the dataset a :class:`~betty_trainer.config.DatasetConfig` names.
 
@@ -276,6 +316,7 @@ class DatasetStatus:
             ``"/data/planetoid (8/8 files)"``, ``"cache ~/.cache/… (0/8 files; downloaded when online)"``,
             ``"generated"``.
         processed: converted caches, ``(folder, bytes on disk)`` each (OGB, power-law graphs).
+        structure_only: from the :class:`DatasetSpec` (no labels or splits).
     """
 
     name: str
@@ -283,6 +324,7 @@ class DatasetStatus:
     description: str
     raw: str
     processed: tuple[tuple[Path, int], ...]
+    structure_only: bool = False
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -323,7 +365,7 @@ def dataset_status(spec: DatasetSpec, data_dir: Path | None = None) -> DatasetSt
         (folder, _folder_bytes(folder))
         for folder in sorted(processed_root.iterdir()) if folder.is_dir() and not folder.name.startswith(".")
     ) if processed_root.is_dir() else ()
-    return DatasetStatus(spec.name, spec.kind, spec.description, raw, processed)
+    return DatasetStatus(spec.name, spec.kind, spec.description, raw, processed, spec.structure_only)
 
 
 def list_datasets(data_dir: Path | None = None) -> list[DatasetStatus]:
