@@ -238,3 +238,13 @@ def test_train_plan_and_validate_refuse_a_structure_only_dataset_before_loading_
                               str(tmp_path), "dataset.name=snap-as-caida", *output)
     assert_one_line_error(result, "dataset 'snap-as-caida' is structure only", "no labels",
                           "python benchmarks/sampling.py --graph snap-as-caida", "betty-train datasets")
+
+
+def test_the_no_training_nodes_message_names_what_a_structure_only_dataset_is_for():
+    from betty_trainer.datasets import no_training_nodes_message, structure_only_message
+
+    assert no_training_nodes_message("snap-slashdot") == structure_only_message("snap-slashdot")
+    assert "benchmarks/sampling.py --graph snap-slashdot" in no_training_nodes_message("snap-slashdot")
+    mine = no_training_nodes_message("my-graph")
+    assert mine.startswith("dataset 'my-graph' has no training nodes") and "train_idx" in mine
+    assert "\n" not in mine + structure_only_message("snap-slashdot")
