@@ -108,7 +108,9 @@ def load_checkpoint(run_dir: Path, name: str = LAST_NAME) -> dict[str, Any]:
 
     Raises:
         TrainingError: one line naming the file: missing, no or mismatching sha256, corrupt, holding
-            objects other than tensors and plain data, lacking keys, or non-finite parameters.
+            objects other than tensors and plain data, lacking keys, a field of the wrong type (naming the
+            field: ``epoch`` a non-negative integer, ``best``, ``optimizer``, ``identity``, …), or non-finite
+            parameters.
     """
     path = Path(run_dir) / name
     if not path.is_file():
@@ -142,12 +144,87 @@ def load_checkpoint(run_dir: Path, name: str = LAST_NAME) -> dict[str, Any]:
     if missing:
         raise TrainingError(f"checkpoint {path} lacks {', '.join(map(repr, missing))}; it is not a betty-train "
                             f"{name} of this version (start a new run)")
-    if not isinstance(state["model"], dict) or not all(isinstance(v, Tensor) for v in state["model"].values()):
+    if not isinstance(state["model"], dict) or not all(isinstance(k, str) and isinstance(v, Tensor)
+                                                       for k, v in state["model"].items()):
         raise TrainingError(f"checkpoint {path}: 'model' is not a state dict of tensors")
+    wrong = _wrong_field(state, kind)
+    if wrong:
+        field, value, expected = wrong
+        raise TrainingError(f"checkpoint {path}: {field!r} is {_shown(value)}, expected {expected}; the file was "
+                            f"edited or is not a betty-train {name} of this version (start a new run)")
     bad = non_finite(state["model"])
     if bad:
         raise TrainingError(f"checkpoint {path} is refused: {bad}")
     return state
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_str_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(key, str) for key in value)
+
+
+def _wrong_field(state: Mapping[str, Any], kind: str) -> tuple[str, Any, str] | None:
+    """``(dotted field, its value, what is expected)`` of the first field of a checkpoint of ``kind``
+    (``"last"`` or ``"best"``) whose type differs from what :func:`save_checkpoint`'s callers write,
+    else ``None``. Optional fields are checked when present; ``model`` is checked by the caller."""
+    checks: list[tuple[str, Any, bool, str]] = []
+    if "format" in state:
+        checks.append(("format", state["format"], _is_int(state["format"]), "an integer"))
+    if "kind" in state:
+        checks.append(("kind", state["kind"], isinstance(state["kind"], str), "a string"))
+    epoch = state["epoch"]
+    checks.append(("epoch", epoch, _is_int(epoch) and epoch >= 0, "a non-negative integer"))
+    ident = state["identity"]
+    checks.append(("identity", ident, isinstance(ident, dict), "a mapping"))
+    if kind == "last":
+        optimizer, best = state["optimizer"], state["best"]
+        checks.append(("optimizer", optimizer, isinstance(optimizer, dict), "an optimizer state dict"))
+        if isinstance(optimizer, dict):
+            checks.append(("optimizer.state", optimizer.get("state"), isinstance(optimizer.get("state"), dict),
+                           "a mapping"))
+            groups = optimizer.get("param_groups")
+            checks.append(("optimizer.param_groups", groups,
+                           isinstance(groups, list) and all(_is_str_dict(group) for group in groups),
+                           "a list of mappings"))
+        if "scheduler" in state:
+            scheduler = state["scheduler"]
+            checks.append(("scheduler", scheduler, scheduler is None or _is_str_dict(scheduler),
+                           "null or a scheduler state dict"))
+        checks.append(("best", best, _is_str_dict(best), "a mapping of epoch, val_acc and test_acc"))
+        if _is_str_dict(best):
+            checks += [("best.epoch", best.get("epoch"), _is_int(best.get("epoch")) and best["epoch"] >= -1,
+                        "an integer >= -1"),
+                       ("best.val_acc", best.get("val_acc"), _is_number(best.get("val_acc")), "a number"),
+                       ("best.test_acc", best.get("test_acc"),
+                        best.get("test_acc") is None or _is_number(best.get("test_acc")), "a number or null")]
+    else:
+        checks.append(("metrics", state["metrics"], _is_str_dict(state["metrics"]), "a mapping"))
+    for field, value, ok, expected in checks:
+        if not ok:
+            return field, value, expected
+    for section in ("dataset", "model"):
+        if section in ident and not _is_str_dict(ident[section]):
+            return f"identity.{section}", ident[section], "a mapping"
+    shapes = ident.get("shapes", {})
+    if not _is_str_dict(shapes) or not all(isinstance(shape, list) and all(_is_int(n) for n in shape)
+                                           for shape in shapes.values()):
+        return "identity.shapes", shapes, "a mapping of parameter names to lists of integers"
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A short description of a checkpoint field's value: its repr for a scalar, else its type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        text = repr(value)
+        return f"{text[:40]}… ({type(value).__name__})" if len(text) > 40 else f"{text} ({type(value).__name__})"
+    return f"a {type(value).__name__}"
 
 
 def non_finite(tensors: Mapping[str, Any]) -> str | None:
