@@ -328,7 +328,7 @@ def _interrupted(command: str, run_dir: Path | None) -> str:
     if command != "train":
         return "interrupted"
     if run_dir is None:
-        return "interrupted before the run directory was created; nothing to resume: start the run again"
+        return "interrupted before the run wrote its first checkpoint (last.pt); nothing to resume: start the run again"
     if not (Path(run_dir) / LAST_NAME).is_file():
         return (f"interrupted before the first epoch's checkpoint; nothing to resume in {shlex.quote(str(run_dir))}: "
                 "start the run again")
