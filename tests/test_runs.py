@@ -570,3 +570,17 @@ def test_the_status_names_no_best_before_the_first_evaluation_and_then_the_epoch
     epochs = [line for line in console.file.getvalue().splitlines() if line.startswith("epoch ")]
     assert " · val - · best val - · ETA " in epochs[0] and "nan" not in epochs[0] and "-1.000" not in epochs[0]
     assert f"best val {result.best_val_acc:.3f} (epoch {result.best_epoch}, test {result.test_acc:.3f})" in epochs[-1]
+
+
+def test_evaluating_a_custom_model_run_from_the_cli_points_to_the_python_api(tmp_path, capsys):
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 5)
+
+        def forward(self, blocks, x):
+            return self.linear(x[: blocks[-1].num_dst])
+
+    train(load_config(QUICKSTART, SMALL + ["optim.epochs=1"]), model=Linear(), run_dir=tmp_path / "run")
+    refused = betty_in_process(capsys, "evaluate", "--run", str(tmp_path / "run"))
+    assert_one_line_error(refused, "was trained with the custom model", "betty_trainer.load_model(", "model=Linear(")

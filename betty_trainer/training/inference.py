@@ -88,8 +88,10 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module 
     graph = graph if graph is not None else load_dataset(config.dataset)
     builtin = model is None
     if builtin and "custom" in state["identity"].get("model", {}):
-        raise ConfigError(f"{run_dir} was trained with the custom model {state['identity']['model']['custom']}; "
-                          "pass an instance of it as model=")
+        custom = state["identity"]["model"]["custom"]
+        raise ConfigError(f"{run_dir} was trained with the custom model {custom}, which betty-train evaluate/predict "
+                          "cannot rebuild; load it from Python with an instance of that class: "
+                          f"betty_trainer.load_model({str(run_dir)!r}, model={custom.rsplit('.', 1)[-1]}(...))")
     model = model if model is not None else init_model(config, graph)
     model_id = config.model.model_dump(mode="json") if builtin else state["identity"].get("model", {})
     difference = identity_difference(state["identity"], identity(dataset_identity(graph), model_id,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from betty_trainer.config import Config
-from betty_trainer.datasets import DATASETS
+from betty_trainer.datasets import DATASETS, require_labels
 from betty_trainer.errors import ConfigError
 from betty_trainer.memory.plan import model_spec, resolve_budget
 from betty_trainer.training.rundir import check_run_dir_path, holds_run
@@ -69,6 +69,7 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
     if dataset:
         if config.dataset.name not in DATASETS:
             raise ConfigError(f"unknown dataset {config.dataset.name!r} (dataset.name); known: {', '.join(DATASETS)}")
+        require_labels(config.dataset.name)  # a structure-only graph cannot be trained: said before reading it
         checked.append("dataset name")
     try:
         device = resolve_device(config.train.device)

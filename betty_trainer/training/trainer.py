@@ -25,7 +25,7 @@ from betty_trainer.data.block import Batch
 from betty_trainer.data.cache import CachedFeatureStore
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, as_feature_store
 from betty_trainer.data.graph import Graph
-from betty_trainer.datasets import load_dataset
+from betty_trainer.datasets import load_dataset, no_training_nodes_message
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.memory.plan import LayerwisePlan, MicroBatchPlanner, make_planner, plan_redundancy, plan_report
 from betty_trainer.models import build_model, set_dropout_key
@@ -221,9 +221,7 @@ def train(
 
         graph = graph if graph is not None else load_dataset(config.dataset)
         if graph.train_idx.numel() == 0:
-            raise ConfigError(f"dataset {graph.name!r} has no training nodes: it has no labels or split (a structure-only "
-                              "graph, e.g. SNAP's, serves the sampling and planning benchmarks); train on a dataset "
-                              "with labels (betty-train datasets lists them)")
+            raise ConfigError(no_training_nodes_message(graph.name))
         builtin = model is None
         if builtin:
             check_model_size(config, graph, device)
