@@ -373,6 +373,9 @@ def test_validate_runs_the_checks_train_runs_before_loading_data(capsys, tmp_pat
         assert check in ok.stdout
     unknown = betty_in_process(capsys, "validate", "--config", QUICKSTART, "dataset.name=nope")
     assert_one_line_error(unknown, "unknown dataset 'nope'")
+    unbounded = betty_in_process(capsys, "validate", "--config", QUICKSTART, "features.macro_batch=2",
+                                 "micro_batch.budget=8MiB")
+    assert_one_line_error(unbounded, "needs features.macro_batch_budget")
 
 
 def test_validate_says_when_the_run_directory_holds_a_run(finished, capsys):

@@ -99,9 +99,8 @@ def feature_store_device_bytes(config: Config, graph: Graph) -> int:
     a staged macro-batch of at most ``features.macro_batch_budget`` bytes of rows otherwise. The planner
     subtracts it from ``micro_batch.budget``.
 
-    Raises:
-        ConfigError: macro-batches without ``features.macro_batch_budget`` under a ``micro_batch.budget``
-            (their size would be unbounded, so no budget could be kept).
+    (Macro-batches without ``features.macro_batch_budget`` under a ``micro_batch.budget`` are refused by the
+    config itself: their size would be unbounded.)
     """
     features = config.features
     kind = features.cache.kind
@@ -113,13 +112,8 @@ def feature_store_device_bytes(config: Config, graph: Graph) -> int:
     else:
         rows = 0 if kind == "none" else cache_capacity(features.cache.size, graph.num_nodes, row_bytes)
     stage_rows = 0
-    if features.macro_batch:
-        if features.macro_batch_budget is None:
-            if config.micro_batch.budget is not None:
-                raise ConfigError("features.macro_batch under micro_batch.budget needs features.macro_batch_budget "
-                                  "(the device bytes a staged macro-batch may take), so the plan can leave room for it")
-        else:
-            stage_rows = min(graph.num_nodes, features.macro_batch_budget // max(row_bytes, 1))
+    if features.macro_batch and features.macro_batch_budget is not None:  # without one, no budget is set (Config)
+        stage_rows = min(graph.num_nodes, features.macro_batch_budget // max(row_bytes, 1))
     return device_bytes_bound(kind, rows, graph.num_nodes, row_bytes, stage_rows)
 
 
