@@ -126,7 +126,8 @@ class DatasetConfig(_Section):
     data_dir: Path | None = Field(
         None, description="folder holding the raw files (else BETTY_DATA_DIR, else the download cache)")
     verify_checksums: bool = Field(True, description="check every raw file's sha256 before parsing it")
-    normalize_features: bool = Field(True, description="row-normalise features (as DGL/GCN do for Planetoid)")
+    normalize_features: bool = Field(True, description="row-normalise the bag-of-words features of Planetoid, gnn-benchmark (.npz) "
+                                            "and MUSAE graphs (as DGL/GCN do); the other datasets keep theirs")
     to_undirected: bool | None = Field(
         None, description="add every reverse edge (null = the dataset's default; OGB: only ogbn-products)")
     mmap: bool = Field(True, description="memory-map cached arrays (features read on demand) instead of reading them")
