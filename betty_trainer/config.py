@@ -459,9 +459,6 @@ class Config(_Section):
         if self.features.cache.kind == "gns" and self.sampling.sampler != "gns":
             raise ValueError(f"features.cache.kind 'gns' caches the GNS sampler's node set, but sampling.sampler is "
                              f"{self.sampling.sampler!r}: set sampling.sampler=gns, or features.cache.kind=static or lru")
-        if self.features.macro_batch and self.features.macro_batch_budget is None and self.micro_batch.budget is not None:
-            raise ValueError("features.macro_batch under micro_batch.budget needs features.macro_batch_budget (the "
-                             "device bytes a staged macro-batch may take), so the plan can leave room for it")
         return self
 
     @field_validator("name")

@@ -54,6 +54,13 @@ def cora64(cora):
 
 
 @pytest.fixture(scope="session")
+def computers8(computers):
+    """Amazon Computers with only its first 8 feature columns: the blocks' structure (491,722 edges) is then
+    a large part of a step's memory, so an index copy the estimate misses shows (GCN's ``norm[indices]``)."""
+    return dataclasses.replace(computers, x=computers.x[:, :8].contiguous())
+
+
+@pytest.fixture(scope="session")
 def computers():
     """Amazon Computers (13,752 nodes, 491,722 directed edges, mean in-degree 36; graphdata-npz)."""
     return load_dataset(DatasetConfig(name="amazon-computers", data_dir=shared_data("graphdata-npz", "amazon_cs.npz")))

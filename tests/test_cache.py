@@ -347,6 +347,10 @@ def test_the_planner_budget_is_what_the_feature_store_leaves():
         make_planner(load_config(None, overrides[:-2] + ["micro_batch.budget=8KB"]), graph, None, CPU)
     with pytest.raises(ConfigError, match="needs features.macro_batch_budget"):
         feature_store_device_bytes(load_config(None, overrides[:-1]), graph)
+    changed = load_config(None, [o for o in overrides[:-1] if not o.startswith("micro_batch.budget")])
+    changed.micro_batch.budget = 64_000_000  # a budget set from Python after the config was validated
+    with pytest.raises(ConfigError, match="needs features.macro_batch_budget"):
+        feature_store_device_bytes(changed, graph)
     assert feature_store_device_bytes(load_config(None, SMALL), graph) == 0
 
 

@@ -46,6 +46,7 @@ CASES = [
     ("citeseer", ["model.arch=sage", "model.aggregator=gcn", "model.hidden=256"], 4, None),
     ("citeseer", ["model.arch=gcn", "model.hidden=64"], 8, None),
     ("cora", ["model.arch=gcn", "model.hidden=256", "model.num_layers=3", "model.dropout=0"], 4, None),
+    ("computers8", ["model.arch=gcn", "model.hidden=16", "model.dropout=0"], 1, None),
     ("cora", ["model.arch=sage", "model.aggregator=pool", "model.hidden=64", "model.num_layers=3"], 4, [5, 10, 15]),
     ("citeseer", ["model.arch=sage", "model.aggregator=pool", "model.hidden=256"], 8, None),
     ("cora", ["model.arch=gat", "model.hidden=64", "model.heads=2"], 8, None),
@@ -100,7 +101,8 @@ MATRIX_MODELS = [
 ]
 
 
-@pytest.mark.parametrize("model", [MATRIX_MODELS[0], MATRIX_MODELS[2], MATRIX_MODELS[5]], ids=["mean", "pool", "gat"])
+@pytest.mark.parametrize("model", [MATRIX_MODELS[0], MATRIX_MODELS[2], MATRIX_MODELS[4], MATRIX_MODELS[5]],
+                         ids=["mean", "pool", "gcn", "gat"])
 def test_estimate_on_a_full_graph_where_every_src_node_is_a_dst_node(cora64, model):
     """Every node an output, full neighbourhood: each block's dst nodes are all its src nodes, so the layers
     take no slice of their input (``Block.dst_rows``) and autograd makes no zero-filled slice gradient."""

@@ -295,6 +295,16 @@ def test_ctrl_c_names_the_run_to_resume(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt) as caught:
         train(load_config(QUICKSTART, SMALL + ["optim.epochs=4", "optim.lr=1.0"]), run_dir=tmp_path / "run")
     assert caught.value.run_dir == tmp_path / "run"
+    monkeypatch.setattr(trainer, "save_checkpoint", real)
+
+    def stopped(*args, **kwargs):  # Ctrl-C while a resume is still loading and planning
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "make_planner", stopped)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        train(load_config(QUICKSTART, SMALL + ["optim.epochs=4", "optim.lr=1.0"]), run_dir=tmp_path / "run",
+              resume=True)
+    assert caught.value.run_dir == tmp_path / "run"
 
 
 def test_an_interrupted_write_leaves_the_old_file_and_no_partial(tmp_path, monkeypatch):
@@ -436,7 +446,8 @@ def test_gcn_with_the_gns_sampler_warns_of_the_sum_bias(tmp_path, caplog):
     gns = ["sampling.sampler=gns", "sampling.fanouts=[3,3]", "sampling.batch_size=64", "optim.epochs=1"]
     with caplog.at_level("WARNING", logger="betty_trainer"):
         train(load_config(QUICKSTART, SMALL + gns + ["model.arch=gcn"]), run_dir=tmp_path / "gcn")
-    assert [r for r in caplog.records if "GNS's importance weights" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "GNS's importance weights" in r.getMessage()]
+    assert said and "+13% on those rows" in said[0]
     caplog.clear()
     with caplog.at_level("WARNING", logger="betty_trainer"):
         train(load_config(QUICKSTART, SMALL + gns + ["model.arch=sage"]), run_dir=tmp_path / "sage")

@@ -243,7 +243,7 @@ class MicroBatchPlanner:
         if fixed_k is not None and plan.k < max(fixed_k, min_k) and not self._warned_fewer:
             self._warned_fewer = True
             logger.warning("micro_batch.num_micro_batches asks for %d micro-batches; %s made %d (METIS left parts "
-                           "empty); micro_batch.partitioner=metis, range or random give exactly K",
+                           "empty); micro_batch.partitioner=range or random give exactly K",
                            max(fixed_k, min_k), self.config.partitioner, plan.k)
         self._splitter = splitter
         return MicroBatches(batch, plan.layers), plan  # each micro-batch built when it is read

@@ -93,14 +93,28 @@ def first_batch(config: Config, graph: Graph) -> Batch:
     return make_sampler(config, graph).sample(epoch_seeds(config, graph, 0)[0], SampleKey(config.seed, 0, 0))
 
 
+def check_macro_batch_budget(config: Config) -> None:
+    """Refuse macro-batches (``features.macro_batch``) under a ``micro_batch.budget`` without
+    ``features.macro_batch_budget``: a staged macro-batch's size would be unbounded, so the plan could not
+    leave room for it (checked by ``validate`` and ``train`` before any data is loaded).
+
+    Raises:
+        ConfigError: naming the keys and the fix.
+    """
+    features = config.features
+    if features.macro_batch and features.macro_batch_budget is None and config.micro_batch.budget is not None:
+        raise ConfigError("features.macro_batch under micro_batch.budget needs features.macro_batch_budget (the "
+                          "device bytes a staged macro-batch may take), so the plan can leave room for it")
+
+
 def feature_store_device_bytes(config: Config, graph: Graph) -> int:
     """The most device bytes the feature store of ``config`` holds on ``graph`` between training steps
     (:func:`~betty_trainer.data.cache.device_bytes_bound`): 0 for the plain host store; the node cache and
     a staged macro-batch of at most ``features.macro_batch_budget`` bytes of rows otherwise. The planner
     subtracts it from ``micro_batch.budget``.
 
-    (Macro-batches without ``features.macro_batch_budget`` under a ``micro_batch.budget`` are refused by the
-    config itself: their size would be unbounded.)
+    Raises:
+        ConfigError: :func:`check_macro_batch_budget`.
     """
     features = config.features
     kind = features.cache.kind
@@ -112,7 +126,8 @@ def feature_store_device_bytes(config: Config, graph: Graph) -> int:
     else:
         rows = 0 if kind == "none" else cache_capacity(features.cache.size, graph.num_nodes, row_bytes)
     stage_rows = 0
-    if features.macro_batch and features.macro_batch_budget is not None:  # without one, no budget is set (Config)
+    check_macro_batch_budget(config)
+    if features.macro_batch and features.macro_batch_budget is not None:
         stage_rows = min(graph.num_nodes, features.macro_batch_budget // max(row_bytes, 1))
     return device_bytes_bound(kind, rows, graph.num_nodes, row_bytes, stage_rows)
 

@@ -20,6 +20,7 @@ from betty_trainer.config import Config
 from betty_trainer.datasets import DATASETS, require_labels
 from betty_trainer.errors import ConfigError
 from betty_trainer.memory.plan import model_spec, resolve_budget
+from betty_trainer.sampling.schedule import check_macro_batch_budget
 from betty_trainer.training.rundir import check_run_dir_path, holds_run
 
 _STATE_COPIES = 4  # parameters, gradients and Adam's two moments
@@ -91,13 +92,16 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
     if config.micro_batch.budget is not None:
         if device is not None:
             resolve_budget(config.micro_batch, device)
+        check_macro_batch_budget(config)
         checked.append("budget")
     path = run_dir if run_dir is not None else config.train.run_dir
     if path is not None:
         check_run_dir_path(Path(path))
         if run_dir is None and holds_run(Path(path)):  # validate: train decides with --resume or --overwrite
-            checked.append(f"run directory ({path} holds a run: train continues it with --resume, replaces it "
-                           "with --overwrite, and refuses it otherwise)")
+            go_on = ("continues it with --resume, " if (Path(path) / "last.pt").exists()
+                     else "cannot resume it (no last.pt yet), ")
+            checked.append(f"run directory ({path} holds a run: train {go_on}replaces it with --overwrite, and "
+                           "refuses it otherwise)")
         else:
             checked.append("run directory")
     if config.train.tensorboard:

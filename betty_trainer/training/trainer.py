@@ -234,7 +234,7 @@ def train(
         if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
             logger.warning("GCN sums its neighbours, and GNS's importance weights leave a weighted sum biased upward on "
                            "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "
-                           "+13%% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
+                           "+13% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
                            "unbiased under GNS (model.arch=sage)")
         features = make_feature_store(config, graph, device, sampler, HostFeatureStore(graph.x, pin=device.type == "cuda"))
         # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
@@ -272,7 +272,8 @@ def train(
         # the first batch's plan: an impossible budget is refused here, before anything is written
         first_seeds = epoch_seeds(config, graph, start_epoch)[0]
         planner.plan(sampler.sample(first_seeds, SampleKey(config.seed, start_epoch, 0)), plan_seed(config))
-    except BaseException:  # refused before the run started: nothing written, a directory made for it removed
+    except BaseException as error:  # refused before the run started: nothing written, a directory made for it removed
+        _name_run(error, path)
         run.abandon()
         raise
 
@@ -353,9 +354,8 @@ def train(
                                   f"{epoch - best['epoch']} epoch(s) (train.patience={config.train.patience})",
                                   highlight=False, soft_wrap=True)
                     break
-    except KeyboardInterrupt as error:  # the CLI names the run to resume (it has a checkpoint from here on)
-        if (path / LAST_NAME).exists():
-            error.run_dir = path
+    except KeyboardInterrupt as error:
+        _name_run(error, path)
         raise
     finally:
         if board is not None:
@@ -472,6 +472,13 @@ def _warn_torch_dropout(model: nn.Module, k: int) -> bool:
             "own masks, so the gradient is not the full batch's and --resume is not bit-exact; use "
             "betty_trainer.NodeDropout, whose mask is keyed by node id", ", ".join(names), k)
     return True
+
+
+def _name_run(error: BaseException, path: Path) -> None:
+    """Attach the run directory to a Ctrl-C (``KeyboardInterrupt.run_dir``) when it holds a checkpoint to resume
+    from, so the CLI can print the command that continues it."""
+    if isinstance(error, KeyboardInterrupt) and (path / LAST_NAME).exists():
+        error.run_dir = path
 
 
 def _qualname(model: nn.Module) -> str:
