@@ -87,10 +87,11 @@ def plan_seed(config: Config) -> int:
     return derive_seed(config.seed, *_PLAN_STREAM) % 2**31
 
 
-def first_batch(config: Config, graph: Graph) -> Batch:
-    """The batch training starts with (epoch 0, batch 0), as ``train`` samples it: what
-    ``betty-train plan`` plans."""
-    return make_sampler(config, graph).sample(epoch_seeds(config, graph, 0)[0], SampleKey(config.seed, 0, 0))
+def first_batch(config: Config, graph: Graph, sampler: Sampler | None = None, epoch: int = 0) -> Batch:
+    """The batch an epoch starts with (batch 0 of ``epoch``; default epoch 0, what ``betty-train plan`` plans),
+    as ``train`` samples it: by ``sampler`` (default: :func:`make_sampler`'s)."""
+    sampler = sampler if sampler is not None else make_sampler(config, graph)
+    return sampler.sample(epoch_seeds(config, graph, epoch)[0], SampleKey(config.seed, epoch, 0))
 
 
 def check_macro_batch_budget(config: Config) -> None:

@@ -21,7 +21,7 @@ from betty_trainer.datasets import DATASETS, require_labels
 from betty_trainer.errors import ConfigError
 from betty_trainer.memory.plan import model_spec, resolve_budget
 from betty_trainer.sampling.schedule import check_macro_batch_budget
-from betty_trainer.training.rundir import check_run_dir_path, holds_run
+from betty_trainer.training.rundir import check_run_dir_path, holds_checkpoint, holds_run
 
 _STATE_COPIES = 4  # parameters, gradients and Adam's two moments
 
@@ -98,7 +98,7 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
     if path is not None:
         check_run_dir_path(Path(path))
         if run_dir is None and holds_run(Path(path)):  # validate: train decides with --resume or --overwrite
-            go_on = ("continues it with --resume, " if (Path(path) / "last.pt").exists()
+            go_on = ("continues it with --resume, " if holds_checkpoint(Path(path))
                      else "cannot resume it (no last.pt yet), ")
             checked.append(f"run directory ({path} holds a run: train {go_on}replaces it with --overwrite, and "
                            "refuses it otherwise)")

@@ -130,7 +130,7 @@ class RunDirectory:
         run = cls(path, fd, created)
         if create and not overwrite and holds_run(path):
             run.close()
-            go_on = (f"continue it with betty-train train --resume {path}, " if (path / "last.pt").exists()
+            go_on = (f"continue it with betty-train train --resume {path}, " if holds_checkpoint(path)
                      else "it has no checkpoint to resume from; ")
             raise RunDirError(f"run directory {path} already holds a run ({', '.join(run_files(path))}); {go_on}"
                               "replace it with --overwrite, or choose another train.run_dir")
@@ -211,6 +211,11 @@ def run_files(path: Path) -> list[str]:
 def holds_run(path: Path) -> bool:
     """Whether ``path`` is a folder holding a run (any of :data:`RUN_FILES`)."""
     return Path(path).is_dir() and bool(run_files(path))
+
+
+def holds_checkpoint(path: Path) -> bool:
+    """Whether the run in ``path`` has a ``last.pt`` (``checkpoint.LAST_NAME``) that ``--resume`` continues from."""
+    return (Path(path) / "last.pt").exists()
 
 
 def check_run_dir_path(path: Path, what: str = "train.run_dir") -> None:

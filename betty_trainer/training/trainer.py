@@ -30,8 +30,14 @@ from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.memory.plan import LayerwisePlan, MicroBatchPlanner, make_planner, plan_redundancy, plan_report
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
-from betty_trainer.sampling.base import SampleKey
-from betty_trainer.sampling.schedule import epoch_seeds, make_feature_store, make_sampler, plan_seed, sampled_batches
+from betty_trainer.sampling.schedule import (
+    epoch_seeds,
+    first_batch,
+    make_feature_store,
+    make_sampler,
+    plan_seed,
+    sampled_batches,
+)
 from betty_trainer.training.checkpoint import (
     BEST_NAME,
     CHECKPOINT_NAME,
@@ -53,6 +59,7 @@ from betty_trainer.training.rundir import (
     RunDirectory,
     config_changes,
     environment,
+    holds_checkpoint,
     holds_run_directories,
     new_run_dir,
     write_text,
@@ -270,8 +277,7 @@ def train(
             apply_optim_config(config, optimizer, scheduler)
 
         # the first batch's plan: an impossible budget is refused here, before anything is written
-        first_seeds = epoch_seeds(config, graph, start_epoch)[0]
-        planner.plan(sampler.sample(first_seeds, SampleKey(config.seed, start_epoch, 0)), plan_seed(config))
+        planner.plan(first_batch(config, graph, sampler, start_epoch), plan_seed(config))
     except BaseException as error:  # refused before the run started: nothing written, a directory made for it removed
         _name_run(error, path)
         run.abandon()
@@ -442,7 +448,7 @@ def _allocate(build: Callable[[], nn.Module], device: torch.device) -> nn.Module
 
 def _last_good(path: Path, epoch: int) -> str:
     """Where the run can go on from when epoch ``epoch`` fails (the checkpoints hold earlier epochs only)."""
-    if epoch == 0 or not (path / LAST_NAME).exists():
+    if epoch == 0 or not holds_checkpoint(path):
         return "no checkpoint was written yet"
     return (f"last good checkpoint: {path / LAST_NAME} (epoch {epoch - 1}; continue with betty-train train "
             f"--resume {path} and a lower optim.lr)")
@@ -477,7 +483,7 @@ def _warn_torch_dropout(model: nn.Module, k: int) -> bool:
 def _name_run(error: BaseException, path: Path) -> None:
     """Attach the run directory to a Ctrl-C (``KeyboardInterrupt.run_dir``) when it holds a checkpoint to resume
     from, so the CLI can print the command that continues it."""
-    if isinstance(error, KeyboardInterrupt) and (path / LAST_NAME).exists():
+    if isinstance(error, KeyboardInterrupt) and holds_checkpoint(path):
         error.run_dir = path
 
 
