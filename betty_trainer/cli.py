@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from betty_trainer.config import Config, load_config
-from betty_trainer.datasets import cache_dir, list_datasets, require_labels
+from betty_trainer.datasets import cache_dir, list_datasets
 from betty_trainer.errors import BettyError, ConfigError
 from betty_trainer.training.checkpoint import LAST_NAME
 from betty_trainer.training.rundir import write_text
@@ -152,7 +152,6 @@ def _train(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
-    require_labels(config.dataset.name)
     result = train(config, run_dir=args.resume, resume=args.resume is not None, overwrite=args.overwrite,
                    command=["betty-train", *sys.argv[1:]] if args.argv is None else ["betty-train", *args.argv],
                    console=console)
@@ -192,7 +191,6 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
-    require_labels(config.dataset.name)
     output = args.output
     if output.is_dir():
         raise ConfigError(f"--output {output} is a folder; give a file name such as {output / 'plan.json'}")
@@ -275,7 +273,6 @@ def _validate(args: argparse.Namespace, console: Console) -> None:
     if args.print_config:
         print(config.to_yaml(), end="")
         return
-    require_labels(config.dataset.name)
     checked = check_config(config, strict_device=False)
     console.print(f"{args.config}: well-formed; checked as train would before loading data: {', '.join(checked)}",
                   highlight=False, soft_wrap=True)
