@@ -18,7 +18,10 @@ A *projected* layer (GAT, SAGE ``mean``/``gcn`` projecting first: ``layer(block,
 W·h)``; ``projections``) is replayed as the executor runs it: ``z = W·dropout(h_{l−1})`` for all its src
 rows, one row block per chunk, kept until its layer's backward; each chunk gathers its rows of ``z`` (and,
 when the layer ``reads_dst_input``, its dst nodes' input rows with their dropout); in backward ``∂L/∂z`` is
-summed over the chunks, then the projection is recomputed block by block and backpropagated.
+summed over the chunks, then the projection is recomputed block by block and backpropagated. An *affine*
+projected layer (SAGE ``mean``/``gcn``: ``ProjectedTerms.affine``) frees ``z`` after its forward; in backward
+its chunks take zeros in place of their rows of ``z`` and skip the ReLU, which ``∂L/∂h_l`` takes first from
+the stored ``h_l``, one boolean row block at a time.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class ProjectedTerms(Protocol):
 
     width: int  # z's width (columns)
     reads_dst_input: bool  # propagate also reads the chunk's dst input rows (SAGE mean's self term)
+    affine: bool  # propagate is affine in z: z is freed after the forward, and backward recomputes from zeros
 
     def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool) -> tuple[int, Callable[[], int | None]]:
         """``W·dropout(h)`` on ``rows`` rows of the layer input ``h`` (a handle for layer 1's gathered rows,
@@ -44,8 +48,8 @@ class ProjectedTerms(Protocol):
         ``backward()`` taking ``z``'s gradient (a view the caller holds) and returning ``h``'s (or ``None``)."""
 
     def propagate(self, tape: StepTape, c: LayerCounts, z: int, h_dst: int | None = None,
-                  h_grad: bool = False) -> tuple[int, Callable[[int], int | None]]:
-        """The layer's rest (and the stack's ReLU) on a chunk from its gathered rows ``z`` and, when
+                  h_grad: bool = False, relu: bool = True) -> tuple[int, Callable[[int], int | None]]:
+        """The layer's rest (and, with ``relu``, the stack's ReLU) on a chunk from its rows ``z`` and, when
         ``reads_dst_input``, its dst nodes' input rows ``h_dst`` (gathered features at layer 1, which input
         dropout overwrites; else rows of ``h_{l−1}``, requiring grad with ``h_grad``): ``(output, backward)``,
         ``backward(grad)`` returning ``z``'s gradient (``h_dst``'s stays in the chunk's scope)."""
@@ -143,14 +147,16 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
             replay.release_since(mark)  # z is copied into the kept z (forward), its input rows' gradient into ∂L/∂h
 
     def propagated(index: int, c: LayerCounts, grad: bool):
-        """A projected layer's chunk: its slice and sub-block, its gathered rows of z (and its dst input rows,
-        when the layer reads them), the layer's rest."""
+        """A projected layer's chunk: its slice and sub-block, its gathered rows of z (zeros in an affine layer's
+        backward; and its dst input rows, when the layer reads them), the layer's rest (without the stack's ReLU
+        in an affine layer's backward: ``∂L/∂h_l`` has it applied already)."""
         chunk_slice(replay, layers[index], c)
         rows = replay.alloc(c.num_src * projections[index].width * f, HID)
+        relu = not (grad and projections[index].affine)
         if not projections[index].reads_dst_input:
-            return projections[index].propagate(tape, c, rows)
+            return projections[index].propagate(tape, c, rows, relu=relu)
         h_dst = replay.alloc(c.num_dst * widths[index] * f, "input_features" if index == 0 else HID)
-        return projections[index].propagate(tape, c, rows, h_dst, grad and index > 0)
+        return projections[index].propagate(tape, c, rows, h_dst, grad and index > 0, relu)
 
     for index, pieces in enumerate(chunks):
         z_all = None
@@ -172,6 +178,9 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
                 out = replay.alloc(layers[index].num_dst * widths[index + 1] * f, HID)
                 replay.drop(first)
         stored.append(out)
+        if z_all is not None and projections[index].affine:  # its backward does not read z
+            replay.drop(z_all)
+            z_all = None
         projected.append(z_all)
 
     replay.saving = True
@@ -184,14 +193,17 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
     replay.drop(predictions, hits, labels, stored[-1])  # logits and labels die here, ∂L/∂logits stays
     for index in range(model.num_layers - 1, -1, -1):
         if index < model.num_layers - 1:
+            if projections[index] is not None and projections[index].affine:  # ReLU's backward on ∂L/∂h_l, in place
+                for begin, end in row_blocks(layers[index].num_dst, len(chunks[index])):
+                    replay.drop(replay.alloc((end - begin) * widths[index + 1], OVER))  # the block's boolean mask
             replay.drop(stored[index])  # h_l: the chunks' recompute makes what their backward needs
         grad_in = replay.alloc(layers[index].num_src * widths[index] * f, GRAD) if index > 0 else None
         z_all = projected[index]
         grad_z = (replay.alloc(layers[index].num_src * projections[index].width * f, GRAD)
-                  if z_all is not None else None)
+                  if projections[index] is not None else None)
         for c in chunks[index]:
             mark = replay.mark()
-            if z_all is not None:
+            if projections[index] is not None:
                 out, backward = propagated(index, c, grad=True)
             else:
                 rows = chunk_inputs(index, c)
@@ -205,7 +217,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
             tape.settle()
             replay.release_since(mark)  # rows.grad is added into ∂L/∂h_{l−1} (or ∂L/∂z); the chunk is freed
         replay.drop(grad_out)
-        if z_all is not None:
+        if projections[index] is not None:
             replay.drop(z_all)
             projection(index, grad=True)
             replay.drop(grad_z)

@@ -306,12 +306,13 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
 
 def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking_to_single_nodes(cora):
     """Below the floor (model state, structure, stored layers) more chunks stop helping: the search gives up
-    once a doubling saves under 1%, naming the budget, rather than partitioning into ~one node per chunk."""
+    once two doublings in a row save under 1% each, naming the budget, rather than partitioning into ~one node per
+    chunk."""
     from betty_trainer.errors import PlanningError
 
     config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", "micro_batch.budget=4000000"])
     model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
     planner = MicroBatchPlanner(config.micro_batch, spec_of(model, config, CPU), CPU)
     batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
-    with pytest.raises(PlanningError, match="budget 4000000 bytes is impossible layer by layer.*saved less than 1%"):
+    with pytest.raises(PlanningError, match="budget 4000000 bytes is impossible layer by layer.*each saved less than 1%"):
         planner.plan(batch, seed=0)

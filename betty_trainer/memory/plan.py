@@ -41,7 +41,7 @@ from partition.chunks import Chunk, LayerChunks, chunk_layers
 from partition.slicing import BlockStructure, LayerSlice
 
 logger = logging.getLogger(__name__)
-FLOOR_STEP = 0.01  # a layer-wise search stops when doubling the chunks saves less than this share of the peak
+FLOOR_STEP = 0.01  # a layer-wise search stops when two doublings in a row each save less than this share of the peak
 MASK_COST = 4  # multiply-adds one input element's gather and node-keyed dropout mask cost (hash, compare, scale)
 
 
@@ -267,8 +267,10 @@ class MicroBatchPlanner:
 
     def _plan_layerwise(self, batch: Batch, seed: int, min_k: int) -> tuple[LayerwiseBatch, LayerwisePlan]:
         """``num_micro_batches`` chunks per layer, or under a budget the fewest that fit: doubling
-        from ``min_k`` to the first K that fits, then bisecting below it; the search gives up when a
-        doubling lowers the estimate by less than :data:`FLOOR_STEP` without fitting. A K fits with the hidden layers'
+        from ``min_k`` to the first K that fits, then bisecting below it; the search gives up when two
+        doublings in a row each lower the estimate by less than :data:`FLOOR_STEP` without fitting (one is not
+        enough: the peak falls unevenly as the chunk boundaries move around the hub nodes, whose chunks hold the
+        most src rows). A K fits with the hidden layers'
         outputs ``h_l`` on the device or, when those do not fit, with ``h_l`` in host memory
         (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device). On
         the CPU host memory is the device's own, so ``h_l`` stays where it is."""
@@ -295,6 +297,7 @@ class MicroBatchPlanner:
                 raise PlanningError("a layer-wise plan under a budget needs a built-in model's estimate")
             below, k = max(min_k, 1) - 1, max(min_k, 1)
             chosen, peak = attempt(k)
+            small_steps = 0  # doublings in a row that saved less than FLOOR_STEP
             while peak > self.budget:
                 if k >= most:
                     raise PlanningError(f"memory budget {self.budget} bytes is impossible layer by layer: even "
@@ -302,11 +305,12 @@ class MicroBatchPlanner:
                 previous = peak
                 below, k = k, min(2 * k, most)
                 chosen, peak = attempt(k)
-                if peak > self.budget and previous - peak < FLOOR_STEP * previous:
+                small_steps = small_steps + 1 if previous - peak < FLOOR_STEP * previous else 0
+                if peak > self.budget and small_steps == 2:
                     raise PlanningError(
                         f"memory budget {self.budget} bytes is impossible layer by layer: {k} chunks per layer need "
-                        f"{peak} bytes, and doubling the chunks saved less than {FLOOR_STEP:.0%} (the model state, the "
-                        "batch's structure and the stored layers set the floor); raise the budget")
+                        f"{peak} bytes, and the last two doublings of the chunks each saved less than {FLOOR_STEP:.0%} "
+                        "(the model state, the batch's structure and the stored layers set the floor); raise the budget")
             while k - below > 1:
                 middle = (below + k) // 2
                 candidate, middle_peak = attempt(middle)

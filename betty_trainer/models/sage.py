@@ -103,6 +103,13 @@ class SAGEConv(nn.Module):
         return self.out_feats if self.aggregator in _LINEAR and self.in_feats > self.out_feats else None
 
     @property
+    def propagate_is_affine(self) -> bool:
+        """Whether :meth:`propagate` is affine in ``z``, so that its gradients do not read ``z``'s values: true
+        for ``mean``/``gcn`` (``A·z`` plus terms without ``z``, ``A``'s entries from the structure and the
+        edge weights only). Layer-wise execution then does not keep ``z`` for the layer's backward."""
+        return self.projected_width is not None
+
+    @property
     def reads_dst_input(self) -> bool:
         """Whether :meth:`propagate` reads the dst nodes' input rows: ``mean``'s self term ``W_self·h_d``."""
         return self.fc_self is not None

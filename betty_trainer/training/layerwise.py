@@ -19,6 +19,10 @@ a time (:func:`partition.chunks.chunk_layers`):
   layer that ``reads_dst_input``, such as SAGE ``mean``'s self term, its dst nodes' input rows, whose
   gradient it adds into ``∂L/∂h_{l−1}``). Backward sums ``∂L/∂z`` over the chunks, then recomputes the
   projection block by block and backpropagates it.
+- **Affine layers** (:func:`affine_layers`; SAGE ``mean``/``gcn`` when they project first): the layer's output is
+  affine in ``z``, so its gradients do not read ``z``'s values. Its ``z`` is freed when its forward ends; in
+  backward ``∂L/∂h_l`` first takes the stack's ReLU from the stored ``h_l`` (:func:`relu_backward_`), and each
+  chunk recomputes from zeros in place of its rows of ``z``, without the ReLU.
 - **Structure**: a chunk keeps its dst nodes and CSC pointer; its slice and sub-block are made when it
   runs and freed when it ends (:meth:`partition.chunks.Chunk.slice`).
 - **Where h_l lives**: on the device, or in host memory when the plan says so
@@ -102,6 +106,7 @@ def layerwise_backward(
     num_outputs = batch.output_nodes.numel()
     last = len(blocks) - 1
     projects = projected_layers(model)
+    affine = affine_layers(model)
 
     def layer_input(index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
         """Rows of the layer's input for ``nodes`` (global ids) at ``positions`` among the block's src nodes:
@@ -140,17 +145,22 @@ def layerwise_backward(
     def run(index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor | None,
             grad: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Block]:
         """One chunk's one-layer step: its slice and sub-block (made now, freed with the chunk), its input
-        rows (of ``z`` for a projected layer, and the dst nodes' rows of ``h_{l−1}`` or features when the layer
-        reads them) and its output rows. Returns the output rows, the input rows, the input rows' positions
-        among the block's src nodes, the dst input rows (or ``None``) and the sub-block (the caller holds it
-        until the chunk ends)."""
+        rows (of ``z`` for a projected layer, zeros in an affine layer's backward, and the dst nodes' rows of
+        ``h_{l−1}`` or features when the layer reads them) and its output rows (before the stack's ReLU in an
+        affine layer's backward, whose ``∂L/∂h_l`` has it applied already). Returns the output rows, the input
+        rows, the input rows' positions among the block's src nodes, the dst input rows (or ``None``) and the
+        sub-block (the caller holds it until the chunk ends)."""
         piece = chunk.slice(blocks[index])
         block = blocks[index].restrict(piece).to(device)
         src_index = piece.src_index
         del piece  # its edge ids: the sub-block holds the rest
-        if z_all is not None:
+        if projects[index]:
             layer = model.layers[index]
-            rows = z_all[src_index.to(device)]
+            if z_all is not None:
+                rows = z_all[src_index.to(device)]
+            else:  # an affine layer's backward: its gradients do not read z's values
+                rows = torch.zeros(src_index.numel(), layer.projected_width, device=device,
+                                   dtype=next(layer.parameters()).dtype)
             if grad:
                 rows.requires_grad_()
             h_dst = None
@@ -162,7 +172,8 @@ def layerwise_backward(
                 h = layer.propagate(block, rows, model.dropout(h_dst, dst_nodes, index, index == 0))
             else:
                 h = layer.propagate(block, rows)
-            return (F.relu(h) if index < last else h), rows, src_index, h_dst, block
+            relu = index < last and not (grad and affine[index])
+            return (F.relu(h) if relu else h), rows, src_index, h_dst, block
         if index == 0:  # a fresh gather: input dropout may overwrite it
             h = model.layer_forward(0, block, layer_input(0, block.src_nodes, src_index, None), consume_input=True)
             return h, None, src_index, None, block
@@ -185,9 +196,9 @@ def layerwise_backward(
                 out[chunk.dst.to(out.device)] = h.to(out.device)
                 del h
             stored.append(out)
-            projected.append(z_all)
-            h_prev = out
-    del out, h_prev, z_all
+            projected.append(None if affine[index] else z_all)  # an affine layer's backward does not read z
+            h_prev, z_all = out, None
+    del out, h_prev
 
     logits = stored[last].requires_grad_()
     y = labels[batch.output_nodes].to(device)
@@ -199,12 +210,17 @@ def layerwise_backward(
     stored[last] = logits = y = None  # and loss: its graph's AccumulateGrad held logits and their gradient
 
     for index in range(last, -1, -1):
+        if affine[index] and index < last:  # the stack's ReLU backward, from h_l (its chunks skip the ReLU)
+            relu_backward_(grad_out, stored[index], len(chunks.layers[index]))
         stored[index] = None  # h_l: each chunk's recompute makes what its backward needs
         h_prev = stored[index - 1] if index > 0 else None
         grad_in = torch.zeros_like(h_prev, device=device) if h_prev is not None else None  # on the device
         z_all = projected[index]
         projected[index] = None
-        grad_rows = grad_in if z_all is None else torch.zeros_like(z_all)  # ∂L/∂z for a projected layer
+        grad_rows = grad_in  # ∂L/∂z for a projected layer
+        if projects[index]:
+            grad_rows = torch.zeros(blocks[index].num_src, model.layers[index].projected_width, device=device,
+                                    dtype=grad_out.dtype)
         for chunk in chunks.layers[index]:
             h, rows, src_index, h_dst, block = run(index, chunk, h_prev, z_all, grad=True)
             h.backward(grad_out[chunk.dst.to(device)])
@@ -213,9 +229,8 @@ def layerwise_backward(
             if h_dst is not None and grad_in is not None:
                 grad_in.index_add_(0, chunk.dst.to(device), h_dst.grad)
             del h, rows, src_index, h_dst, block
-        grad_out = None  # ∂L/∂h_l: its chunks are done
-        if z_all is not None:
-            del z_all
+        grad_out = z_all = None  # ∂L/∂h_l: its chunks are done
+        if projects[index]:
             project(index, h_prev, grad_rows, grad_in)
         del grad_rows
         grad_out = grad_in
@@ -252,6 +267,30 @@ def projected_layers(model: LayerStack) -> list[bool]:
             and getattr(layer, "projected_width", None) is not None for layer in model.layers]
 
 
+def affine_layers(model: LayerStack) -> list[bool]:
+    """Per layer, whether it is projected (:func:`projected_layers`) and its ``propagate`` is affine in ``z``
+    (the layer's ``propagate_is_affine``, as SAGE ``mean``/``gcn``'s: ``A·z`` plus terms without ``z``), so
+    that its gradients do not read ``z``'s values. Layer-wise execution frees such a layer's ``z`` after its
+    forward (not keeping it through the later layers and the loss), recomputes its chunks in backward from
+    zeros in place of ``z``'s rows, and applies the stack's ReLU backward to ``∂L/∂h_l`` from the stored
+    ``h_l`` (:func:`relu_backward_`), as ``h_l = ReLU(·)`` is positive exactly where its input is."""
+    return [projected and getattr(layer, "propagate_is_affine", False)
+            for projected, layer in zip(projected_layers(model), model.layers)]
+
+
+def relu_backward_(grad: Tensor, output: Tensor, parts: int) -> None:
+    """``grad ⊙ 1{output > 0}`` in place, ``parts`` row blocks at a time (one boolean block of
+    ``output``'s rows alive at once, made where ``output`` lives and copied to ``grad``'s device): ReLU's
+    backward from its output ``output = ReLU(x)``, which is positive exactly where ``x`` is (the zeros it
+    writes equal the ones ReLU's own backward writes).
+
+    Shapes:
+        ``grad`` and ``output``: the same ``(rows, F)``; float.
+    """
+    for begin, end in row_blocks(grad.shape[0], parts):
+        grad[begin:end].masked_fill_((output[begin:end] <= 0).to(grad.device), 0)
+
+
 @dataclass(frozen=True)
 class ProjectedLayerTerms:
     """:class:`estimator.layerwise.ProjectedTerms` of layer ``index`` of ``model``: what
@@ -268,6 +307,10 @@ class ProjectedLayerTerms:
     @property
     def reads_dst_input(self) -> bool:
         return getattr(self.model.layers[self.index], "reads_dst_input", False)
+
+    @property
+    def affine(self) -> bool:
+        return affine_layers(self.model)[self.index]
 
     def _dropped(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
         """The stack's node-keyed dropout on ``rows`` input rows ``h``: ``(dropped, backward or None)``."""
@@ -291,7 +334,8 @@ class ProjectedLayerTerms:
 
         return z, backward
 
-    def propagate(self, tape: StepTape, c: LayerCounts, z: int, h_dst: int | None = None, h_grad: bool = False):
+    def propagate(self, tape: StepTape, c: LayerCounts, z: int, h_dst: int | None = None, h_grad: bool = False,
+                  relu: bool = True):
         layer = self.model.layers[self.index]
         dropout_bwd = None
         if h_dst is None:
@@ -302,7 +346,7 @@ class ProjectedLayerTerms:
             if hd is not h_dst:
                 tape.r.drop(hd)  # the dropout's output: only autograd keeps it
         relu_bwd = None
-        if self.index < len(self.model.layers) - 1:
+        if relu and self.index < len(self.model.layers) - 1:
             out, relu_bwd = tape.relu(out, c.num_dst, self.model.widths[self.index + 1])
 
         def backward(grad: int) -> int | None:
