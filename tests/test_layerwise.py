@@ -316,3 +316,20 @@ def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking
     batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
     with pytest.raises(PlanningError, match="budget 4000000 bytes is impossible layer by layer.*each saved less than 1%"):
         planner.plan(batch, seed=0)
+
+
+@pytest.mark.parametrize("parts", [1, 3, 64])
+def test_relu_backward_from_the_output_equals_autograd_s(parts):
+    """An affine layer's backward takes the stack's ReLU from the stored h_l = ReLU(x), not from x: the same
+    gradient, bit for bit (zeros where x ≤ 0, exact zeros included), row block by row block."""
+    from betty_trainer.training.layerwise import relu_backward_
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 8, generator=generator)
+    x[::7, ::3] = 0.0  # ReLU's kink: its own backward writes 0 there
+    x.requires_grad_()
+    grad = torch.randn(50, 8, generator=generator)
+    torch.relu(x).backward(grad)
+    masked = grad.clone()
+    relu_backward_(masked, torch.relu(x.detach()), parts)
+    assert torch.equal(masked, x.grad) and (masked == 0).sum() > 0
