@@ -333,3 +333,30 @@ def test_relu_backward_from_the_output_equals_autograd_s(parts):
     masked = grad.clone()
     relu_backward_(masked, torch.relu(x.detach()), parts)
     assert torch.equal(masked, x.grad) and (masked == 0).sum() > 0
+
+
+def test_a_sage_subclass_that_changes_propagate_is_not_taken_as_affine(cora):
+    """Affine in z is a promise about propagate: a subclass with a learnable gain on A·z (whose gradient reads z)
+    does not inherit it, keeps z for its backward, and gets the full batch's gradient."""
+    from torch import nn
+
+    from betty_trainer.models.sage import SAGEConv
+    from betty_trainer.training.layerwise import affine_layers
+
+    class GainSAGE(SAGEConv):
+        def __init__(self, a, b):
+            super().__init__(a, b, "mean")
+            self.gain = nn.Parameter(torch.linspace(0.5, 1.5, b))
+
+        def forward(self, block, h):
+            return self.propagate(block, self.project(h), block.dst_rows(h))
+
+        def propagate(self, block, z, h_dst=None):
+            return self.gain * self.aggregate(block, z) + self.fc_self(h_dst) + self.bias
+
+    model = make("sage-mean", cora)
+    model.layers[0] = GainSAGE(cora.num_features, 16)
+    assert affine_layers(model) == [False, True]
+    set_dropout_key(model, seed=3, step=11)
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    assert_same(full_batch_gradients(model, batch, cora), layerwise_gradients(model, batch, cora, 4))

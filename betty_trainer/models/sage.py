@@ -104,10 +104,13 @@ class SAGEConv(nn.Module):
 
     @property
     def propagate_is_affine(self) -> bool:
-        """Whether :meth:`propagate` is affine in ``z``, so that its gradients do not read ``z``'s values: true
-        for ``mean``/``gcn`` (``A·z`` plus terms without ``z``, ``A``'s entries from the structure and the
-        edge weights only). Layer-wise execution then does not keep ``z`` for the layer's backward."""
-        return self.projected_width is not None
+        """Whether :meth:`propagate` is ``A·z + g(h_dst)`` with ``A`` from the block alone (its structure and edge
+        weights) and nothing learnable touching ``A·z``, so that no gradient reads ``z``'s values: true when the
+        layer projects first (``mean``/``gcn`` with ``F_in > F_out``) and a subclass overrides neither
+        :meth:`propagate` nor :meth:`aggregate` (one that does states it itself). Layer-wise execution then does
+        not keep ``z`` for the layer's backward."""
+        own = type(self).propagate is SAGEConv.propagate and type(self).aggregate is SAGEConv.aggregate
+        return self.projected_width is not None and own
 
     @property
     def reads_dst_input(self) -> bool:

@@ -20,9 +20,10 @@ a time (:func:`partition.chunks.chunk_layers`):
   gradient it adds into ``∂L/∂h_{l−1}``). Backward sums ``∂L/∂z`` over the chunks, then recomputes the
   projection block by block and backpropagates it.
 - **Affine layers** (:func:`affine_layers`; SAGE ``mean``/``gcn`` when they project first): the layer's output is
-  affine in ``z``, so its gradients do not read ``z``'s values. Its ``z`` is freed when its forward ends; in
-  backward ``∂L/∂h_l`` first takes the stack's ReLU from the stored ``h_l`` (:func:`relu_backward_`), and each
-  chunk recomputes from zeros in place of its rows of ``z``, without the ReLU.
+  ``A·z`` (``A`` from the block alone) plus terms without ``z``, so no gradient reads ``z``'s values. Its ``z`` is
+  freed when its forward ends; in backward ``∂L/∂h_l`` first takes the stack's ReLU from the stored ``h_l``
+  (:func:`relu_backward_`; not at the output layer, which has no ReLU), and each chunk recomputes from zeros
+  in place of its rows of ``z``, without the ReLU.
 - **Structure**: a chunk keeps its dst nodes and CSC pointer; its slice and sub-block are made when it
   runs and freed when it ends (:meth:`partition.chunks.Chunk.slice`).
 - **Where h_l lives**: on the device, or in host memory when the plan says so
@@ -107,6 +108,7 @@ def layerwise_backward(
     last = len(blocks) - 1
     projects = projected_layers(model)
     affine = affine_layers(model)
+    dtype = next(model.parameters()).dtype  # of z, its zeros and ∂L/∂z
 
     def layer_input(index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
         """Rows of the layer's input for ``nodes`` (global ids) at ``positions`` among the block's src nodes:
@@ -126,8 +128,7 @@ def layerwise_backward(
         src_nodes = block.src_nodes.to(device)
         z_all = None
         if grad_z is None:
-            z_all = torch.empty(block.num_src, layer.projected_width, device=device,
-                                dtype=next(layer.parameters()).dtype)
+            z_all = torch.empty(block.num_src, layer.projected_width, device=device, dtype=dtype)
         for begin, end in row_blocks(block.num_src, len(chunks.layers[index])):
             rows = layer_input(index, src_nodes[begin:end], slice(begin, end), h_prev)
             if grad_z is not None and index > 0:
@@ -159,8 +160,7 @@ def layerwise_backward(
             if z_all is not None:
                 rows = z_all[src_index.to(device)]
             else:  # an affine layer's backward: its gradients do not read z's values
-                rows = torch.zeros(src_index.numel(), layer.projected_width, device=device,
-                                   dtype=next(layer.parameters()).dtype)
+                rows = torch.zeros(src_index.numel(), layer.projected_width, device=device, dtype=dtype)
             if grad:
                 rows.requires_grad_()
             h_dst = None
@@ -220,7 +220,7 @@ def layerwise_backward(
         grad_rows = grad_in  # ∂L/∂z for a projected layer
         if projects[index]:
             grad_rows = torch.zeros(blocks[index].num_src, model.layers[index].projected_width, device=device,
-                                    dtype=grad_out.dtype)
+                                    dtype=dtype)
         for chunk in chunks.layers[index]:
             h, rows, src_index, h_dst, block = run(index, chunk, h_prev, z_all, grad=True)
             h.backward(grad_out[chunk.dst.to(device)])
@@ -268,12 +268,14 @@ def projected_layers(model: LayerStack) -> list[bool]:
 
 
 def affine_layers(model: LayerStack) -> list[bool]:
-    """Per layer, whether it is projected (:func:`projected_layers`) and its ``propagate`` is affine in ``z``
-    (the layer's ``propagate_is_affine``, as SAGE ``mean``/``gcn``'s: ``A·z`` plus terms without ``z``), so
-    that its gradients do not read ``z``'s values. Layer-wise execution frees such a layer's ``z`` after its
-    forward (not keeping it through the later layers and the loss), recomputes its chunks in backward from
-    zeros in place of ``z``'s rows, and applies the stack's ReLU backward to ``∂L/∂h_l`` from the stored
-    ``h_l`` (:func:`relu_backward_`), as ``h_l = ReLU(·)`` is positive exactly where its input is."""
+    """Per layer, whether it is projected (:func:`projected_layers`) and its ``propagate_is_affine`` is true:
+    ``propagate`` is ``A·z`` plus terms without ``z``, ``A`` from the block alone (structure, edge weights) and
+    nothing learnable applied to ``A·z`` (SAGE ``mean``/``gcn``), so that no gradient reads ``z``'s values.
+    Layer-wise execution frees such a layer's ``z`` after its forward (not keeping it through the later layers
+    and the loss), recomputes its chunks in backward from zeros in place of ``z``'s rows, and, below the output
+    layer, applies the stack's ReLU backward to ``∂L/∂h_l`` from the stored ``h_l`` (:func:`relu_backward_`),
+    as ``h_l = ReLU(·)`` is positive exactly where its input is. A layer that sets the flag wrongly gets a
+    wrong gradient: it is a promise about its ``propagate``."""
     return [projected and getattr(layer, "propagate_is_affine", False)
             for projected, layer in zip(projected_layers(model), model.layers)]
 
@@ -309,8 +311,8 @@ class ProjectedLayerTerms:
         return getattr(self.model.layers[self.index], "reads_dst_input", False)
 
     @property
-    def affine(self) -> bool:
-        return affine_layers(self.model)[self.index]
+    def affine(self) -> bool:  # the class exists only for projected layers
+        return getattr(self.model.layers[self.index], "propagate_is_affine", False)
 
     def _dropped(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
         """The stack's node-keyed dropout on ``rows`` input rows ``h``: ``(dropped, backward or None)``."""
