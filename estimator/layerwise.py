@@ -107,6 +107,47 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
     Raises:
         ValueError: layer counts that do not match the model, or a spec without ``layer_terms``.
     """
+    return _replay_layerwise(layers, chunks, lambda index, rows: row_blocks(rows, len(chunks[index])),
+                             chunk_structure_bytes(chunks), model, projections, host_outputs)
+
+
+def layerwise_floor(layers: Sequence[LayerCounts], largest: Sequence[LayerCounts], model: ModelSpec,
+                    projections: Sequence[ProjectedTerms | None] | None = None, host_outputs: bool = False) -> int:
+    """A lower bound (bytes) on :func:`estimate_layerwise`'s peak at every chunking of these layers, found
+    without partitioning: what no number of chunks per layer can go below.
+
+    Every chunking of layer ``l`` has a chunk holding the dst node whose one-node chunk is ``largest[l]`` (its
+    in-edges cannot be split), and every term of a chunk grows with its counts, so the replay with that one
+    chunk per layer bounds each chunk loop's peak from below. The rest takes its least value over chunkings:
+    the chunks' structure as one chunk per layer (``8·(2D + 1)``), and a projected layer's row blocks (and the
+    ReLU step's) as at ``D_l`` chunks, the most a layer can have: one block of the largest such block's rows
+    is replayed (each block's allocations are freed before the next's). Its cost does not grow with the graph:
+    one chunk and one row block per layer.
+
+    Args:
+        layers: the whole batch's :class:`LayerCounts`, input layer first.
+        largest: per layer, the counts of one dst node's one-node chunk (the planner takes the node of largest
+            in-degree, which makes the bound tightest).
+        model, projections, host_outputs: as :func:`estimate_layerwise`'s.
+
+    Raises:
+        ValueError: as :func:`estimate_layerwise`.
+    """
+    structure = sum((2 * c.num_dst + 1) * INDEX_BYTES for c in layers)
+
+    def least_blocks(index: int, rows: int) -> list[tuple[int, int]]:
+        return [(0, -(-rows // max(layers[index].num_dst, 1)))]
+
+    return _replay_layerwise(layers, [[c] for c in largest], least_blocks, structure, model, projections,
+                             host_outputs).peak_bytes
+
+
+def _replay_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[LayerCounts]],
+                      blocks: Callable[[int, int], list[tuple[int, int]]], chunk_structure: int, model: ModelSpec,
+                      projections: Sequence[ProjectedTerms | None] | None, host_outputs: bool) -> MemoryEstimate:
+    """:func:`estimate_layerwise`'s replay, with the row blocks of layer ``index``'s ``rows`` rows
+    (``blocks(index, rows)``: :func:`row_blocks` at the chunk count) and the chunks' structure bytes given
+    apart from the chunks replayed."""
     if len(layers) != model.num_layers or len(chunks) != model.num_layers:
         raise ValueError(f"{len(layers)} layers and {len(chunks)} chunked layers for a model of {model.num_layers}")
     if model.layer_terms is None:
@@ -117,7 +158,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
     for component, nbytes in model_state_bytes(model).items():
         replay.alloc(nbytes, component)
     replay.alloc(model.num_parameters * f, GRAD)
-    replay.alloc(block_structure_bytes(layers) + chunk_structure_bytes(chunks), "block_structure")
+    replay.alloc(block_structure_bytes(layers) + chunk_structure, "block_structure")
     resident = replay.current
 
     def chunk_inputs(index: int, c: LayerCounts) -> int:
@@ -135,7 +176,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
 
     def projection(index: int, grad: bool) -> None:
         """A projected layer's row blocks: forward (into the kept ``z``), or recomputed and backpropagated."""
-        for begin, end in row_blocks(layers[index].num_src, len(chunks[index])):
+        for begin, end in blocks(index, layers[index].num_src):
             mark = replay.mark()
             rows = None  # a view of the stored h_{l−1} on the device
             if index == 0 or host_outputs:  # gathered features, or rows copied from host memory
@@ -194,7 +235,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
     for index in range(model.num_layers - 1, -1, -1):
         if index < model.num_layers - 1:
             if projections[index] is not None and projections[index].affine:  # ReLU's backward on ∂L/∂h_l, in place
-                for begin, end in row_blocks(layers[index].num_dst, len(chunks[index])):
+                for begin, end in blocks(index, layers[index].num_dst):
                     replay.drop(replay.alloc((end - begin) * widths[index + 1], OVER))  # the block's boolean mask
             replay.drop(stored[index])  # h_l: the chunks' recompute makes what their backward needs
         grad_in = replay.alloc(layers[index].num_src * widths[index] * f, GRAD) if index > 0 else None

@@ -304,18 +304,49 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
         assert not plan.host_outputs and plan.estimate == probe.layerwise_peak(batch, work.chunks, False) <= budget
 
 
-def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking_to_single_nodes(cora):
-    """Below the floor (model state, structure, stored layers) more chunks stop helping: the search gives up
-    once two doublings in a row save under 1% each, naming the budget, rather than partitioning into ~one node per
-    chunk."""
+def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking(cora, monkeypatch):
+    """Below the floor (model state, structure, the whole layers a backward holds, the largest node's in-edges) no
+    chunk count fits: the planner says so, naming the budget and the floor, before partitioning anything."""
     from betty_trainer.errors import PlanningError
+    from betty_trainer.memory import plan as plan_module
 
     config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", "micro_batch.budget=4000000"])
     model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
     planner = MicroBatchPlanner(config.micro_batch, spec_of(model, config, CPU), CPU)
     batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
-    with pytest.raises(PlanningError, match="budget 4000000 bytes is impossible layer by layer.*each saved less than 1%"):
+    floor = planner.layerwise_floor(batch)
+    assert floor > 4000000
+
+    def no_chunking(*args, **kwargs):
+        raise AssertionError("the floor check comes before any chunking")
+
+    monkeypatch.setattr(plan_module, "chunk_layers", no_chunking)
+    with pytest.raises(PlanningError, match=f"budget 4000000 bytes is impossible layer by layer: at any number of "
+                                            f"chunks per layer a step needs at least {floor} bytes"):
         planner.plan(batch, seed=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_layerwise_floor_is_below_the_estimate_of_every_chunking(cora, cora64, arch):
+    """estimator.layerwise.layerwise_floor bounds every chunking's estimate from below: from 1 chunk per layer
+    to one dst node per chunk, REG and METIS, hidden 16 (layers that project first) and 256 on 64 features
+    (layers that aggregate first); and it is more than what stays resident (it counts a chunk's step)."""
+    graph = cora64 if arch == "sage-lstm" else cora
+    fanouts = [10, 10] if arch == "sage-lstm" else [None, None]
+    batch = sample_batch(graph, graph.train_idx, fanouts, torch.Generator().manual_seed(0))
+    most = max(block.num_dst for block in batch.blocks)
+    for model in (make(arch, graph), make(arch, cora64, hidden=256)):
+        config = load_config(None, [f"model.arch={arch.split('-')[0]}"])
+        planner = MicroBatchPlanner(config.micro_batch, spec_of(model, config, CPU), CPU)
+        floor = planner.layerwise_floor(batch)
+        peaks = [planner.layerwise_peak(batch, chunk_layers(batch.blocks, k, partitioner, 0))
+                 for k in (1, 4, 32, most) for partitioner in ("reg", "metis")]
+        assert floor <= min(peaks), f"{arch}: floor {floor} above {min(peaks)}"
+        one = chunk_layers(batch.blocks, 1, "reg", 0)  # the floor's resident part: model state, blocks, 1 chunk/layer
+        resident = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
+                                                                for layer in one.layers],
+                                      spec_of(model, config, CPU), projected_terms(model)).resident_bytes
+        assert floor > resident
 
 
 @pytest.mark.parametrize("parts", [1, 3, 64])

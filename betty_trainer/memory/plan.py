@@ -34,14 +34,13 @@ from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
 from estimator.counts import counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
-from estimator.layerwise import estimate_layerwise
+from estimator.layerwise import estimate_layerwise, layerwise_floor
 from estimator.spec import ModelSpec, adam_uses_foreach
 from partition import BudgetError, OutputSplitter, Plan, make_plan, redundancy
 from partition.chunks import Chunk, LayerChunks, chunk_layers
-from partition.slicing import BlockStructure, LayerSlice
+from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
 logger = logging.getLogger(__name__)
-FLOOR_STEP = 0.01  # a layer-wise search stops when two doublings in a row each save less than this share of the peak
 MASK_COST = 4  # multiply-adds one input element's gather and node-keyed dropout mask cost (hash, compare, scale)
 
 
@@ -259,6 +258,17 @@ class MicroBatchPlanner:
         return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec, self._projections(),
                                   host_outputs).peak_bytes
 
+    def layerwise_floor(self, batch: Batch) -> int:
+        """Bytes below which no number of chunks per layer runs ``batch`` layer by layer
+        (:func:`estimator.layerwise.layerwise_floor`, from each block's dst node of largest in-degree, whose
+        in-edges no chunking splits); on a GPU the lower of ``h_l`` on the device and in host memory."""
+        layers, largest = counts_of(batch.blocks), []
+        for block, counts in zip(batch.blocks, layers):
+            node = torch.argmax(block.indptr[1:] - block.indptr[:-1]).reshape(1)
+            largest.append(counts_of(slice_layers([block], node), [counts.weighted])[0])
+        kept = (False, True) if self.device.type != "cpu" and len(batch.blocks) > 1 else (False,)
+        return min(layerwise_floor(layers, largest, self.spec, self._projections(), host) for host in kept)
+
     def _projections(self) -> list | None:
         """Per layer, the built-in model's projected-layer terms (``training.layerwise.projected_terms``: a layer
         projected once per pass, else ``None``); ``None`` when the spec's terms are not a ``LayerStack``'s."""
@@ -267,10 +277,10 @@ class MicroBatchPlanner:
 
     def _plan_layerwise(self, batch: Batch, seed: int, min_k: int) -> tuple[LayerwiseBatch, LayerwisePlan]:
         """``num_micro_batches`` chunks per layer, or under a budget the fewest that fit: doubling
-        from ``min_k`` to the first K that fits, then bisecting below it; the search gives up when two
-        doublings in a row each lower the estimate by less than :data:`FLOOR_STEP` without fitting (one is not
-        enough: the peak falls unevenly as the chunk boundaries move around the hub nodes, whose chunks hold the
-        most src rows). A K fits with the hidden layers'
+        from ``min_k`` to the first K that fits, then bisecting below it. A budget below :meth:`layerwise_floor`
+        is refused before any chunking; above it the doubling goes on (the peak falls unevenly as the chunk
+        boundaries move around the hub nodes, whose chunks hold the most src rows) up to one dst node per chunk.
+        A K fits with the hidden layers'
         outputs ``h_l`` on the device or, when those do not fit, with ``h_l`` in host memory
         (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device). On
         the CPU host memory is the device's own, so ``h_l`` stays where it is."""
@@ -295,22 +305,23 @@ class MicroBatchPlanner:
         else:
             if self.spec is None:
                 raise PlanningError("a layer-wise plan under a budget needs a built-in model's estimate")
+            floor = self.layerwise_floor(batch)
+            if floor > self.budget:
+                raise PlanningError(
+                    f"memory budget {self.budget} bytes is impossible layer by layer: at any number of chunks per "
+                    f"layer a step needs at least {floor} bytes (the model state, the batch's structure, the whole "
+                    "layers a backward holds at once and the in-edges of the node of largest in-degree); raise the budget")
             below, k = max(min_k, 1) - 1, max(min_k, 1)
             chosen, peak = attempt(k)
-            small_steps = 0  # doublings in a row that saved less than FLOOR_STEP
             while peak > self.budget:
                 if k >= most:
-                    raise PlanningError(f"memory budget {self.budget} bytes is impossible layer by layer: even "
-                                        f"{k} chunks per layer need {peak} bytes")
-                previous = peak
+                    least_k, least = min(tried, key=lambda entry: entry[1])
+                    raise PlanningError(
+                        f"memory budget {self.budget} bytes is impossible layer by layer: the least any chunking "
+                        f"tried needs is {least} bytes ({least_k} chunks per layer; up to {k} tried), above the "
+                        f"floor of {floor} bytes that no chunking goes below; raise the budget")
                 below, k = k, min(2 * k, most)
                 chosen, peak = attempt(k)
-                small_steps = small_steps + 1 if previous - peak < FLOOR_STEP * previous else 0
-                if peak > self.budget and small_steps == 2:
-                    raise PlanningError(
-                        f"memory budget {self.budget} bytes is impossible layer by layer: {k} chunks per layer need "
-                        f"{peak} bytes, and the last two doublings of the chunks each saved less than {FLOOR_STEP:.0%} "
-                        "(the model state, the batch's structure and the stored layers set the floor); raise the budget")
             while k - below > 1:
                 middle = (below + k) // 2
                 candidate, middle_peak = attempt(middle)
