@@ -117,17 +117,20 @@ def layerwise_floor(layers: Sequence[LayerCounts], largest: Sequence[LayerCounts
     without partitioning: what no number of chunks per layer can go below.
 
     Every chunking of layer ``l`` has a chunk holding the dst node whose one-node chunk is ``largest[l]`` (its
-    in-edges cannot be split), and every term of a chunk grows with its counts, so the replay with that one
-    chunk per layer bounds each chunk loop's peak from below. The rest takes its least value over chunkings:
+    in-edges cannot be split), and a chunk's terms grow with its counts (the tests check the bound against REG,
+    METIS and range chunkings of every built-in model), so the replay with that one chunk per layer bounds each
+    chunk loop's peak from below. One dst node per chunk is estimated at exactly the bound plus
+    ``8·Σ_l (D_l − 1)`` (the pointer entries of the chunks past each layer's first), so the bound is met
+    within that. The rest takes its least value over chunkings:
     the chunks' structure as one chunk per layer (``8·(2D + 1)``), and a projected layer's row blocks (and the
     ReLU step's) as at ``D_l`` chunks, the most a layer can have: one block of the largest such block's rows
-    is replayed (each block's allocations are freed before the next's). Its cost does not grow with the graph:
-    one chunk and one row block per layer.
+    is replayed (each block's allocations are freed before the next's). The replay's cost does not grow with
+    the graph (one chunk and one row block per layer); the counts it is given do.
 
     Args:
         layers: the whole batch's :class:`LayerCounts`, input layer first.
-        largest: per layer, the counts of one dst node's one-node chunk (the planner takes the node of largest
-            in-degree, which makes the bound tightest).
+        largest: per layer, the counts of one dst node's one-node chunk (any dst node's gives a bound; the
+            planner takes a node of largest in-degree).
         model, projections, host_outputs: as :func:`estimate_layerwise`'s.
 
     Raises:

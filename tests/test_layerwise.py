@@ -328,9 +328,10 @@ def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_layerwise_floor_is_below_the_estimate_of_every_chunking(cora, cora64, arch):
-    """estimator.layerwise.layerwise_floor bounds every chunking's estimate from below: from 1 chunk per layer
-    to one dst node per chunk, REG and METIS, hidden 16 (layers that project first) and 256 on 64 features
-    (layers that aggregate first); and it is more than what stays resident (it counts a chunk's step)."""
+    """estimator.layerwise.layerwise_floor bounds every chunking's estimate from below (REG and METIS from 1 chunk
+    per layer to as many as they make), hidden 16 (layers that project first) and 256 on 64 features (layers that
+    aggregate first), and is met: one dst node per chunk (range at the largest dst count) is estimated at exactly
+    the floor plus 8 bytes per chunk past each layer's first (its int64 pointer entries)."""
     graph = cora64 if arch == "sage-lstm" else cora
     fanouts = [10, 10] if arch == "sage-lstm" else [None, None]
     batch = sample_batch(graph, graph.train_idx, fanouts, torch.Generator().manual_seed(0))
@@ -342,11 +343,8 @@ def test_the_layerwise_floor_is_below_the_estimate_of_every_chunking(cora, cora6
         peaks = [planner.layerwise_peak(batch, chunk_layers(batch.blocks, k, partitioner, 0))
                  for k in (1, 4, 32, most) for partitioner in ("reg", "metis")]
         assert floor <= min(peaks), f"{arch}: floor {floor} above {min(peaks)}"
-        one = chunk_layers(batch.blocks, 1, "reg", 0)  # the floor's resident part: model state, blocks, 1 chunk/layer
-        resident = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
-                                                                for layer in one.layers],
-                                      spec_of(model, config, CPU), projected_terms(model)).resident_bytes
-        assert floor > resident
+        singletons = planner.layerwise_peak(batch, chunk_layers(batch.blocks, most, "range", 0))
+        assert singletons - floor == sum(8 * (block.num_dst - 1) for block in batch.blocks)
 
 
 @pytest.mark.parametrize("parts", [1, 3, 64])
@@ -391,3 +389,21 @@ def test_a_sage_subclass_that_changes_propagate_is_not_taken_as_affine(cora):
     set_dropout_key(model, seed=3, step=11)
     batch = sample_batch(cora, cora.train_idx, [None, None])
     assert_same(full_batch_gradients(model, batch, cora), layerwise_gradients(model, batch, cora, 4))
+
+
+def test_a_budget_one_node_chunks_meet_is_never_refused(cora64):
+    """A partitioner may stop short of one dst node per chunk (REG leaves parts empty) or never reach their peak:
+    once the doubling ends unfitted, the planner tries one node per chunk, so a budget at their estimate (the floor
+    plus 8 bytes per chunk past each layer's first) gets a plan that fits, from range chunks. SAGE pool, hidden 256
+    on 64 features: every REG chunking of Cora's full batch is estimated above that budget."""
+    config = load_config(None, ["model.hidden=256", "model.aggregator=pool", "micro_batch.mode=layerwise"])
+    model = GraphSAGE(cora64.num_features, 256, cora64.num_classes, 2, "pool", 0.5)
+    spec = spec_of(model, config, CPU)
+    batch = sample_batch(cora64, torch.arange(cora64.num_nodes), [None, None])
+    floor = MicroBatchPlanner(config.micro_batch, spec, CPU).layerwise_floor(batch)
+    budget = floor + sum(8 * (block.num_dst - 1) for block in batch.blocks)
+    section = config.micro_batch.model_copy(update={"budget": budget})
+    work, plan = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)
+    assert plan.estimate <= budget
+    assert min(peak for _, peak in plan.tried[:-1]) > budget  # no REG chunking fitted
+    assert plan.partitioner == "range" and plan.k == cora64.num_nodes

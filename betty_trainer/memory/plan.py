@@ -278,17 +278,22 @@ class MicroBatchPlanner:
     def _plan_layerwise(self, batch: Batch, seed: int, min_k: int) -> tuple[LayerwiseBatch, LayerwisePlan]:
         """``num_micro_batches`` chunks per layer, or under a budget the fewest that fit: doubling
         from ``min_k`` to the first K that fits, then bisecting below it. A budget below :meth:`layerwise_floor`
-        is refused before any chunking; above it the doubling goes on (the peak falls unevenly as the chunk
-        boundaries move around the hub nodes, whose chunks hold the most src rows) up to one dst node per chunk.
-        A K fits with the hidden layers'
+        is refused before any chunking. Above it the doubling goes on (the peak falls unevenly as the chunk
+        boundaries move around the hub nodes, whose chunks hold the most src rows) until doubling the request
+        gives the partitioner's split no more chunks (REG and METIS stop short of one node per chunk) or every
+        dst node would be its own chunk; then one dst node per chunk (``range`` at the largest layer's dst count, whose estimate is
+        the floor plus 8 bytes per chunk past each layer's first) is tried, so a budget at least that is never
+        refused. A K fits with the hidden layers'
         outputs ``h_l`` on the device or, when those do not fit, with ``h_l`` in host memory
         (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device). On
         the CPU host memory is the device's own, so ``h_l`` stays where it is."""
         started, tried = time.perf_counter(), []
         most = max(block.num_dst for block in batch.blocks)
 
+        partitioner = self.config.partitioner
+
         def attempt(k: int) -> tuple[LayerChunks, int]:
-            chunks = chunk_layers(batch.blocks, k, self.config.partitioner, seed)
+            chunks = chunk_layers(batch.blocks, k, partitioner, seed)
             peak = self.layerwise_peak(batch, chunks, host_outputs=False) if self.spec is not None else 0
             if (self.budget is not None and peak > self.budget and len(batch.blocks) > 1
                     and self.device.type != "cpu"):  # on the CPU, host memory is the device's memory
@@ -297,7 +302,7 @@ class MicroBatchPlanner:
                     chunks.host_outputs, peak = True, on_host
                 else:  # neither fits: the lower peak is what more chunks can still improve on (the floor check)
                     peak = min(peak, on_host)
-            tried.append((k, peak))
+            tried.append((chunks.k, peak))
             return chunks, peak
 
         if self.budget is None:
@@ -313,15 +318,21 @@ class MicroBatchPlanner:
                     "layers a backward holds at once and the in-edges of the node of largest in-degree); raise the budget")
             below, k = max(min_k, 1) - 1, max(min_k, 1)
             chosen, peak = attempt(k)
+            saturated = False  # the last doubling of the request gave no more chunks
             while peak > self.budget:
-                if k >= most:
-                    least_k, least = min(tried, key=lambda entry: entry[1])
-                    raise PlanningError(
-                        f"memory budget {self.budget} bytes is impossible layer by layer: the least any chunking "
-                        f"tried needs is {least} bytes ({least_k} chunks per layer; up to {k} tried), above the "
-                        f"floor of {floor} bytes that no chunking goes below; raise the budget")
-                below, k = k, min(2 * k, most)
+                if k >= most or saturated:  # no more, smaller chunks from this partitioner
+                    partitioner, below, k = "range", most, most
+                    chosen, peak = attempt(most)  # one dst node per chunk
+                    if peak > self.budget:
+                        least_k, least = min(tried, key=lambda entry: entry[1])
+                        raise PlanningError(
+                            f"memory budget {self.budget} bytes is impossible layer by layer: the least any chunking "
+                            f"tried needs is {least} bytes ({least_k} chunks per layer), above the floor of {floor} "
+                            "bytes that no chunking goes below; raise the budget")
+                    break
+                below, k, made = k, min(2 * k, most), chosen.k
                 chosen, peak = attempt(k)
+                saturated = chosen.k <= made
             while k - below > 1:
                 middle = (below + k) // 2
                 candidate, middle_peak = attempt(middle)
@@ -329,7 +340,7 @@ class MicroBatchPlanner:
                     chosen, peak, k = candidate, middle_peak, middle
                 else:
                     below = middle
-        plan = LayerwisePlan(chosen, peak, self.budget, tried, time.perf_counter() - started)
+        plan = LayerwisePlan(chosen, peak, self.budget, tried, time.perf_counter() - started, partitioner)
         return LayerwiseBatch(batch, chosen), plan
 
 
@@ -400,8 +411,10 @@ class LayerwisePlan:
         chunks: the :class:`~partition.chunks.LayerChunks`.
         estimate: estimated peak bytes (0 without a built-in model's estimate).
         budget: bytes, or ``None`` (K given).
-        tried: ``(chunks per layer, estimated peak)`` for every K evaluated, in order.
+        tried: ``(chunks per layer, estimated peak)`` for every chunking evaluated, in order.
         seconds: wall time of planning.
+        partitioner: what split the chunks (``micro_batch.partitioner``, or ``range`` for one dst node per chunk
+            when that partitioner could not fit the budget).
     """
 
     chunks: LayerChunks
@@ -409,6 +422,7 @@ class LayerwisePlan:
     budget: int | None
     tried: list[tuple[int, int]]
     seconds: float
+    partitioner: str
     mode: ClassVar[str] = "layerwise"
 
     @property
@@ -530,7 +544,7 @@ def plan_report(planner: MicroBatchPlanner, batch: Batch, micro_batches: Sequenc
             "layer_outputs_on": "host" if plan.host_outputs else "device",
             "budget_bytes": plan.budget,
             "feature_store_bytes": planner.feature_store_bytes,
-            "partitioner": planner.config.partitioner,
+            "partitioner": plan.partitioner,
             "full_batch": {"outputs": batch.output_nodes.numel(), "layers": _layer_sizes(batch)},
             "estimate_peak_bytes": plan.estimate or None,
             "work": plan.work,
