@@ -32,7 +32,7 @@ from betty_trainer.sampling.schedule import feature_store_device_bytes
 from betty_trainer.training.layerwise import LayerwiseBatch, projected_terms
 from betty_trainer.training.step import MicroBatches
 from estimator.calibrate import CalibratedModel
-from estimator.counts import counts_of
+from estimator.counts import LayerCounts, counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
 from estimator.layerwise import estimate_layerwise, layerwise_floor
 from estimator.spec import ModelSpec, adam_uses_foreach
@@ -247,24 +247,26 @@ class MicroBatchPlanner:
         self._splitter = splitter
         return MicroBatches(batch, plan.layers), plan  # each micro-batch built when it is read
 
-    def layerwise_peak(self, batch: Batch, chunks: LayerChunks, host_outputs: bool | None = None) -> int:
+    def layerwise_peak(self, batch: Batch, chunks: LayerChunks, host_outputs: bool | None = None,
+                       layers: Sequence[LayerCounts] | None = None) -> int:
         """Estimated peak bytes of running ``batch`` layer by layer in ``chunks`` (built-in models), on the
         device: with the hidden layers' outputs kept there, or in host memory (``host_outputs``; default:
-        as ``chunks.host_outputs`` says)."""
+        as ``chunks.host_outputs`` says). ``layers``: the batch's ``counts_of(batch.blocks)`` when the caller
+        has them (a search estimates many chunkings of one batch)."""
         if host_outputs is None:
             host_outputs = chunks.host_outputs
-        weighted = [block.edge_weight is not None for block in batch.blocks]
-        pieces = [counts_of(layer, [flag] * len(layer)) for layer, flag in zip(chunks.layers, weighted)]
-        return estimate_layerwise(counts_of(batch.blocks), pieces, self.spec, self._projections(),
-                                  host_outputs).peak_bytes
+        layers = counts_of(batch.blocks) if layers is None else layers
+        pieces = [counts_of(layer, [counts.weighted] * len(layer)) for layer, counts in zip(chunks.layers, layers)]
+        return estimate_layerwise(layers, pieces, self.spec, self._projections(), host_outputs).peak_bytes
 
-    def layerwise_floor(self, batch: Batch) -> int:
+    def layerwise_floor(self, batch: Batch, layers: Sequence[LayerCounts] | None = None) -> int:
         """Bytes below which no number of chunks per layer runs ``batch`` layer by layer
         (:func:`estimator.layerwise.layerwise_floor`, from each block's dst node of largest in-degree, whose
-        in-edges no chunking splits); on a GPU the lower of ``h_l`` on the device and in host memory."""
-        layers, largest = counts_of(batch.blocks), []
+        in-edges no chunking splits); on a GPU the lower of ``h_l`` on the device and in host memory.
+        ``layers``: as :meth:`layerwise_peak`'s."""
+        layers, largest = counts_of(batch.blocks) if layers is None else layers, []
         for block, counts in zip(batch.blocks, layers):
-            node = torch.argmax(block.indptr[1:] - block.indptr[:-1]).reshape(1)
+            node = block.in_degrees().argmax().reshape(1)
             largest.append(counts_of(slice_layers([block], node), [counts.weighted])[0])
         kept = (False, True) if self.device.type != "cpu" and len(batch.blocks) > 1 else (False,)
         return min(layerwise_floor(layers, largest, self.spec, self._projections(), host) for host in kept)
@@ -281,23 +283,23 @@ class MicroBatchPlanner:
         is refused before any chunking. Above it the doubling goes on (the peak falls unevenly as the chunk
         boundaries move around the hub nodes, whose chunks hold the most src rows) until doubling the request
         gives the partitioner's split no more chunks (REG and METIS stop short of one node per chunk) or every
-        dst node would be its own chunk; then one dst node per chunk (``range`` at the largest layer's dst count, whose estimate is
-        the floor plus 8 bytes per chunk past each layer's first) is tried, so a budget at least that is never
-        refused. A K fits with the hidden layers'
-        outputs ``h_l`` on the device or, when those do not fit, with ``h_l`` in host memory
+        dst node would be its own chunk; then one dst node per chunk (``range`` at the largest layer's dst
+        count, whose estimate is the floor plus 8 bytes per chunk past each layer's first) is tried, so a budget
+        at least that is never refused. A K fits with the hidden layers' outputs ``h_l`` on the device or,
+        when those do not fit, with ``h_l`` in host memory
         (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device). On
         the CPU host memory is the device's own, so ``h_l`` stays where it is."""
         started, tried = time.perf_counter(), []
         most = max(block.num_dst for block in batch.blocks)
-
+        layers = counts_of(batch.blocks)  # estimated against every chunking tried
         partitioner = self.config.partitioner
 
         def attempt(k: int) -> tuple[LayerChunks, int]:
             chunks = chunk_layers(batch.blocks, k, partitioner, seed)
-            peak = self.layerwise_peak(batch, chunks, host_outputs=False) if self.spec is not None else 0
+            peak = self.layerwise_peak(batch, chunks, False, layers) if self.spec is not None else 0
             if (self.budget is not None and peak > self.budget and len(batch.blocks) > 1
                     and self.device.type != "cpu"):  # on the CPU, host memory is the device's memory
-                on_host = self.layerwise_peak(batch, chunks, host_outputs=True)
+                on_host = self.layerwise_peak(batch, chunks, True, layers)
                 if on_host <= self.budget:
                     chunks.host_outputs, peak = True, on_host
                 else:  # neither fits: the lower peak is what more chunks can still improve on (the floor check)
@@ -310,7 +312,7 @@ class MicroBatchPlanner:
         else:
             if self.spec is None:
                 raise PlanningError("a layer-wise plan under a budget needs a built-in model's estimate")
-            floor = self.layerwise_floor(batch)
+            floor = self.layerwise_floor(batch, layers)
             if floor > self.budget:
                 raise PlanningError(
                     f"memory budget {self.budget} bytes is impossible layer by layer: at any number of chunks per "
