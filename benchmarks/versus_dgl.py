@@ -21,7 +21,10 @@ Sections (``--sections``):
     step so Adam's moments exist; resident = parameters, Adam state and graph structure
     (betty: the micro-batch's blocks; DGL: the graph's CSC tensors). The feature matrix
     is host data on both sides and not resident (DGL reads it in place; betty gathers a
-    micro-batch's rows inside the step, and that copy counts). The output nodes are
+    micro-batch's rows inside the step, and that copy counts). With ``--layerwise-ks``, ours also
+    runs the batch layer by layer at each of those chunk counts per layer
+    (``micro_batch.mode=layerwise``, REG chunks; ``betty_trainer.training.layerwise.measure_layerwise_step``,
+    resident: the model state, the batch's blocks and the chunks' structure). The output nodes are
     ``--outputs``: ``all`` (default: every node, so K = 1 computes exactly what DGL's
     full-graph step computes) or ``train`` (the dataset's training split; DGL still
     computes every node and takes the loss on those).
@@ -84,6 +87,7 @@ from betty_trainer.memory.plan import make_planner  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.rng import derive_seed  # noqa: E402
 from betty_trainer.sampling.schedule import plan_seed, split_seeds  # noqa: E402
+from betty_trainer.training.layerwise import LayerwiseBatch, measure_layerwise_step  # noqa: E402
 from betty_trainer.training.step import measure_training_step  # noqa: E402
 from betty_trainer.training.trainer import accumulate_gradients, init_model  # noqa: E402
 
@@ -135,19 +139,21 @@ def outputs_of(graph: Graph, which: str) -> torch.Tensor:
 
 # --- our side ------------------------------------------------------------------------------------------------
 
-def config_for(hidden: int, k: int, seed: int):
+def config_for(hidden: int, k: int, seed: int, mode: str = "betty"):
     return load_config(None, [f"model.hidden={hidden}", "model.arch=sage", "model.aggregator=mean",
                               "model.num_layers=2", "model.dropout=0.5", f"micro_batch.num_micro_batches={k}",
-                              "micro_batch.partitioner=reg", f"seed={seed}", "train.device=cpu"])
+                              f"micro_batch.mode={mode}", "micro_batch.partitioner=reg", f"seed={seed}",
+                              "train.device=cpu"])
 
 
 class Ours:
-    """A model, Adam and planner for one (graph, hidden, K), stepped as ``betty_trainer.train`` steps a batch."""
+    """A model, Adam and planner for one (graph, hidden, K, ``micro_batch.mode``), stepped as
+    ``betty_trainer.train`` steps a batch."""
 
-    def __init__(self, graph: Graph, hidden: int, k: int, seed: int):
+    def __init__(self, graph: Graph, hidden: int, k: int, seed: int, mode: str = "betty"):
         self.graph, self.seed = graph, seed
         self.sampler: NeighborSampler | None = None
-        self.config = config_for(hidden, k, seed)
+        self.config = config_for(hidden, k, seed, mode)
         self.model = init_model(self.config, graph)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.optim.lr,
                                           weight_decay=self.config.optim.weight_decay)
@@ -171,12 +177,16 @@ class Ours:
         return {"total": t3 - t0, "sample": t1 - t0, "plan": t2 - t1, "compute": t3 - t2, "k": plan.k}
 
     def peak(self, seeds: torch.Tensor) -> tuple[int, int]:
-        """Largest measured peak over the micro-batches of the full-neighbourhood batch of ``seeds``, after one
-        warm-up step; and K."""
+        """Largest measured peak over the micro-batches of the full-neighbourhood batch of ``seeds`` (or of its
+        layer-wise step), after one warm-up step; and K."""
         batch = sample_batch(self.graph, seeds, [None, None])
         micro_batches, plan = self.planner.plan(batch, self.seed)
         total = seeds.numel()
         set_dropout_key(self.model, self.seed, 0)
+        if isinstance(micro_batches, LayerwiseBatch):
+            steps = [measure_layerwise_step(self.model, self.optimizer, micro_batches, self.graph.x, self.graph.y, CPU)
+                     for _ in range(2)]  # the first makes Adam's moments
+            return steps[1].peak_bytes, plan.k
         measure_training_step(self.model, self.optimizer, micro_batches[0], self.graph.x, self.graph.y, CPU,
                               num_outputs=total)  # Adam's moments exist from here on, as in steady state
         peaks = [measure_training_step(self.model, self.optimizer, mb, self.graph.x, self.graph.y, CPU,
@@ -237,18 +247,24 @@ def memory_section(graphs, dgl, args, folders, results) -> None:
                 release()
                 print(f"  memory {name} hidden {hidden}: ours K={k}: {ours[k][0] / MIB:.1f} MiB "
                       f"(this process's RSS high-water so far {max_rss_mib():.0f} MiB)", flush=True)
+            layerwise = {}
+            for k in args.layerwise_ks:
+                layerwise[k] = Ours(graph, hidden, k, args.seed, "layerwise").peak(outputs)
+                release()
+                print(f"  memory {name} hidden {hidden}: ours layer-wise {k} chunks: {layerwise[k][0] / MIB:.1f} MiB",
+                      flush=True)
             k1 = ours.get(1, (None,))[0]
             row = [name, hidden, f"{theirs / MIB:.1f}"]
-            for k in args.ks:
-                peak, used = ours[k]
+            for k, (peak, used) in [*ours.items(), *layerwise.items()]:
                 row.append(f"{peak / MIB:.1f} ({fmt_ratio(peak, theirs)})" + ("" if used == k else f" K={used}"))
             row.append(fmt_ratio(ours[max(args.ks)][0], k1) if k1 else "-")
             rows.append(row)
             results.append({"section": "memory", "graph": name, "hidden": hidden, "dgl_peak_bytes": theirs,
-                            "ours_peak_bytes": {k: v[0] for k, v in ours.items()}})
+                            "ours_peak_bytes": {k: v[0] for k, v in ours.items()},
+                            "ours_layerwise_peak_bytes": {k: v[0] for k, v in layerwise.items()}})
     print_table(f"Measured peak of one full-batch step, MiB (ours/DGL in brackets), outputs={args.outputs}",
-                ["graph", "hidden", "DGL full graph"] + [f"ours K={k}" for k in args.ks] + [f"K={max(args.ks)}/K=1"],
-                rows)
+                ["graph", "hidden", "DGL full graph"] + [f"ours K={k}" for k in args.ks]
+                + [f"ours layer-wise {k}" for k in args.layerwise_ks] + [f"K={max(args.ks)}/K=1"], rows)
 
 
 def time_section(graphs, dgl, args, folders, results) -> None:
@@ -371,6 +387,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--graphs", type=name_list, default=["amazon-computers", "coauthor-physics"])
     parser.add_argument("--hidden", type=int_list, default=[64, 256])
     parser.add_argument("--ks", type=int_list, default=[1, 8, 16], help="K of the memory section")
+    parser.add_argument("--layerwise-ks", type=int_list, default=[],
+                        help="chunks per layer of the memory section's layer-wise columns (none by default)")
     parser.add_argument("--time-k", type=int, default=8, help="K of the time section")
     parser.add_argument("--epochs", type=int, default=4, help="full-batch epochs of the time section (≥ 2)")
     parser.add_argument("--outputs", choices=["all", "train"], default="all")
