@@ -19,9 +19,9 @@ one size's freed memory does not hide the next one's. Stages:
 - ``generate``: :func:`~betty_trainer.datasets.powerlaw.write_powerlaw` into the cache;
 - ``open``: :func:`~betty_trainer.datasets.cache.load_cached` (maps the ``.npy`` files);
 - ``sample``: one full batch, seeds = all training nodes, fanouts 10,25 (input layer first);
-- ``plan``: what :func:`~betty_trainer.memory.plan.plan_micro_batches` does with REG, K = 8, by
+- ``plan``: what :func:`~betty_trainer.memory.planner.plan_micro_batches` does with REG, K = 8, by
   stage: REG construction (:class:`~partition.partitioners.OutputSplitter`'s graph), METIS vertex
-  weights, METIS, slicing of the 8 micro-batches (:attr:`partition.Plan.stage_seconds`), and
+  weights, METIS, slicing of the 8 micro-batches (:attr:`partition.Split.stage_seconds`), and
   ``Batch.restrict``. "REG+METIS / epoch" is REG construction plus METIS over the epoch's
   sample + plan + train;
 - ``train``: the 8 micro-batches through 2-layer GraphSAGE (mean, hidden 64), features
@@ -106,7 +106,7 @@ def measured(stage: str, row: dict[str, Any], fn: Callable[[], Any]) -> Any:
 
 
 def _warm_up(graph, seed: int) -> None:
-    from betty_trainer.memory.plan import plan_micro_batches
+    from betty_trainer.memory.planner import plan_micro_batches
     from betty_trainer.models.sage import GraphSAGE
     from betty_trainer.sampling import sample_batch
     from betty_trainer.training.trainer import accumulate_gradients
@@ -151,7 +151,7 @@ def one_size(num_edges: int, seed: int, communities: int = 0, class_homophily: f
     from betty_trainer.models.sage import GraphSAGE
     from betty_trainer.sampling import sample_batch
     from betty_trainer.training.trainer import accumulate_gradients
-    from partition import OutputSplitter, make_plan
+    from partition import OutputSplitter, make_split
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     params = powerlaw_params(num_edges, seed, communities, class_homophily)
@@ -171,7 +171,7 @@ def one_size(num_edges: int, seed: int, communities: int = 0, class_homophily: f
         splitter.graph  # noqa: B018 (builds the REG)
         row["reg_s"], row["reg_cpu_s"] = time.perf_counter() - started, time.process_time() - cpu
         cpu = time.process_time()
-        made = make_plan(batch.blocks, k=K, partitioner="reg", seed=seed, splitter=splitter)
+        made = make_split(batch.blocks, k=K, partitioner="reg", seed=seed, splitter=splitter)
         row["make_plan_cpu_s"] = time.process_time() - cpu
         row.update({f"plan_{stage}_s": seconds for stage, seconds in made.stage_seconds.items()})
         started = time.perf_counter()

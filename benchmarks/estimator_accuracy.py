@@ -52,14 +52,15 @@ from betty_trainer.data.block import Batch  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
 from betty_trainer.datasets import DATASETS, load_dataset, make_sbm  # noqa: E402
 from betty_trainer.errors import BettyError  # noqa: E402
-from betty_trainer.memory.plan import model_spec  # noqa: E402
+from betty_trainer.execution.micro_batches import measure_training_step  # noqa: E402
+from betty_trainer.memory.spec import model_spec  # noqa: E402
 from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
-from betty_trainer.training.step import measure_training_step  # noqa: E402
 from estimator.counts import counts_of  # noqa: E402
 from estimator.estimate import estimate_micro_batch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
+CPU = torch.device("cpu")
 TOLERANCE = 0.05
 
 MODELS: dict[str, list[str]] = {
@@ -99,7 +100,7 @@ def load_graph(name: str, data_dir: Path) -> Graph:
 
 
 def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[Batch], seed: int,
-                device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+                device: torch.device = CPU) -> dict[str, Any]:
     """Estimate and measure every micro-batch of one (model, layers, hidden, K) cell on ``device`` (CUDA: the
     estimate of the path CUDA takes, the measured ``max_memory_allocated`` and ``max_memory_reserved``).
 
@@ -257,7 +258,7 @@ def main() -> None:
         results["datasets"][name] = {"num_nodes": graph.num_nodes, "batch_layer_sizes": sizes,
                                      "fanouts": {n: fanouts_for(n, args) for n in args.layers}, "rows": rows}
 
-        def describe(n: int) -> str:
+        def describe(n: int, sizes: dict = sizes) -> str:
             fanouts = fanouts_for(n, args)
             what = "full neighbourhood" if all(f is None for f in fanouts) else f"fanouts {fanouts}"
             return f"{n} layers: {' → '.join(map(str, sizes[n]))} nodes ({what})"

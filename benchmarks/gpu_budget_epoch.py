@@ -41,9 +41,9 @@ import torch
 
 from betty_trainer.config import load_config
 from betty_trainer.datasets import load_dataset
+from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.sampling.schedule import first_batch
 from betty_trainer.training import trainer as trainer_module
-from betty_trainer.training.step import measure_training_step
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ a K = 8 peak ≤ 0.6× the K = 1 peak (issue 7).
 
 ``--planner``: the planner's choice under a budget instead (issue 10's planner done-when). Per model on the
 first of ``--graphs``, budgets ``--fractions`` × the K = 1 step's measured peak; at each budget the plan of
-``micro_batch.mode=betty`` (the smallest K whose largest micro-batch is estimated to fit), of ``layerwise``
+``micro_batch.mode=micro_batches`` (the smallest K whose largest micro-batch is estimated to fit), of ``layerwise``
 (the fewest chunks per layer estimated to fit) and what ``auto`` picks. Both modes' plans are measured in
 the same run, their timed steps interleaved: peak as the tests measure it (Betty: the largest micro-batch's
 ``measure_training_step``, later ones accumulating; layer-wise: ``measure_layerwise_step``; after a warm-up
@@ -41,17 +41,23 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from betty_trainer import load_config, load_dataset  # noqa: E402
+from betty_trainer import HostFeatureStore, StepPlan, load_config, load_dataset  # noqa: E402
 from betty_trainer.config import DatasetConfig  # noqa: E402
 from betty_trainer.errors import PlanningError  # noqa: E402
-from betty_trainer.memory.plan import MicroBatchPlanner, model_spec  # noqa: E402
+from betty_trainer.execution.layerwise import layerwise_backward  # noqa: E402
+from betty_trainer.execution.micro_batches import (  # noqa: E402
+    MicroBatches,
+    accumulate_gradients,
+    measure_training_step,
+    training_state,
+)
+from betty_trainer.memory.planner import Planner  # noqa: E402
+from betty_trainer.memory.spec import model_spec  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.sampling import sample_batch  # noqa: E402
-from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward, measure_layerwise_step  # noqa: E402
-from betty_trainer.training.step import MicroBatches, measure_training_step, training_state  # noqa: E402
-from betty_trainer.training.trainer import accumulate_gradients, init_model  # noqa: E402
+from betty_trainer.training.trainer import init_model  # noqa: E402
 from estimator.measure import measure_peak  # noqa: E402
-from partition import make_plan  # noqa: E402
+from partition import make_split  # noqa: E402
 from partition.chunks import chunk_layers  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -77,8 +83,8 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
     runners = {"K=1": lambda: accumulate_gradients(model, [batch], graph.x, graph.y, CPU)}
     for k in ks:
-        plan = make_plan(batch.blocks, k=k, partitioner="reg", seed=0)
-        micro_batches = MicroBatches(batch, plan.layers)
+        split = make_split(batch.blocks, k=k, partitioner="reg", seed=0)
+        micro_batches = MicroBatches(batch, split.layers)
         runners[f"betty K={k}"] = (lambda mb=micro_batches: accumulate_gradients(model, mb, graph.x, graph.y, CPU))
     for k in chunk_counts:
         chunks = chunk_layers(batch.blocks, k, "metis", seed=0)
@@ -95,7 +101,7 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
     for name, run in runners.items():
         optimizer.zero_grad(set_to_none=True)
         resident = training_state(model, optimizer)
-        peaks[name] = measure_peak(lambda: step(run), CPU, resident).peak_bytes
+        peaks[name] = measure_peak(lambda run=run: step(run), CPU, resident).peak_bytes
     for _ in range(repeats):  # round robin over the columns: a change in the machine's load hits them all
         for name, run in runners.items():
             started = time.perf_counter()
@@ -122,22 +128,15 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
     measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU)  # Adam's moments exist from here on
     full_peak = measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU).peak_bytes
 
-    def planner(mode: str, budget: int) -> MicroBatchPlanner:
+    def planner(mode: str, budget: int) -> Planner:
         section = config.micro_batch.model_copy(update={"mode": mode, "budget": budget})
-        return MicroBatchPlanner(section, spec, CPU)
+        return Planner(section, spec, CPU)
 
-    def measure(work) -> int:
+    features = HostFeatureStore(graph.x, pin=False)
+
+    def measure(plan: StepPlan) -> int:
         set_dropout_key(model, 0, 0)
-        if isinstance(work, LayerwiseBatch):
-            return measure_layerwise_step(model, optimizer, work, graph.x, graph.y, CPU).peak_bytes
-        return max(measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, CPU, work.num_outputs,
-                                         accumulate=index > 0).peak_bytes
-                   for index, micro_batch in enumerate(work))
-
-    def runner(work):
-        if isinstance(work, LayerwiseBatch):
-            return lambda: layerwise_backward(model, batch, work.chunks, graph.x, graph.y, CPU)
-        return lambda: accumulate_gradients(model, work, graph.x, graph.y, CPU)
+        return max(plan.measure(model, optimizer, features, graph.y, CPU))
 
     measured: dict[tuple[str, int], tuple[int, float]] = {}  # (mode, K) -> (peak bytes, median seconds)
     rows = []
@@ -145,16 +144,14 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
         budget = int(full_peak * fraction)
         row = {"fraction": fraction, "budget": budget}
         works = {}
-        for mode in ("betty", "layerwise"):
+        for mode in ("micro_batches", "layerwise"):
             try:
-                made = planner(mode, budget)
-                work, plan = made.plan(batch, seed=0)
+                plan = planner(mode, budget).plan(batch)
             except PlanningError:
                 row[mode] = None
                 continue
-            estimate = plan.estimate if mode == "layerwise" else max(plan.estimates)
-            row[mode] = {"k": plan.k, "estimate": estimate, "work": made.plan_work(batch, plan)}
-            works[mode] = work
+            row[mode] = {"k": plan.pieces, "estimate": plan.estimate, "work": plan.work}
+            works[mode] = plan
         fresh = [mode for mode in works if (mode, row[mode]["k"]) not in measured]
         times = {mode: [] for mode in fresh}
         peaks = {mode: measure(works[mode]) for mode in fresh}
@@ -163,7 +160,7 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
                 set_dropout_key(model, 0, 0)
                 optimizer.zero_grad(set_to_none=True)
                 started = time.perf_counter()
-                runner(works[mode])()
+                works[mode].run(model, features, graph.y, CPU)
                 optimizer.step()
                 times[mode].append(time.perf_counter() - started)
         for mode in fresh:
@@ -171,12 +168,12 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
         for mode in works:
             row[mode]["peak"], row[mode]["seconds"] = measured[mode, row[mode]["k"]]
         try:
-            _, chosen = planner("auto", budget).plan(batch, seed=0)
-            row["auto"] = (chosen.mode, chosen.k)
+            chosen = planner("auto", budget).plan(batch)
+            row["auto"] = (chosen.method, chosen.pieces)
         except PlanningError:
             row["auto"] = None
         print(f"  {graph.name} {arch}-{hidden} {fraction}×: " + ", ".join(
-            f"{mode} {row[mode]}" for mode in ("betty", "layerwise", "auto")), flush=True)
+            f"{mode} {row[mode]}" for mode in ("micro_batches", "layerwise", "auto")), flush=True)
         rows.append(row)
     return full_peak, rows
 
@@ -200,11 +197,11 @@ def print_planner(name: str, model: str, full_peak: int, rows: list[dict]) -> No
         else:
             entry = row[auto[0]]
             assert entry is not None and entry["k"] == auto[1], "auto chose a plan neither mode made"
-            faster = min(row[m]["seconds"] for m in ("betty", "layerwise") if row[m] is not None)
+            faster = min(row[m]["seconds"] for m in ("micro_batches", "layerwise") if row[m] is not None)
             choice = f"{auto[0]} K={auto[1]}"
             fits = "yes" if entry["peak"] <= budget else f"NO (+{100 * (entry['peak'] / budget - 1):.1f}%)"
             ratio = f"{entry['seconds'] / faster:.2f}"
-        print(f"| {row['fraction']}× ({budget / MIB:.1f} MiB) | {cell(row['betty'])} | {cell(row['layerwise'])} "
+        print(f"| {row['fraction']}× ({budget / MIB:.1f} MiB) | {cell(row['micro_batches'])} | {cell(row['layerwise'])} "
               f"| {choice} | {fits} | {ratio} |")
 
 

@@ -11,7 +11,7 @@ graph is built and cut by METIS; median of ``--repeats`` runs) and slicing
 REG without hub clipping, for comparison.
 
 ``--step-epochs E`` also trains 2-layer SAGE-mean (hidden 64) on the full batch for E
-epochs with ``MicroBatchPlanner`` (K = ``--step-k``, REG, one partitioner seed as a run
+epochs with ``Planner`` (K = ``--step-k``, REG, one partitioner seed as a run
 would use) and prints, per epoch, sampling, planning (REG + METIS + slicing, or the
 reuse check when the batch equals the last one) and the training step, and planning's
 share of the whole step averaged over the epochs.
@@ -39,13 +39,14 @@ from rich.table import Table
 
 from betty_trainer.config import DatasetConfig, load_config
 from betty_trainer.data.block import Batch
+from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import BettyError
-from betty_trainer.memory.plan import MicroBatchPlanner, model_spec
+from betty_trainer.memory.planner import Planner
+from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model
 from betty_trainer.sampling import sample_batch
-from betty_trainer.training.trainer import accumulate_gradients
 from partition import PARTITIONERS, OutputSplitter, partition_outputs, redundancy
 from partition.reg import build_reg
 
@@ -91,26 +92,27 @@ def measure(batch: Batch, k: int, method: str, seed: int, repeats: int) -> dict[
 
 
 def step_share(graph: Graph, outputs: torch.Tensor, fanouts: list, k: int, epochs: int, seed: int) -> dict[str, Any]:
-    """Per epoch: seconds to sample the batch, plan it (``MicroBatchPlanner.plan``) and train on it (forward
+    """Per epoch: seconds to sample the batch, plan it (``Planner.plan``) and train on it (forward
     and backward of every micro-batch, one Adam step); 2-layer SAGE-mean, hidden 64, K = ``k``, REG."""
     config = load_config(None, ["model.arch=sage", "model.aggregator=mean", "model.hidden=64", "model.num_layers=2",
                                 f"micro_batch.num_micro_batches={k}", "micro_batch.partitioner=reg"])
     torch.manual_seed(seed)
     model = build_model(config.model, graph)
     optimizer = torch.optim.Adam(model.parameters())
-    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph), torch.device("cpu"))
+    features = HostFeatureStore(graph.x, pin=False)
+    planner = Planner(config.micro_batch, model_spec(config, graph), torch.device("cpu"), seed=seed)
     rows = []
     for epoch in range(epochs):
         start = time.perf_counter()
         batch = sample_batch(graph, outputs, fanouts, torch.Generator().manual_seed(seed))
         sampled = time.perf_counter()
-        micro_batches, plan = planner.plan(batch, seed)
+        plan = planner.plan(batch)
         planned = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        accumulate_gradients(model, micro_batches, graph.x, graph.y, torch.device("cpu"))
+        plan.run(model, features, graph.y, torch.device("cpu"))
         optimizer.step()
         done = time.perf_counter()
-        rows.append({"epoch": epoch, "k": plan.k, "sample_s": sampled - start, "plan_s": planned - sampled,
+        rows.append({"epoch": epoch, "k": plan.pieces, "sample_s": sampled - start, "plan_s": planned - sampled,
                      "train_s": done - planned, "step_s": done - start})
     return {"epochs": rows, "plans_made": planner.plans_made, "plans_reused": planner.plans_reused,
             "plan_share": sum(r["plan_s"] for r in rows) / sum(r["step_s"] for r in rows)}

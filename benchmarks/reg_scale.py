@@ -16,12 +16,12 @@ degree ∝ ``(i + 1)^-α`` with ``α`` chosen so the largest expected degree is
 symmetrised, deduplicated and self loops dropped (``Graph.from_edges``). The batch is
 ``--outputs`` random distinct seeds sampled with ``betty_trainer.sampling.neighbor.sample_batch``.
 
-For each partitioner it runs ``partition.make_plan(blocks, k=K, partitioner=...)``
+For each partitioner it runs ``partition.make_split(blocks, k=K, partitioner=...)``
 (graph over the outputs, METIS, slicing of the K micro-batches) and prints wall time,
 extra peak resident memory (``VmHWM`` from ``/proc/self/status``, reset through
 ``/proc/self/clear_refs`` before each plan, minus the resident memory before it; Linux
 only) and the per-layer redundancy (Σ_k |src nodes of micro-batch k| / |src nodes|).
-It then times make_plan's stages apart (vertex weights, METIS, slicing), each beside its
+It then times make_split's stages apart (vertex weights, METIS, slicing), each beside its
 former form, measured side by side in the same run: METIS with its default 10 refinement
 passes (``partition.metis.REFINEMENT_ITERATIONS`` applies above 10⁶ entries) and slicing
 by tensor ops (the GPU path) instead of the compiled CPU kernel. The machine's load
@@ -50,7 +50,7 @@ import torch
 from betty_trainer.data.block import Batch
 from betty_trainer.data.graph import Graph
 from betty_trainer.sampling import sample_batch
-from partition import make_plan, redundancy
+from partition import make_split, redundancy
 from partition.metis import metis_kway
 from partition.partitioners import OutputSplitter
 from partition.reg import MAX_PAIRS, build_reg, hub_threshold, reader_counts
@@ -114,7 +114,7 @@ def measured(fn) -> tuple[Any, float, int, float]:
 
 def plan_row(batch: Batch, method: str, k: int, seed: int) -> dict[str, Any]:
     """Plan ``batch`` into ``k`` micro-batches with ``method``: time (graph over the outputs, then
-    ``make_plan``: vertex weights, METIS and slicing), extra peak memory, redundancy; then the plan's
+    ``make_split``: vertex weights, METIS and slicing), extra peak memory, redundancy; then the plan's
     stages timed apart, each beside its former form (METIS with its default 10 refinement passes, slicing
     by tensor ops, as before the compiled CPU kernel)."""
     block = batch.blocks[-1]
@@ -123,8 +123,8 @@ def plan_row(batch: Batch, method: str, k: int, seed: int) -> dict[str, Any]:
         lambda: OutputSplitter(block, "reg", graph=build_reg(block, clip_hubs=False)) if method == "reg_unclipped"
         else _built(OutputSplitter(block, method)))
     plan, plan_s, plan_peak, plan_cpu = measured(
-        lambda: make_plan(batch.blocks, k=k, partitioner=name, seed=seed, splitter=splitter))
-    # the stages of make_plan, timed apart (with the same vertex weights)
+        lambda: make_split(batch.blocks, k=k, partitioner=name, seed=seed, splitter=splitter))
+    # the stages of make_split, timed apart (with the same vertex weights)
     weights, weights_s, _, _ = measured(lambda: integer_weights(output_costs(batch.blocks)))
     groups, metis_s, _, _ = measured(lambda: splitter.split(k, seed, weights))
     _, slicing_s, _, _ = measured(lambda: [slice_layers(batch.blocks, group) for group in groups])
@@ -189,10 +189,10 @@ def main() -> None:
         row = plan_row(batch, method, args.k, args.seed)
         rows.append(row)
         print(f"{method:>14}: K={row['k']}  plan {row['seconds']:6.2f} s wall ({row['cpu_seconds']:.2f} s CPU; graph "
-              f"{row['graph_seconds']:.2f} s, {row['graph_entries']} entries; make_plan {row['plan_seconds']:.2f} s)  "
+              f"{row['graph_seconds']:.2f} s, {row['graph_entries']} entries; make_split {row['plan_seconds']:.2f} s)  "
               f"extra peak {row['extra_peak_bytes'] / 2**30:5.2f} GiB  "
               f"redundancy per layer {', '.join(f'{r:.3f}' for r in row['layer_redundancy'])}\n"
-              f"{'':>16}make_plan's stages apart: vertex weights {row['weights_seconds']:.2f} s, METIS "
+              f"{'':>16}make_split's stages apart: vertex weights {row['weights_seconds']:.2f} s, METIS "
               f"{row['metis_seconds']:.2f} s (10 refinement passes: {row['metis_10_passes_seconds']:.2f} s), slicing "
               f"{row['slicing_seconds']:.2f} s (by tensor ops: {row['tensor_slicing_seconds']:.2f} s); "
               f"load average {', '.join(f'{x:.1f}' for x in row['load_average'])}", flush=True)

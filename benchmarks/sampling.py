@@ -254,13 +254,13 @@ def gather_epoch(store, inputs: list[torch.Tensor], device: torch.device, macro:
     group = max(macro, 1)
     for start in range(0, len(inputs), group):
         if macro:
-            store.stage(torch.cat(inputs[start:start + group]))
+            store.prefetch(torch.cat(inputs[start:start + group]))
         for step in range(start, min(start + group, len(inputs))):
             if isinstance(store, CachedFeatureStore):
-                store.start_batch(SampleKey(seed, 0, step))
+                store.begin_batch(SampleKey(seed, 0, step))
             store.gather(inputs[step], device)
         if macro:
-            store.unstage()
+            store.release()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
@@ -396,7 +396,7 @@ def gns_study_rows(graph, x: torch.Tensor, fanouts: list[int], batch_size: int, 
             key = SampleKey(seed, 0, step)
             batch = sampler.sample(seeds, key)
             if kind != "none":
-                store.start_batch(key)
+                store.begin_batch(key)
             store.gather(batch.input_nodes, "cpu")
             inputs.append(batch.input_nodes.numel())
             layer1.append(batch.blocks[0].num_dst)

@@ -8,7 +8,7 @@ and 7.8M vs 28.0M at 64. Issue 9 asks for fewer input nodes at every count and a
 Both sides use the same training nodes and fanouts (10,25, input layer first):
 
 - **REG micro-batching**: one full batch (seeds = every training node, :class:`SampleKey` ``(seed, 0, 0)``),
-  split by ``partition.make_plan(k=B, partitioner="reg")`` (REG built once and reused for every B, METIS
+  split by ``partition.make_split(k=B, partitioner="reg")`` (REG built once and reused for every B, METIS
   vertex weights = receptive-field costs, as in training); the count is ``Σ_k |input nodes of micro-batch k|``.
 - **mini-batching**: the training nodes in a random order (``torch.randperm`` seeded with ``seed``) cut
   into B batches of ``⌈|train| / B⌉`` seeds, batch ``b`` sampled with key ``(seed, 0, b)`` as training
@@ -48,7 +48,7 @@ from dataset_scale import FANOUTS, cached_graph, powerlaw_params  # noqa: E402
 from betty_trainer.datasets.cache import load_cached  # noqa: E402
 from betty_trainer.sampling import sample_batch  # noqa: E402
 from betty_trainer.sampling.base import SampleKey  # noqa: E402
-from partition import OutputSplitter, make_plan  # noqa: E402
+from partition import OutputSplitter, make_split  # noqa: E402
 
 #: Betty Table 6 (ogbn-products): batches → (micro-batch, mini-batch) first-layer input nodes.
 PAPER = {1: (1_829_066, 1_829_275), 2: (2_277_172, 3_318_923), 4: (2_964_874, 5_810_587),
@@ -71,7 +71,7 @@ def rows(graph, batch_counts: list[int], seed: int, with_random: bool) -> list[d
     result = []
     for batches in batch_counts:
         started = time.perf_counter()
-        plan = make_plan(full.blocks, k=batches, partitioner="reg", seed=seed, splitter=splitter)
+        plan = make_split(full.blocks, k=batches, partitioner="reg", seed=seed, splitter=splitter)
         row: dict[str, Any] = {"batches": batches, "reg_seconds": time.perf_counter() - started,
                                "full_batch_inputs": full.blocks[0].num_src,
                                "reg_inputs": sum(layers[0].num_src for layers in plan.layers)}
@@ -79,7 +79,7 @@ def rows(graph, batch_counts: list[int], seed: int, with_random: bool) -> list[d
         row["mini_inputs"] = mini_batch_inputs(graph, batches, seed)
         row["mini_seconds"] = time.perf_counter() - started
         if with_random:
-            plan = make_plan(full.blocks, k=batches, partitioner="random", seed=seed)
+            plan = make_split(full.blocks, k=batches, partitioner="random", seed=seed)
             row["random_inputs"] = sum(layers[0].num_src for layers in plan.layers)
         row["ratio"] = row["mini_inputs"] / row["reg_inputs"]
         result.append(row)

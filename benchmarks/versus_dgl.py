@@ -14,7 +14,7 @@ Sections (``--sections``):
 ``memory``
     The measured peak of one full-batch step, full neighbourhood: ours at each K of
     ``--ks`` (the largest peak over the K micro-batches, each measured as training runs
-    it: ``betty_trainer.training.step.measure_training_step``, later micro-batches accumulating)
+    it: ``betty_trainer.execution.micro_batches.measure_training_step``, later micro-batches accumulating)
     vs DGL's ``SAGEConv`` on the whole graph (``dgl.graph``). Both sides measure with
     ``estimator.measure.measure_peak`` (DGL side: the same file loaded by path): the peak
     of live bytes replayed from ``torch.profiler``'s allocation records, after one warm-up
@@ -23,7 +23,7 @@ Sections (``--sections``):
     is host data on both sides and not resident (DGL reads it in place; betty gathers a
     micro-batch's rows inside the step, and that copy counts). With ``--layerwise-ks``, ours also
     runs the batch layer by layer at each of those chunk counts per layer
-    (``micro_batch.mode=layerwise``, REG chunks; ``betty_trainer.training.layerwise.measure_layerwise_step``,
+    (``micro_batch.mode=layerwise``, REG chunks; ``betty_trainer.execution.layerwise.measure_layerwise_step``,
     resident: the model state, the batch's blocks and the chunks' structure). The output nodes are
     ``--outputs``: ``all`` (default: every node, so K = 1 computes exactly what DGL's
     full-graph step computes) or ``train`` (the dataset's training split; DGL still
@@ -31,8 +31,8 @@ Sections (``--sections``):
 ``time``
     Step time, full batch, full neighbourhood, for ``--epochs`` epochs (interleaved):
     ours K = 1, DGL, ours K = ``--time-k``. Ours is what ``betty_trainer.train`` does per
-    batch: ``sample_batch`` (full neighbourhood), ``MicroBatchPlanner.plan`` (REG + METIS +
-    slicing; K = 1 skips the partitioner), ``accumulate_gradients``, ``optimizer.step``.
+    batch: ``sample_batch`` (full neighbourhood), ``Planner.plan`` (REG + METIS +
+    slicing; K = 1 skips the partitioner), the plan's ``run``, ``optimizer.step``.
     Printed: the first epoch and the median of the later ones (steady state: a planner
     that reuses the plan of an unchanged batch shows it there), the ratios ours/DGL and
     K/K=1, and the planning share of the K step.
@@ -79,17 +79,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # noqa: E402  (this folder)
 
-from betty_trainer import NeighborSampler, SampleKey, sample_batch  # noqa: E402
+from betty_trainer import HostFeatureStore, NeighborSampler, SampleKey, sample_batch  # noqa: E402
 from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
 from betty_trainer.datasets import load_dataset  # noqa: E402
-from betty_trainer.memory.plan import make_planner  # noqa: E402
+from betty_trainer.memory.planner import make_planner  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.rng import derive_seed  # noqa: E402
 from betty_trainer.sampling.schedule import plan_seed, split_seeds  # noqa: E402
-from betty_trainer.training.layerwise import LayerwiseBatch, measure_layerwise_step  # noqa: E402
-from betty_trainer.training.step import measure_training_step  # noqa: E402
-from betty_trainer.training.trainer import accumulate_gradients, init_model  # noqa: E402
+from betty_trainer.training.trainer import init_model  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "datasets"
@@ -139,7 +137,7 @@ def outputs_of(graph: Graph, which: str) -> torch.Tensor:
 
 # --- our side ------------------------------------------------------------------------------------------------
 
-def config_for(hidden: int, k: int, seed: int, mode: str = "betty"):
+def config_for(hidden: int, k: int, seed: int, mode: str = "micro_batches"):
     return load_config(None, [f"model.hidden={hidden}", "model.arch=sage", "model.aggregator=mean",
                               "model.num_layers=2", "model.dropout=0.5", f"micro_batch.num_micro_batches={k}",
                               f"micro_batch.mode={mode}", "micro_batch.partitioner=reg", f"seed={seed}",
@@ -150,14 +148,15 @@ class Ours:
     """A model, Adam and planner for one (graph, hidden, K, ``micro_batch.mode``), stepped as
     ``betty_trainer.train`` steps a batch."""
 
-    def __init__(self, graph: Graph, hidden: int, k: int, seed: int, mode: str = "betty"):
+    def __init__(self, graph: Graph, hidden: int, k: int, seed: int, mode: str = "micro_batches"):
         self.graph, self.seed = graph, seed
         self.sampler: NeighborSampler | None = None
         self.config = config_for(hidden, k, seed, mode)
         self.model = init_model(self.config, graph)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.optim.lr,
                                           weight_decay=self.config.optim.weight_decay)
-        self.planner = make_planner(self.config, graph, None, CPU)
+        self.planner = make_planner(self.config, graph, None, CPU, plan_seed(self.config))
+        self.features = HostFeatureStore(graph.x, pin=False)
         self.model.train()
 
     def step(self, seeds: torch.Tensor, fanouts: list, step: int, epoch: int) -> dict[str, float]:
@@ -167,32 +166,23 @@ class Ours:
             self.sampler = NeighborSampler(self.graph, fanouts)  # one per run, as train() keeps one
         batch = self.sampler.sample(seeds, SampleKey(self.seed, epoch, step))
         t1 = time.perf_counter()
-        micro_batches, plan = self.planner.plan(batch, plan_seed(self.config))
+        plan = self.planner.plan(batch)
         t2 = time.perf_counter()
         set_dropout_key(self.model, self.seed, step)
         self.optimizer.zero_grad(set_to_none=True)
-        accumulate_gradients(self.model, micro_batches, self.graph.x, self.graph.y, CPU)
+        plan.run(self.model, self.features, self.graph.y, CPU)
         self.optimizer.step()
         t3 = time.perf_counter()
-        return {"total": t3 - t0, "sample": t1 - t0, "plan": t2 - t1, "compute": t3 - t2, "k": plan.k}
+        return {"total": t3 - t0, "sample": t1 - t0, "plan": t2 - t1, "compute": t3 - t2, "k": plan.pieces}
 
     def peak(self, seeds: torch.Tensor) -> tuple[int, int]:
         """Largest measured peak over the micro-batches of the full-neighbourhood batch of ``seeds`` (or of its
         layer-wise step), after one warm-up step; and K."""
         batch = sample_batch(self.graph, seeds, [None, None])
-        micro_batches, plan = self.planner.plan(batch, self.seed)
-        total = seeds.numel()
+        plan = self.planner.plan(batch)
         set_dropout_key(self.model, self.seed, 0)
-        if isinstance(micro_batches, LayerwiseBatch):
-            steps = [measure_layerwise_step(self.model, self.optimizer, micro_batches, self.graph.x, self.graph.y, CPU)
-                     for _ in range(2)]  # the first makes Adam's moments
-            return steps[1].peak_bytes, plan.k
-        measure_training_step(self.model, self.optimizer, micro_batches[0], self.graph.x, self.graph.y, CPU,
-                              num_outputs=total)  # Adam's moments exist from here on, as in steady state
-        peaks = [measure_training_step(self.model, self.optimizer, mb, self.graph.x, self.graph.y, CPU,
-                                       num_outputs=total, accumulate=index > 0).peak_bytes
-                 for index, mb in enumerate(micro_batches)]
-        return max(peaks), plan.k
+        # after a step that makes Adam's moments, as in steady state: each micro-batch, or the layer-wise step
+        return max(plan.measure(self.model, self.optimizer, self.features, self.graph.y, CPU)), plan.pieces
 
 
 # --- sections ------------------------------------------------------------------------------------------------

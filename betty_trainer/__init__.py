@@ -19,21 +19,22 @@ from betty_trainer.errors import (
     RunDirError,
     TrainingError,
 )
+from betty_trainer.execution.micro_batches import MicroBatches, accumulate_gradients
+from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.custom import calibrate_model
-from betty_trainer.memory.plan import plan_micro_batches
+from betty_trainer.memory.planner import plan_micro_batches
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
 from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch
 from betty_trainer.training.evaluation import evaluate, evaluate_splits, full_neighbourhood_batches, layerwise_logits
 from betty_trainer.training.inference import load_model
-from betty_trainer.training.step import MicroBatches
-from betty_trainer.training.trainer import TrainResult, accumulate_gradients, train
+from betty_trainer.training.trainer import TrainResult, train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",
     "FeatureStore", "Graph", "GraphSAGE", "HostFeatureStore", "MicroBatches", "NeighborSampler", "NodeDropout",
-    "PlanningError", "RunDirError", "SampleKey", "Sampler", "TrainResult",
+    "PlanningError", "RunDirError", "SampleKey", "Sampler", "StepPlan", "StepResult", "TrainResult",
     "TrainingError", "TransferStats", "accumulate_gradients", "as_feature_store", "build_model", "calibrate_model",
     "evaluate", "evaluate_splits", "full_neighbourhood_batches", "layerwise_logits", "load_config", "load_dataset", "load_model",
     "make_sbm", "plan_micro_batches", "sample_batch", "train",

@@ -7,6 +7,7 @@ dotted key and what is allowed.
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 from pathlib import Path
@@ -32,6 +33,8 @@ from betty_trainer.data.cache import CACHE_KINDS, cache_capacity
 from betty_trainer.errors import ConfigError
 from betty_trainer.models.sage import AGGREGATORS
 from partition import PARTITIONERS
+
+logger = logging.getLogger(__name__)
 
 
 class _Section(BaseModel):
@@ -361,10 +364,20 @@ class MicroBatchConfig(_Section):
                           "minus safety_margin), or null to use num_micro_batches")
     safety_margin: int = Field(512 * 2**20, description="bytes kept free under an 'auto' budget")
     balance: bool = Field(True, description="METIS balances each output's receptive-field size, not output counts")
-    mode: Literal["betty", "layerwise", "auto"] = Field(
-        "betty", description="betty: K micro-batches of the outputs, each through all layers; layerwise: one layer "
-                             "at a time in K chunks per layer, recomputed in backward (built-in models); auto: "
-                             "under a budget, the fitting plan of either with the least estimated work")
+    mode: Literal["micro_batches", "layerwise", "auto"] = Field(
+        "micro_batches", description="micro_batches: K micro-batches of the outputs, each through all layers "
+                                     "(Betty); layerwise: one layer at a time in K chunks per layer, recomputed in "
+                                     "backward (built-in models); auto: under a budget, the fitting plan of either "
+                                     "with the least estimated work. K is num_micro_batches in both")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _renamed_mode(cls, value: Any) -> Any:
+        if value == "betty":  # the name until 0.1: the method, not the paper, names a mode now
+            logger.warning("micro_batch.mode=betty is now called micro_batch.mode=micro_batches; "
+                           "'betty' still works but will be removed")
+            return "micro_batches"
+        return value
 
     @field_validator("budget", mode="before")
     @classmethod

@@ -84,7 +84,7 @@ def model_state_bytes(model: ModelSpec) -> dict[str, int]:
 def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumulate: bool = False) -> MemoryEstimate:
     """Estimate the memory of one training step of a micro-batch, itemised (Betty §4.4.3).
 
-    The step is the one :func:`betty_trainer.training.step.measure_training_step` measures:
+    The step is the one :func:`betty_trainer.execution.micro_batches.measure_training_step` measures:
     gather input features and labels, forward, cross-entropy, backward, the accuracy
     count, optimizer step. Resident before it: parameters, optimizer state (Adam:
     2 × parameters + a step counter per tensor) and the blocks' structure. A batch's
@@ -106,7 +106,7 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     if len(layers) != model.num_layers:
         raise ValueError(f"the micro-batch has {len(layers)} layers but the model has {model.num_layers}")
     if model.forward_terms is None:
-        raise ValueError("the ModelSpec has no forward_terms: build it from the model (betty_trainer.memory.plan.spec_of)")
+        raise ValueError("the ModelSpec has no forward_terms: build it from the model (betty_trainer.memory.spec.spec_of)")
     replay = Replay()
     step = StepTape(replay, model, accumulate)
     f = model.dtype_bytes

@@ -1,4 +1,4 @@
-"""Memory estimate of layer-wise chunked execution (issue 10; :mod:`betty_trainer.training.layerwise`).
+"""Memory estimate of layer-wise chunked execution (issue 10; :mod:`betty_trainer.execution.layerwise`).
 
 The same replay as the micro-batch estimate (:mod:`estimator.estimate`), from the same per-layer
 terms (each layer's ``memory_terms``, through ``ModelSpec.layer_terms``), in the executor's order:
@@ -36,7 +36,7 @@ from estimator.tape import GRAD, HID, OVER, Replay, StepTape
 
 
 class ProjectedTerms(Protocol):
-    """The memory terms of a projected layer (built beside the layer: ``training.layerwise.projected_terms``)."""
+    """The memory terms of a projected layer (built beside the layer: ``execution.layerwise.projected_terms``)."""
 
     width: int  # z's width (columns)
     reads_dst_input: bool  # propagate also reads the chunk's dst input rows (SAGE mean's self term)
@@ -94,7 +94,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         chunks: per layer, the counts of each chunk's one-layer sub-block (``partition.chunks``).
         model: the model (:class:`ModelSpec` with ``layer_terms``).
         projections: per layer, the :class:`ProjectedTerms` of a layer the executor projects once per pass
-            (``training.layerwise.projected_layers``), else ``None``; default: none is.
+            (``execution.layerwise.projected_layers``), else ``None``; default: none is.
         host_outputs: the hidden layers' outputs ``h_l`` are kept in host memory (``LayerChunks.host_outputs``):
             not counted on the device; a chunk's rows of ``h_{l−1}`` are copied to the device (as gathered
             rows are anyway) and a projected layer's row blocks too (device-resident, they are views).
@@ -154,7 +154,7 @@ def _replay_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[L
     if len(layers) != model.num_layers or len(chunks) != model.num_layers:
         raise ValueError(f"{len(layers)} layers and {len(chunks)} chunked layers for a model of {model.num_layers}")
     if model.layer_terms is None:
-        raise ValueError("the ModelSpec has no layer_terms: build it from the model (betty_trainer.memory.plan.spec_of)")
+        raise ValueError("the ModelSpec has no layer_terms: build it from the model (betty_trainer.memory.spec.spec_of)")
     replay = Replay()
     tape = StepTape(replay, model, accumulate=True)
     f, widths = model.dtype_bytes, model.widths

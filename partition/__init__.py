@@ -8,7 +8,7 @@ imports the trainer.
 from partition.partitioners import PARTITIONERS, OutputSplitter, partition_outputs
 from partition.redundancy import redundancy
 from partition.reg import build_reg
-from partition.search import BudgetError, Plan, make_plan
+from partition.search import BudgetError, Split, make_split
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
 __all__ = [
@@ -17,9 +17,9 @@ __all__ = [
     "BudgetError",
     "LayerSlice",
     "OutputSplitter",
-    "Plan",
+    "Split",
     "build_reg",
-    "make_plan",
+    "make_split",
     "partition_outputs",
     "redundancy",
     "slice_layers",

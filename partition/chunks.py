@@ -65,7 +65,7 @@ class LayerChunks:
         seconds: wall time of partitioning and slicing.
         host_outputs: keep the hidden layers' outputs ``h_l`` in host memory instead of on the device
             (the planner sets it when the device budget does not hold them; read by the executor,
-            ``betty_trainer.training.layerwise``).
+            ``betty_trainer.execution.layerwise``).
     """
 
     layers: list[list[Chunk]]
@@ -77,7 +77,7 @@ class LayerChunks:
         """Estimated work of layer-wise execution: ``4 · Σ_layers Σ_chunks (src rows + edges)`` (a forward
         without autograd, then the recomputed forward and its backward of about twice its cost; rows
         read by several chunks of a layer count once in each). Compared with
-        :attr:`partition.Plan.work` (Betty's micro-batches) by ``micro_batch.mode=auto``."""
+        :attr:`partition.Split.work` (Betty's micro-batches) by ``micro_batch.mode=auto``."""
         return 4 * sum(piece.num_src + piece.num_edges for layer in self.layers for piece in layer)
 
     @property

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ class BudgetError(ValueError):
 
 
 @dataclass
-class Plan:
+class Split:
     """K micro-batches of one batch and their estimated peaks.
 
     Attributes:
@@ -57,8 +57,6 @@ class Plan:
     tried: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
-
-    mode: ClassVar[str] = "betty"
 
     @property
     def k(self) -> int:
@@ -100,7 +98,7 @@ def integer_weights(costs: np.ndarray, total: float = 1e8) -> np.ndarray:
     return np.maximum(1, np.ceil(costs / scale)).astype(np.int64)
 
 
-def make_plan(
+def make_split(
     blocks: Sequence[BlockStructure],
     estimate: Estimate | None = None,
     *,
@@ -113,7 +111,7 @@ def make_plan(
     balance: bool = True,
     splitter: OutputSplitter | None = None,
     search: str = "linear",
-) -> Plan:
+) -> Split:
     """Split a batch into micro-batches: K given, or the smallest K that fits ``budget``.
 
     With a budget the search starts at a K no valid split can beat: for ``K`` parts
@@ -151,7 +149,7 @@ def make_plan(
             bisection; the smallest K when fitting is monotone in K).
 
     Returns:
-        A :class:`Plan`.
+        A :class:`Split`.
 
     Raises:
         BudgetError: the budget is below the resident bytes, or even one output node's
@@ -200,9 +198,9 @@ def make_plan(
         splits[parts] = groups, layers, estimates
         return splits[parts]
 
-    def done(parts: int) -> Plan:
+    def done(parts: int) -> Split:
         groups, layers, estimates = splits[parts]
-        return Plan(groups, layers, estimates, budget, full, tried, time.perf_counter() - started, stage_seconds)
+        return Split(groups, layers, estimates, budget, full, tried, time.perf_counter() - started, stage_seconds)
 
     if budget is None:
         split(min(max(k, min_k), num_outputs))

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-import betty_trainer.training.trainer as trainer_module
+import betty_trainer.execution.micro_batches as micro_batches_module
 from betty_trainer.config import load_config
 from betty_trainer.training.trainer import train
 from tests.conftest import REPO
@@ -63,8 +63,8 @@ def test_a_few_epochs_of_reg_micro_batches_learn_cora(planetoid_dir, tmp_path):
 
 
 def test_the_smoke_threshold_fails_a_trainer_that_drops_micro_batches(planetoid_dir, tmp_path, monkeypatch):
-    accumulate = trainer_module.accumulate_gradients
-    monkeypatch.setattr(trainer_module, "accumulate_gradients",
+    accumulate = micro_batches_module.accumulate_gradients
+    monkeypatch.setattr(micro_batches_module, "accumulate_gradients",
                         lambda model, micro_batches, *args, **kwargs: accumulate(model, list(micro_batches)[:1],
                                                                                  *args, **kwargs))
     assert smoke_run(planetoid_dir, tmp_path).last.test_acc < SMOKE_THRESHOLD

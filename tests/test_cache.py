@@ -79,13 +79,13 @@ def test_without_crossing_devices_nothing_counts_as_moved_but_misses_and_fills_d
 def test_gns_cache_is_the_sampler_node_set_and_a_refresh_reads_only_new_nodes(x, crossing):
     sets = {0: ids(1, 2, 3), 1: ids(1, 2, 3), 2: ids(2, 3, 7, 9)}
     store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "gns", node_source=lambda key: sets[key])
-    store.start_batch(0)
+    store.begin_batch(0)
     assert store.stats == TransferStats(0, 0, 3 * ROW, cache_fill_bytes=3 * ROW)
     assert torch.equal(store.gather(ids(3, 4, 1), CPU), x[ids(3, 4, 1)])
     assert store.stats == TransferStats(2, 1, 4 * ROW, 3 * ROW)
-    store.start_batch(1)  # the same set: nothing read
+    store.begin_batch(1)  # the same set: nothing read
     assert store.stats == TransferStats(2, 1, 4 * ROW, 3 * ROW)
-    store.start_batch(2)  # 2 and 3 stay on the device; 7 and 9 are read
+    store.begin_batch(2)  # 2 and 3 stay on the device; 7 and 9 are read
     assert store.cached_nodes.tolist() == [2, 3, 7, 9] and store.capacity == 4
     assert store.stats == TransferStats(2, 1, 6 * ROW, 5 * ROW)
     assert torch.equal(store.gather(ids(1, 9, 2), CPU), x[ids(1, 9, 2)])
@@ -94,7 +94,7 @@ def test_gns_cache_is_the_sampler_node_set_and_a_refresh_reads_only_new_nodes(x,
 
 def test_a_staged_macro_batch_reads_each_node_once_and_counts_a_miss_at_its_first_request(x, crossing):
     store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "static", capacity=3, degrees=torch.arange(20) % 7)
-    store.stage(torch.cat([ids(1, 2, 6), ids(2, 3, 1), ids(9)]))  # union 1, 2, 3, 6, 9; 6 is cached
+    store.prefetch(torch.cat([ids(1, 2, 6), ids(2, 3, 1), ids(9)]))  # union 1, 2, 3, 6, 9; 6 is cached
     assert store.staged_rows == 5
     assert store.stats == TransferStats(0, 0, (3 + 4) * ROW, 3 * ROW)  # fill 3 rows, stage reads 1, 2, 3, 9
     assert torch.equal(store.gather(ids(1, 2, 6), CPU), x[ids(1, 2, 6)])
@@ -104,7 +104,7 @@ def test_a_staged_macro_batch_reads_each_node_once_and_counts_a_miss_at_its_firs
     assert torch.equal(store.gather(ids(0), CPU), x[ids(0)])  # neither staged nor cached: read now
     assert store.stats == TransferStats(4, 4, 8 * ROW, 3 * ROW)
     assert store.device_bytes == 3 * ROW + 20 * 4 + 3 * 8 + (20 * 4 + 5 * ROW + 5 * 8 + 5 * 1)
-    store.unstage()  # 9 was read for the stage and never requested
+    store.release()  # 9 was read for the stage and never requested
     assert store.stats == TransferStats(4, 4, 8 * ROW, 4 * ROW)
     assert store.staged_rows == 0
     assert store.device_bytes == 3 * ROW + 20 * 4 + 3 * 8 + 20 * 4  # the stage's table stays allocated
@@ -113,10 +113,10 @@ def test_a_staged_macro_batch_reads_each_node_once_and_counts_a_miss_at_its_firs
 def test_macro_batch_gathering_moves_exactly_the_lower_bound(x, crossing):
     store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "none")
     batches = [torch.randperm(20, generator=torch.Generator().manual_seed(s))[:8] for s in range(4)]
-    store.stage(torch.cat(batches))
+    store.prefetch(torch.cat(batches))
     for batch in batches:
         assert torch.equal(store.gather(batch, CPU), x[batch])
-    store.unstage()
+    store.release()
     distinct = torch.unique(torch.cat(batches)).numel()
     assert store.stats == TransferStats(hits=32 - distinct, misses=distinct, host_to_device_bytes=distinct * ROW,
                                         cache_fill_bytes=0)
@@ -168,15 +168,15 @@ def test_every_kind_returns_the_rows_of_the_host(kind):
                                degrees=torch.randint(0, 9, (100,), generator=generator),
                                node_source=lambda key: torch.arange(key % 3, 100, 7))
     for step in range(12):
-        store.start_batch(step)
+        store.begin_batch(step)
         if step % 4 == 0:
-            store.stage(torch.randint(0, 100, (50,), generator=generator))
+            store.prefetch(torch.randint(0, 100, (50,), generator=generator))
         request = torch.randint(0, 100, (30,), generator=generator)
         rows = store.gather(request, CPU)
         assert torch.equal(rows, x[request])
         rows.zero_()  # a new tensor: the cache and the stage are untouched
         if step % 4 == 3:
-            store.unstage()
+            store.release()
     assert store.stats.hits + store.stats.misses == 12 * 30
 
 
@@ -322,16 +322,16 @@ def test_the_device_bytes_bound_equals_what_a_full_store_holds(x):
     lru.gather(ids(0, 1, 2, 3, 4, 5), CPU)
     assert lru.device_bytes == cache_module.device_bytes_bound("lru", 4, nodes, ROW)
     gns = CachedFeatureStore(host, CPU, "gns", node_source=lambda key: ids(2, 3, 7))
-    gns.start_batch(0)
+    gns.begin_batch(0)
     assert gns.device_bytes == cache_module.device_bytes_bound("gns", 3, nodes, ROW)
     staging = CachedFeatureStore(host, CPU, "lru", capacity=4)
-    staging.stage(ids(1, 2, 3, 5, 8, 13, 2))  # 6 distinct rows
+    staging.prefetch(ids(1, 2, 3, 5, 8, 13, 2))  # 6 distinct rows
     assert staging.device_bytes == cache_module.device_bytes_bound("lru", 4, nodes, ROW, stage_rows=6)
 
 
 def test_the_planner_budget_is_what_the_feature_store_leaves():
     from betty_trainer.datasets import load_dataset
-    from betty_trainer.memory.plan import make_planner
+    from betty_trainer.memory.planner import make_planner
     from betty_trainer.sampling.schedule import feature_store_device_bytes
 
     overrides = SMALL + ["micro_batch.budget=64MB", "features.cache.kind=lru", "features.cache.size=50",
@@ -354,19 +354,18 @@ def test_the_planner_budget_is_what_the_feature_store_leaves():
     assert feature_store_device_bytes(load_config(None, SMALL), graph) == 0
 
 
-def test_a_batch_over_the_macro_batch_budget_on_its_own_is_not_staged(monkeypatch):
+def test_a_batch_over_the_macro_batch_budget_on_its_own_is_not_staged():
     from betty_trainer.datasets import load_dataset
-    from betty_trainer.sampling.schedule import epoch_seeds, sampled_batches
+    from betty_trainer.sampling.schedule import batch_rounds, epoch_seeds
 
     config = load_config(None, SMALL + ["features.macro_batch=2", "features.macro_batch_budget=1KB"])
     graph = load_dataset(config.dataset)
     sampler = make_sampler(config, graph)
     store = make_feature_store(config, graph, CPU, sampler)
-    staged = []
-    monkeypatch.setattr(store, "stage", lambda nodes: staged.append(nodes))
-    batches = list(sampled_batches(config, sampler, store, epoch_seeds(config, graph, 0), 0))
-    assert batches and all(b.input_nodes.numel() * store.row_bytes > 1000 for _, _, b in batches)
-    assert staged == []  # every batch alone is over 1 KB: gathered per micro-batch instead
+    rounds = list(batch_rounds(config, sampler, epoch_seeds(config, graph, 0), 0, store.row_bytes))
+    batches = [batch for round_ in rounds for _, _, batch in round_.batches]
+    assert batches and all(b.input_nodes.numel() * store.row_bytes > 1000 for b in batches)
+    assert all(round_.staged_nodes is None for round_ in rounds)  # each batch alone is over 1 KB: not staged
 
 
 def test_evaluation_reads_through_the_host_store_not_the_training_cache(tmp_path, monkeypatch):
@@ -386,9 +385,9 @@ def test_evaluation_reads_through_the_host_store_not_the_training_cache(tmp_path
 
 def test_a_gns_refresh_takes_rows_a_staged_macro_batch_already_holds(x, crossing):
     store = CachedFeatureStore(HostFeatureStore(x, pin=False), CPU, "gns", node_source=lambda key: ids(2, 3, 4, 9))
-    store.stage(ids(1, 2, 3, 4, 5))
+    store.prefetch(ids(1, 2, 3, 4, 5))
     read = store.stats.snapshot()
-    store.start_batch(0)  # 2, 3, 4 come from the stage on the device; only 9 is read from the host
+    store.begin_batch(0)  # 2, 3, 4 come from the stage on the device; only 9 is read from the host
     assert store.stats - read == TransferStats(0, 0, ROW, cache_fill_bytes=ROW)
     assert torch.equal(store.gather(ids(9, 2, 4), CPU), x[ids(9, 2, 4)])
 

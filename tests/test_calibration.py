@@ -15,10 +15,11 @@ from torch import nn
 from betty_trainer import plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
 from betty_trainer.errors import BettyError, CalibrationError
+from betty_trainer.execution import micro_batches as micro_batches_module
+from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.models.aggregate import mean_neighbours
 from betty_trainer.training import trainer as trainer_module
-from betty_trainer.training.step import measure_training_step
 from estimator.calibrate import FitError, fit
 from estimator.counts import LayerCounts, block_structure_bytes, counts_of
 
@@ -122,7 +123,7 @@ def test_train_calibrates_a_custom_model_and_keeps_its_micro_batches_within_the_
     full_peak = measure_training_step(probe, optimizer, batch, cora.x, cora.y, "cpu").peak_bytes
     budget = full_peak // 2
 
-    original, measured = trainer_module.accumulate_gradients, []
+    original, measured = micro_batches_module.accumulate_gradients, []
 
     def measuring(model, micro_batches, features, labels, device):
         replica = copy.deepcopy(model)
@@ -134,11 +135,11 @@ def test_train_calibrates_a_custom_model_and_keeps_its_micro_batches_within_the_
                         for index, mb in enumerate(micro_batches))
         return original(model, micro_batches, features, labels, device)
 
-    monkeypatch.setattr(trainer_module, "accumulate_gradients", measuring)
+    monkeypatch.setattr(micro_batches_module, "accumulate_gradients", measuring)
     config = load_config(None, ["dataset.name=cora", f"dataset.data_dir={planetoid_dir}", "optim.epochs=1",
                                 f"optim.lr={LR}", f"optim.weight_decay={WEIGHT_DECAY}", "train.device=cpu",
                                 "train.progress=false", f"micro_batch.budget={budget}"])
-    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.plan"):
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
         trainer_module.train(config, model=model, graph=cora, run_dir=tmp_path)
     assert re.search(r"calibrated the memory estimate of NodeMLPThenMean in \d+\.\d\d s", caplog.text)
     assert len(measured) > 1, "half the full batch's peak needs several micro-batches"

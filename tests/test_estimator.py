@@ -9,9 +9,9 @@ import torch
 
 from betty_trainer import Batch, plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
-from betty_trainer.memory.plan import model_spec
+from betty_trainer.execution.micro_batches import measure_training_step
+from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, sage, set_dropout_key
-from betty_trainer.training.step import measure_training_step
 from estimator.counts import counts_of
 from estimator.estimate import COMPONENTS, estimate_micro_batch
 

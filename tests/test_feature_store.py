@@ -25,7 +25,7 @@ from betty_trainer import (
 )
 from betty_trainer.data.feature_store import same_device, transfer_bytes
 from betty_trainer.training import trainer as trainer_module
-from partition import make_plan
+from partition import make_split
 
 CPU = torch.device("cpu")
 META = torch.device("meta")  # a device other than the storage's, on a machine without a GPU
@@ -118,7 +118,7 @@ def test_micro_batches_are_built_when_read_and_equal_the_planned_ones():
     graph = make_sbm(num_nodes=400, num_features=16, avg_degree=6, train_per_class=30, num_val=20, num_test=20)
     batch = sample_batch(graph, graph.train_idx, [5, 5], torch.Generator().manual_seed(0))
     eager = plan_micro_batches(batch, 3, "range", seed=0)
-    lazy = MicroBatches(batch, make_plan(batch.blocks, k=3, partitioner="range", seed=0).layers)
+    lazy = MicroBatches(batch, make_split(batch.blocks, k=3, partitioner="range", seed=0).layers)
     assert len(lazy) == 3 and lazy.num_outputs == batch.output_nodes.numel()
     for built in (list(lazy), lazy[0:3], [lazy[i] for i in range(3)]):
         for one, other in zip(eager, built):
@@ -142,7 +142,7 @@ class WatchedMicroBatches(MicroBatches):
 def test_training_gathers_through_the_store_with_one_micro_batch_alive():
     graph = make_sbm(num_nodes=400, num_features=16, avg_degree=6, train_per_class=30, num_val=20, num_test=20)
     batch = sample_batch(graph, graph.train_idx, [5, 5], torch.Generator().manual_seed(0))
-    plan = make_plan(batch.blocks, k=4, partitioner="range", seed=0)
+    plan = make_split(batch.blocks, k=4, partitioner="range", seed=0)
     torch.manual_seed(0)
     model = GraphSAGE(16, 8, graph.num_classes, 2, "mean", 0.0)
     accumulate_gradients(model, plan_micro_batches(batch, 4, "range", 0), graph.x, graph.y, CPU)

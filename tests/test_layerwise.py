@@ -9,11 +9,17 @@ import pytest
 import torch
 
 from betty_trainer import GCN, GraphSAGE, accumulate_gradients, load_config, sample_batch
-from betty_trainer.memory.plan import MicroBatchPlanner, spec_of
+from betty_trainer.execution.layerwise import (
+    LayerwisePlan,
+    layerwise_backward,
+    measure_layerwise_step,
+    projected_terms,
+)
+from betty_trainer.memory.planner import Planner
+from betty_trainer.memory.spec import spec_of
 from betty_trainer.models import set_dropout_key
 from betty_trainer.models.gat import GAT
 from betty_trainer.models.stack import runs_layer_by_layer
-from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward, measure_layerwise_step, projected_terms
 from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
 from partition.chunks import chunk_layers
@@ -133,7 +139,7 @@ def test_a_model_that_cannot_run_layer_by_layer_is_refused(cora):
     model = Custom(cora.num_features, 8, cora.num_classes)
     assert not runs_layer_by_layer(model) and runs_layer_by_layer(make("gcn", cora))
     batch = sample_batch(cora, cora.train_idx[:10], [None, None])
-    with pytest.raises(ValueError, match="cannot run layer by layer.*micro_batch.mode=betty"):
+    with pytest.raises(ValueError, match="cannot run layer by layer.*micro_batch.mode=micro_batches"):
         layerwise_backward(model, batch, chunk_layers(batch.blocks, 2), cora.x, cora.y, CPU)
 
 
@@ -173,7 +179,7 @@ def assert_layerwise_estimate(model, arch: str, graph, fanouts) -> None:
     batch = sample_batch(graph, graph.train_idx, fanouts, torch.Generator().manual_seed(0))
     spec = spec_of(model, config, CPU)
     for k in (1, 4, 16):
-        work = LayerwiseBatch(batch, chunk_layers(batch.blocks, k, "metis", 0))
+        work = LayerwisePlan(batch, chunk_layers(batch.blocks, k, "metis", 0), work=0.0, partitioner="metis")
         set_dropout_key(model, 0, 0)
         measure_layerwise_step(model, optimizer, work, graph.x, graph.y, CPU)  # Adam's state exists from here on
         measured = measure_layerwise_step(model, optimizer, work, graph.x, graph.y, CPU)
@@ -192,19 +198,19 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
     model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     batch = sample_batch(cora, cora.train_idx, [None, None])
-    full = MicroBatchPlanner(config.micro_batch, spec_of(model, config, CPU), CPU)
+    full = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
     whole = full.layerwise_peak(batch, chunk_layers(batch.blocks, 1))
     budget = int(whole * fraction)
-    planner = MicroBatchPlanner(load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise",
+    planner = Planner(load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise",
                                                    f"micro_batch.budget={budget}"]).micro_batch,
                                 spec_of(model, config, CPU), CPU)
-    work, plan = planner.plan(batch, seed=0)
-    assert isinstance(work, LayerwiseBatch) and plan.mode == "layerwise" and plan.estimate <= budget
-    assert (plan.k == 1) == (fraction == 1.0)
+    plan = planner.plan(batch)
+    assert plan.method == "layerwise" and plan.estimate <= budget
+    assert (plan.pieces == 1) == (fraction == 1.0)
 
     set_dropout_key(model, 0, 0)
-    measure_layerwise_step(model, optimizer, work, cora.x, cora.y, CPU)  # Adam's state exists from here on
-    measured = measure_layerwise_step(model, optimizer, work, cora.x, cora.y, CPU)
+    measure_layerwise_step(model, optimizer, plan, cora.x, cora.y, CPU)  # Adam's state exists from here on
+    measured = measure_layerwise_step(model, optimizer, plan, cora.x, cora.y, CPU)
     assert measured.peak_bytes <= budget * 1.02  # the estimate's bound (above)
 
 
@@ -216,12 +222,12 @@ def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
     spec = spec_of(model, base, CPU)
     batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
     plans = {}
-    for mode in ("betty", "layerwise", "auto"):
+    for mode in ("micro_batches", "layerwise", "auto"):
         section = load_config(None, ["model.hidden=64", f"micro_batch.mode={mode}",
                                      "micro_batch.num_micro_batches=8"]).micro_batch
-        plans[mode] = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)[1]
-    assert plans["auto"].mode == min(("betty", "layerwise"), key=lambda m: plans[m].work)
-    assert plans["layerwise"].work < plans["betty"].work  # every node an output: Betty's redundancy dominates
+        plans[mode] = Planner(section, spec, CPU).plan(batch)
+    assert plans["auto"].method == min(("micro_batches", "layerwise"), key=lambda m: plans[m].work)
+    assert plans["layerwise"].work < plans["micro_batches"].work  # every node an output: Betty's redundancy dominates
 
 
 def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_path):
@@ -248,7 +254,7 @@ def test_host_resident_layer_outputs_give_the_full_batch_gradient(cora, arch, mo
     """chunks.host_outputs: the hidden layers' outputs are kept in host memory (a plain CPU tensor without
     CUDA) and each chunk's rows copied to the device; the gradient is the full batch's (GAT: its projected
     layers read their row blocks from host memory too)."""
-    from betty_trainer.training import layerwise
+    from betty_trainer.execution import layerwise
 
     placements = []
 
@@ -283,7 +289,7 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
     model = GraphSAGE(graph.num_features, 256, graph.num_classes, 2, "mean", 0.5)
     spec = spec_of(model, config, CPU)
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
-    probe = MicroBatchPlanner(config.micro_batch, spec, CPU)
+    probe = Planner(config.micro_batch, spec, CPU)
     peaks = {}
     for k in (1, 2):
         chunks = chunk_layers(batch.blocks, k, config.micro_batch.partitioner, 0)
@@ -296,23 +302,23 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
     assert host_1 > device_2 and host_1 > host_2  # so that neither budget below fits at K = 1
     for budget, host in ((device_2, False), (host_2, True)):
         section = config.micro_batch.model_copy(update={"budget": budget})
-        work, plan = MicroBatchPlanner(section, spec, torch.device("cuda")).plan(batch, seed=0)
-        assert plan.k == 2 and plan.host_outputs == host and work.chunks.host_outputs == host
+        plan = Planner(section, spec, torch.device("cuda")).plan(batch)
+        assert plan.pieces == 2 and plan.host_outputs == host and plan.chunks.host_outputs == host
         assert plan.estimate == (host_2 if host else device_2) <= budget
         # on the CPU host memory is the device's: h_l never moves there, and the plan fits without it
-        work, plan = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)
-        assert not plan.host_outputs and plan.estimate == probe.layerwise_peak(batch, work.chunks, False) <= budget
+        plan = Planner(section, spec, CPU).plan(batch)
+        assert not plan.host_outputs and plan.estimate == probe.layerwise_peak(batch, plan.chunks, False) <= budget
 
 
 def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking(cora, monkeypatch):
     """Below the floor (model state, structure, the whole layers a backward holds, the largest node's in-edges) no
     chunk count fits: the planner says so, naming the budget and the floor, before partitioning anything."""
     from betty_trainer.errors import PlanningError
-    from betty_trainer.memory import plan as plan_module
+    from betty_trainer.memory import planner as planner_module
 
     config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", "micro_batch.budget=4000000"])
     model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
-    planner = MicroBatchPlanner(config.micro_batch, spec_of(model, config, CPU), CPU)
+    planner = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
     batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
     floor = planner.layerwise_floor(batch)
     assert floor > 4000000
@@ -320,10 +326,10 @@ def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking
     def no_chunking(*args, **kwargs):
         raise AssertionError("the floor check comes before any chunking")
 
-    monkeypatch.setattr(plan_module, "chunk_layers", no_chunking)
+    monkeypatch.setattr(planner_module, "chunk_layers", no_chunking)
     with pytest.raises(PlanningError, match=f"budget 4000000 bytes is impossible layer by layer: at any number of "
                                             f"chunks per layer a step needs at least {floor} bytes"):
-        planner.plan(batch, seed=0)
+        planner.plan(batch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -338,7 +344,7 @@ def test_the_layerwise_floor_is_below_the_estimate_of_every_chunking(cora, cora6
     most = max(block.num_dst for block in batch.blocks)
     for model in (make(arch, graph), make(arch, cora64, hidden=256)):
         config = load_config(None, [f"model.arch={arch.split('-')[0]}"])
-        planner = MicroBatchPlanner(config.micro_batch, spec_of(model, config, CPU), CPU)
+        planner = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
         floor = planner.layerwise_floor(batch)
         peaks = [planner.layerwise_peak(batch, chunk_layers(batch.blocks, k, partitioner, 0))
                  for k in (1, 4, 32, most) for partitioner in ("reg", "metis")]
@@ -351,7 +357,7 @@ def test_the_layerwise_floor_is_below_the_estimate_of_every_chunking(cora, cora6
 def test_relu_backward_from_the_output_equals_autograd_s(parts):
     """An affine layer's backward takes the stack's ReLU from the stored h_l = ReLU(x), not from x: the same
     gradient, bit for bit (zeros where x ≤ 0, exact zeros included), row block by row block."""
-    from betty_trainer.training.layerwise import relu_backward_
+    from betty_trainer.execution.layerwise import relu_backward_
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(50, 8, generator=generator)
@@ -369,8 +375,8 @@ def test_a_sage_subclass_that_changes_propagate_is_not_taken_as_affine(cora):
     does not inherit it, keeps z for its backward, and gets the full batch's gradient."""
     from torch import nn
 
+    from betty_trainer.execution.layerwise import affine_layers
     from betty_trainer.models.sage import SAGEConv
-    from betty_trainer.training.layerwise import affine_layers
 
     class GainSAGE(SAGEConv):
         def __init__(self, a, b):
@@ -400,10 +406,10 @@ def test_a_budget_one_node_chunks_meet_is_never_refused(cora64):
     model = GraphSAGE(cora64.num_features, 256, cora64.num_classes, 2, "pool", 0.5)
     spec = spec_of(model, config, CPU)
     batch = sample_batch(cora64, torch.arange(cora64.num_nodes), [None, None])
-    floor = MicroBatchPlanner(config.micro_batch, spec, CPU).layerwise_floor(batch)
+    floor = Planner(config.micro_batch, spec, CPU).layerwise_floor(batch)
     budget = floor + sum(8 * (block.num_dst - 1) for block in batch.blocks)
     section = config.micro_batch.model_copy(update={"budget": budget})
-    work, plan = MicroBatchPlanner(section, spec, CPU).plan(batch, seed=0)
+    plan = Planner(section, spec, CPU).plan(batch)
     assert plan.estimate <= budget
     assert min(peak for _, peak in plan.tried[:-1]) > budget  # no REG chunking fitted
-    assert plan.partitioner == "range" and plan.k == cora64.num_nodes
+    assert plan.partitioner == "range" and plan.pieces == cora64.num_nodes

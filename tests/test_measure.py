@@ -1,4 +1,4 @@
-"""The measured peak (estimator.measure, betty_trainer.training.step): exact on allocations whose peak is known by hand.
+"""The measured peak (estimator.measure, betty_trainer.execution.micro_batches): exact on allocations whose peak is known by hand.
 
 Tolerance: ``SLACK`` bytes above the hand-computed peak. The only allocations a step
 makes besides the tensors counted by hand are 0-d scalars (4–8 bytes: a loss, NLL's
@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import estimator
 from betty_trainer import GraphSAGE, make_sbm, sample_batch
-from betty_trainer.training.step import measure_training_step
+from betty_trainer.execution.micro_batches import measure_training_step
 from estimator import MeasuredPeak, measure_peak
 from estimator.measure import CPU_METHOD, CUDA_METHOD, storage_bytes
 

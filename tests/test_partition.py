@@ -8,7 +8,7 @@ import scipy.sparse as sp
 import torch
 
 from betty_trainer import Block, plan_micro_batches, sample_batch
-from partition import PARTITIONERS, build_reg, make_plan, partition_outputs, redundancy
+from partition import PARTITIONERS, build_reg, make_split, partition_outputs, redundancy
 from partition.metis import metis_kway
 from partition.reg import drop_diagonal, hub_threshold
 from partition.slicing import slice_layers, whole_batch
@@ -234,14 +234,14 @@ def test_reg_is_built_once_per_batch_across_the_k_search(cora, monkeypatch, sear
     batch = sample_batch(cora, cora.train_idx, [None, None])
     estimate = lambda blocks, accumulate: 1000 + 10 * blocks[0].num_src
     full = estimate(batch.blocks, False)
-    plan = make_plan(batch.blocks, estimate, budget=1000 + (full - 1000) // 6, partitioner="reg", search=search)
+    plan = make_split(batch.blocks, estimate, budget=1000 + (full - 1000) // 6, partitioner="reg", search=search)
     assert len(plan.tried) >= 3, plan.tried
     assert len(builds) == 1, "one REG for every K tried"
 
 
 def smallest_k_by_brute_force(blocks, estimate, budget, partitioner):
     return next(k for k in range(1, blocks[-1].num_dst + 1)
-                if max(make_plan(blocks, estimate, k=k, partitioner=partitioner).estimates) <= budget)
+                if max(make_split(blocks, estimate, k=k, partitioner=partitioner).estimates) <= budget)
 
 
 def assert_logarithmic_search(plan):
@@ -258,9 +258,9 @@ def test_galloping_and_bisection_find_the_brute_force_k_when_fitting_is_monotone
     batch = sample_batch(cora, cora.train_idx, [None, None])
     estimate = lambda blocks, accumulate: 10_000 + 40_000 + 100 * blocks[-1].num_dst
     budget = 10_000 + per_micro_batch_bytes
-    plan = make_plan(batch.blocks, estimate, budget=budget, partitioner="range", search="gallop")
+    plan = make_split(batch.blocks, estimate, budget=budget, partitioner="range", search="gallop")
     assert plan.k == smallest_k_by_brute_force(batch.blocks, estimate, budget, "range")
-    assert plan.k == make_plan(batch.blocks, estimate, budget=budget, partitioner="range").k, "linear search agrees"
+    assert plan.k == make_split(batch.blocks, estimate, budget=budget, partitioner="range").k, "linear search agrees"
     assert plan.k - plan.tried[0][0] >= 5 or per_micro_batch_bytes == 47_000
     assert_logarithmic_search(plan)
 
@@ -272,7 +272,7 @@ def test_galloping_and_bisection_find_the_brute_force_k_with_reg(cora, divisor):
     batch = sample_batch(cora, cora.train_idx, [10, 10], torch.Generator().manual_seed(0))
     estimate = lambda blocks, accumulate: 10_000 + 100 * blocks[0].num_src + 3 * blocks[-1].num_dst
     budget = int(10_000 + (estimate(batch.blocks, False) - 10_000) / divisor)
-    plan = make_plan(batch.blocks, estimate, budget=budget, partitioner="reg", search="gallop")
+    plan = make_split(batch.blocks, estimate, budget=budget, partitioner="reg", search="gallop")
     assert plan.k == smallest_k_by_brute_force(batch.blocks, estimate, budget, "reg")
     assert max(plan.estimates) <= budget
     assert_logarithmic_search(plan)
@@ -283,12 +283,12 @@ def test_linear_search_finds_the_smallest_k_where_fitting_is_not_monotone(cora):
     batch = sample_batch(cora, cora.train_idx, [10, 10], torch.Generator().manual_seed(0))
     estimate = lambda blocks, accumulate: 10_000 + 100 * blocks[0].num_src + 3 * blocks[-1].num_dst
     budget = int(10_000 + (estimate(batch.blocks, False) - 10_000) / 15)
-    plan = make_plan(batch.blocks, estimate, budget=budget)
+    plan = make_split(batch.blocks, estimate, budget=budget)
     assert plan.k == smallest_k_by_brute_force(batch.blocks, estimate, budget, "reg")
     assert all(largest > budget for _, largest in plan.tried[:-1])
-    fits = [max(make_plan(batch.blocks, estimate, k=k).estimates) <= budget for k in range(plan.k, plan.k + 8)]
+    fits = [max(make_split(batch.blocks, estimate, k=k).estimates) <= budget for k in range(plan.k, plan.k + 8)]
     assert fits[0] and not all(fits), f"not monotone: some K above the smallest does not fit ({fits})"
-    assert make_plan(batch.blocks, estimate, budget=budget, search="gallop").k >= plan.k
+    assert make_split(batch.blocks, estimate, budget=budget, search="gallop").k >= plan.k
 
 
 @pytest.mark.parametrize("fanouts", [[None, None], [5, 10]])

@@ -8,18 +8,18 @@ import json
 import pytest
 import torch
 
-from betty_trainer import Batch, make_sbm, sample_batch
+from betty_trainer import Batch, HostFeatureStore, make_sbm, sample_batch
 from betty_trainer.cli import main
 from betty_trainer.config import load_config
 from betty_trainer.errors import CalibrationError, ConfigError, PlanningError
-from betty_trainer.memory.plan import MicroBatchPlanner, model_spec
+from betty_trainer.execution import micro_batches as micro_batches_module
+from betty_trainer.execution.micro_batches import measure_training_step
+from betty_trainer.memory.planner import Planner
+from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, set_dropout_key
-from betty_trainer.training import trainer as trainer_module
 from betty_trainer.training.checkpoint import load_checkpoint
-from betty_trainer.training.layerwise import LayerwiseBatch, measure_layerwise_step
-from betty_trainer.training.step import measure_training_step
 from betty_trainer.training.trainer import train
-from partition import make_plan
+from partition import make_split
 from tests.conftest import REPO
 
 GRAPH = {"num_nodes": 2000, "num_features": 200, "avg_degree": 8, "train_per_class": 40, "num_val": 100, "num_test": 100}
@@ -45,26 +45,26 @@ def test_planned_micro_batches_fit_the_budget_with_the_smallest_k(setting, fract
     graph, config, batch, model, optimizer, full_peak = setting
     budget = int(full_peak * fraction)
     overrides = OVERRIDES + [f"micro_batch.budget={budget}"]
-    planner = MicroBatchPlanner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
-    micro_batches, plan = planner.plan(batch, seed=0)
-    for index, micro_batch in enumerate(micro_batches):  # as training runs them: later ones hold the gradients
+    planner = Planner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
+    plan = planner.plan(batch)
+    for index, micro_batch in enumerate(plan.micro_batches):  # as training runs them: later ones hold the gradients
         measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu", accumulate=index > 0)
-        assert measured.peak_bytes <= budget, (plan.k, measured.peak_bytes, budget)
+        assert measured.peak_bytes <= budget, (plan.pieces, measured.peak_bytes, budget)
     estimate = lambda structures, accumulate: planner.estimate(structures, accumulate).peak_bytes
-    brute_force = next(k for k in range(1, plan.k + 1)
-                       if max(make_plan(batch.blocks, estimate, k=k, seed=0).estimates) <= budget)
-    assert plan.k == brute_force
+    brute_force = next(k for k in range(1, plan.pieces + 1)
+                       if max(make_split(batch.blocks, estimate, k=k, seed=0).estimates) <= budget)
+    assert plan.pieces == brute_force
     if fraction >= 1.0:
-        assert plan.k == 1
+        assert plan.pieces == 1
     else:
-        assert plan.tried[0][0] > 1, "the search starts from the ratio of estimates, not from K = 1"
+        assert plan.split.tried[0][0] > 1, "the search starts from the ratio of estimates, not from K = 1"
 
 
 def test_balanced_weights_keep_the_largest_micro_batch_near_the_mean(setting):
     graph, config, batch, *_ = setting
-    planner = MicroBatchPlanner(config.micro_batch, model_spec(config, graph), torch.device("cpu"))
-    _, plan = planner.plan(batch, seed=0)
-    dynamic = [e - planner.resident for e in plan.estimates]
+    planner = Planner(config.micro_batch, model_spec(config, graph), torch.device("cpu"))
+    plan = planner.plan(batch)
+    dynamic = [e - planner.resident for e in plan.split.estimates]
     assert max(dynamic) <= 1.25 * sum(dynamic) / len(dynamic)
 
 
@@ -73,25 +73,25 @@ def test_impossible_and_malformed_budgets_name_the_cause(setting, capsys, tmp_pa
     spec = model_spec(config, graph)
     tiny = load_config(None, OVERRIDES + ["micro_batch.budget=1000"]).micro_batch
     with pytest.raises(PlanningError, match="below what training holds"):
-        MicroBatchPlanner(tiny, spec, torch.device("cpu")).plan(batch, 0)
-    resident = MicroBatchPlanner(tiny, spec, torch.device("cpu")).resident  # above it, but below one output's need
+        Planner(tiny, spec, torch.device("cpu")).plan(batch)
+    resident = Planner(tiny, spec, torch.device("cpu")).resident  # above it, but below one output's need
     small = load_config(None, OVERRIDES + [f"micro_batch.budget={resident + 1000}"]).micro_batch
     with pytest.raises(PlanningError, match=r"impossible: output node \d+ of the batch alone needs"):
-        MicroBatchPlanner(small, spec, torch.device("cpu")).plan(batch, 0)
+        Planner(small, spec, torch.device("cpu")).plan(batch)
     for bad, message in (("-5", "must be positive"), ("lots", "expected a size in bytes")):
         assert main(["plan", "--config", str(REPO / "configs/quickstart.yaml"), f"micro_batch.budget={bad}"]) == 2
         assert message in capsys.readouterr().err
     with pytest.raises(ConfigError, match="needs a CUDA device"):
-        MicroBatchPlanner(load_config(None, ["micro_batch.budget=auto"]).micro_batch, spec, torch.device("cpu"))
+        Planner(load_config(None, ["micro_batch.budget=auto"]).micro_batch, spec, torch.device("cpu"))
     with_budget = load_config(None, OVERRIDES + ["micro_batch.budget=1GB"])
     with pytest.raises(ConfigError, match="custom model: calibrate it"):
-        MicroBatchPlanner(with_budget.micro_batch, None, torch.device("cpu"))
+        Planner(with_budget.micro_batch, None, torch.device("cpu"))
     with pytest.raises(CalibrationError, match=r"cannot calibrate Linear: its forward failed .*\(TypeError: "):
         train(with_budget, model=torch.nn.Linear(1, 1), graph=graph, run_dir=tmp_path)
 
 
 def test_out_of_memory_replans_and_equals_planning_the_larger_k(tmp_path, monkeypatch):
-    original = trainer_module.accumulate_gradients
+    original = micro_batches_module.accumulate_gradients
     failures = []
 
     def flaky(model, micro_batches, *args):
@@ -102,7 +102,7 @@ def test_out_of_memory_replans_and_equals_planning_the_larger_k(tmp_path, monkey
 
     overrides = OVERRIDES + ["optim.epochs=2"]
     train(load_config(None, overrides + ["micro_batch.num_micro_batches=3"]), run_dir=tmp_path / "planned")
-    monkeypatch.setattr(trainer_module, "accumulate_gradients", flaky)
+    monkeypatch.setattr(micro_batches_module, "accumulate_gradients", flaky)
     train(load_config(None, overrides + ["micro_batch.num_micro_batches=2"]), run_dir=tmp_path / "replanned")
     assert failures == [2, 2], "each batch failed once with K = 2, then ran with K = 3"
     planned, replanned = load_checkpoint(tmp_path / "planned"), load_checkpoint(tmp_path / "replanned")
@@ -136,34 +136,32 @@ def test_plan_reuse_returns_the_same_micro_batches_until_the_batch_changes(setti
     original = partitioners_module.build_reg
     monkeypatch.setattr(partitioners_module, "build_reg", lambda block, *a, **k: builds.append(1) or original(block, *a, **k))
     fixed = load_config(None, OVERRIDES + ["micro_batch.num_micro_batches=4"]).micro_batch
-    planner = MicroBatchPlanner(fixed, model_spec(config, graph), torch.device("cpu"))
-    micro_batches, plan = planner.plan(batch, seed=0)
+    planner = Planner(fixed, model_spec(config, graph), torch.device("cpu"))
+    plan = planner.plan(batch)
     resampled = sample_batch(graph, graph.train_idx, [None, None])  # new tensors, same structure
     assert resampled.blocks[0].indices is not batch.blocks[0].indices
-    again, plan_again = planner.plan(resampled, seed=0)
-    assert plan_again is plan and again is micro_batches, "an identical batch gets the last plan back"
+    assert planner.plan(resampled) is plan, "an identical batch gets the last plan back"
     assert (planner.plans_made, planner.plans_reused, len(builds)) == (1, 1, 1)
-    fresh = MicroBatchPlanner(fixed, model_spec(config, graph), torch.device("cpu")).plan(resampled, seed=0)[0]
-    for one, two in zip(again, fresh):  # and it is what planning that batch from scratch gives
+    fresh = Planner(fixed, model_spec(config, graph), torch.device("cpu")).plan(resampled)
+    for one, two in zip(plan.micro_batches, fresh.micro_batches):  # what planning that batch from scratch gives
         for a, b in zip(one.blocks, two.blocks):
             assert torch.equal(a.src_nodes, b.src_nodes) and torch.equal(a.indptr, b.indptr)
             assert torch.equal(a.indices, b.indices)
 
     assert len(builds) == 2, "the fresh planner built its own REG"
-    _, more = planner.plan(batch, seed=0, min_k=6)  # re-planning after an out-of-memory error
-    assert more.k == 6 and planner.plans_made == 2 and len(builds) == 2, "a new plan; the batch's REG is reused"
-    planner.plan(batch, seed=1, min_k=6)
-    assert planner.plans_made == 3, "another seed is another planning input"
+    more = planner.plan(batch, 6)  # re-planning after an out-of-memory error
+    assert more.pieces == 6 and planner.plans_made == 2 and len(builds) == 2, "a new plan; the batch's REG is reused"
+    assert planner.plan(batch, 6) is more and planner.plans_made == 2
 
     changed = sample_batch(graph, graph.train_idx, [None, None])
     changed.blocks[0].indices = changed.blocks[0].indices.clone()
     changed.blocks[0].indices[0] = (changed.blocks[0].indices[0] + 1) % changed.blocks[0].num_src  # one edge moved
-    _, replanned = planner.plan(changed, seed=1, min_k=6)
-    assert planner.plans_made == 4 and replanned is not more
+    replanned = planner.plan(changed, 6)
+    assert planner.plans_made == 3 and replanned is not more
     weighted = sample_batch(graph, graph.train_idx, [None, None])
     weighted.blocks[-1].edge_weight = torch.ones(weighted.blocks[-1].num_edges)
-    planner.plan(weighted, seed=1, min_k=6)
-    assert planner.plans_made == 5, "edge weights are part of the structure"
+    planner.plan(weighted, 6)
+    assert planner.plans_made == 4, "edge weights are part of the structure"
 
 
 def test_a_weighted_batch_is_planned_with_weighted_estimates(setting):
@@ -174,14 +172,14 @@ def test_a_weighted_batch_is_planned_with_weighted_estimates(setting):
     weighted = Batch([dataclasses.replace(b, edge_weight=torch.rand(b.num_edges, generator=generator))
                       for b in batch.blocks])
     overrides = OVERRIDES + ["micro_batch.budget=1GB"]
-    planner = MicroBatchPlanner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
-    micro_batches, plan = planner.plan(weighted, seed=0)
-    for index, micro_batch in enumerate(micro_batches):
+    planner = Planner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
+    plan = planner.plan(weighted)
+    for index, micro_batch in enumerate(plan.micro_batches):
         assert micro_batch.blocks[0].edge_weight is not None
-        assert plan.estimates[index] == planner.estimate(micro_batch.blocks, accumulate=index > 0).peak_bytes
-    unweighted_estimate = MicroBatchPlanner(load_config(None, overrides).micro_batch, model_spec(config, graph),
-                                            torch.device("cpu")).plan(batch, seed=0)[1].estimates[0]
-    assert plan.estimates[0] > unweighted_estimate  # the weights are bytes of their own
+        assert plan.split.estimates[index] == planner.estimate(micro_batch.blocks, accumulate=index > 0).peak_bytes
+    unweighted_estimate = Planner(load_config(None, overrides).micro_batch, model_spec(config, graph),
+                                            torch.device("cpu")).plan(batch).split.estimates[0]
+    assert plan.split.estimates[0] > unweighted_estimate  # the weights are bytes of their own
 
 
 @pytest.fixture(scope="module")
@@ -206,17 +204,11 @@ def test_auto_chooses_a_plan_that_fits_the_budget_measured(cora, cora_full_batch
     config, model, optimizer, batch, full_peak = cora_full_batch
     budget = int(full_peak * fraction)
     section = config.micro_batch.model_copy(update={"mode": "auto", "budget": budget})
-    work, plan = MicroBatchPlanner(section, model_spec(config, cora), torch.device("cpu")).plan(batch, seed=0)
+    plan = Planner(section, model_spec(config, cora), torch.device("cpu")).plan(batch)
     set_dropout_key(model, 0, 0)
-    if isinstance(work, LayerwiseBatch):
-        assert plan.mode == "layerwise" and plan.estimate <= budget
-        measured = measure_layerwise_step(model, optimizer, work, cora.x, cora.y, "cpu").peak_bytes
-    else:
-        assert plan.mode == "betty" and max(plan.estimates) <= budget
-        measured = max(measure_training_step(model, optimizer, micro_batch, cora.x, cora.y, "cpu", work.num_outputs,
-                                             accumulate=index > 0).peak_bytes
-                       for index, micro_batch in enumerate(work))
-    assert measured <= budget, (plan.mode, plan.k, measured, budget)
+    assert plan.method in ("micro_batches", "layerwise") and plan.estimate <= budget
+    measured = max(plan.measure(model, optimizer, HostFeatureStore(cora.x, pin=False), cora.y, torch.device("cpu")))
+    assert measured <= budget, (plan.method, plan.pieces, measured, budget)
 
 
 @pytest.mark.parametrize("aggregator, linear, aggregate", [
@@ -230,7 +222,7 @@ def test_step_work_counts_each_sage_aggregator_s_own_maps(aggregator, linear, ag
     it forward and backward (the input layer's input takes no gradient), a layer-wise step once more."""
     from types import SimpleNamespace
 
-    from betty_trainer.memory.plan import MASK_COST, step_work
+    from betty_trainer.memory.work import MASK_COST, step_work
 
     spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1)
     piece = SimpleNamespace(num_src=10, num_dst=4, indptr=torch.tensor([0, 5, 10, 15, 20]))
@@ -247,7 +239,7 @@ def test_step_work_of_a_projected_sage_layer_projects_its_block_s_src_rows_once(
     dst input rows (8 wide)."""
     from types import SimpleNamespace
 
-    from betty_trainer.memory.plan import MASK_COST, step_work
+    from betty_trainer.memory.work import MASK_COST, step_work
 
     spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1)
     pieces = [SimpleNamespace(num_src=10, num_dst=2, indptr=torch.tensor([0, 5, 10]))] * 2
@@ -262,13 +254,51 @@ def test_fewer_micro_batches_than_asked_are_reported_once(cora, caplog):
     batch = sample_batch(cora, cora.train_idx, [None, None])
     for partitioner in ("reg", "range"):
         section = config.micro_batch.model_copy(update={"partitioner": partitioner})
-        planner = MicroBatchPlanner(section, model_spec(config, cora), torch.device("cpu"))
+        planner = Planner(section, model_spec(config, cora), torch.device("cpu"))
         caplog.clear()
         with caplog.at_level("WARNING", logger="betty_trainer"):
-            _, plan = planner.plan(batch, seed=0)
-            planner.plan(batch, seed=1)
+            plan = planner.plan(batch)
+            planner.plan(batch, 2)  # planned again: the warning is not repeated
         said = [r.getMessage() for r in caplog.records if "asks for 64 micro-batches" in r.getMessage()]
         if partitioner == "reg":
-            assert plan.k < 64 and len(said) == 1 and f"made {plan.k}" in said[0]
+            assert plan.pieces < 64 and len(said) == 1 and f"made {plan.pieces}" in said[0]
         else:
-            assert plan.k == 64 and not said
+            assert plan.pieces == 64 and not said
+
+
+@pytest.mark.parametrize("mode", ["micro_batches", "layerwise"])
+def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, mode):
+    """Whatever the planner returns is used through the StepPlan interface alone: ``run`` gives the full batch's
+    loss and gradient (dropout off: the same sums in another order), ``redundancy`` has one entry per layer,
+    ``report`` is JSON and names the method, ``measure`` gives a peak per measured unit."""
+    from betty_trainer import StepPlan
+
+    graph, config, batch, *_ = setting
+    section = load_config(None, OVERRIDES + [f"micro_batch.mode={mode}", "micro_batch.num_micro_batches=3"]).micro_batch
+    plan = Planner(section, model_spec(config, graph), torch.device("cpu")).plan(batch)
+    assert isinstance(plan, StepPlan) and plan.method == mode and plan.pieces == 3
+    gradients = {}
+    for name, run in {"plan": plan.run, "full batch": micro_batches_module.MicroBatchPlan(
+            batch, make_split(batch.blocks, k=1), 0.0, "range").run}.items():
+        torch.manual_seed(0)
+        model = build_model(config.model.model_copy(update={"dropout": 0.0}), graph)
+        result = run(model, HostFeatureStore(graph.x, pin=False), graph.y, torch.device("cpu"))
+        gradients[name] = (result.loss, [p.grad for p in model.parameters()])
+    (loss, grads), (full_loss, full_grads) = gradients["plan"], gradients["full batch"]
+    assert loss == pytest.approx(full_loss, rel=1e-5)  # float32 sums regrouped: ~1e-7 relative per term
+    for grad, full in zip(grads, full_grads):
+        torch.testing.assert_close(grad, full, rtol=1e-4, atol=1e-6)  # as tests/test_exactness.py
+    assert len(plan.redundancy()) == len(batch.blocks) and min(plan.redundancy()) >= 1.0
+    report = json.loads(json.dumps(plan.report()))
+    assert report["mode"] == mode and report["redundancy_per_layer"] == plan.redundancy()
+    model = build_model(config.model, graph)
+    measured = plan.measure(model, torch.optim.Adam(model.parameters()), HostFeatureStore(graph.x, pin=False),
+                            graph.y, torch.device("cpu"))
+    assert len(measured) == (3 if mode == "micro_batches" else 1) and min(measured) > 0
+
+
+def test_the_old_mode_name_betty_still_works_and_says_it_was_renamed(caplog):
+    with caplog.at_level("WARNING", logger="betty_trainer"):
+        config = load_config(None, ["micro_batch.mode=betty"])
+    assert config.micro_batch.mode == "micro_batches"
+    assert "micro_batch.mode=betty is now called micro_batch.mode=micro_batches" in caplog.text

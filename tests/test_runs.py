@@ -528,8 +528,8 @@ def test_quiet_native_stderr_hides_profiler_lines_and_passes_the_others_on(capfd
 
 def test_log_level_sends_the_package_messages_to_stderr(capsys, monkeypatch):
     def checks_that_log(config, **kwargs):
-        logging.getLogger("betty_trainer.memory.plan").info("calibrated in 1 s")
-        logging.getLogger("betty_trainer.memory.plan").warning("re-planning with K ≥ 5")
+        logging.getLogger("betty_trainer.memory.planner").info("calibrated in 1 s")
+        logging.getLogger("betty_trainer.memory.planner").warning("re-planning with K ≥ 5")
         logging.getLogger("estimator.calibrate").debug("a detail")
         return ["nothing"]
 
@@ -561,7 +561,7 @@ def test_host_memory_running_out_mid_step_is_one_error_line(tmp_path, capsys, mo
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
                            "memory: you tried to allocate 128000000000 bytes. Error code 12")
 
-    monkeypatch.setattr("betty_trainer.training.trainer.micro_batch_backward", out_of_memory)
+    monkeypatch.setattr("betty_trainer.execution.micro_batches.micro_batch_backward", out_of_memory)
     result = betty_in_process(capsys, *train_cli(tmp_path / "run", "optim.epochs=1"))
     assert_one_line_error(result, "epoch 0, batch 0: out of host memory", "raise micro_batch.num_micro_batches",
                           "no checkpoint was written yet")

@@ -6,7 +6,7 @@ and serves ``gather(node_ids, device)`` from three places, in this order:
 
 1. a **staged macro-batch** (BatchGNN §3): the rows of the union of the input nodes of several
    consecutive mini-batches (or of the micro-batches of one batch), gathered once by
-   :meth:`CachedFeatureStore.stage` and kept on the device until :meth:`~CachedFeatureStore.unstage`;
+   :meth:`CachedFeatureStore.prefetch` and kept on the device until :meth:`~CachedFeatureStore.release`;
 2. the **node cache**: ``capacity`` rows resident on the device, chosen by ``kind``:
 
    * ``static``: the ``capacity`` nodes of highest degree (out-degree: the neighbour lists holding them),
@@ -16,7 +16,7 @@ and serves ``gather(node_ids, device)`` from three places, in this order:
      of one gather is read "at the same time"; after a gather the cache holds the ``capacity`` nodes
      of largest ``(last gather that read it, node id)``, so ties are broken by node id. Misses enter
      the cache from the rows just copied (no extra transfer);
-   * ``gns``: the global node cache of GNS (§3.1–3.2) *is* the cache: :meth:`start_batch` asks
+   * ``gns``: the global node cache of GNS (§3.1–3.2) *is* the cache: :meth:`begin_batch` asks
      ``node_source(key)`` (``GNSSampler.cache_nodes``) for the batch's cached node set, and when it
      changed (a refresh, every ``P`` batches) copies the new set onto the device (rows already
      resident are moved on the device; only the others are read from the host);
@@ -43,7 +43,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
-from betty_trainer.data.feature_store import HostFeatureStore, TransferStats, same_device, transfer_bytes
+from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats, same_device, transfer_bytes
 from betty_trainer.errors import ConfigError
 
 CacheKind = Literal["none", "static", "lru", "gns"]
@@ -148,7 +148,7 @@ def device_bytes_bound(kind: CacheKind, cache_rows: int, num_nodes: int, row_byt
     return held
 
 
-class CachedFeatureStore:
+class CachedFeatureStore(FeatureStore):
     """A device node cache and macro-batch staging in front of a host store (see the module docstring).
 
     Args:
@@ -228,7 +228,7 @@ class CachedFeatureStore:
 
     # --- batch hooks -----------------------------------------------------------------------------------------
 
-    def start_batch(self, key: Any) -> None:
+    def begin_batch(self, key: Any) -> None:
         """Tell the store which batch comes next: a ``gns`` cache takes the batch's node set
         (``node_source(key)``), refilling the device copy when it changed; rows already on the device (in
         the old set or in a staged macro-batch) are copied there, only the others are read from the host.
@@ -256,9 +256,10 @@ class CachedFeatureStore:
         self._rows, self._cached_set, self.capacity = rows, nodes, nodes.numel()
         self.stats.gather_seconds += time.perf_counter() - started
 
-    def stage(self, node_ids: Tensor) -> None:
+    def prefetch(self, node_ids: Tensor | None) -> None:
         """Gather the rows of ``node_ids`` (the union of the input nodes of a macro-batch, BatchGNN §3)
-        onto the device once; until :meth:`unstage`, gathers of these nodes are served from them.
+        onto the device once; until :meth:`release`, gathers of these nodes are served from them.
+        ``None`` stages nothing.
 
         Rows found in the cache are copied on the device; the others are read from the host now
         (their bytes are counted now, their misses at their first request). An LRU cache admits the
@@ -267,7 +268,9 @@ class CachedFeatureStore:
         Args:
             node_ids: ``(u,)`` int64 node ids (duplicates are read once).
         """
-        self.unstage()
+        self.release()
+        if node_ids is None:
+            return
         started = time.perf_counter()
         self._ensure_filled()
         nodes = torch.unique(node_ids.to(self.device).long())
@@ -279,7 +282,7 @@ class CachedFeatureStore:
         self._stage_table[nodes] = torch.arange(nodes.numel(), dtype=torch.int32, device=self.device)
         self.stats.gather_seconds += time.perf_counter() - started
 
-    def unstage(self) -> None:
+    def release(self) -> None:
         """Drop the staged macro-batch (its rows read from the host and never requested count as
         ``cache_fill_bytes``: they were moved, but served nothing)."""
         if self._stage_owed is not None:

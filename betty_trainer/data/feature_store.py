@@ -66,19 +66,39 @@ class TransferStats:
 
 @runtime_checkable
 class FeatureStore(Protocol):
-    """Node features behind one call: ``gather(node_ids, device)``, with transfer statistics.
+    """Node features behind one call, ``gather(node_ids, device)``, with transfer statistics and the
+    per-batch hooks the training loop calls (DESIGN.md › Seams › FeatureStore).
 
     Implementations return ``(len(node_ids), F)`` rows on ``device`` in the order of
     ``node_ids``, as a new tensor the caller owns (the training step lets input dropout
     overwrite it), and add what the gather cost to ``stats``. The training step, measurement,
     calibration and evaluation take a store, never a raw tensor (see :func:`as_feature_store`).
+
+    The loop calls, per round of batches, ``prefetch(nodes)`` before its batches (the union of their
+    input nodes when they are staged together, BatchGNN §3; ``None`` otherwise) and ``release()`` after
+    them, and ``begin_batch(key)`` before each batch. A store with nothing to do there inherits the no-op
+    hooks by subclassing this protocol (as :class:`HostFeatureStore` does).
     """
 
     stats: TransferStats
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one node's features (``F × itemsize``)."""
+        ...
+
     def gather(self, node_ids: Tensor, device: torch.device | str) -> Tensor:
         """``(len(node_ids), F)`` features of ``node_ids`` (int64, any device) on ``device``."""
         ...
+
+    def begin_batch(self, key: object) -> None:
+        """The batch keyed ``key`` (a :class:`~betty_trainer.sampling.base.SampleKey`) runs next."""
+
+    def prefetch(self, node_ids: Tensor | None) -> None:
+        """The next batches read ``node_ids`` (``(u,)`` int64, duplicates allowed); ``None``: no hint."""
+
+    def release(self) -> None:
+        """The batches :meth:`prefetch` announced have run."""
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
@@ -124,7 +144,7 @@ def transfer_bytes(rows: int, row_bytes: int, source: torch.device | str, target
     return 0 if same_device(source, target) else rows * row_bytes
 
 
-class HostFeatureStore:
+class HostFeatureStore(FeatureStore):
     """Features in host memory, gathered through a reusable (pinned) staging buffer.
 
     A gather to the storage's own device returns ``x[node_ids]`` (a new tensor; nothing is

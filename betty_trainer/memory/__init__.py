@@ -1,2 +1,2 @@
-"""The memory plan of a batch: a model's estimate (closed form, or calibrated for a custom model), the
-budget, and the K search of :mod:`partition` composed into micro-batches."""
+"""The memory plan of a batch: a model's estimate (closed form, or calibrated for a custom model), the budget, the
+work model, and the planner that searches the micro-batches or layer-wise chunks that fit."""

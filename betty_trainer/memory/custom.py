@@ -3,7 +3,7 @@ coefficients by tracing them at a few sizes … and fitting, so the estimate sta
 
 :func:`calibrate_model` runs real training steps of a copy of the model on a few
 synthetic micro-batches of different sizes, measures each peak with
-:func:`~betty_trainer.training.step.measure_training_step`, fits the per-layer
+:func:`~betty_trainer.execution.micro_batches.measure_training_step`, fits the per-layer
 coefficients of :func:`estimator.calibrate.fit`, and checks the fit on a held-out
 micro-batch. From then on the estimate is the fitted formula: no tensor is allocated.
 """
@@ -23,8 +23,8 @@ from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import FeatureStore, as_feature_store
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import CalibrationError
+from betty_trainer.execution.micro_batches import measure_training_step, training_state
 from betty_trainer.sampling import sample_batch
-from betty_trainer.training.step import measure_training_step, training_state
 from estimator.calibrate import CalibratedModel, FitError, SamplesTooSmallError, fit
 from estimator.counts import LayerCounts, block_structure_bytes, counts_of
 from estimator.measure import storage_bytes
@@ -94,7 +94,7 @@ def calibrate_model(
     when the CPU is busy).
 
     The measured steps gather ``graph.x`` and ``graph.y``; peaks are those of
-    :func:`~betty_trainer.training.step.measure_training_step` with ``accumulate=True`` (a batch's
+    :func:`~betty_trainer.execution.micro_batches.measure_training_step` with ``accumulate=True`` (a batch's
     micro-batches after the first, which hold the gradients of the earlier ones: the
     costlier case, so the fit covers every micro-batch), expressed with the model state
     (parameters, their gradients, buffers, optimizer state) as the resident bytes and

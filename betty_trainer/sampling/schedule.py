@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -167,44 +168,49 @@ def make_feature_store(config: Config, graph: Graph, device: torch.device | str,
     return CachedFeatureStore(host, device, kind, capacity, degrees=graph.out_degrees() if kind == "static" else None)
 
 
-def sampled_batches(config: Config, sampler: Sampler, features: FeatureStore, seed_batches: Sequence[Tensor],
-                    epoch: int) -> Iterator[tuple[int, Tensor, Batch]]:
-    """``(index, seeds, batch)`` for each batch of ``epoch``, in order, with the feature store told
-    what comes: a GNS cache takes each batch's node set before the batch runs
-    (:meth:`CachedFeatureStore.start_batch`) and, with ``features.macro_batch = M ≥ 1``, every
-    ``M`` consecutive batches are sampled ahead and the union of their input nodes is staged on the
-    device in one gather (BatchGNN §3; :meth:`CachedFeatureStore.stage`), dropped after the
-    ``M``-th. Batches are keyed by ``SampleKey(config.seed, epoch, index)`` whether sampled ahead
-    or not, so the batches are the same with and without macro-batching.
+@dataclass
+class BatchRound:
+    """Consecutive batches of an epoch that run together, and the input nodes staged for them.
 
-    With ``features.macro_batch_budget``, the batches are staged in rounds whose rows fit it
-    (:func:`staging_rounds`); a batch whose own rows do not fit is not staged (its micro-batches gather
-    as without macro-batching), so a staged macro-batch never holds more than the budget.
+    Attributes:
+        batches: ``(index, seeds, batch)`` per batch, in training order (``index``: the batch's position in the
+            epoch, its ``SampleKey.step``).
+        staged_nodes: the union of their input nodes (with duplicates) for the feature store to stage on the
+            device before they run (``FeatureStore.prefetch``; BatchGNN §3), or ``None``: each batch gathers its
+            own rows.
+    """
 
-    Memory: with macro-batching ``M`` sampled batches and the union's rows are alive at once.
+    batches: list[tuple[int, Tensor, Batch]]
+    staged_nodes: Tensor | None
+
+
+def batch_rounds(config: Config, sampler: Sampler, seed_batches: Sequence[Tensor], epoch: int,
+                 row_bytes: int) -> Iterator[BatchRound]:
+    """The batches of ``epoch`` in rounds: one batch per round, or with ``features.macro_batch = M ≥ 1`` every ``M``
+    consecutive batches sampled ahead, whose input nodes the store stages on the device in one gather (BatchGNN
+    §3). Batches are keyed by ``SampleKey(config.seed, epoch, index)`` whether sampled ahead or not, so the
+    batches are the same with and without macro-batching.
+
+    With ``features.macro_batch_budget``, the ``M`` batches are staged in rounds whose distinct rows of
+    ``row_bytes`` bytes fit it (:func:`staging_rounds`); a batch whose own rows do not fit is a round that stages
+    nothing (its micro-batches gather as without macro-batching), so a staged macro-batch never holds more than
+    the budget.
+
+    Memory: with macro-batching ``M`` sampled batches are alive at once.
     """
     group = max(1, config.features.macro_batch)
-    cached = isinstance(features, CachedFeatureStore)
-    staging = cached and config.features.macro_batch > 0
+    staging = config.features.macro_batch > 0
     budget = config.features.macro_batch_budget
     for start in range(0, len(seed_batches), group):
         indices = list(range(start, min(start + group, len(seed_batches))))
         batches = [sampler.sample(seed_batches[i], SampleKey(config.seed, epoch, i)) for i in indices]
-        rounds = staging_rounds([batch.input_nodes for batch in batches], features.row_bytes, budget) \
-            if staging else [range(len(batches))]
+        rounds = staging_rounds([batch.input_nodes for batch in batches], row_bytes, budget) \
+            if staging else [range(m, m + 1) for m in range(len(batches))]
         for members in rounds:
             nodes = torch.cat([batches[m].input_nodes for m in members]) if staging else None
-            staged = staging and (budget is None or torch.unique(nodes).numel() * features.row_bytes <= budget)
-            if staged:  # a batch over the budget on its own is gathered per micro-batch, not staged
-                features.stage(nodes)
-            try:
-                for m in members:
-                    if cached:
-                        features.start_batch(SampleKey(config.seed, epoch, indices[m]))
-                    yield indices[m], seed_batches[indices[m]], batches[m]
-            finally:
-                if staged:
-                    features.unstage()
+            if nodes is not None and budget is not None and torch.unique(nodes).numel() * row_bytes > budget:
+                nodes = None  # a batch over the budget on its own is gathered per micro-batch, not staged
+            yield BatchRound([(indices[m], seed_batches[indices[m]], batches[m]) for m in members], nodes)
         del batches
 
 

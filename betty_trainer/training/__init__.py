@@ -1,1 +1,1 @@
-"""Training: one micro-batch step, the epoch loop, evaluation, checkpoints and the run directory."""
+"""Training: the epoch loop, the plan dry run, evaluation, checkpoints, inference and the run directory."""

@@ -19,7 +19,8 @@ import torch
 from betty_trainer.config import Config
 from betty_trainer.datasets import DATASETS, require_labels
 from betty_trainer.errors import ConfigError
-from betty_trainer.memory.plan import model_spec, resolve_budget
+from betty_trainer.memory.budget import resolve_budget
+from betty_trainer.memory.spec import model_spec
 from betty_trainer.sampling.schedule import check_macro_batch_budget
 from betty_trainer.training.rundir import check_run_dir_path, holds_checkpoint, holds_run
 

@@ -1,42 +1,44 @@
-"""The training loop: sample → partition into micro-batches → accumulate gradients → step (Betty §4.2).
+"""The training loop: sample → plan → forward and backward the plan's pieces → one optimizer step (Betty §4.2).
 
-Reads top to bottom (see :func:`train`). One optimizer step per batch; micro-batch
-``k`` contributes ``Σ_{i∈V_k} loss_i / |V|``, so the accumulated gradient is the
-full batch's gradient.
+:func:`train` reads top to bottom: setup apart (:func:`_prepare`), then per batch the plan, ``zero_grad``, the
+plan's ``run`` (micro-batches or layer-wise chunks: each piece contributes ``Σ_{i∈V_k} loss_i / |V|``, so the
+accumulated gradient is the full batch's) and ``optimizer.step()``, with the out-of-memory re-plan as its one
+wrapper.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 from rich.console import Console
-from torch import Tensor, nn
+from torch import nn
 
 from betty_trainer.config import Config
-from betty_trainer.data.block import Batch
-from betty_trainer.data.cache import CachedFeatureStore
-from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, as_feature_store
+from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset, no_training_nodes_message
 from betty_trainer.errors import ConfigError, TrainingError
-from betty_trainer.memory.plan import LayerwisePlan, MicroBatchPlanner, make_planner, plan_redundancy, plan_report
+from betty_trainer.execution.plan import StepPlan, StepResult
+from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
+from betty_trainer.sampling.base import SampleKey, Sampler
 from betty_trainer.sampling.schedule import (
+    batch_rounds,
     epoch_seeds,
     first_batch,
     make_feature_store,
     make_sampler,
     plan_seed,
-    sampled_batches,
 )
 from betty_trainer.training.checkpoint import (
     BEST_NAME,
@@ -51,7 +53,6 @@ from betty_trainer.training.checkpoint import (
     save_checkpoint,
 )
 from betty_trainer.training.evaluation import evaluate_splits
-from betty_trainer.training.layerwise import LayerwiseBatch, layerwise_backward
 from betty_trainer.training.output import EpochProgress, epoch_status, quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.rundir import (
@@ -64,8 +65,6 @@ from betty_trainer.training.rundir import (
     new_run_dir,
     write_text,
 )
-from betty_trainer.training.step import MicroBatches, micro_batch_backward
-from partition import Plan
 
 logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
@@ -114,52 +113,6 @@ def init_model(config: Config, graph: Graph) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(config.seed, 0, _INIT_STREAM))
         return build_model(config.model, graph)
-
-
-def accumulate_gradients(
-    model: nn.Module,
-    micro_batches: Sequence[Batch],
-    features: Tensor | FeatureStore,
-    labels: Tensor,
-    device: torch.device,
-) -> tuple[float, int]:
-    """Forward and backward every micro-batch, accumulating ``∇ mean_{i∈V} loss_i`` in ``.grad``.
-
-    Micro-batch ``k`` contributes ``Σ_{i∈V_k} CE_i / |V|`` with ``|V|`` the batch's
-    output count (Betty §4.2.3), so the sum equals the full-batch gradient. Each
-    micro-batch is released before the next is read, so with
-    :class:`~betty_trainer.training.step.MicroBatches` (which builds a micro-batch when it is read)
-    one micro-batch is alive at a time.
-
-    Args:
-        model: ``forward(blocks, x)`` returning ``(num_outputs, C)`` logits.
-        micro_batches: disjoint micro-batches of one batch.
-        features: the :class:`~betty_trainer.data.feature_store.FeatureStore` the input rows are
-            gathered from, or an ``(N, F)`` tensor (wrapped unpinned, see
-            :func:`~betty_trainer.data.feature_store.as_feature_store`).
-        labels: ``(N,)`` int64 labels.
-        device: where the model runs.
-
-    Returns:
-        The batch's mean loss and the number of correctly classified outputs.
-
-    Raises:
-        TrainingError: if a loss is NaN or infinite (no gradient of that batch is applied).
-    """
-    features = as_feature_store(features)
-    if isinstance(micro_batches, MicroBatches):
-        total = micro_batches.num_outputs  # without building the micro-batches
-    else:
-        total = sum(mb.output_nodes.numel() for mb in micro_batches)
-    loss_sum, correct, index = 0.0, 0, 0
-    for micro_batch in micro_batches:  # not enumerate(), whose cached result tuple keeps the previous item alive
-        try:
-            loss, right = micro_batch_backward(model, micro_batch, features, labels, device, total)
-        except TrainingError as error:
-            raise TrainingError(f"{error} in micro-batch {index}; try a lower optim.lr") from None
-        del micro_batch  # gone before the next one is built
-        loss_sum, correct, index = loss_sum + loss, correct + right, index + 1
-    return loss_sum, correct
 
 
 @holds_run_directories  # the run directory's lock is released when train() returns or raises
@@ -220,141 +173,56 @@ def train(
     device = resolve_device(config.train.device)
     path = Path(run_dir or new_run_dir(config))
     check_config(config, dataset=graph is None, run_dir=path)
-    run = RunDirectory.open(path, create=not resume, overwrite=overwrite)  # refused if another run holds it
-    try:
-        state = load_checkpoint(path) if resume else None  # verified before any data is loaded
-        if state is not None:
-            _check_resumable(config, state, path)
-
-        graph = graph if graph is not None else load_dataset(config.dataset)
-        if graph.train_idx.numel() == 0:
-            raise ConfigError(no_training_nodes_message(graph.name))
-        builtin = model is None
-        if builtin:
-            check_model_size(config, graph, device)
-        with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
-            planner = make_planner(config, graph, model, device)
-        model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
-        optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-        scheduler = make_scheduler(config, optimizer)
-        sampler = make_sampler(config, graph)
-        if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
-            logger.warning("GCN sums its neighbours, and GNS's importance weights leave a weighted sum biased upward on "
-                           "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "
-                           "+13% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
-                           "unbiased under GNS (model.arch=sage)")
-        features = make_feature_store(config, graph, device, sampler, HostFeatureStore(graph.x, pin=device.type == "cuda"))
-        # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
-        evaluation_features = features.host if isinstance(features, CachedFeatureStore) else features
-        splits = {"val": graph.val_idx, "test": graph.test_idx}
-        model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
-        ident = identity(dataset_identity(graph), model_id, model.state_dict())
-
-        metrics_path = path / "metrics.jsonl"
-        start_epoch, best = 0, {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")}
-        if state is not None:
-            difference = identity_difference(state["identity"], ident)
-            if difference is not None:
-                raise TrainingError(f"cannot resume {path}: {difference}; resume with the run's own model and dataset, "
-                                    "or start a new run (--overwrite, or another train.run_dir)")
-            if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) and state.get("scheduler") \
-                    and state["scheduler"].get("T_max") != config.optim.epochs:
-                raise TrainingError(f"cannot resume {path}: optim.scheduler=cosine anneals over optim.epochs "
-                                    f"({state['scheduler'].get('T_max')} in the run, {config.optim.epochs} here); "
-                                    "resume with the run's optim.epochs, or start a new run")
-            if (state.get("scheduler") is None) != (scheduler is None):
-                raise TrainingError(f"cannot resume {path}: optim.scheduler differs from the run's "
-                                    f"({config.optim.scheduler!r} here); resume with the run's optim.scheduler")
-            try:
-                model.load_state_dict(state["model"])
-                optimizer.load_state_dict(state["optimizer"])
-                if scheduler is not None:
-                    scheduler.load_state_dict(state["scheduler"])
-            except (RuntimeError, ValueError, KeyError, TypeError) as error:
-                raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} does not fit this model "
-                                    f"({str(error).strip().splitlines()[0]}); start a new run") from None
-            start_epoch, best = state["epoch"] + 1, state["best"]
-            apply_optim_config(config, optimizer, scheduler)
-
-        # the first batch's plan: an impossible budget is refused here, before anything is written
-        planner.plan(first_batch(config, graph, sampler, start_epoch), plan_seed(config))
+    directory = RunDirectory.open(path, create=not resume, overwrite=overwrite)  # refused if another run holds it
+    try:  # every check, and the data, model and checkpoint loaded, before anything is written
+        run = _prepare(config, model, graph, path, resume, device)
     except BaseException as error:  # refused before the run started: nothing written, a directory made for it removed
         _name_run(error, path)
-        run.abandon()
+        directory.abandon()
         raise
-
-    # Everything is checked and loaded: the run really starts (or resumes) here.
-    if state is not None:
-        _truncate_metrics(metrics_path, state["epoch"])
-        _record_resume(run, config, start_epoch, environment(device, command))
-    else:
-        if overwrite:
-            run.clear()
-        run.write_text("environment.json", json.dumps(environment(device, command), indent=2) + "\n")
-        run.write_text("metrics.jsonl", "")
-    run.write_text("config.yaml", config.to_yaml())
-    _print_start(console, config, graph, device, model, path, start_epoch, resume)
+    _start(directory, config, run, device, overwrite, command)
+    _print_start(console, config, run.graph, device, run.model, path, run.start_epoch, resume)
+    model, optimizer, planner, features, graph = run.model, run.optimizer, run.planner, run.features, run.graph
     board = _tensorboard(config, path)
-
-    last, stopped_early, warned_dropout = None, False, False
+    last, stopped_early, best, warned = None, False, run.best, False
     model.train()
     try:
         with EpochProgress(console, f"{graph.name} · {config.micro_batch.partitioner}", config.optim.epochs,
-                           start_epoch, live=config.train.progress) as progress:
-            for epoch in range(start_epoch, config.optim.epochs):
-                started = time.perf_counter()
-                seed_batches = epoch_seeds(config, graph, epoch)
-                loss_sum, correct, k_used, input_redundancy = 0.0, 0, 0, 0.0
-                gathered_before = features.stats.snapshot()
-                lr = optimizer.param_groups[0]["lr"]
-                for index, seeds, batch in sampled_batches(config, sampler, features, seed_batches, epoch):
-                    set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
-                    outcome = _train_batch(model, optimizer, planner, batch, features, graph.y, device,
-                                           plan_seed(config), where=f"epoch {epoch}, batch {index}",
-                                           last_good=_last_good(path, epoch))
-                    optimizer.step()
-                    if epoch == start_epoch and index == 0:  # the plan of the first batch, as `betty-train plan` prints it
-                        report = plan_report(planner, batch, outcome.batches, outcome.plan)
-                        if epoch == 0:
-                            run.write_text("plan.json", json.dumps(report, indent=2))
-                        _print_plan(console, report)
-                    if not warned_dropout and outcome.plan.k > 1:
-                        warned_dropout = _warn_torch_dropout(model, outcome.plan.k)
-                    loss_sum += outcome.loss * seeds.numel()
-                    correct += outcome.correct
-                    k_used = max(k_used, outcome.plan.k)
-                    input_redundancy = max(input_redundancy, plan_redundancy(batch, outcome.plan)[0])
-                gathered = features.stats - gathered_before
-                if scheduler is not None:
-                    scheduler.step()
+                           run.start_epoch, live=config.train.progress) as progress:
+            for epoch in range(run.start_epoch, config.optim.epochs):
+                started, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
+                totals, seed_batches = _EpochTotals(features.stats.snapshot()), epoch_seeds(config, graph, epoch)
+                for batch_round in batch_rounds(config, run.sampler, seed_batches, epoch, features.row_bytes):
+                    features.prefetch(batch_round.staged_nodes)  # a macro-batch's rows, staged on the device at once
+                    for index, seeds, batch in batch_round.batches:
+                        features.begin_batch(SampleKey(config.seed, epoch, index))  # a GNS cache takes its node set
+                        set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
+                        where, plan = f"epoch {epoch}, batch {index}", planner.plan(batch)
+                        while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
+                            optimizer.zero_grad(set_to_none=True)
+                            try:
+                                with _named_failures(where, _last_good(path, epoch)):
+                                    result = plan.run(model, features, graph.y, device)
+                                break
+                            except torch.cuda.OutOfMemoryError:
+                                plan = _replan(planner, plan, where, device)
+                        optimizer.step()
+                        if epoch == run.start_epoch and index == 0:  # the first batch's plan, as `betty-train plan` shows it
+                            _record_plan(directory, console, plan, write=epoch == 0)
+                        warned = warned or (plan.pieces > 1 and _warn_torch_dropout(model, plan.pieces))
+                        totals.add(plan, result, seeds.numel())
+                    features.release()
+                if run.scheduler is not None:
+                    run.scheduler.step()
                 diverged = non_finite(model.state_dict())
                 if diverged:
                     raise TrainingError(f"epoch {epoch}: {diverged} after the optimizer step (training diverged); "
                                         f"try a lower optim.lr; {_last_good(path, epoch)}")
-
-                evaluate_now = (epoch + 1) % config.train.eval_every == 0 or epoch + 1 == config.optim.epochs
-                accuracy = (evaluate_splits(model, graph, evaluation_features, device, splits, config.model.num_layers)
-                            if evaluate_now else {})
-                val_acc, test_acc = accuracy.get("val"), accuracy.get("test")
-                last = EpochMetrics(epoch, loss_sum / graph.train_idx.numel(), correct / graph.train_idx.numel(),
-                                    val_acc, test_acc, k_used, input_redundancy, time.perf_counter() - started,
-                                    host_to_device_bytes=gathered.host_to_device_bytes, lr=lr,
-                                    feature_hits=gathered.hits, feature_misses=gathered.misses,
-                                    cache_fill_bytes=gathered.cache_fill_bytes)
-                run.append_line("metrics.jsonl", json.dumps(asdict(last)))
-                if val_acc is not None and val_acc > best["val_acc"]:
-                    best = {"epoch": epoch, "val_acc": val_acc, "test_acc": test_acc}
-                    save_checkpoint(path, {"format": FORMAT, "kind": "best", "epoch": epoch,
-                                           "model": model.state_dict(), "metrics": asdict(last),
-                                           "identity": ident}, BEST_NAME)
-                save_checkpoint(path, {"format": FORMAT, "kind": "last", "epoch": epoch, "model": model.state_dict(),
-                                       "optimizer": optimizer.state_dict(),
-                                       "scheduler": None if scheduler is None else scheduler.state_dict(),
-                                       "best": best, "identity": ident}, LAST_NAME)
-                if board is not None:
-                    _log_tensorboard(board, last)
+                last = totals.metrics(epoch, graph, features.stats.snapshot(), time.perf_counter() - started, lr,
+                                      _evaluate(config, run, epoch, device))
+                best = _end_epoch(directory, run, last, best, board)
                 progress.advance(epoch, epoch_status(last, best))
-                if _patience_exhausted(config, epoch, best) and val_acc is not None:
+                if _patience_exhausted(config, epoch, best) and last.val_acc is not None:
                     stopped_early = True
                     console.print(f"early stopping after epoch {epoch}: validation accuracy has not improved for "
                                   f"{epoch - best['epoch']} epoch(s) (train.patience={config.train.patience})",
@@ -370,6 +238,187 @@ def train(
     if last is None:
         raise TrainingError(f"run in {path} already finished {config.optim.epochs} epochs; raise optim.epochs to continue")
     return TrainResult(path, best["epoch"], best["val_acc"], best["test_acc"], last, stopped_early)
+
+
+@dataclass
+class _Run:
+    """What a run holds once it is set up (:func:`_prepare`)."""
+
+    graph: Graph
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    sampler: Sampler
+    features: FeatureStore
+    evaluation_features: FeatureStore
+    planner: Planner
+    identity: dict
+    path: Path
+    start_epoch: int = 0
+    best: dict = field(default_factory=lambda: {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")})
+    resumed_from: int | None = None
+
+
+def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path: Path, resume: bool,
+             device: torch.device) -> _Run:
+    """Load the checkpoint (on resume, verified before any data is read), the data and the model, build the
+    optimizer, sampler, feature store and planner, and plan the first batch (an impossible budget is refused
+    here). Writes nothing."""
+    state = load_checkpoint(path) if resume else None
+    if state is not None:
+        _check_resumable(config, state, path)
+    graph = graph if graph is not None else load_dataset(config.dataset)
+    if graph.train_idx.numel() == 0:
+        raise ConfigError(no_training_nodes_message(graph.name))
+    builtin = model is None
+    if builtin:
+        check_model_size(config, graph, device)
+    with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
+        planner = make_planner(config, graph, model, device, plan_seed(config))
+    model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    sampler = make_sampler(config, graph)
+    if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
+        logger.warning("GCN sums its neighbours, and GNS's importance weights leave a weighted sum biased upward on "
+                       "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "
+                       "+13% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
+                       "unbiased under GNS (model.arch=sage)")
+    host = HostFeatureStore(graph.x, pin=device.type == "cuda")
+    model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
+    # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
+    run = _Run(graph, model, optimizer, make_scheduler(config, optimizer), sampler,
+               make_feature_store(config, graph, device, sampler, host), host, planner,
+               identity(dataset_identity(graph), model_id, model.state_dict()), path)
+    if state is not None:
+        _restore(config, run, state)
+    planner.plan(first_batch(config, graph, sampler, run.start_epoch))
+    return run
+
+
+def _restore(config: Config, run: _Run, state: dict) -> None:
+    """Load a checkpoint's model, optimizer and schedule into ``run`` after checking that they belong to it."""
+    path, scheduler = run.path, run.scheduler
+    difference = identity_difference(state["identity"], run.identity)
+    if difference is not None:
+        raise TrainingError(f"cannot resume {path}: {difference}; resume with the run's own model and dataset, "
+                            "or start a new run (--overwrite, or another train.run_dir)")
+    if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) and state.get("scheduler") \
+            and state["scheduler"].get("T_max") != config.optim.epochs:
+        raise TrainingError(f"cannot resume {path}: optim.scheduler=cosine anneals over optim.epochs "
+                            f"({state['scheduler'].get('T_max')} in the run, {config.optim.epochs} here); "
+                            "resume with the run's optim.epochs, or start a new run")
+    if (state.get("scheduler") is None) != (scheduler is None):
+        raise TrainingError(f"cannot resume {path}: optim.scheduler differs from the run's "
+                            f"({config.optim.scheduler!r} here); resume with the run's optim.scheduler")
+    try:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} does not fit this model "
+                            f"({str(error).strip().splitlines()[0]}); start a new run") from None
+    run.start_epoch, run.best, run.resumed_from = state["epoch"] + 1, state["best"], state["epoch"]
+    apply_optim_config(config, run.optimizer, scheduler)
+
+
+def _start(directory: RunDirectory, config: Config, run: _Run, device: torch.device, overwrite: bool,
+           command: Sequence[str] | None) -> None:
+    """Everything is checked and loaded: the run really starts (or resumes) here, and its files are written."""
+    if run.resumed_from is not None:
+        _truncate_metrics(run.path / "metrics.jsonl", run.resumed_from)
+        _record_resume(directory, config, run.start_epoch, environment(device, command))
+    else:
+        if overwrite:
+            directory.clear()
+        directory.write_text("environment.json", json.dumps(environment(device, command), indent=2) + "\n")
+        directory.write_text("metrics.jsonl", "")
+    directory.write_text("config.yaml", config.to_yaml())
+
+
+@contextlib.contextmanager
+def _named_failures(where: str, last_good: str) -> Iterator[None]:
+    """A batch's NaN loss or host out-of-memory error as a :class:`TrainingError` naming the batch and the last
+    good checkpoint (a CUDA out-of-memory error passes: the loop re-plans)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except TrainingError as error:
+        raise TrainingError(f"{where}: {error}; try a lower optim.lr; {last_good}") from None
+    except RuntimeError as error:
+        if "can't allocate memory" not in str(error):
+            raise
+        raise TrainingError(f"{where}: out of host memory ({str(error).splitlines()[0][-100:]}); lower "
+                            "model.hidden or sampling.batch_size, or raise micro_batch.num_micro_batches; "
+                            f"{last_good}") from None
+
+
+def _replan(planner: Planner, plan: StepPlan, where: str, device: torch.device) -> StepPlan:
+    """The plan of a batch whose ``plan`` ran out of device memory: more pieces (Betty §4.4.3). The batch's partial
+    gradients are discarded by the loop's ``zero_grad``, so the step still happens once, with the whole batch's
+    gradient.
+
+    Raises:
+        TrainingError: the plan had one output node per piece already.
+    """
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if plan.pieces >= plan.batch.output_nodes.numel():
+        raise TrainingError(f"{where}: out of memory even with one output node per micro-batch") from None
+    logger.warning("%s: out of memory with K=%d; re-planning with K ≥ %d", where, plan.pieces, plan.pieces + 1)
+    return planner.plan(plan.batch, plan.pieces + 1)
+
+
+@dataclass
+class _EpochTotals:
+    """An epoch's sums over its batches, for its :class:`EpochMetrics`."""
+
+    gathered_before: TransferStats
+    loss_sum: float = 0.0
+    correct: int = 0
+    pieces: int = 0
+    input_redundancy: float = 0.0
+
+    def add(self, plan: StepPlan, result: StepResult, outputs: int) -> None:
+        self.loss_sum += result.loss * outputs
+        self.correct += result.correct
+        self.pieces = max(self.pieces, plan.pieces)
+        self.input_redundancy = max(self.input_redundancy, plan.redundancy()[0])
+
+    def metrics(self, epoch: int, graph: Graph, stats: TransferStats, seconds: float, lr: float,
+                accuracy: dict[str, float]) -> EpochMetrics:
+        gathered, trained = stats - self.gathered_before, graph.train_idx.numel()
+        return EpochMetrics(epoch, self.loss_sum / trained, self.correct / trained, accuracy.get("val"),
+                            accuracy.get("test"), self.pieces, self.input_redundancy, seconds,
+                            host_to_device_bytes=gathered.host_to_device_bytes, lr=lr, feature_hits=gathered.hits,
+                            feature_misses=gathered.misses, cache_fill_bytes=gathered.cache_fill_bytes)
+
+
+def _evaluate(config: Config, run: _Run, epoch: int, device: torch.device) -> dict[str, float]:
+    """Validation and test accuracy every ``train.eval_every`` epochs and at the last; ``{}`` otherwise."""
+    if (epoch + 1) % config.train.eval_every != 0 and epoch + 1 != config.optim.epochs:
+        return {}
+    splits = {"val": run.graph.val_idx, "test": run.graph.test_idx}
+    return evaluate_splits(run.model, run.graph, run.evaluation_features, device, splits, config.model.num_layers)
+
+
+def _end_epoch(directory: RunDirectory, run: _Run, last: EpochMetrics, best: dict, board) -> dict:
+    """Append the epoch's metrics, save ``best.pt`` when validation accuracy improved and ``last.pt`` always, log to
+    TensorBoard; returns the best-so-far."""
+    directory.append_line("metrics.jsonl", json.dumps(asdict(last)))
+    model, epoch = run.model, last.epoch
+    if last.val_acc is not None and last.val_acc > best["val_acc"]:
+        best = {"epoch": epoch, "val_acc": last.val_acc, "test_acc": last.test_acc}
+        save_checkpoint(run.path, {"format": FORMAT, "kind": "best", "epoch": epoch, "model": model.state_dict(),
+                                   "metrics": asdict(last), "identity": run.identity}, BEST_NAME)
+    save_checkpoint(run.path, {"format": FORMAT, "kind": "last", "epoch": epoch, "model": model.state_dict(),
+                               "optimizer": run.optimizer.state_dict(),
+                               "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
+                               "best": best, "identity": run.identity}, LAST_NAME)
+    if board is not None:
+        _log_tensorboard(board, last)
+    return best
 
 
 def make_scheduler(config: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
@@ -510,20 +559,14 @@ def _print_start(console: Console, config: Config, graph: Graph, device: torch.d
         console.print(line, highlight=False, soft_wrap=True)
 
 
-def _print_plan(console: Console, report: dict) -> None:
-    if report["mode"] == "layerwise":
-        peak = report["estimate_peak_bytes"]
-        console.print(f"first batch: {report['full_batch']['outputs']} outputs, layer by layer in "
-                      f"{report['chunks_per_layer']} chunks per layer"
-                      + (f", estimated peak {peak / 2**20:.2f} MiB" if peak else "")
-                      + f", input redundancy {report['redundancy_per_layer'][0]:.3f}", highlight=False, soft_wrap=True)
-        return
-    rows = report["micro_batches"]
-    peaks = [row["estimate"]["peak_bytes"] for row in rows if "estimate" in row]
-    peak = f", largest estimated peak {max(peaks) / 2**20:.2f} MiB" if peaks else ""
-    console.print(f"first batch: {report['full_batch']['outputs']} outputs in {report['num_micro_batches']} "
-                  f"micro-batches{peak}, input redundancy {report['redundancy_per_layer'][0]:.3f}",
-                  highlight=False, soft_wrap=True)
+def _record_plan(directory: RunDirectory, console: Console, plan: StepPlan, write: bool) -> None:
+    """Print the first batch's plan (and, ``write``, save its report as ``plan.json``), as ``betty-train plan``
+    shows it."""
+    if write:
+        directory.write_text("plan.json", json.dumps(plan.report(), indent=2))
+    peak = f", estimated peak {plan.estimate / 2**20:.2f} MiB" if plan.estimate else ""
+    console.print(f"first batch: {plan.batch.output_nodes.numel()} outputs, {plan.summary}{peak}, input redundancy "
+                  f"{plan.redundancy()[0]:.3f}", highlight=False, soft_wrap=True)
 
 
 def _tensorboard(config: Config, path: Path):
@@ -542,53 +585,6 @@ def _log_tensorboard(board, metrics: EpochMetrics) -> None:
         if value is not None:
             board.add_scalar(name, value, metrics.epoch)
     board.flush()
-
-
-@dataclass
-class _BatchOutcome:
-    batches: MicroBatches | LayerwiseBatch
-    plan: Plan | LayerwisePlan
-    loss: float
-    correct: int
-
-
-def _train_batch(model: nn.Module, optimizer: torch.optim.Optimizer, planner: MicroBatchPlanner, batch: Batch,
-                 features: FeatureStore, labels: Tensor, device: torch.device, seed: int, where: str,
-                 last_good: str) -> _BatchOutcome:
-    """Plan, accumulate gradients over the micro-batches, each built when it runs, or run the batch layer by
-    layer (``micro_batch.mode``; no optimizer step).
-
-    A CUDA out-of-memory error in a micro-batch discards that batch's partial
-    gradients, re-plans with more micro-batches and redoes the batch (Betty §4.4.3),
-    so the step still happens once, with the gradient of the whole batch.
-    """
-    min_k = 1
-    while True:
-        micro_batches, plan = planner.plan(batch, seed, min_k)
-        optimizer.zero_grad(set_to_none=True)
-        try:
-            if isinstance(micro_batches, LayerwiseBatch):
-                loss, correct = layerwise_backward(model, micro_batches.batch, micro_batches.chunks, features, labels,
-                                                   device)
-            else:
-                loss, correct = accumulate_gradients(model, micro_batches, features, labels, device)
-            return _BatchOutcome(micro_batches, plan, loss, correct)
-        except torch.cuda.OutOfMemoryError:
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            if plan.k >= batch.output_nodes.numel():
-                raise TrainingError(f"{where}: out of memory even with one output node per micro-batch") from None
-            min_k = plan.k + 1
-            logger.warning("%s: out of memory with K=%d micro-batches; re-planning with K ≥ %d", where, plan.k, min_k)
-        except TrainingError as error:
-            raise TrainingError(f"{where}: {error}; {last_good}") from None
-        except RuntimeError as error:
-            if "can't allocate memory" not in str(error):
-                raise
-            raise TrainingError(f"{where}: out of host memory ({str(error).splitlines()[0][-100:]}); lower "
-                                "model.hidden or sampling.batch_size, or raise micro_batch.num_micro_batches; "
-                                f"{last_good}") from None
 
 
 def _truncate_metrics(path: Path, last_epoch: int) -> None:

@@ -1,7 +1,8 @@
 """Layer-wise chunked execution of one batch with recomputation: exact, and without Betty's redundancy
-(issue 10; the layer-by-layer order of ROC, NeutronStar and HongTu, with exact gradients).
+(the layer-by-layer order of ROC, NeutronStar and HongTu, with exact gradients): the :class:`LayerwisePlan`
+of a batch and its executor, :func:`layerwise_backward`.
 
-Betty's micro-batches (:mod:`betty_trainer.training.step`) each carry all ``L`` layers of their
+Betty's micro-batches (:mod:`betty_trainer.execution.micro_batches`) each carry all ``L`` layers of their
 receptive field, so a hidden node read by several micro-batches is gathered and computed once per
 micro-batch. Here the batch's blocks run one layer at a time, each layer's dst nodes a chunk at
 a time (:func:`partition.chunks.chunk_layers`):
@@ -37,7 +38,8 @@ or ``h_{l−1}``, ``∂L/∂h_l`` and ``∂L/∂h_{l−1}`` (backward), and one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -46,9 +48,10 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, as_feature_store
 from betty_trainer.errors import TrainingError
+from betty_trainer.execution.micro_batches import training_state
+from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
 from betty_trainer.models.dropout import dropout_terms, keyed_mask_terms
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
-from betty_trainer.training.step import training_state
 from estimator.counts import LayerCounts
 from estimator.layerwise import row_blocks
 from estimator.measure import MeasuredPeak, measure_peak
@@ -56,13 +59,89 @@ from estimator.tape import StepTape
 from partition.chunks import Chunk, LayerChunks
 
 
-@dataclass(frozen=True)
-class LayerwiseBatch:
-    """A batch to run layer by layer: the batch and its chunks (what the planner returns in place of
-    micro-batches when ``micro_batch.mode`` is ``layerwise``; :func:`layerwise_backward` runs it)."""
+@dataclass
+class LayerwisePlan:
+    """A :class:`~betty_trainer.execution.plan.StepPlan` that runs a batch layer by layer in ``chunks``
+    (:func:`layerwise_backward`).
+
+    Attributes:
+        batch: the batch.
+        chunks: its :class:`~partition.chunks.LayerChunks` (``chunks.host_outputs``: the hidden layers' outputs are
+            kept in host memory, as the device budget does not hold them).
+        work: the estimated cost the planner compared (see the protocol).
+        partitioner: what split the chunks (``micro_batch.partitioner``, or ``range`` for one dst node per chunk
+            when that partitioner could not fit the budget).
+        estimated_peak: estimated peak bytes (0 without a built-in model's estimate).
+        budget: bytes, or ``None`` (K given).
+        tried: ``(chunks per layer, estimated peak)`` for every chunking evaluated, in order.
+        seconds: wall time of planning.
+        feature_store_bytes: device bytes the feature store holds beside the step (taken off the budget).
+    """
 
     batch: Batch
     chunks: LayerChunks
+    work: float
+    partitioner: str
+    estimated_peak: int = 0
+    budget: int | None = None
+    tried: list[tuple[int, int]] = field(default_factory=list)
+    seconds: float = 0.0
+    feature_store_bytes: int = 0
+    method: ClassVar[str] = "layerwise"
+
+    @property
+    def pieces(self) -> int:
+        return self.chunks.k
+
+    @property
+    def estimate(self) -> int | None:
+        return self.estimated_peak or None
+
+    @property
+    def summary(self) -> str:
+        return f"layer by layer in {self.pieces} chunk{'s' if self.pieces > 1 else ''} per layer"
+
+    @property
+    def host_outputs(self) -> bool:
+        """Whether the hidden layers' outputs ``h_l`` are kept in host memory, not on the device."""
+        return self.chunks.host_outputs
+
+    def redundancy(self) -> list[float]:
+        return [sum(piece.num_src for piece in pieces) / block.num_src
+                for block, pieces in zip(self.batch.blocks, self.chunks.layers)]
+
+    def run(self, model: LayerStack, features: FeatureStore, labels: Tensor, device: torch.device) -> StepResult:
+        return layerwise_backward(model, self.batch, self.chunks, features, labels, device)
+
+    def measure(self, model: LayerStack, optimizer: torch.optim.Optimizer, features: FeatureStore, labels: Tensor,
+                device: torch.device) -> list[int]:
+        """The measured peak of one layer-wise step (:func:`measure_layerwise_step`), after one that creates the
+        optimizer's state."""
+        measure_layerwise_step(model, optimizer, self, features, labels, device)
+        return [measure_layerwise_step(model, optimizer, self, features, labels, device).peak_bytes]
+
+    def report(self, measured: list[int] | None = None) -> dict:
+        report = {
+            "mode": self.method,
+            "chunks_per_layer": self.pieces,
+            "layer_outputs_on": "host" if self.host_outputs else "device",
+            "budget_bytes": self.budget,
+            "feature_store_bytes": self.feature_store_bytes,
+            "partitioner": self.partitioner,
+            "full_batch": {"outputs": self.batch.output_nodes.numel(), "layers": layer_sizes(self.batch)},
+            "estimate_peak_bytes": self.estimate,
+            "work": self.work,
+            "redundancy_per_layer": self.redundancy(),
+            "tried": [{"k": k, "largest_estimate_bytes": peak} for k, peak in self.tried],
+            "planning_seconds": self.seconds,
+            "layers": [[{"src": piece.num_src, "dst": piece.num_dst, "edges": int(piece.indptr[-1])} for piece in pieces]
+                       for pieces in self.chunks.layers],
+        }
+        if measured is not None:
+            report["measured_peak_bytes"] = measured[0]
+            if self.estimate:
+                report["error"] = relative_error(self.estimate, measured[0])
+        return report
 
 
 def layerwise_backward(
@@ -72,7 +151,7 @@ def layerwise_backward(
     features: Tensor | FeatureStore,
     labels: Tensor,
     device: torch.device,
-) -> tuple[float, int]:
+) -> StepResult:
     """Forward and backward ``batch`` layer by layer in ``chunks``, adding ``∇ mean_{i∈V} CE_i`` to ``.grad``.
 
     Args:
@@ -98,7 +177,7 @@ def layerwise_backward(
     """
     if not runs_layer_by_layer(model):
         raise ValueError(f"{type(model).__name__} cannot run layer by layer: layer-wise execution needs a "
-                         "LayerStack whose forward is the stack's own (use micro_batch.mode=betty)")
+                         "LayerStack whose forward is the stack's own (use micro_batch.mode=micro_batches)")
     blocks = batch.blocks
     if len(chunks.layers) != len(blocks) or len(blocks) != len(model.layers):
         raise ValueError(f"{len(chunks.layers)} chunked layers for a batch of {len(blocks)} blocks and a model of "
@@ -234,7 +313,7 @@ def layerwise_backward(
             project(index, h_prev, grad_rows, grad_in)
         del grad_rows
         grad_out = grad_in
-    return loss, correct
+    return StepResult(loss, correct)
 
 
 def output_storage(rows: int, like: Tensor, host: bool) -> Tensor:
@@ -370,9 +449,9 @@ def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
             for index, projected in enumerate(projected_layers(model))]
 
 
-def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, work: LayerwiseBatch,
+def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, plan: LayerwisePlan,
                            features: Tensor | FeatureStore, labels: Tensor, device: torch.device) -> MeasuredPeak:
-    """Run one layer-wise training step of ``work`` (then ``optimizer.step()``) and return its measured peak
+    """Run one layer-wise training step of ``plan`` (then ``optimizer.step()``) and return its measured peak
     (:func:`estimator.measure.measure_peak`), what :func:`estimator.layerwise.estimate_layerwise` estimates.
 
     This is a real step: it updates the model and the optimizer state. Every parameter starts with a zero
@@ -381,7 +460,7 @@ def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, 
 
     Args:
         model, optimizer: the model on ``device`` (its dropout key set) and an optimizer over its parameters.
-        work: the batch and its chunks.
+        plan: the batch and its chunks.
         features: the feature store (or an ``(N, F)`` float tensor) the input rows are gathered from.
         labels: ``(N,)`` int64 labels.
         device: ``cpu`` or ``cuda``.
@@ -397,12 +476,12 @@ def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, 
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)
     resident = training_state(model, optimizer) + [parameter.grad for parameter in model.parameters()]
-    resident += [t for block in work.batch.blocks for t in (block.src_nodes, block.indptr, block.indices,
+    resident += [t for block in plan.batch.blocks for t in (block.src_nodes, block.indptr, block.indices,
                                                              block.edge_weight) if t is not None]
-    resident += [t for layer in work.chunks.layers for chunk in layer for t in (chunk.dst, chunk.indptr)]
+    resident += [t for layer in plan.chunks.layers for chunk in layer for t in (chunk.dst, chunk.indptr)]
 
     def step() -> None:
-        layerwise_backward(model, work.batch, work.chunks, features, labels, device)
+        layerwise_backward(model, plan.batch, plan.chunks, features, labels, device)
         optimizer.step()
 
     return measure_peak(step, device, resident)

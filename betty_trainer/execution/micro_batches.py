@@ -1,12 +1,15 @@
-"""One micro-batch's forward and backward: what training runs, and what memory is measured on
-(:func:`measure_training_step`, the estimator's ground truth: ``torch.cuda.max_memory_allocated``
-on a GPU, the profiler's allocation records on CPU, via :func:`estimator.measure.measure_peak`);
-and the micro-batches of a batch, built one at a time."""
+"""Betty's micro-batches (Betty §4.2): the :class:`MicroBatchPlan` of a batch and its executor.
+
+One micro-batch's forward and backward (:func:`micro_batch_backward`) is what training runs and what memory is
+measured on (:func:`measure_training_step`, the estimator's ground truth: ``torch.cuda.max_memory_allocated`` on a
+GPU, the profiler's allocation records on CPU, via :func:`estimator.measure.measure_peak`);
+:func:`accumulate_gradients` runs a batch's micro-batches, each built when it is read (:class:`MicroBatches`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import overload
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, overload
 
 import torch
 from torch import Tensor, nn
@@ -15,9 +18,11 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import FeatureStore, as_feature_store
 from betty_trainer.errors import TrainingError
+from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
 from betty_trainer.models.stack import LayerStack
+from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
-from partition import LayerSlice
+from partition import BlockStructure, LayerSlice, Split, redundancy
 
 
 class MicroBatches(Sequence[Batch]):
@@ -30,7 +35,7 @@ class MicroBatches(Sequence[Batch]):
     Args:
         batch: the full batch (or mini-batch) the slices index into.
         layers: per micro-batch, one :class:`~partition.LayerSlice` per block, input layer
-            first (``Plan.layers``).
+            first (:attr:`partition.Split.layers`).
     """
 
     def __init__(self, batch: Batch, layers: Sequence[Sequence[LayerSlice]]):
@@ -107,6 +112,139 @@ def micro_batch_backward(
     return loss.item(), int((logits.argmax(1) == y).sum())
 
 
+def accumulate_gradients(
+    model: nn.Module,
+    micro_batches: Sequence[Batch],
+    features: Tensor | FeatureStore,
+    labels: Tensor,
+    device: torch.device,
+) -> StepResult:
+    """Forward and backward every micro-batch, accumulating ``∇ mean_{i∈V} loss_i`` in ``.grad``.
+
+    Micro-batch ``k`` contributes ``Σ_{i∈V_k} CE_i / |V|`` with ``|V|`` the batch's
+    output count (Betty §4.2.3), so the sum equals the full-batch gradient. Each
+    micro-batch is released before the next is read, so with :class:`MicroBatches`
+    (which builds a micro-batch when it is read) one micro-batch is alive at a time.
+
+    Args:
+        model: ``forward(blocks, x)`` returning ``(num_outputs, C)`` logits.
+        micro_batches: disjoint micro-batches of one batch.
+        features: the :class:`~betty_trainer.data.feature_store.FeatureStore` the input rows are
+            gathered from, or an ``(N, F)`` tensor (wrapped unpinned, see
+            :func:`~betty_trainer.data.feature_store.as_feature_store`).
+        labels: ``(N,)`` int64 labels.
+        device: where the model runs.
+
+    Returns:
+        The batch's mean loss and its number of correctly classified outputs.
+
+    Raises:
+        TrainingError: if a loss is NaN or infinite (naming the micro-batch; no gradient of that batch
+            should be applied).
+    """
+    features = as_feature_store(features)
+    if isinstance(micro_batches, MicroBatches):
+        total = micro_batches.num_outputs  # without building the micro-batches
+    else:
+        total = sum(mb.output_nodes.numel() for mb in micro_batches)
+    loss_sum, correct, index = 0.0, 0, 0
+    for micro_batch in micro_batches:  # not enumerate(), whose cached result tuple keeps the previous item alive
+        try:
+            loss, right = micro_batch_backward(model, micro_batch, features, labels, device, total)
+        except TrainingError as error:
+            raise TrainingError(f"{error} in micro-batch {index}") from None
+        del micro_batch  # gone before the next one is built
+        loss_sum, correct, index = loss_sum + loss, correct + right, index + 1
+    return StepResult(loss_sum, correct)
+
+
+Itemise = Callable[[Sequence[BlockStructure], bool], MemoryEstimate]  # (micro-batch, accumulating) → estimate
+
+
+@dataclass
+class MicroBatchPlan:
+    """A :class:`~betty_trainer.execution.plan.StepPlan` that runs a batch as ``K`` micro-batches, each through all
+    layers, their gradients accumulated (Betty §4.2), in the order of ``split``.
+
+    Attributes:
+        batch: the batch the micro-batches slice.
+        split: the micro-batches' output groups, layer slices, estimates and search (:func:`partition.make_split`).
+        work: the estimated cost the planner compared (see the protocol).
+        partitioner: what split the outputs (``micro_batch.partitioner``).
+        feature_store_bytes: device bytes the feature store holds beside the step (taken off the budget).
+        itemise: the estimate by component of a micro-batch (the closed form of a built-in model), or ``None``.
+    """
+
+    batch: Batch
+    split: Split
+    work: float
+    partitioner: str
+    feature_store_bytes: int = 0
+    itemise: Itemise | None = None
+    method: ClassVar[str] = "micro_batches"
+
+    @property
+    def pieces(self) -> int:
+        return self.split.k
+
+    @property
+    def estimate(self) -> int | None:
+        return max(self.split.estimates, default=0) or None
+
+    @property
+    def summary(self) -> str:
+        return f"{self.pieces} micro-batch{'es' if self.pieces > 1 else ''}"
+
+    @property
+    def micro_batches(self) -> MicroBatches:
+        """The micro-batches, each built when it is read."""
+        return MicroBatches(self.batch, self.split.layers)
+
+    def redundancy(self) -> list[float]:
+        return redundancy(self.batch.blocks, self.split.layers)
+
+    def run(self, model: nn.Module, features: FeatureStore, labels: Tensor, device: torch.device) -> StepResult:
+        return accumulate_gradients(model, self.micro_batches, features, labels, device)
+
+    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer, features: FeatureStore, labels: Tensor,
+                device: torch.device) -> list[int]:
+        """One real step per micro-batch (:func:`measure_training_step`), after one that creates the optimizer's
+        state; those after the first with the earlier ones' gradients resident, as in training."""
+        micro_batches = self.micro_batches
+        measure_training_step(model, optimizer, micro_batches[0], features, labels, device)  # Adam's state exists
+        num_outputs = self.batch.output_nodes.numel()
+        return [measure_training_step(model, optimizer, micro_batch, features, labels, device, num_outputs=num_outputs,
+                                      accumulate=index > 0).peak_bytes
+                for index, micro_batch in enumerate(micro_batches)]
+
+    def report(self, measured: list[int] | None = None) -> dict:
+        split, rows = self.split, []
+        for index, micro_batch in enumerate(self.micro_batches):
+            row = {"micro_batch": index, "outputs": micro_batch.output_nodes.numel(), "layers": layer_sizes(micro_batch)}
+            if self.itemise is not None:
+                estimate = self.itemise(micro_batch.blocks, index > 0)
+                row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
+            if measured is not None:
+                row["measured_peak_bytes"] = measured[index]
+                if "estimate" in row:
+                    row["error"] = relative_error(row["estimate"]["peak_bytes"], measured[index])
+            rows.append(row)
+        return {
+            "mode": self.method,
+            "work": self.work,
+            "num_micro_batches": split.k,
+            "budget_bytes": split.budget,
+            "feature_store_bytes": self.feature_store_bytes,
+            "partitioner": self.partitioner,
+            "full_batch": {"outputs": self.batch.output_nodes.numel(),
+                           "estimate_peak_bytes": split.full_batch_estimate or None, "layers": layer_sizes(self.batch)},
+            "redundancy_per_layer": self.redundancy(),
+            "tried": [{"k": k, "largest_estimate_bytes": largest} for k, largest in split.tried],
+            "planning_seconds": split.seconds,
+            "micro_batches": rows,
+        }
+
+
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The tensors live between training steps: ``model``'s parameters and buffers and every
     tensor in ``optimizer.state`` (Adam: two moments and a step counter per parameter)."""
@@ -126,7 +264,7 @@ def measure_training_step(
 ) -> MeasuredPeak:
     """Run one training step on ``micro_batch`` and return its measured memory peak (bytes).
 
-    The measured step: :func:`~betty_trainer.training.step.micro_batch_backward` (gather and
+    The measured step: :func:`~betty_trainer.execution.micro_batches.micro_batch_backward` (gather and
     move the inputs, forward, loss ``Σ CE / num_outputs``, backward; the micro-batch's
     tensors are released when it returns, as in training), then ``optimizer.step()``.
     It runs in the model's current mode (``model.train()`` for dropout).

@@ -1,0 +1,107 @@
+"""The step plan: the one interface to every way of running one batch's forward and backward.
+
+The planner (:mod:`betty_trainer.memory.planner`) searches and returns a :class:`StepPlan`; the training loop, the
+dry run (``betty-train plan``) and ``plan.json`` use only what this protocol declares, never the kind of plan
+they hold. Two kinds implement it, each beside its executor:
+
+- :class:`~betty_trainer.execution.micro_batches.MicroBatchPlan`: the batch's outputs split into ``K``
+  micro-batches, each run through all layers, gradients accumulated (Betty §4.2);
+- :class:`~betty_trainer.execution.layerwise.LayerwisePlan`: the batch run one layer at a time in ``K`` chunks
+  per layer, recomputed in backward.
+
+A rank's share of a cooperative global batch is meant to be a third: its ``run`` holds the collectives
+(all-to-all of sampled ids, features and embeddings; all-reduce of gradients), which every rank must enter in
+the same order, so a plan's ``pieces`` must be the same on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from betty_trainer.data.block import Batch
+from betty_trainer.data.feature_store import FeatureStore
+
+
+class StepResult(NamedTuple):
+    """What one batch's forward and backward gave (unpacks as ``loss, correct``).
+
+    Attributes:
+        loss: the batch's mean cross-entropy over its output nodes (float).
+        correct: output nodes whose logits' argmax is their label.
+    """
+
+    loss: float
+    correct: int
+
+
+@runtime_checkable
+class StepPlan(Protocol):
+    """How one batch runs: its pieces, what was estimated, and ``run``.
+
+    Attributes:
+        batch: the batch the plan runs (blocks input layer first).
+        method: what runs it, as ``plan.json``'s ``mode`` names it: ``micro_batches`` or ``layerwise``.
+        pieces: micro-batches, or chunks per layer (``≥ 1``); re-planning after an out-of-memory error asks
+            for more.
+        estimate: the estimated peak of the step in bytes (its largest piece's; ``None`` without an
+            estimate, e.g. an uncalibrated custom model at a fixed ``K``).
+        work: the estimated cost the planner compared plans by (multiply-adds of a built-in model, rows and
+            edges processed otherwise); only ratios between plans of one batch are meaningful.
+    """
+
+    batch: Batch
+    method: str
+
+    @property
+    def pieces(self) -> int: ...
+
+    @property
+    def estimate(self) -> int | None: ...
+
+    @property
+    def work(self) -> float: ...
+
+    @property
+    def summary(self) -> str:
+        """How the batch runs, in words (``"8 micro-batches"``, ``"layer by layer in 4 chunks per layer"``)."""
+        ...
+
+    def redundancy(self) -> list[float]:
+        """Per layer, the src rows the plan computes over the batch's src rows (``≥ 1``; Betty Table 6)."""
+        ...
+
+    def run(self, model: nn.Module, features: FeatureStore, labels: Tensor, device: torch.device) -> StepResult:
+        """Forward and backward the whole batch, adding ``∇ mean_{i∈V} CE_i`` to the parameters' ``.grad``
+        (no optimizer step).
+
+        Raises:
+            TrainingError: a loss is NaN or infinite (the message names the piece).
+            torch.OutOfMemoryError: a piece did not fit on the device (the caller re-plans).
+        """
+        ...
+
+    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer, features: FeatureStore, labels: Tensor,
+                device: torch.device) -> list[int]:
+        """Run real training steps of the plan (after one that creates the optimizer's state) and return the
+        measured peak bytes (:func:`estimator.measure.measure_peak`) of each measured unit: each micro-batch,
+        or the one layer-wise step. Updates ``model`` and ``optimizer``."""
+        ...
+
+    def report(self, measured: list[int] | None = None) -> dict:
+        """``plan.json``'s content (JSON-ready): sizes, estimates by component, redundancy per layer, what the
+        search tried; with ``measured`` (from :meth:`measure`), each measured peak and the estimate's error
+        ``(estimate − measured) / measured``."""
+        ...
+
+
+def layer_sizes(batch: Batch) -> list[dict[str, int]]:
+    """Per block of ``batch``: its src nodes, dst nodes and edges (a report's sizes)."""
+    return [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges} for b in batch.blocks]
+
+
+def relative_error(estimate: int | None, measured: int) -> float | None:
+    """``(estimate − measured) / measured``, or ``None`` without an estimate."""
+    return None if not estimate else (estimate - measured) / measured
