@@ -65,18 +65,6 @@ def hash_ids(key: int, ids: Tensor) -> Tensor:
     return mix32(mix32((ids & MASK32) ^ key) ^ ((ids >> 32) & MASK32))
 
 
-def uniform_ids(key: int, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """One uniform number in ``[0, 1)`` per id under ``key`` (24 bits for float32, 32 for float64).
-
-    Returns:
-        ``dtype`` tensor like ``ids``.
-    """
-    bits = hash_ids(key, ids)
-    if dtype == torch.float64:
-        return bits.to(dtype) * (1.0 / (1 << 32))
-    return (bits >> 8).to(dtype) * (1.0 / (1 << 24))
-
-
 # ---------------------------------------------------------------- the same hashes in numba kernels (CPU)
 
 
