@@ -1,4 +1,4 @@
-"""Run configuration: YAML files, dotted ``key=value`` overrides, validation (DESIGN.md › CLI).
+"""Run configuration: YAML files, dotted ``key=value`` overrides, validation (docs/design.md › CLI).
 
 Every key has a default, so an empty file is a valid config (the synthetic
 quickstart). Unknown keys and bad values raise :class:`ConfigError` naming the
@@ -285,7 +285,7 @@ class SamplingConfig(_Section):
 
 
 class CacheConfig(_Section):
-    """``features.cache``: the device node cache in front of the host features (issue 8; GNS §3)."""
+    """``features.cache``: the device node cache in front of the host features (GNS §3)."""
 
     kind: Literal[CACHE_KINDS] = Field(
         "none", description="none; static (highest out-degree nodes, filled once); lru (most recently read); "
@@ -302,7 +302,7 @@ class CacheConfig(_Section):
 
 
 class FeaturesConfig(_Section):
-    """``features``: how input features reach the training device (DESIGN.md › Feature store)."""
+    """``features``: how input features reach the training device (docs/design.md › Feature store)."""
 
     cache: CacheConfig = CacheConfig()
     macro_batch: int = Field(

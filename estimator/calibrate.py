@@ -1,4 +1,4 @@
-"""Memory estimate of a model the closed form does not cover, fitted to measured peaks (DESIGN.md › Memory estimate).
+"""Memory estimate of a model the closed form does not cover, fitted to measured peaks (docs/design.md › Memory estimate).
 
 A training step's memory is live tensors whose sizes are linear in the
 micro-batch's counts (rows of src nodes, dst nodes or edges times fixed widths),

@@ -8,7 +8,7 @@ Each built-in layer declares those terms itself, in a ``memory_terms`` method be
 its ``forward`` (``betty_trainer.models``), written on the :class:`estimator.tape.StepTape`
 this module hands it; this module adds what surrounds the model in a training step
 (the gathered features, labels, the loss, the optimizer step). Replaying those
-allocations and frees in order gives the peak (DESIGN.md: static +
+allocations and frees in order gives the peak (docs/design.md: static +
 max(forward-live, backward-live)) and what is live at that moment, by component.
 No tensor is allocated; the cost is O(layers), or for the LSTM aggregator O(Σ of the
 distinct in-degrees), one replayed step per LSTM step.

@@ -1,4 +1,4 @@
-"""Memory estimate of layer-wise chunked execution (issue 10; :mod:`betty_trainer.execution.layerwise`).
+"""Memory estimate of layer-wise chunked execution (:mod:`betty_trainer.execution.layerwise`).
 
 The same replay as the micro-batch estimate (:mod:`estimator.estimate`), from the same per-layer
 terms (each layer's ``memory_terms``, through ``ModelSpec.layer_terms``), in the executor's order:

@@ -1,6 +1,6 @@
 """Ground-truth peak memory of one step: the number every estimator accuracy claim is checked against.
 
-DESIGN.md › Memory estimate: on a GPU the peak is ``torch.cuda.max_memory_allocated``;
+docs/design.md › Memory estimate: on a GPU the peak is ``torch.cuda.max_memory_allocated``;
 on CPU it is the peak of live bytes replayed from ``torch.profiler``'s memory events
 of the real step.
 

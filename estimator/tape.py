@@ -1,5 +1,5 @@
 """The replay the memory estimate runs on (Betty §4.4.3): live bytes with reference counts, and the
-tape a layer's memory terms write to (DESIGN.md › Memory estimate).
+tape a layer's memory terms write to (docs/design.md › Memory estimate).
 
 No tensor is allocated: a tensor is a handle with a size and a component; the peak and what is
 live at the peak fall out of replaying the allocations and frees of one training step in order.

@@ -1,4 +1,4 @@
-"""Layer-wise chunks: each block's dst nodes split into chunks that share few src nodes (issue 10).
+"""Layer-wise chunks: each block's dst nodes split into chunks that share few src nodes.
 
 Betty's micro-batches split the *outputs* and carry every layer of their receptive field,
 so a hidden node shared by several micro-batches is computed once per micro-batch.

@@ -1,4 +1,4 @@
-"""Micro-batch slicing of a multi-layer full batch (DESIGN.md › Micro-batch slicing; Betty §4.2.3)."""
+"""Micro-batch slicing of a multi-layer full batch (docs/design.md › Micro-batch slicing; Betty §4.2.3)."""
 
 from __future__ import annotations
 

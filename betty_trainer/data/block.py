@@ -1,4 +1,4 @@
-"""The :class:`Block` (message-flow graph) and :class:`Batch` types (DESIGN.md › Core types)."""
+"""The :class:`Block` (message-flow graph) and :class:`Batch` types (docs/design.md › Core types)."""
 
 from __future__ import annotations
 

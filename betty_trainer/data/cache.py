@@ -1,5 +1,5 @@
 """A device node cache and macro-batch gathering in front of the host feature store
-(DESIGN.md › Feature store and GPU node cache; issue 8, Build 6–7).
+(docs/design.md › Feature store and GPU node cache).
 
 :class:`CachedFeatureStore` wraps a :class:`~betty_trainer.data.feature_store.HostFeatureStore`
 and serves ``gather(node_ids, device)`` from three places, in this order:

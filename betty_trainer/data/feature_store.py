@@ -1,5 +1,5 @@
 """The feature store: where node features live and how a batch's input rows reach the device
-(DESIGN.md › Seams, Feature store; › Feature store and GPU node cache).
+(docs/design.md › Seams, Feature store; › Feature store and GPU node cache).
 
 Training never indexes a raw feature tensor: it asks a :class:`FeatureStore` for the rows
 of a micro-batch's input nodes on the device the model runs on, and the store counts what
@@ -67,7 +67,7 @@ class TransferStats:
 @runtime_checkable
 class FeatureStore(Protocol):
     """Node features behind one call, ``gather(node_ids, device)``, with transfer statistics and the
-    per-batch hooks the training loop calls (DESIGN.md › Seams › FeatureStore).
+    per-batch hooks the training loop calls (docs/design.md › Seams › FeatureStore).
 
     Implementations return ``(len(node_ids), F)`` rows on ``device`` in the order of
     ``node_ids``, as a new tensor the caller owns (the training step lets input dropout

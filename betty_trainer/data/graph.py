@@ -13,7 +13,7 @@ from betty_trainer.errors import DatasetError
 
 @dataclass
 class Graph:
-    """A node-classification graph stored as CSC in-edges (see DESIGN.md › Core types).
+    """A node-classification graph stored as CSC in-edges (see docs/design.md › Core types).
 
     The in-neighbours of node ``v`` are ``indices[indptr[v]:indptr[v + 1]]``.
     Edges are unique (no duplicates) and sorted by source within each node.

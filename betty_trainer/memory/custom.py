@@ -1,4 +1,4 @@
-"""Calibrate the memory estimate of a custom model (DESIGN.md › Memory estimate: "custom models get
+"""Calibrate the memory estimate of a custom model (docs/design.md › Memory estimate: "custom models get
 coefficients by tracing them at a few sizes … and fitting, so the estimate stays analytic").
 
 :func:`calibrate_model` runs real training steps of a copy of the model on a few

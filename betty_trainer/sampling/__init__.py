@@ -1,5 +1,5 @@
 """Sampling a batch's blocks (MFGs) from its seed nodes: the :class:`Sampler` seam and the samplers
-behind it: full, NS, LABOR, GNS (DESIGN.md › NS, LABOR, GNS, › Seams)."""
+behind it: full, NS, LABOR, GNS (docs/design.md › NS, LABOR, GNS, › Seams)."""
 
 from betty_trainer.sampling.base import SampleKey, Sampler
 from betty_trainer.sampling.gns import GNSSampler

@@ -1,4 +1,4 @@
-"""The sampler seam (DESIGN.md › Seams › Sampler): a batch's randomness is keyed by
+"""The sampler seam (docs/design.md › Seams › Sampler): a batch's randomness is keyed by
 ``(seed, epoch, step)``, never drawn from a generator stream shared across batches, so a
 batch is a pure function of its seed nodes and its key (resume, micro-batch slicing and
 cooperative training rely on it)."""
@@ -19,7 +19,7 @@ _SAMPLING_DOMAIN = 0x4E53  # "NS": keeps sampling keys apart from dropout's mix_
 
 @dataclass(frozen=True)
 class SampleKey:
-    """What keys one batch's randomness (DESIGN.md › Seams › Sampler).
+    """What keys one batch's randomness (docs/design.md › Seams › Sampler).
 
     Attributes:
         seed: the run's seed (any non-negative int up to 64 bits).
@@ -55,7 +55,7 @@ class SampleKey:
 
 
 class Sampler(Protocol):
-    """A sampler (DESIGN.md › Seams): ``sample(seeds, key) -> Batch``.
+    """A sampler (docs/design.md › Seams): ``sample(seeds, key) -> Batch``.
 
     The batch must be a pure function of ``(seeds, key)``. With NS, LABOR-0 and GNS
     the blocks a seed receives do not depend on the other seeds beyond the union they

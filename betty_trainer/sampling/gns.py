@@ -1,5 +1,5 @@
 """Global neighbour sampling (GNS; Dong et al., "Global Neighbor Sampling for Mixed CPU-GPU
-Training on Giant Graphs", KDD 2021, §3; DESIGN.md › GNS).
+Training on Giant Graphs", KDD 2021, §3; docs/design.md › GNS).
 
 Every ``refresh_every`` batches a **global node cache** ``C`` of ``⌈cache_fraction · N⌉``
 nodes is sampled with probability ``p_t``: ∝ degree (§3.2, Eq. 6; on a directed graph the number

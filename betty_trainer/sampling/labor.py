@@ -1,4 +1,4 @@
-"""LABOR sampling: LABOR-0 and LABOR-* with layer and batch dependency (DESIGN.md › LABOR).
+"""LABOR sampling: LABOR-0 and LABOR-* with layer and batch dependency (docs/design.md › LABOR).
 
 Layer-neighbour sampling (Balin & Çatalyürek, "Layer-Neighbor Sampling — Defusing
 Neighborhood Explosion in GNNs", NeurIPS 2023; cooperative-minibatching paper A.1.2):

@@ -1,4 +1,4 @@
-"""Neighbour sampling into blocks: full neighbourhood or uniform per-layer fanouts (DESIGN.md › NS, › Seams).
+"""Neighbour sampling into blocks: full neighbourhood or uniform per-layer fanouts (docs/design.md › NS, › Seams).
 
 A sampled block costs what it keeps, not what the graph holds: a dst node whose
 in-degree is at most the fanout keeps all its in-edges (no randomness, no sort);

@@ -1,4 +1,4 @@
-"""The batches of a run (DESIGN.md › Seams › Sampler): which seed nodes each batch of an epoch
+"""The batches of a run (docs/design.md › Seams › Sampler): which seed nodes each batch of an epoch
 holds, the sampler the config names, and the key of each batch's randomness. ``train`` and
 ``betty-train plan`` both take their batches from here, so the plan dry run plans exactly the
 batch training starts with."""
@@ -35,7 +35,7 @@ def split_seeds(train_idx: Tensor, batch_size: int | None, generator: torch.Gene
 
 
 def make_sampler(config: Config, graph: Graph) -> Sampler:
-    """The sampler ``config.sampling.sampler`` names, on ``graph`` (DESIGN.md › Seams › Sampler).
+    """The sampler ``config.sampling.sampler`` names, on ``graph`` (docs/design.md › Seams › Sampler).
 
     * ``full``: every in-edge (:class:`NeighborSampler` with no fanouts);
     * ``ns``: uniform neighbour sampling with ``fanouts`` (input layer first; ``None``, the
@@ -136,7 +136,7 @@ def feature_store_device_bytes(config: Config, graph: Graph) -> int:
 
 def make_feature_store(config: Config, graph: Graph, device: torch.device | str, sampler: Sampler,
                        host: HostFeatureStore | None = None) -> FeatureStore:
-    """The feature store ``config.features`` asks for on ``device`` (DESIGN.md › Feature store).
+    """The feature store ``config.features`` asks for on ``device`` (docs/design.md › Feature store).
 
     ``features.cache.kind=none`` with ``features.macro_batch=0`` is the host store itself; otherwise a
     :class:`~betty_trainer.data.cache.CachedFeatureStore` over it: ``static`` caches the

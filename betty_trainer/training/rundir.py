@@ -1,4 +1,4 @@
-"""The run directory (DESIGN.md › CLI): where it is, its lock, and how its files are written.
+"""The run directory (docs/design.md › CLI): where it is, its lock, and how its files are written.
 
 One run at a time writes a run directory. :meth:`RunDirectory.open` takes an
 exclusive ``flock`` on ``run.lock`` inside it and writes the holder's pid and host

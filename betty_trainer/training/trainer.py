@@ -77,7 +77,7 @@ class EpochMetrics:
     feature store's counter; 0 when training runs on the CPU; evaluation's gathers are not included);
     ``lr`` is the learning rate of the epoch's optimizer steps; ``feature_hits`` and ``feature_misses`` are the
     input rows training's gathers found on the device (a node cache, a staged macro-batch) and read from the
-    host, and ``cache_fill_bytes`` the bytes read to fill the node cache (DESIGN.md › Feature store)."""
+    host, and ``cache_fill_bytes`` the bytes read to fill the node cache (docs/design.md › Feature store)."""
 
     epoch: int
     loss: float
