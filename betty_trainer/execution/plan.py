@@ -39,7 +39,8 @@ class StepResult(NamedTuple):
 
 @runtime_checkable
 class StepPlan(Protocol):
-    """How one batch runs: its pieces, what was estimated, and ``run``.
+    """How one batch runs: its pieces, what was estimated, and ``run`` (docs/design.md › Seams › StepPlan; the
+    accumulation that makes every kind give the full batch's gradient: Betty §4.2.3).
 
     Attributes:
         batch: the batch the plan runs (blocks input layer first).
@@ -87,7 +88,13 @@ class StepPlan(Protocol):
                 device: torch.device) -> list[int]:
         """Run real training steps of the plan (after one that creates the optimizer's state) and return the
         measured peak bytes (:func:`estimator.measure.measure_peak`) of each measured unit: each micro-batch,
-        or the one layer-wise step. Updates ``model`` and ``optimizer``."""
+        or the one layer-wise step. Updates ``model`` and ``optimizer``.
+
+        Raises:
+            TrainingError: a loss is NaN or infinite.
+            RuntimeError: a torch profiler is already running (CPU).
+            ValueError: a device other than CPU or CUDA.
+        """
         ...
 
     def report(self, measured: list[int] | None = None) -> dict:
@@ -102,6 +109,7 @@ def layer_sizes(batch: Batch) -> list[dict[str, int]]:
     return [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges} for b in batch.blocks]
 
 
-def relative_error(estimate: int | None, measured: int) -> float | None:
-    """``(estimate − measured) / measured``, or ``None`` without an estimate."""
-    return None if not estimate else (estimate - measured) / measured
+def relative_error(estimate: int, measured: int) -> float:
+    """An estimate's error against the measured peak, ``(estimate − measured) / measured`` (bytes in, a signed
+    fraction out: +0.05 is 5% over)."""
+    return (estimate - measured) / measured

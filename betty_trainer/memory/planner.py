@@ -175,8 +175,8 @@ class Planner:
         self._splitter = splitter
         work = (float(split.work) if self.spec is None else
                 step_work(self.spec, [list(layer) for layer in zip(*split.layers)], False))
-        itemise = (lambda structures, accumulate: self.estimate(structures, accumulate)) if self.spec else None
-        return MicroBatchPlan(batch, split, work, self.config.partitioner, self.feature_store_bytes, itemise)
+        return MicroBatchPlan(batch, split, work, self.config.partitioner, self.feature_store_bytes,
+                              self.estimate if self.spec is not None else None)
 
     def layerwise_peak(self, batch: Batch, chunks: LayerChunks, host_outputs: bool | None = None,
                        layers: Sequence[LayerCounts] | None = None) -> int:

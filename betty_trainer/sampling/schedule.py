@@ -173,14 +173,14 @@ class BatchRound:
     """Consecutive batches of an epoch that run together, and the input nodes staged for them.
 
     Attributes:
-        batches: ``(index, seeds, batch)`` per batch, in training order (``index``: the batch's position in the
-            epoch, its ``SampleKey.step``).
+        batches: ``(key, seeds, batch)`` per batch, in training order: the :class:`SampleKey` the batch was
+            sampled with (``key.step``: its position in the epoch), its seed nodes and the batch.
         staged_nodes: the union of their input nodes (with duplicates) for the feature store to stage on the
             device before they run (``FeatureStore.prefetch``; BatchGNN §3), or ``None``: each batch gathers its
             own rows.
     """
 
-    batches: list[tuple[int, Tensor, Batch]]
+    batches: list[tuple[SampleKey, Tensor, Batch]]
     staged_nodes: Tensor | None
 
 
@@ -202,15 +202,15 @@ def batch_rounds(config: Config, sampler: Sampler, seed_batches: Sequence[Tensor
     staging = config.features.macro_batch > 0
     budget = config.features.macro_batch_budget
     for start in range(0, len(seed_batches), group):
-        indices = list(range(start, min(start + group, len(seed_batches))))
-        batches = [sampler.sample(seed_batches[i], SampleKey(config.seed, epoch, i)) for i in indices]
+        keys = [SampleKey(config.seed, epoch, i) for i in range(start, min(start + group, len(seed_batches)))]
+        batches = [sampler.sample(seed_batches[key.step], key) for key in keys]
         rounds = staging_rounds([batch.input_nodes for batch in batches], row_bytes, budget) \
             if staging else [range(m, m + 1) for m in range(len(batches))]
         for members in rounds:
             nodes = torch.cat([batches[m].input_nodes for m in members]) if staging else None
             if nodes is not None and budget is not None and torch.unique(nodes).numel() * row_bytes > budget:
                 nodes = None  # a batch over the budget on its own is gathered per micro-batch, not staged
-            yield BatchRound([(indices[m], seed_batches[indices[m]], batches[m]) for m in members], nodes)
+            yield BatchRound([(keys[m], seed_batches[keys[m].step], batches[m]) for m in members], nodes)
         del batches
 
 

@@ -31,7 +31,7 @@ from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
-from betty_trainer.sampling.base import SampleKey, Sampler
+from betty_trainer.sampling.base import Sampler
 from betty_trainer.sampling.schedule import (
     batch_rounds,
     epoch_seeds,
@@ -194,10 +194,10 @@ def train(
                 totals, seed_batches = _EpochTotals(features.stats.snapshot()), epoch_seeds(config, graph, epoch)
                 for batch_round in batch_rounds(config, run.sampler, seed_batches, epoch, features.row_bytes):
                     features.prefetch(batch_round.staged_nodes)  # a macro-batch's rows, staged on the device at once
-                    for index, seeds, batch in batch_round.batches:
-                        features.begin_batch(SampleKey(config.seed, epoch, index))  # a GNS cache takes its node set
-                        set_dropout_key(model, config.seed, epoch * len(seed_batches) + index)
-                        where, plan = f"epoch {epoch}, batch {index}", planner.plan(batch)
+                    for key, seeds, batch in batch_round.batches:
+                        features.begin_batch(key)  # a GNS cache takes the batch's node set
+                        set_dropout_key(model, config.seed, epoch * len(seed_batches) + key.step)
+                        where, plan = f"epoch {epoch}, batch {key.step}", planner.plan(batch)
                         while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
                             optimizer.zero_grad(set_to_none=True)
                             try:
@@ -207,7 +207,7 @@ def train(
                             except torch.cuda.OutOfMemoryError:
                                 plan = _replan(planner, plan, where, device)
                         optimizer.step()
-                        if epoch == run.start_epoch and index == 0:  # the first batch's plan, as `betty-train plan` shows it
+                        if epoch == run.start_epoch and key.step == 0:  # the first batch's plan, as `betty-train plan` shows it
                             _record_plan(directory, console, plan, write=epoch == 0)
                         warned = warned or (plan.pieces > 1 and _warn_torch_dropout(model, plan.pieces))
                         totals.add(plan, result, seeds.numel())
@@ -253,7 +253,6 @@ class _Run:
     evaluation_features: FeatureStore
     planner: Planner
     identity: dict
-    path: Path
     start_epoch: int = 0
     best: dict = field(default_factory=lambda: {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")})
     resumed_from: int | None = None
@@ -288,16 +287,17 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
     run = _Run(graph, model, optimizer, make_scheduler(config, optimizer), sampler,
                make_feature_store(config, graph, device, sampler, host), host, planner,
-               identity(dataset_identity(graph), model_id, model.state_dict()), path)
+               identity(dataset_identity(graph), model_id, model.state_dict()))
     if state is not None:
-        _restore(config, run, state)
+        _restore(config, run, state, path)
     planner.plan(first_batch(config, graph, sampler, run.start_epoch))
     return run
 
 
-def _restore(config: Config, run: _Run, state: dict) -> None:
-    """Load a checkpoint's model, optimizer and schedule into ``run`` after checking that they belong to it."""
-    path, scheduler = run.path, run.scheduler
+def _restore(config: Config, run: _Run, state: dict, path: Path) -> None:
+    """Load the checkpoint ``state`` of the run in ``path`` (its model, optimizer and schedule) into ``run`` after
+    checking that they belong to it."""
+    scheduler = run.scheduler
     difference = identity_difference(state["identity"], run.identity)
     if difference is not None:
         raise TrainingError(f"cannot resume {path}: {difference}; resume with the run's own model and dataset, "
@@ -326,7 +326,7 @@ def _start(directory: RunDirectory, config: Config, run: _Run, device: torch.dev
            command: Sequence[str] | None) -> None:
     """Everything is checked and loaded: the run really starts (or resumes) here, and its files are written."""
     if run.resumed_from is not None:
-        _truncate_metrics(run.path / "metrics.jsonl", run.resumed_from)
+        _truncate_metrics(directory.path / "metrics.jsonl", run.resumed_from)
         _record_resume(directory, config, run.start_epoch, environment(device, command))
     else:
         if overwrite:
@@ -407,12 +407,12 @@ def _end_epoch(directory: RunDirectory, run: _Run, last: EpochMetrics, best: dic
     """Append the epoch's metrics, save ``best.pt`` when validation accuracy improved and ``last.pt`` always, log to
     TensorBoard; returns the best-so-far."""
     directory.append_line("metrics.jsonl", json.dumps(asdict(last)))
-    model, epoch = run.model, last.epoch
+    model, epoch, path = run.model, last.epoch, directory.path
     if last.val_acc is not None and last.val_acc > best["val_acc"]:
         best = {"epoch": epoch, "val_acc": last.val_acc, "test_acc": last.test_acc}
-        save_checkpoint(run.path, {"format": FORMAT, "kind": "best", "epoch": epoch, "model": model.state_dict(),
+        save_checkpoint(path, {"format": FORMAT, "kind": "best", "epoch": epoch, "model": model.state_dict(),
                                    "metrics": asdict(last), "identity": run.identity}, BEST_NAME)
-    save_checkpoint(run.path, {"format": FORMAT, "kind": "last", "epoch": epoch, "model": model.state_dict(),
+    save_checkpoint(path, {"format": FORMAT, "kind": "last", "epoch": epoch, "model": model.state_dict(),
                                "optimizer": run.optimizer.state_dict(),
                                "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
                                "best": best, "identity": run.identity}, LAST_NAME)
