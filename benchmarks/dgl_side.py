@@ -105,9 +105,9 @@ class Side:
         loss.backward()
         optimizer.step()
 
-    def full_memory(self, name: str, hidden: int, seed: int, outputs: str | None) -> dict:
+    def full_memory(self, name: str, hidden: int, seed: int, outputs: str | None, dropout: float = 0.5) -> dict:
         """Peak bytes of one full-graph step after one warm-up step (Adam state exists), as betty measures."""
-        model, optimizer = self._model(name, hidden, seed)
+        model, optimizer = self._model(name, hidden, seed, dropout)
         out = None if outputs is None else torch.from_numpy(np.load(outputs, allow_pickle=False))
         model.train()
         self._full_step(name, model, optimizer, out)
@@ -118,10 +118,11 @@ class Side:
         peak = self.measure.measure_peak(lambda: self._full_step(name, model, optimizer, out), "cpu", resident)
         return {"peak_bytes": peak.peak_bytes, "resident_bytes": peak.resident_bytes}
 
-    def full_step(self, name: str, hidden: int, seed: int, outputs: str | None, key: str) -> dict:
+    def full_step(self, name: str, hidden: int, seed: int, outputs: str | None, key: str,
+                  dropout: float = 0.5) -> dict:
         """One timed full-graph training step on a model kept under ``key`` (created on first use)."""
         if key not in self.models:
-            self.models[key] = self._model(name, hidden, seed)
+            self.models[key] = self._model(name, hidden, seed, dropout)
         model, optimizer = self.models[key]
         out = None if outputs is None else torch.from_numpy(np.load(outputs, allow_pickle=False))
         model.train()
@@ -145,12 +146,12 @@ class Side:
         return {"seconds": time.perf_counter() - started, "seeds": sum(b.numel() for b in batches), "edges": edges}
 
     def minibatch_epoch(self, name: str, hidden: int, seed: int, seeds: str, batch_size: int, fanouts: list[int],
-                        key: str) -> dict:
+                        key: str, dropout: float = 0.5) -> dict:
         """One mini-batch epoch over the given seed batches: sample, gather, forward, backward, Adam step."""
         from dgl.dataloading import NeighborSampler
 
         if key not in self.models:
-            self.models[key] = self._model(name, hidden, seed)
+            self.models[key] = self._model(name, hidden, seed, dropout)
         model, optimizer = self.models[key]
         entry = self.graphs[name]
         graph, x, y = entry["graph"], entry["x"], entry["y"]
