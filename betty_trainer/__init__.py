@@ -7,7 +7,7 @@ Public API::
 
 from betty_trainer.config import Config, load_config
 from betty_trainer.data.block import Batch, Block
-from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats, as_feature_store
+from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import DATASETS, load_dataset, make_sbm
 from betty_trainer.errors import (
@@ -35,7 +35,7 @@ __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",
     "FeatureStore", "Graph", "GraphSAGE", "HostFeatureStore", "MicroBatches", "NeighborSampler", "NodeDropout",
     "PlanningError", "RunDirError", "SampleKey", "Sampler", "StepPlan", "StepResult", "TrainResult",
-    "TrainingError", "TransferStats", "accumulate_gradients", "as_feature_store", "build_model", "calibrate_model",
+    "TrainingError", "TransferStats", "accumulate_gradients", "build_model", "calibrate_model",
     "evaluate", "evaluate_splits", "full_neighbourhood_batches", "layerwise_logits", "load_config", "load_dataset", "load_model",
     "make_sbm", "plan_micro_batches", "sample_batch", "train",
 ]

@@ -358,7 +358,8 @@ class MicroBatchConfig(_Section):
     """``micro_batch``: how each batch is split: mode, partitioner, K or a memory budget (bytes)."""
 
     partitioner: Literal[tuple(PARTITIONERS)] = Field("reg", description="a key of partition.PARTITIONERS")
-    num_micro_batches: int = Field(4, ge=1, description="K micro-batches per batch when budget is null")
+    num_micro_batches: int = Field(4, ge=1, description="K when budget is null: micro-batches per batch (mode "
+                                   "micro_batches) or chunks per layer (mode layerwise)")
     budget: int | Literal["auto"] | None = Field(
         None, description="memory budget per micro-batch: bytes ('6GiB' works), 'auto' (GPU free memory "
                           "minus safety_margin), or null to use num_micro_batches")

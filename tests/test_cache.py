@@ -14,8 +14,9 @@ from betty_trainer.data import cache as cache_module
 from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
-from betty_trainer.sampling.schedule import make_feature_store, make_sampler, staging_rounds
+from betty_trainer.sampling.schedule import make_sampler, staging_rounds
 from betty_trainer.training import trainer as trainer_module
+from betty_trainer.training.trainer import feature_store
 
 CPU = torch.device("cpu")
 F = 3
@@ -225,7 +226,7 @@ def test_a_size_below_one_row_is_refused_when_the_store_is_built():
     graph = load_dataset(config.dataset)
     assert graph.x.shape[1] * graph.x.element_size() > 8
     with pytest.raises(ConfigError, match=r"features\.cache\.size '8B' is 8 bytes, less than one"):
-        make_feature_store(config, graph, CPU, make_sampler(config, graph))
+        feature_store(config, graph, CPU, make_sampler(config, graph))
 
 
 def test_staging_rounds_keep_each_round_s_distinct_rows_within_the_budget():
@@ -257,26 +258,26 @@ def test_bad_cache_settings_are_refused_naming_the_key(override, key):
         load_config(None, override)
 
 
-def test_make_feature_store_builds_what_the_config_names():
+def test_the_feature_store_is_what_the_config_names():
     config = load_config(None, SMALL + ["features.cache.kind=lru", "features.cache.size=0.05"])
     from betty_trainer.datasets import load_dataset
 
     graph = load_dataset(config.dataset)
-    store = make_feature_store(config, graph, CPU, make_sampler(config, graph))
+    store = feature_store(config, graph, CPU, make_sampler(config, graph))
     assert isinstance(store, CachedFeatureStore) and store.kind == "lru" and store.capacity == 30
-    plain = make_feature_store(load_config(None, SMALL), graph, CPU, make_sampler(config, graph))
+    plain = feature_store(load_config(None, SMALL), graph, CPU, make_sampler(config, graph))
     assert isinstance(plain, HostFeatureStore)
 
 
 def _losses(tmp_path, monkeypatch, name, overrides):
     """The (loss, val_acc) of each epoch of a small run, and the feature store it trained with."""
-    stores, make = [], trainer_module.make_feature_store
+    stores, make = [], trainer_module.feature_store
 
     def recorded(*args, **kwargs):
         stores.append(make(*args, **kwargs))
         return stores[-1]
 
-    monkeypatch.setattr(trainer_module, "make_feature_store", recorded)
+    monkeypatch.setattr(trainer_module, "feature_store", recorded)
     trainer_module.train(load_config(None, SMALL + overrides), run_dir=tmp_path / name)
     lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     metrics = [(line["loss"], line["val_acc"]) for line in lines]
@@ -313,45 +314,52 @@ def test_training_with_the_gns_cache_gives_the_losses_of_gns_without_it(tmp_path
 # --- what the memory plan leaves for the store -----------------------------------------------------------------
 
 def test_the_device_bytes_bound_equals_what_a_full_store_holds(x):
+    """A full cache (and a full staged macro-batch) holds what ``max_device_bytes``, the planner's reservation,
+    says: equal, not just below, so the plan leaves no room unused."""
     host = HostFeatureStore(x, pin=False)
     nodes = x.shape[0]
     static = CachedFeatureStore(host, CPU, "static", capacity=5, degrees=torch.arange(nodes))
     static.gather(ids(0, 1), CPU)  # the first gather fills it
-    assert static.device_bytes == cache_module.device_bytes_bound("static", 5, nodes, ROW)
+    assert static.device_bytes == static.max_device_bytes == cache_module.device_bytes_bound("static", 5, nodes, ROW)
     lru = CachedFeatureStore(host, CPU, "lru", capacity=4)
     lru.gather(ids(0, 1, 2, 3, 4, 5), CPU)
-    assert lru.device_bytes == cache_module.device_bytes_bound("lru", 4, nodes, ROW)
-    gns = CachedFeatureStore(host, CPU, "gns", node_source=lambda key: ids(2, 3, 7))
+    assert lru.device_bytes == lru.max_device_bytes == cache_module.device_bytes_bound("lru", 4, nodes, ROW)
+    gns = CachedFeatureStore(host, CPU, "gns", 3, node_source=lambda key: ids(2, 3, 7))
     gns.begin_batch(0)
-    assert gns.device_bytes == cache_module.device_bytes_bound("gns", 3, nodes, ROW)
-    staging = CachedFeatureStore(host, CPU, "lru", capacity=4)
+    assert gns.device_bytes == gns.max_device_bytes == cache_module.device_bytes_bound("gns", 3, nodes, ROW)
+    staging = CachedFeatureStore(host, CPU, "lru", capacity=4, stage_budget=6 * ROW)
     staging.prefetch(ids(1, 2, 3, 5, 8, 13, 2))  # 6 distinct rows
-    assert staging.device_bytes == cache_module.device_bytes_bound("lru", 4, nodes, ROW, stage_rows=6)
+    assert staging.device_bytes == staging.max_device_bytes == \
+        cache_module.device_bytes_bound("lru", 4, nodes, ROW, stage_rows=6)
+    assert host.device_bytes == host.max_device_bytes == 0
 
 
 def test_the_planner_budget_is_what_the_feature_store_leaves():
     from betty_trainer.datasets import load_dataset
     from betty_trainer.memory.planner import make_planner
-    from betty_trainer.sampling.schedule import feature_store_device_bytes
 
     overrides = SMALL + ["micro_batch.budget=64MB", "features.cache.kind=lru", "features.cache.size=50",
                          "features.macro_batch=2", "features.macro_batch_budget=20KB"]
     config = load_config(None, overrides)
     graph = load_dataset(config.dataset)
     row = graph.x.shape[1] * 4
-    reserved = feature_store_device_bytes(config, graph)
+    store = feature_store(config, graph, CPU, make_sampler(config, graph))
+    reserved = store.max_device_bytes
     assert reserved == cache_module.device_bytes_bound("lru", 50, graph.num_nodes, row, 20_000 // row)
-    planner = make_planner(config, graph, None, CPU)
+    planner = make_planner(config, graph, None, CPU, store)
     assert planner.feature_store_bytes == reserved and planner.budget == 64_000_000 - reserved
+    small = load_config(None, overrides[:-2] + ["micro_batch.budget=8KB"])
     with pytest.raises(ConfigError, match="leaving nothing for a training step"):
-        make_planner(load_config(None, overrides[:-2] + ["micro_batch.budget=8KB"]), graph, None, CPU)
+        make_planner(small, graph, None, CPU, feature_store(small, graph, CPU, make_sampler(small, graph)))
+    unbounded = load_config(None, overrides[:-1])
     with pytest.raises(ConfigError, match="needs features.macro_batch_budget"):
-        feature_store_device_bytes(load_config(None, overrides[:-1]), graph)
+        feature_store(unbounded, graph, CPU, make_sampler(unbounded, graph))
     changed = load_config(None, [o for o in overrides[:-1] if not o.startswith("micro_batch.budget")])
     changed.micro_batch.budget = 64_000_000  # a budget set from Python after the config was validated
     with pytest.raises(ConfigError, match="needs features.macro_batch_budget"):
-        feature_store_device_bytes(changed, graph)
-    assert feature_store_device_bytes(load_config(None, SMALL), graph) == 0
+        feature_store(changed, graph, CPU, make_sampler(changed, graph))
+    plain = load_config(None, SMALL)
+    assert feature_store(plain, graph, CPU, make_sampler(plain, graph)).max_device_bytes == 0
 
 
 def test_a_batch_over_the_macro_batch_budget_on_its_own_is_not_staged():
@@ -361,7 +369,7 @@ def test_a_batch_over_the_macro_batch_budget_on_its_own_is_not_staged():
     config = load_config(None, SMALL + ["features.macro_batch=2", "features.macro_batch_budget=1KB"])
     graph = load_dataset(config.dataset)
     sampler = make_sampler(config, graph)
-    store = make_feature_store(config, graph, CPU, sampler)
+    store = feature_store(config, graph, CPU, sampler)
     rounds = list(batch_rounds(config, sampler, epoch_seeds(config, graph, 0), 0, store.row_bytes))
     batches = [batch for round_ in rounds for _, _, batch in round_.batches]
     assert batches and all(b.input_nodes.numel() * store.row_bytes > 1000 for b in batches)
@@ -401,6 +409,6 @@ def test_a_static_cache_holds_the_nodes_most_neighbour_lists_hold_on_a_directed_
                              train_idx=torch.arange(7), val_idx=torch.arange(0), test_idx=torch.arange(0), num_classes=2)
     assert graph.out_degrees().tolist() == [5, 1, 1, 1, 1, 1, 0] and int(graph.in_degrees()[6]) == 5
     config = load_config(None, ["features.cache.kind=static", "features.cache.size=1"])
-    store = make_feature_store(config, graph, CPU, make_sampler(config, graph))
+    store = feature_store(config, graph, CPU, make_sampler(config, graph))
     store.gather(torch.tensor([1]), CPU)  # the first gather fills it
     assert store.cached_nodes.tolist() == [0]

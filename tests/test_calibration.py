@@ -14,6 +14,7 @@ from torch import nn
 
 from betty_trainer import plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
+from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.errors import BettyError, CalibrationError
 from betty_trainer.execution import micro_batches as micro_batches_module
 from betty_trainer.execution.micro_batches import measure_training_step
@@ -89,10 +90,11 @@ def test_calibrated_estimate_within_10_percent_of_measured_peak(cora, calibrated
     optimizer = adam(model.parameters())
     batch = sample_batch(cora, cora.train_idx, [None, None])
     micro_batches = plan_micro_batches(batch, k, "reg", 0)
-    measure_training_step(model, optimizer, micro_batches[0], cora.x, cora.y, "cpu")  # Adam state exists
+    # Adam state exists
+    measure_training_step(model, optimizer, micro_batches[0], HostFeatureStore(cora.x, pin=False), cora.y, "cpu")
     for index, micro_batch in enumerate(micro_batches):  # measured as training runs them
         estimate = result.estimate(counts_of(micro_batch.blocks), accumulate=index > 0)
-        measured = measure_training_step(model, optimizer, micro_batch, cora.x, cora.y, "cpu",
+        measured = measure_training_step(model, optimizer, micro_batch, HostFeatureStore(cora.x, pin=False), cora.y, "cpu",
                                          num_outputs=batch.output_nodes.numel(), accumulate=index > 0).peak_bytes
         error = (estimate - measured) / measured
         assert -0.10 <= error <= 0.10, (k, estimate, measured, f"{error:+.2%}")
@@ -119,8 +121,8 @@ def test_train_calibrates_a_custom_model_and_keeps_its_micro_batches_within_the_
     probe = copy.deepcopy(model)
     optimizer = adam(probe.parameters())
     batch = sample_batch(cora, cora.train_idx, [None, None])
-    measure_training_step(probe, optimizer, batch, cora.x, cora.y, "cpu")  # Adam state exists
-    full_peak = measure_training_step(probe, optimizer, batch, cora.x, cora.y, "cpu").peak_bytes
+    measure_training_step(probe, optimizer, batch, HostFeatureStore(cora.x, pin=False), cora.y, "cpu")  # Adam state exists
+    full_peak = measure_training_step(probe, optimizer, batch, HostFeatureStore(cora.x, pin=False), cora.y, "cpu").peak_bytes
     budget = full_peak // 2
 
     original, measured = micro_batches_module.accumulate_gradients, []

@@ -9,6 +9,7 @@ import torch
 
 from betty_trainer import Batch, plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
+from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, sage, set_dropout_key
@@ -27,12 +28,13 @@ def estimate_and_measure(graph, overrides, k, fanouts=None):
     batch = sample_batch(graph, graph.train_idx, fanouts or [None] * config.model.num_layers,
                          torch.Generator().manual_seed(0))
     micro_batches = plan_micro_batches(batch, k, "reg", 0)
-    measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, "cpu")  # Adam state exists
+    features = HostFeatureStore(graph.x, pin=False)
+    measure_training_step(model, optimizer, micro_batches[0], features, graph.y, "cpu")  # Adam state exists
     spec = model_spec(config, graph)
     pairs = []
     for index, micro_batch in enumerate(micro_batches):
         estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0)
-        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu",
+        measured = measure_training_step(model, optimizer, micro_batch, features, graph.y, "cpu",
                                          num_outputs=batch.output_nodes.numel(), accumulate=index > 0)
         assert sum(estimate.at_peak.values()) == estimate.peak_bytes
         pairs.append((estimate.peak_bytes, measured.peak_bytes))
@@ -114,9 +116,9 @@ def test_estimate_on_a_full_graph_where_every_src_node_is_a_dst_node(cora64, mod
     optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay)
     batch = sample_batch(cora64, torch.arange(cora64.num_nodes), [None] * 3)
     assert all(block.num_dst == block.num_src for block in batch.blocks)
-    measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu")  # Adam state exists
+    measure_training_step(net, optimizer, batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu")  # Adam state exists
     estimate = estimate_micro_batch(counts_of(batch.blocks), model_spec(config, cora64)).peak_bytes
-    measured = measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu").peak_bytes
+    measured = measure_training_step(net, optimizer, batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu").peak_bytes
     tolerance = TOLERANCE.get(config.model.arch, DEFAULT_TOLERANCE)
     assert abs(estimate - measured) <= tolerance * measured, (estimate, measured)
 
@@ -137,12 +139,13 @@ def test_estimate_matrix(cora64, model, edge_weights, dropout):
         batch = weighted(batch)
     micro_batches = plan_micro_batches(batch, 3, "reg", 0)
     assert (micro_batches[0].blocks[0].edge_weight is not None) == edge_weights
-    measure_training_step(net, optimizer, micro_batches[0], cora64.x, cora64.y, "cpu")  # Adam state exists
+    # Adam state exists
+    measure_training_step(net, optimizer, micro_batches[0], HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu")
     spec = model_spec(config, cora64)
     tolerance = TOLERANCE.get(config.model.arch, DEFAULT_TOLERANCE)
     for index, micro_batch in enumerate(micro_batches):
         estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0).peak_bytes
-        measured = measure_training_step(net, optimizer, micro_batch, cora64.x, cora64.y, "cpu",
+        measured = measure_training_step(net, optimizer, micro_batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu",
                                          num_outputs=batch.output_nodes.numel(), accumulate=index > 0).peak_bytes
         assert abs(estimate - measured) <= tolerance * measured, (index, estimate, measured)
 
@@ -165,8 +168,8 @@ def test_matrix_catches_a_layer_that_changes_without_its_memory_terms(cora64, mo
         torch.manual_seed(0)
         net = build_model(config.model, cora64)
         optimizer = torch.optim.Adam(net.parameters())
-        measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu")
-        return measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu").peak_bytes
+        measure_training_step(net, optimizer, batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu")
+        return measure_training_step(net, optimizer, batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu").peak_bytes
 
     assert abs(estimate - measured()) <= DEFAULT_TOLERANCE * estimate
     monkeypatch.setattr(sage, "mean_neighbours", gather_scatter_mean)
@@ -188,11 +191,11 @@ def test_estimate_of_the_tensor_op_kernels(cora64, monkeypatch, model):
     optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay)
     batch = sample_batch(cora64, cora64.train_idx, [5, 10], torch.Generator().manual_seed(0))
     micro_batches = plan_micro_batches(batch, 2, "reg", 0)
-    measure_training_step(net, optimizer, micro_batches[0], cora64.x, cora64.y, "cpu")
+    measure_training_step(net, optimizer, micro_batches[0], HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu")
     spec = dataclasses.replace(model_spec(config, cora64), compiled_kernels=False)
     for index, micro_batch in enumerate(micro_batches):
         estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0).peak_bytes
-        measured = measure_training_step(net, optimizer, micro_batch, cora64.x, cora64.y, "cpu",
+        measured = measure_training_step(net, optimizer, micro_batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu",
                                          num_outputs=batch.output_nodes.numel(), accumulate=index > 0).peak_bytes
         assert abs(estimate - measured) <= DEFAULT_TOLERANCE * measured, (index, estimate, measured)
 
@@ -207,8 +210,8 @@ def test_estimate_of_adams_foreach_path(cora64, model):
     set_dropout_key(net, 0, 0)
     optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay, foreach=True)
     batch = sample_batch(cora64, cora64.train_idx[:8], [2, 2], torch.Generator().manual_seed(0))
-    measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu")
-    measured = measure_training_step(net, optimizer, batch, cora64.x, cora64.y, "cpu").peak_bytes
+    measure_training_step(net, optimizer, batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu")
+    measured = measure_training_step(net, optimizer, batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu").peak_bytes
     foreach = dataclasses.replace(model_spec(config, cora64), foreach=True)
     single = dataclasses.replace(foreach, foreach=False)
     tolerance = TOLERANCE.get(config.model.arch, DEFAULT_TOLERANCE)

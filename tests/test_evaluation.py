@@ -50,7 +50,7 @@ def test_layerwise_logits_equal_full_neighbourhood_batch_logits_on_cora(cora, ar
     scale = expected.abs().max()
     assert scale > 0 and (got - expected).abs().max() <= 1e-5 * scale, (got - expected).abs().max() / scale
     assert torch.equal(got.argmax(1), expected.argmax(1))
-    everything = layerwise_logits(model, cora, cora.x, CPU, chunk_size=1000)  # all nodes, by default
+    everything = layerwise_logits(model, cora, HostFeatureStore(cora.x, pin=False), CPU, chunk_size=1000)  # all nodes, by default
     assert torch.equal(everything[nodes], got)
 
 
@@ -63,7 +63,7 @@ def test_evaluate_splits_gives_the_batch_evaluations_accuracies(cora, arch):
     accuracy = evaluate_splits(model, cora, store, CPU, splits, num_layers=2)
     for name in ("val", "test"):
         batches = full_neighbourhood_batches(cora, splits[name], 2)
-        assert accuracy[name] == evaluate(model, batches, cora.x, cora.y, CPU)
+        assert accuracy[name] == evaluate(model, batches, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
     assert accuracy["none"] != accuracy["none"], "an empty split's accuracy is nan"
     assert store.stats.misses == cora.num_nodes, "layer 0 reads every node's features once"
 
@@ -99,15 +99,16 @@ def test_other_models_fall_back_to_batch_evaluation(cora, make):
     model = make(cora)
     assert not runs_layer_by_layer(model)
     splits = {"val": cora.val_idx, "test": cora.test_idx}
-    accuracy = evaluate_splits(model, cora, cora.x, CPU, splits, num_layers=2, chunk_size=400)
+    accuracy = evaluate_splits(model, cora, HostFeatureStore(cora.x, pin=False), CPU, splits, num_layers=2, chunk_size=400)
     for name, nodes in splits.items():
-        assert accuracy[name] == evaluate(model, full_neighbourhood_batches(cora, nodes, 2), cora.x, cora.y, CPU)
+        assert accuracy[name] == evaluate(model, full_neighbourhood_batches(cora, nodes, 2),
+                                          HostFeatureStore(cora.x, pin=False), cora.y, CPU)
     assert isinstance(model, LayerStack) or model.calls > 2, "batch evaluation, chunk by chunk"
 
 
 def test_layerwise_logits_refuses_empty_nodes_and_bad_chunks(cora):
     model = MODELS["gcn"](cora, 2)
     with pytest.raises(ValueError, match="at least one node"):
-        layerwise_logits(model, cora, cora.x, CPU, cora.val_idx[:0])
+        layerwise_logits(model, cora, HostFeatureStore(cora.x, pin=False), CPU, cora.val_idx[:0])
     with pytest.raises(ValueError, match="chunk_size"):
-        layerwise_logits(model, cora, cora.x, CPU, chunk_size=0)
+        layerwise_logits(model, cora, HostFeatureStore(cora.x, pin=False), CPU, chunk_size=0)

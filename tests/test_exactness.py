@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from betty_trainer import GCN, GraphSAGE, accumulate_gradients, plan_micro_batches, sample_batch
+from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.models import set_dropout_key
 
 CPU = torch.device("cpu")
@@ -13,7 +14,7 @@ CPU = torch.device("cpu")
 
 def gradients(model, micro_batches, graph):
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(model, micro_batches, graph.x, graph.y, CPU)
+    accumulate_gradients(model, micro_batches, HostFeatureStore(graph.x, pin=False), graph.y, CPU)
     return [p.grad.clone() for p in model.parameters()]
 
 

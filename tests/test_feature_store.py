@@ -17,7 +17,6 @@ from betty_trainer import (
     MicroBatches,
     TransferStats,
     accumulate_gradients,
-    as_feature_store,
     load_config,
     make_sbm,
     plan_micro_batches,
@@ -90,13 +89,26 @@ def test_staging_buffer_is_reused_by_smaller_gathers_and_grows_for_larger_ones(x
     assert store.staging_rows == 400, "or to the request when it is larger"
 
 
-def test_as_feature_store_wraps_a_tensor_without_copying_and_passes_a_store_through(x):
-    store = as_feature_store(x)
-    assert isinstance(store, HostFeatureStore) and isinstance(store, FeatureStore)
-    assert store.x is x and not store.pinned, "a raw tensor is wrapped as it is (no pinned copy of the matrix)"
-    assert as_feature_store(store) is store
-    with pytest.raises(TypeError, match="FeatureStore"):
-        as_feature_store(x.numpy())
+def test_the_step_and_evaluation_refuse_a_raw_tensor_naming_the_wrapper(x):
+    """The API took a raw (N, F) tensor before it took a store only: a tensor now gets a one-line fix."""
+    from betty_trainer import Graph, evaluate
+
+    n = x.shape[0]
+    labels = torch.zeros(n, dtype=torch.long)
+    ring = Graph.from_edges(torch.arange(n), (torch.arange(n) + 1) % n, n, x=x, y=labels, train_idx=torch.arange(n),
+                            val_idx=torch.arange(0), test_idx=torch.arange(0), num_classes=2)
+    batch = sample_batch(ring, torch.arange(4), [None])
+    model = GraphSAGE(x.shape[1], 4, 2, 1, "mean", 0.0)
+    for call in (lambda: accumulate_gradients(model, [batch], x, labels, CPU),
+                 lambda: evaluate(model, [batch], x, labels, CPU)):
+        with pytest.raises(TypeError, match=r"wrap an \(N, F\) tensor x as HostFeatureStore\(x\)"):
+            call()
+
+
+def test_a_host_store_wraps_a_tensor_without_copying(x):
+    store = HostFeatureStore(x, pin=False)
+    assert isinstance(store, FeatureStore)
+    assert store.x is x and not store.pinned, "an unpinned store keeps the tensor as it is (no copy of the matrix)"
     with pytest.raises(ValueError, match=r"\(N, F\)"):
         HostFeatureStore(x[:, 0])
     assert HostFeatureStore(x).pinned == torch.cuda.is_available()
@@ -145,7 +157,7 @@ def test_training_gathers_through_the_store_with_one_micro_batch_alive():
     plan = make_split(batch.blocks, k=4, partitioner="range", seed=0)
     torch.manual_seed(0)
     model = GraphSAGE(16, 8, graph.num_classes, 2, "mean", 0.0)
-    accumulate_gradients(model, plan_micro_batches(batch, 4, "range", 0), graph.x, graph.y, CPU)
+    accumulate_gradients(model, plan_micro_batches(batch, 4, "range", 0), HostFeatureStore(graph.x, pin=False), graph.y, CPU)
     reference = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     store = HostFeatureStore(graph.x, pin=False)
@@ -246,5 +258,5 @@ def test_training_on_memory_mapped_features_reads_only_the_batch_rows(mapped_gra
     grown = _rss_anon_bytes() - before
     assert store.memory_mapped and store.stats.misses >= batch.blocks[0].num_src
     assert grown < graph.x.nbytes // 4, f"anonymous memory grew by {grown} bytes: a copy of the features?"
-    in_memory = gradients(graph.x.clone())
+    in_memory = gradients(HostFeatureStore(graph.x.clone(), pin=False))
     assert all(torch.equal(a, b) for a, b in zip(mapped, in_memory)), "same gradients as from an in-RAM matrix"

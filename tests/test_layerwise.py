@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from betty_trainer import GCN, GraphSAGE, accumulate_gradients, load_config, sample_batch
+from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.execution.layerwise import (
     LayerwisePlan,
     layerwise_backward,
@@ -48,14 +49,14 @@ def make(arch: str, graph, seed: int = 0, hidden: int = 16):
 
 def full_batch_gradients(model, batch, graph):
     model.zero_grad(set_to_none=True)
-    loss, correct = accumulate_gradients(model, [batch], graph.x, graph.y, CPU)
+    loss, correct = accumulate_gradients(model, [batch], HostFeatureStore(graph.x, pin=False), graph.y, CPU)
     return [p.grad.clone() for p in model.parameters()], loss, correct
 
 
 def layerwise_gradients(model, batch, graph, k):
     model.zero_grad(set_to_none=True)
-    loss, correct = layerwise_backward(model, batch, chunk_layers(batch.blocks, k, "metis", seed=1), graph.x,
-                                       graph.y, CPU)
+    loss, correct = layerwise_backward(model, batch, chunk_layers(batch.blocks, k, "metis", seed=1),
+                                       HostFeatureStore(graph.x, pin=False), graph.y, CPU)
     return [p.grad.clone() for p in model.parameters()], loss, correct
 
 
@@ -116,7 +117,7 @@ def test_a_projecting_layer_projects_its_block_s_src_rows_once_per_pass(cora, ar
             projected_rows[index] += h.shape[0]
             return project(h)
         monkeypatch.setattr(layer, "project", counting)
-    layerwise_backward(model, batch, chunks, cora.x, cora.y, CPU)
+    layerwise_backward(model, batch, chunks, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
     assert projected_rows == [2 * block.num_src for block in batch.blocks]
     assert all(sum(piece.num_src for piece in pieces) > block.num_src for block, pieces in zip(batch.blocks, chunks.layers))
 
@@ -140,7 +141,7 @@ def test_a_model_that_cannot_run_layer_by_layer_is_refused(cora):
     assert not runs_layer_by_layer(model) and runs_layer_by_layer(make("gcn", cora))
     batch = sample_batch(cora, cora.train_idx[:10], [None, None])
     with pytest.raises(ValueError, match="cannot run layer by layer.*micro_batch.mode=micro_batches"):
-        layerwise_backward(model, batch, chunk_layers(batch.blocks, 2), cora.x, cora.y, CPU)
+        layerwise_backward(model, batch, chunk_layers(batch.blocks, 2), HostFeatureStore(cora.x, pin=False), cora.y, CPU)
 
 
 def test_every_hidden_node_is_computed_once_per_pass(cora):
@@ -181,8 +182,9 @@ def assert_layerwise_estimate(model, arch: str, graph, fanouts) -> None:
     for k in (1, 4, 16):
         work = LayerwisePlan(batch, chunk_layers(batch.blocks, k, "metis", 0), work=0.0, partitioner="metis")
         set_dropout_key(model, 0, 0)
-        measure_layerwise_step(model, optimizer, work, graph.x, graph.y, CPU)  # Adam's state exists from here on
-        measured = measure_layerwise_step(model, optimizer, work, graph.x, graph.y, CPU)
+        features = HostFeatureStore(graph.x, pin=False)
+        measure_layerwise_step(model, optimizer, work, features, graph.y, CPU)  # Adam's state exists from here on
+        measured = measure_layerwise_step(model, optimizer, work, features, graph.y, CPU)
         estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
                                                                 for layer in work.chunks.layers], spec,
                                       projected_terms(model))
@@ -209,8 +211,9 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
     assert (plan.pieces == 1) == (fraction == 1.0)
 
     set_dropout_key(model, 0, 0)
-    measure_layerwise_step(model, optimizer, plan, cora.x, cora.y, CPU)  # Adam's state exists from here on
-    measured = measure_layerwise_step(model, optimizer, plan, cora.x, cora.y, CPU)
+    # Adam's state exists from here on
+    measure_layerwise_step(model, optimizer, plan, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
+    measured = measure_layerwise_step(model, optimizer, plan, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
     assert measured.peak_bytes <= budget * 1.02  # the estimate's bound (above)
 
 
@@ -273,7 +276,7 @@ def test_host_resident_layer_outputs_give_the_full_batch_gradient(cora, arch, mo
     chunks = chunk_layers(batch.blocks, 4, "metis", seed=1)
     chunks.host_outputs = True
     model.zero_grad(set_to_none=True)
-    loss, correct = layerwise_backward(model, batch, chunks, cora.x, cora.y, CPU)
+    loss, correct = layerwise_backward(model, batch, chunks, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
     assert placements == [True, False]  # h_1 on the host, the logits on the device
     assert_same(reference, ([p.grad.clone() for p in model.parameters()], loss, correct))
 

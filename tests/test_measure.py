@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import estimator
 from betty_trainer import GraphSAGE, make_sbm, sample_batch
+from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.execution.micro_batches import measure_training_step
 from estimator import MeasuredPeak, measure_peak
 from estimator.measure import CPU_METHOD, CUDA_METHOD, storage_bytes
@@ -184,7 +185,7 @@ def test_training_step_peak(sbm_setup):
     block_bytes = storage_bytes(t for b in batch.blocks for t in (b.src_nodes, b.indptr, b.indices))
     before = [p.detach().clone() for p in params]
 
-    first = measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU)
+    first = measure_training_step(model, optimizer, batch, HostFeatureStore(graph.x, pin=False), graph.y, CPU)
     assert first.resident_bytes == param_bytes + block_bytes  # no gradients (set to None), no Adam state yet
     # x (gathered in the step) and the new gradients are both alive at the end of backward.
     assert first.peak_bytes >= first.resident_bytes + input_bytes + param_bytes
@@ -193,7 +194,7 @@ def test_training_step_peak(sbm_setup):
 
     for p in params:
         p.grad.fill_(1e6)  # stale gradients are dropped (set to None) before the step, not accumulated into
-    second = measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU)
+    second = measure_training_step(model, optimizer, batch, HostFeatureStore(graph.x, pin=False), graph.y, CPU)
     assert all(p.grad.abs().max() < 1e5 for p in params)
     state_bytes = sum(v.nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
     assert state_bytes >= 2 * param_bytes  # Adam's two moments
@@ -201,7 +202,7 @@ def test_training_step_peak(sbm_setup):
     assert second.peak_bytes > second.resident_bytes + input_bytes
 
     # a later micro-batch of a batch: the earlier ones' gradients are resident and the new ones are added to them
-    third = measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU, accumulate=True)
+    third = measure_training_step(model, optimizer, batch, HostFeatureStore(graph.x, pin=False), graph.y, CPU, accumulate=True)
     assert third.resident_bytes == second.resident_bytes + param_bytes
     assert third.peak_bytes > second.peak_bytes
 
@@ -211,8 +212,8 @@ def test_training_step_loss_divisor(sbm_setup):
     deltas = []
     for num_outputs in (None, 2 * batch.output_nodes.numel()):
         model = copy.deepcopy(template)
-        measure_training_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, graph.x, graph.y, CPU,
-                              num_outputs)
+        measure_training_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch,
+                              HostFeatureStore(graph.x, pin=False), graph.y, CPU, num_outputs)
         deltas.append(torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), template.parameters())]))
     assert deltas[0].abs().max() > 0
     torch.testing.assert_close(deltas[1], deltas[0] / 2)

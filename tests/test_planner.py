@@ -35,8 +35,8 @@ def setting():
     model = build_model(config.model, graph)
     set_dropout_key(model, 0, 0)
     optimizer = torch.optim.Adam(model.parameters())
-    measure_training_step(model, optimizer, batch, graph.x, graph.y, "cpu")  # Adam state exists
-    full_peak = measure_training_step(model, optimizer, batch, graph.x, graph.y, "cpu").peak_bytes
+    measure_training_step(model, optimizer, batch, HostFeatureStore(graph.x, pin=False), graph.y, "cpu")  # Adam state exists
+    full_peak = measure_training_step(model, optimizer, batch, HostFeatureStore(graph.x, pin=False), graph.y, "cpu").peak_bytes
     return graph, config, batch, model, optimizer, full_peak
 
 
@@ -48,7 +48,8 @@ def test_planned_micro_batches_fit_the_budget_with_the_smallest_k(setting, fract
     planner = Planner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
     plan = planner.plan(batch)
     for index, micro_batch in enumerate(plan.micro_batches):  # as training runs them: later ones hold the gradients
-        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, "cpu", accumulate=index > 0)
+        measured = measure_training_step(model, optimizer, micro_batch, HostFeatureStore(graph.x, pin=False), graph.y,
+                                         "cpu", accumulate=index > 0)
         assert measured.peak_bytes <= budget, (plan.pieces, measured.peak_bytes, budget)
     estimate = lambda structures, accumulate: planner.estimate(structures, accumulate).peak_bytes
     brute_force = next(k for k in range(1, plan.pieces + 1)
@@ -192,8 +193,8 @@ def cora_full_batch(cora):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
     set_dropout_key(model, 0, 0)
-    measure_training_step(model, optimizer, batch, cora.x, cora.y, "cpu")  # Adam state exists
-    full_peak = measure_training_step(model, optimizer, batch, cora.x, cora.y, "cpu").peak_bytes
+    measure_training_step(model, optimizer, batch, HostFeatureStore(cora.x, pin=False), cora.y, "cpu")  # Adam state exists
+    full_peak = measure_training_step(model, optimizer, batch, HostFeatureStore(cora.x, pin=False), cora.y, "cpu").peak_bytes
     return config, model, optimizer, batch, full_peak
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal, get_args
 
@@ -44,6 +45,7 @@ import torch
 from torch import Tensor
 
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats, same_device, transfer_bytes
+from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
 
 CacheKind = Literal["none", "static", "lru", "gns"]
@@ -55,6 +57,20 @@ class CacheSizeError(ConfigError, ValueError):
     """A ``features.cache.size`` that gives no rows: a :class:`~betty_trainer.errors.ConfigError` (the CLI
     prints its one line) that is also a ``ValueError``, so the config's field validator reports it under the
     key like its other rules."""
+
+
+@dataclass(frozen=True)
+class NodeSource:
+    """Where a ``gns`` cache takes its node set from: the sampler's node cache (GNS §3.1).
+
+    Attributes:
+        nodes: ``key -> (|C|,)`` int64 ascending ids of the nodes the batch ``key`` samples with
+            (``GNSSampler.cache_nodes``).
+        size: the most nodes a set holds (``|C|``): the rows the store's plan leaves room for.
+    """
+
+    nodes: Callable[[Any], Tensor]
+    size: int
 
 
 def ceil_fraction(fraction: float, count: int) -> int:
@@ -155,12 +171,15 @@ class CachedFeatureStore(FeatureStore):
         host: the host store the misses are read from (its own ``stats`` keep counting its gathers).
         device: where the cache lives and the rows are served (the training device).
         kind: ``"none"`` (no cache; macro-batch staging only), ``"static"``, ``"lru"`` or ``"gns"``.
-        capacity: cached rows (``static``, ``lru``); ignored by ``gns`` (its node set decides) and
-            ``none``.
+        capacity: cached rows (``static``, ``lru``); for ``gns`` the most nodes a node set holds (the
+            sampler's cache size: the set decides what is cached, this bounds :attr:`max_device_bytes`);
+            ignored by ``none``.
         degrees: ``(N,)`` degrees, for ``static`` (the highest are cached; ties by lower node id):
             ``Graph.out_degrees``, how many neighbour lists hold each node.
         node_source: for ``gns``: ``key -> (|C|,) int64`` the cached node set of the batch ``key``
             (``GNSSampler.cache_nodes``).
+        stage_budget: the most bytes of rows a staged macro-batch holds (``features.macro_batch_budget``),
+            counted in :attr:`max_device_bytes`; ``None``: staging is not bounded, nor counted.
 
     Attributes:
         stats: :class:`TransferStats` of every gather and fill through this store.
@@ -173,7 +192,7 @@ class CachedFeatureStore(FeatureStore):
 
     def __init__(self, host: HostFeatureStore, device: torch.device | str, kind: CacheKind = "lru",
                  capacity: int = 0, *, degrees: Tensor | None = None,
-                 node_source: Callable[[Any], Tensor] | None = None) -> None:
+                 node_source: Callable[[Any], Tensor] | None = None, stage_budget: int | None = None) -> None:
         if kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {', '.join(CACHE_KINDS)}; got {kind!r}")
         if capacity < 0:
@@ -189,6 +208,8 @@ class CachedFeatureStore(FeatureStore):
         num_nodes, width = host.x.shape
         self.num_nodes = num_nodes
         self.capacity = 0 if kind in ("none", "gns") else min(int(capacity), num_nodes)
+        self._planned_rows = min(int(capacity), num_nodes) if kind != "none" else 0
+        self._stage_budget = stage_budget
         self._degrees = degrees
         self._node_source = node_source
         # the (N,) slot table serves lookups into a cache (none without one); stamps order an LRU cache only
@@ -225,6 +246,14 @@ class CachedFeatureStore(FeatureStore):
         held = [self._rows, self._slot, self._node, self._stamp, self._cached_set, self._stage_table,
                 self._stage_rows, self._stage_nodes, self._stage_owed]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    @property
+    def max_device_bytes(self) -> int:
+        """The most device bytes this store holds between gathers (:func:`device_bytes_bound` of its kind,
+        capacity and staging budget): what the planner subtracts from the budget."""
+        row_bytes = self.row_bytes
+        stage_rows = 0 if self._stage_budget is None else min(self.num_nodes, self._stage_budget // max(row_bytes, 1))
+        return device_bytes_bound(self.kind, self._planned_rows, self.num_nodes, row_bytes, stage_rows)
 
     # --- batch hooks -----------------------------------------------------------------------------------------
 
@@ -439,3 +468,44 @@ class CachedFeatureStore(FeatureStore):
     def __repr__(self) -> str:
         return (f"CachedFeatureStore(kind={self.kind!r}, capacity={self.capacity}, device={self.device}, "
                 f"host={self.host!r})")
+
+
+def make_feature_store(graph: Graph, device: torch.device | str, kind: CacheKind = "none",
+                       size: float | int | str = 0.1, *, macro_batch: bool = False, stage_budget: int | None = None,
+                       node_source: NodeSource | None = None, host: HostFeatureStore | None = None) -> FeatureStore:
+    """The feature store a run gathers its input rows from (docs/design.md › Feature store and GPU node cache).
+
+    ``kind="none"`` without macro-batches is the host store itself; otherwise a :class:`CachedFeatureStore` over
+    it: ``static`` caches the ``size`` nodes of highest out-degree (:meth:`Graph.out_degrees`: the most often
+    sampled as neighbours), ``lru`` the most recently read ones, ``gns`` the node sets of ``node_source`` (the
+    sampler's node cache, GNS §3.1).
+
+    Args:
+        graph: the graph whose ``x`` the store serves.
+        device: the training device (where the cache lives).
+        kind: ``none``, ``static``, ``lru`` or ``gns`` (``features.cache.kind``).
+        size: the cache's size for ``static`` and ``lru`` (:func:`cache_capacity`: a fraction of the nodes, a
+            node count or bytes such as ``"64MiB"``).
+        macro_batch: batches stage their input rows on the device (BatchGNN §3; ``features.macro_batch > 0``).
+        stage_budget: the most bytes a staged macro-batch holds (``features.macro_batch_budget``), or ``None``.
+        node_source: the sampler's node cache (``Sampler.node_cache``), for ``gns``.
+        host: the host store to wrap; default ``HostFeatureStore(graph.x, pin=<device is CUDA>)``.
+
+    Raises:
+        ConfigError: ``gns`` without a node source (the sampler keeps no node cache), or a ``size`` that gives
+            no rows (:class:`CacheSizeError`).
+    """
+    device = torch.device(device)
+    host = host if host is not None else HostFeatureStore(graph.x, pin=device.type == "cuda")
+    if kind == "none" and not macro_batch:
+        return host
+    stage_budget = stage_budget if macro_batch else None
+    if kind == "gns":
+        if node_source is None:
+            raise ConfigError("features.cache.kind=gns caches the GNS sampler's node set and this sampler keeps "
+                              "none; use sampling.sampler=gns or another features.cache.kind")
+        return CachedFeatureStore(host, device, "gns", node_source.size, node_source=node_source.nodes,
+                                  stage_budget=stage_budget)
+    capacity = 0 if kind == "none" else cache_capacity(size, graph.num_nodes, host.row_bytes)
+    return CachedFeatureStore(host, device, kind, capacity, degrees=graph.out_degrees() if kind == "static" else None,
+                              stage_budget=stage_budget)

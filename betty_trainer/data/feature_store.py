@@ -72,9 +72,10 @@ class FeatureStore(Protocol):
     Implementations return ``(len(node_ids), F)`` rows on ``device`` in the order of
     ``node_ids``, as a new tensor the caller owns (the training step lets input dropout
     overwrite it), and add what the gather cost to ``stats``. The training step, measurement,
-    calibration and evaluation take a store, never a raw tensor (see :func:`as_feature_store`).
+    calibration and evaluation take a store, never a raw tensor (wrap one in :class:`HostFeatureStore`).
 
-    The loop calls, per round of batches, ``prefetch(nodes)`` before its batches (the union of their
+    The planner leaves :attr:`max_device_bytes` of the budget to the store. The loop calls, per round of
+    batches, ``prefetch(nodes)`` before its batches (the union of their
     input nodes when they are staged together, BatchGNN §3; ``None`` otherwise) and ``release()`` after
     them, and ``begin_batch(key)`` before each batch. A store with nothing to do there inherits the no-op
     hooks by subclassing this protocol (as :class:`HostFeatureStore` does).
@@ -90,6 +91,17 @@ class FeatureStore(Protocol):
     def gather(self, node_ids: Tensor, device: torch.device | str) -> Tensor:
         """``(len(node_ids), F)`` features of ``node_ids`` (int64, any device) on ``device``."""
         ...
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes the store holds now between gathers (a cache, a staged macro-batch); 0 by default."""
+        return 0
+
+    @property
+    def max_device_bytes(self) -> int:
+        """The most device bytes the store holds between gathers over a run: what the memory plan leaves
+        room for beside a training step (the planner reads it); 0 by default."""
+        return 0
 
     def begin_batch(self, key: object) -> None:
         """The batch keyed ``key`` (a :class:`~betty_trainer.sampling.base.SampleKey`) runs next."""
@@ -247,16 +259,14 @@ class HostFeatureStore(FeatureStore):
                 f"memory_mapped={self.memory_mapped})")
 
 
-def as_feature_store(features: Tensor | FeatureStore) -> FeatureStore:
-    """``features`` itself if it is a store, else a :class:`HostFeatureStore` over the ``(N, F)``
-    tensor, unpinned (pinning copies the whole matrix: make the store once, with ``pin``, to
-    train on a GPU).
+def require_store(features: object) -> FeatureStore:
+    """``features`` if it is a :class:`FeatureStore`; the public entry points of the step and of evaluation
+    check their argument with it, so a raw tensor (which the API took before) gets a clear error.
 
     Raises:
-        TypeError: for anything else.
+        TypeError: ``features`` is not a store (the message says how to wrap an ``(N, F)`` tensor).
     """
-    if isinstance(features, Tensor):
-        return HostFeatureStore(features, pin=False)
-    if isinstance(features, FeatureStore):
-        return features
-    raise TypeError(f"features must be a (N, F) tensor or a FeatureStore, got {type(features).__name__}")
+    if not isinstance(features, FeatureStore):
+        raise TypeError(f"features must be a FeatureStore, got {type(features).__name__}; wrap an (N, F) tensor x "
+                        "as HostFeatureStore(x)")
+    return features

@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Batch, Block
-from betty_trainer.data.feature_store import FeatureStore, as_feature_store
+from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import training_state
 from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
@@ -148,7 +148,7 @@ def layerwise_backward(
     model: LayerStack,
     batch: Batch,
     chunks: LayerChunks,
-    features: Tensor | FeatureStore,
+    features: FeatureStore,
     labels: Tensor,
     device: torch.device,
 ) -> StepResult:
@@ -182,7 +182,7 @@ def layerwise_backward(
     if len(chunks.layers) != len(blocks) or len(blocks) != len(model.layers):
         raise ValueError(f"{len(chunks.layers)} chunked layers for a batch of {len(blocks)} blocks and a model of "
                          f"{len(model.layers)} layers")
-    store = as_feature_store(features)
+    store = features
     num_outputs = batch.output_nodes.numel()
     last = len(blocks) - 1
     projects = projected_layers(model)
@@ -450,7 +450,7 @@ def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
 
 
 def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, plan: LayerwisePlan,
-                           features: Tensor | FeatureStore, labels: Tensor, device: torch.device) -> MeasuredPeak:
+                           features: FeatureStore, labels: Tensor, device: torch.device) -> MeasuredPeak:
     """Run one layer-wise training step of ``plan`` (then ``optimizer.step()``) and return its measured peak
     (:func:`estimator.measure.measure_peak`), what :func:`estimator.layerwise.estimate_layerwise` estimates.
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Batch
-from betty_trainer.data.feature_store import FeatureStore, as_feature_store
+from betty_trainer.data.feature_store import FeatureStore, require_store
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
 from betty_trainer.models.stack import LayerStack
@@ -71,7 +71,7 @@ class MicroBatches(Sequence[Batch]):
 def micro_batch_backward(
     model: nn.Module,
     micro_batch: Batch,
-    features: Tensor | FeatureStore,
+    features: FeatureStore,
     labels: Tensor,
     device: torch.device,
     num_outputs: int,
@@ -88,8 +88,8 @@ def micro_batch_backward(
     Args:
         model: ``forward(blocks, x)`` returning ``(num_outputs_k, C)`` logits.
         micro_batch: the micro-batch.
-        features: the :class:`~betty_trainer.data.feature_store.FeatureStore`, or an ``(N, F)``
-            tensor (wrapped by :func:`~betty_trainer.data.feature_store.as_feature_store`).
+        features: the :class:`~betty_trainer.data.feature_store.FeatureStore` the input rows are
+            gathered from.
         labels: ``(N,)`` int64 labels.
         device: where the model runs.
         num_outputs: the loss divisor ``|V|``.
@@ -100,7 +100,7 @@ def micro_batch_backward(
     Raises:
         TrainingError: if the loss is NaN or infinite (then no gradient is added).
     """
-    x = as_feature_store(features).gather(micro_batch.input_nodes, device)
+    x = features.gather(micro_batch.input_nodes, device)
     y = labels[micro_batch.output_nodes].to(device, non_blocking=True)
     blocks = micro_batch.to(device).blocks
     # x is this step's own gather: a built-in model may overwrite it with its dropped-out copy
@@ -115,7 +115,7 @@ def micro_batch_backward(
 def accumulate_gradients(
     model: nn.Module,
     micro_batches: Sequence[Batch],
-    features: Tensor | FeatureStore,
+    features: FeatureStore,
     labels: Tensor,
     device: torch.device,
 ) -> StepResult:
@@ -130,8 +130,7 @@ def accumulate_gradients(
         model: ``forward(blocks, x)`` returning ``(num_outputs, C)`` logits.
         micro_batches: disjoint micro-batches of one batch.
         features: the :class:`~betty_trainer.data.feature_store.FeatureStore` the input rows are
-            gathered from, or an ``(N, F)`` tensor (wrapped unpinned, see
-            :func:`~betty_trainer.data.feature_store.as_feature_store`).
+            gathered from.
         labels: ``(N,)`` int64 labels.
         device: where the model runs.
 
@@ -141,8 +140,9 @@ def accumulate_gradients(
     Raises:
         TrainingError: if a loss is NaN or infinite (naming the micro-batch; no gradient of that batch
             should be applied).
+        TypeError: ``features`` is not a :class:`~betty_trainer.data.feature_store.FeatureStore`.
     """
-    features = as_feature_store(features)
+    require_store(features)
     if isinstance(micro_batches, MicroBatches):
         total = micro_batches.num_outputs  # without building the micro-batches
     else:
@@ -256,7 +256,7 @@ def measure_training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batch: Batch,
-    features: Tensor | FeatureStore,
+    features: FeatureStore,
     labels: Tensor,
     device: torch.device | str,
     num_outputs: int | None = None,
@@ -310,7 +310,6 @@ def measure_training_step(
         TrainingError: if the loss is NaN or infinite.
     """
     device = torch.device(device)
-    features = as_feature_store(features)
     divisor = micro_batch.output_nodes.numel() if num_outputs is None else num_outputs
     model.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Batch
-from betty_trainer.data.feature_store import FeatureStore, as_feature_store
+from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import CalibrationError
 from betty_trainer.execution.micro_batches import measure_training_step, training_state
@@ -139,7 +139,7 @@ def _calibrate(model: nn.Module, graph: Graph, num_layers: int, optimizer_factor
         raise CalibrationError(f"cannot calibrate {name}: it has no parameters to train")
     optimizer = optimizer_factory(parameters)
     batches = synthetic_batches(graph, num_layers)
-    features = as_feature_store(graph.x)
+    features = HostFeatureStore(graph.x, pin=False)
     _warm_up(trained, optimizer, batches[0], graph, features, device, name)
     # measured steps accumulate (a batch's later micro-batches, the costlier case): gradients are resident
     resident = storage_bytes(training_state(trained, optimizer)) + storage_bytes(trained.parameters())

@@ -21,6 +21,7 @@ from torch import nn
 
 from betty_trainer.config import Config, MicroBatchConfig
 from betty_trainer.data.block import Batch
+from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.execution.layerwise import LayerwisePlan, projected_terms
@@ -31,7 +32,6 @@ from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.memory.work import step_work
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
-from betty_trainer.sampling.schedule import feature_store_device_bytes
 from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts, counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
@@ -56,7 +56,7 @@ class Planner:
         device: where training runs (for ``budget: auto``).
         seed: the partitioner's seed (:func:`~betty_trainer.sampling.schedule.plan_seed`).
         feature_store_bytes: device bytes the feature store holds between steps (its node cache and a
-            staged macro-batch: :func:`~betty_trainer.sampling.schedule.feature_store_device_bytes`);
+            staged macro-batch: the store's ``max_device_bytes``);
             the budget a step may use is ``micro_batch.budget`` minus these.
 
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
@@ -325,8 +325,11 @@ def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, s
     return [batch.restrict(layers) for layers in split.layers]
 
 
-def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: torch.device, seed: int = 0) -> Planner:
-    """The planner of a training run on ``graph``: the closed form for the built-in model
+def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: torch.device,
+                 features: FeatureStore, seed: int = 0) -> Planner:
+    """The planner of a training run on ``graph`` whose input rows come from ``features``: the budget a step
+    may use is ``micro_batch.budget`` less the store's ``max_device_bytes`` (its node cache and staged
+    macro-batch; :class:`~betty_trainer.data.feature_store.FeatureStore`). The estimate is the closed form for the built-in model
     (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is calibrated first,
     once (:func:`~betty_trainer.memory.custom.calibrate_model` with the run's Adam settings and
     ``config.model.num_layers`` layers), and the time it took is logged at INFO level. ``seed``: the
@@ -336,7 +339,7 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         ConfigError: see :class:`Planner`.
         CalibrationError: the custom model cannot be calibrated (the message names the cause).
     """
-    reserved = feature_store_device_bytes(config, graph)
+    reserved = features.max_device_bytes
     if model is None:
         return Planner(config.micro_batch, model_spec(config, graph, device), device, reserved, seed)
     if config.micro_batch.mode == "layerwise" and not runs_layer_by_layer(model):

@@ -5,13 +5,15 @@ cooperative training rely on it)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from betty_trainer.data.block import Batch
+from betty_trainer.data.block import Batch, Block
+from betty_trainer.data.cache import NodeSource
 from betty_trainer.rng import mix_key
 
 _SAMPLING_DOMAIN = 0x4E53  # "NS": keeps sampling keys apart from dropout's mix_key(seed, step, layer)
@@ -62,6 +64,62 @@ class Sampler(Protocol):
     form; LABOR-*'s importance probabilities are a function of the whole dst set of a
     layer (cooperative paper A.1.2), its variates are not. Micro-batches are slices of
     the sampled batch, so gradient exactness holds for every sampler.
+
+    Attributes:
+        node_cache: the node set a device cache should hold for each batch
+            (:class:`~betty_trainer.data.cache.NodeSource`), for a sampler that samples
+            from a node cache (GNS §3.1); ``None`` for the others. The feature store reads
+            it; no caller asks which sampler it holds.
     """
 
+    node_cache: NodeSource | None
+
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch: ...
+
+
+class BlockSampler(ABC):
+    """The per-layer loop every built-in sampler shares (docs/design.md › Seams › Sampler): a sampler
+    writes one layer, :meth:`sample_layer`, and :meth:`sample` walks from the output layer to the input
+    layer, each block's src nodes being the next block's dst nodes (DGL's ``BlockSampler``). A sampler that
+wraps another one layer by layer (the cooperative sampler's all-to-all between layers) overrides
+:meth:`sample_layer` only.
+
+    Attributes:
+        fanouts: one entry per layer, input layer first; ``None`` keeps every in-edge.
+        node_cache: ``None`` (no node cache) unless a subclass samples from one.
+    """
+
+    fanouts: list[int | None]
+    node_cache: NodeSource | None = None
+
+    @abstractmethod
+    def sample_layer(self, dst: Tensor, layer: int, key: SampleKey) -> Block:
+        """Block ``layer`` (input layer first) of batch ``key``: its dst nodes are ``dst``.
+
+        Args:
+            dst: ``(n,)`` int64 distinct global ids, on the graph's device.
+            layer: the block's index, ``0`` the input layer.
+            key: the batch's :class:`SampleKey`.
+
+        Returns:
+            A :class:`Block` with ``src_nodes[:n] == dst``.
+        """
+
+    def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
+        """The batch computing ``seeds`` under ``key``.
+
+        Args:
+            seeds: ``(B,)`` int64 distinct output node ids, on the graph's device.
+            key: the batch's :class:`SampleKey`.
+
+        Returns:
+            A :class:`Batch` of ``len(fanouts)`` blocks, input layer first.
+        """
+        dst = seeds.long()
+        blocks = []
+        for layer in reversed(range(len(self.fanouts))):
+            block = self.sample_layer(dst, layer, key)
+            blocks.append(block)
+            dst = block.src_nodes
+        blocks.reverse()
+        return Batch(blocks)

@@ -67,11 +67,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from betty_trainer.data.block import Batch, Block
-from betty_trainer.data.cache import ceil_fraction
+from betty_trainer.data.block import Block
+from betty_trainer.data.cache import NodeSource, ceil_fraction
 from betty_trainer.data.graph import Graph
 from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
-from betty_trainer.sampling.base import SampleKey
+from betty_trainer.sampling.base import BlockSampler, SampleKey
 from betty_trainer.sampling.labor import _candidates
 from betty_trainer.sampling.neighbor import Kernel, _check_fanout, _relabel, _use_numba, sample_block
 from partition.slicing import relabel_dst_first
@@ -105,7 +105,7 @@ def gns_cache_size(cache_fraction: float, num_nodes: int) -> int:
     return max(1, ceil_fraction(cache_fraction, num_nodes))
 
 
-class GNSSampler:
+class GNSSampler(BlockSampler):
     """Cache-first neighbour sampling with importance weights (GNS §3, Alg. 1).
 
     The weights make a self-normalised weighted mean (SAGE) close to unbiased, not a weighted sum:
@@ -209,28 +209,18 @@ class GNSSampler:
         features a device cache should hold (GNS §3.1)."""
         return self.cache(key).nodes
 
-    def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
-        """The batch computing ``seeds`` under ``key``.
+    @property
+    def node_cache(self) -> NodeSource:
+        """The node sets a device feature cache holds (:meth:`cache_nodes`, at most ``cache_size`` nodes)."""
+        return NodeSource(self.cache_nodes, self.cache_size)
 
-        Args:
-            seeds: ``(B,)`` int64 distinct output node ids.
-            key: the batch's :class:`SampleKey`.
-
-        Returns:
-            A :class:`Batch` of ``len(fanouts)`` blocks, input layer first; sampled layers carry
-            float32 ``edge_weight`` (see the module docstring).
-        """
-        cache = self.cache(key)
-        dst = seeds.long()
-        blocks = []
-        for layer in reversed(range(len(self.fanouts))):
-            only_cached = self.cache_only_input_layer and layer == 0
-            block = gns_block(self.graph, dst, self.fanouts[layer], cache, key.layer_key(layer) ^ _GNS_DOMAIN,
-                              only_cached, kernel=self.kernel)
-            blocks.append(block)
-            dst = block.src_nodes
-        blocks.reverse()
-        return Batch(blocks)
+    def sample_layer(self, dst: Tensor, layer: int, key: SampleKey) -> Block:
+        """Block ``layer`` of batch ``key`` (:func:`gns_block` with the batch's cache; the input layer samples
+        cached neighbours only with ``cache_only_input_layer``); a sampled layer's block carries float32
+        ``edge_weight`` (see the module docstring)."""
+        only_cached = self.cache_only_input_layer and layer == 0
+        return gns_block(self.graph, dst, self.fanouts[layer], self.cache(key), key.layer_key(layer) ^ _GNS_DOMAIN,
+                         only_cached, kernel=self.kernel)
 
     def __repr__(self) -> str:
         return (f"GNSSampler(fanouts={self.fanouts}, cache_size={self.cache_size}, refresh_every={self.refresh_every}, "
@@ -366,80 +356,96 @@ def _gns_tensor(graph: Graph, dst: Tensor, k: int, cache: NodeCache, key: int, o
 def _gns_rows(indptr, indices, dst, k, mask, inclusion, key, only_cached):
     """:func:`_gns_tensor` row by row: the same ranks, kept edges and weights."""
     n = dst.shape[0]
-    num_nodes = indptr.shape[0] - 1
     pointer = np.zeros(n + 1, np.int64)
     cached_count = np.zeros(n, np.int64)
     for r in range(n):
         start, end = indptr[dst[r]], indptr[dst[r] + 1]
-        d = end - start
-        c = 0
-        for e in range(start, end):
-            if mask[indices[e]]:
-                c += 1
+        c = _count_cached(indices, start, end, mask)
         cached_count[r] = c
-        kr = d if k < 0 else k
-        if only_cached:
-            kept = min(kr, c)
-        else:
-            kept = min(kr, d)
-        pointer[r + 1] = pointer[r] + kept
+        kr = end - start if k < 0 else k
+        pointer[r + 1] = pointer[r] + min(kr, c if only_cached else end - start)
     src = np.empty(pointer[n], np.int64)
     weight = np.empty(pointer[n], np.float32)
     for r in range(n):
-        start, end = indptr[dst[r]], indptr[dst[r] + 1]
-        d = end - start
-        c = cached_count[r]
-        kr = d if k < 0 else k
-        out = pointer[r]
-        if d <= kr and not only_cached:
-            for e in range(start, end):
-                src[out] = indices[e]
-                weight[out] = 1.0
-                out += 1
-            continue
-        # the min(k, d) smallest keys (uncached flag, hash, position): a bounded max-heap, O(d log k)
-        size = min(kr, d)
-        heap = np.empty(size, np.int64)
-        filled = 0
-        for e in range(start, end):
-            t = indices[e]
-            h = np.int64(hash_id_scalar(key, dst[r] * num_nodes + t))
-            item = ((np.int64(0) if mask[t] else np.int64(1)) << 62) | (h << 30) | np.int64(e - start)
-            if filled < size:
-                q = filled  # sift up
-                filled += 1
-                while q > 0 and heap[(q - 1) // 2] < item:
-                    heap[q] = heap[(q - 1) // 2]
-                    q = (q - 1) // 2
-                heap[q] = item
-            elif item < heap[0]:
-                q = 0  # replace the largest, sift down
-                while True:
-                    child = 2 * q + 1
-                    if child >= size:
-                        break
-                    if child + 1 < size and heap[child + 1] > heap[child]:
-                        child += 1
-                    if heap[child] <= item:
-                        break
-                    heap[q] = heap[child]
-                    q = child
-                heap[q] = item
-        chosen = np.zeros(d, np.bool_)
-        for q in range(filled):
-            chosen[heap[q] & _POSITION_MASK] = True
-        m = min(kr, c)
-        cached_only_regime = only_cached or c >= kr
-        for e in range(start, end):
-            t = indices[e]
-            if not chosen[e - start] or (only_cached and not mask[t]):
-                continue
-            src[out] = t
-            if cached_only_regime:
-                weight[out] = c / (max(m, 1) * inclusion[t])
-            elif mask[t]:
-                weight[out] = 1.0
-            else:
-                weight[out] = (d - c) / max(kr - c, 1)
-            out += 1
+        _fill_row(indptr, indices, dst, r, k, mask, inclusion, key, only_cached, cached_count[r], pointer[r], src,
+                  weight)
     return pointer, src, weight
+
+
+@jit
+def _count_cached(indices, start, end, mask):
+    """How many of the in-neighbours ``indices[start:end]`` are cached."""
+    c = 0
+    for e in range(start, end):
+        if mask[indices[e]]:
+            c += 1
+    return c
+
+
+@jit
+def _fill_row(indptr, indices, dst, r, k, mask, inclusion, key, only_cached, c, out, src, weight):
+    """Write row ``r``'s kept in-neighbours and weights into ``src``/``weight`` from position ``out``: every
+    in-edge when the row keeps all, else the ``min(k, d)`` smallest keys (uncached flag, hash, position)."""
+    start, end = indptr[dst[r]], indptr[dst[r] + 1]
+    d = end - start
+    kr = d if k < 0 else k
+    if d <= kr and not only_cached:
+        for e in range(start, end):
+            src[out] = indices[e]
+            weight[out] = 1.0
+            out += 1
+        return
+    num_nodes = indptr.shape[0] - 1
+    heap = np.empty(min(kr, d), np.int64)  # a bounded max-heap of the smallest keys, O(d log k)
+    filled = 0
+    for e in range(start, end):
+        t = indices[e]
+        h = np.int64(hash_id_scalar(key, dst[r] * num_nodes + t))
+        filled = _offer(heap, filled, ((np.int64(0) if mask[t] else np.int64(1)) << 62) | (h << 30) | np.int64(e - start))
+    chosen = np.zeros(d, np.bool_)
+    for q in range(filled):
+        chosen[heap[q] & _POSITION_MASK] = True
+    m = min(kr, c)
+    cached_only_regime = only_cached or c >= kr
+    for e in range(start, end):
+        t = indices[e]
+        if not chosen[e - start] or (only_cached and not mask[t]):
+            continue
+        src[out] = t
+        if cached_only_regime:
+            weight[out] = c / (max(m, 1) * inclusion[t])
+        elif mask[t]:
+            weight[out] = 1.0
+        else:
+            weight[out] = (d - c) / max(kr - c, 1)
+        out += 1
+
+
+@jit
+def _offer(heap, filled, item):
+    """Keep the ``len(heap)`` smallest items offered in the max-heap ``heap`` (its first ``filled`` slots):
+    push ``item`` while there is room (sift up), else replace the largest when ``item`` is smaller (sift
+    down). Returns the new fill."""
+    size = heap.shape[0]
+    if filled < size:
+        q = filled
+        while q > 0 and heap[(q - 1) // 2] < item:
+            heap[q] = heap[(q - 1) // 2]
+            q = (q - 1) // 2
+        heap[q] = item
+        return filled + 1
+    if size == 0 or item >= heap[0]:
+        return filled
+    q = 0
+    while True:
+        child = 2 * q + 1
+        if child >= size:
+            break
+        if child + 1 < size and heap[child + 1] > heap[child]:
+            child += 1
+        if heap[child] <= item:
+            break
+        heap[q] = heap[child]
+        q = child
+    heap[q] = item
+    return filled

@@ -44,10 +44,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from betty_trainer.data.block import Batch, Block
+from betty_trainer.data.block import Block
 from betty_trainer.data.graph import Graph
 from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
-from betty_trainer.sampling.base import SampleKey
+from betty_trainer.sampling.base import BlockSampler, SampleKey
 from betty_trainer.sampling.neighbor import (
     _ROWS_PER_THREAD,
     Kernel,
@@ -105,7 +105,7 @@ def _normal(key: int, ids: Tensor) -> Tensor:
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
 
 
-class LaborSampler:
+class LaborSampler(BlockSampler):
     """LABOR-0 / LABOR-* sampling with per-layer fanouts (cooperative paper A.1.2, A.7).
 
     Args:
@@ -160,26 +160,11 @@ class LaborSampler:
         angle = (position / self.batch_dependency) * (math.pi / 2)
         return Variates(key1, key2, math.cos(angle), math.sin(angle), smooth=True)
 
-    def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
-        """The batch computing ``seeds`` under ``key``.
-
-        Args:
-            seeds: ``(B,)`` int64 distinct output node ids, on the graph's device.
-            key: the batch's :class:`SampleKey`.
-
-        Returns:
-            A :class:`Batch` of ``len(fanouts)`` blocks, input layer first; every block of a
-            sampled layer carries ``edge_weight`` ``1 / p_ts`` (float32).
-        """
-        dst = seeds.long()
-        blocks = []
-        for layer in reversed(range(len(self.fanouts))):
-            block = labor_block(self.graph, dst, self.fanouts[layer], self.variates(key, layer),
-                                self.importance_iterations, kernel=self.kernel)
-            blocks.append(block)
-            dst = block.src_nodes
-        blocks.reverse()
-        return Batch(blocks)
+    def sample_layer(self, dst: Tensor, layer: int, key: SampleKey) -> Block:
+        """Block ``layer`` of batch ``key`` (:func:`labor_block` with the layer's variates); a sampled
+        layer's block carries ``edge_weight`` ``1 / p_ts`` (float32)."""
+        return labor_block(self.graph, dst, self.fanouts[layer], self.variates(key, layer),
+                           self.importance_iterations, kernel=self.kernel)
 
     def __repr__(self) -> str:
         kappa = "inf" if self.batch_dependency == INF else self.batch_dependency

@@ -28,7 +28,7 @@ from torch import Tensor
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.graph import Graph
 from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
-from betty_trainer.sampling.base import SampleKey
+from betty_trainer.sampling.base import BlockSampler, SampleKey
 from partition.slicing import relabel_dst_first
 
 try:  # the CPU kernel; the tensor path below needs nothing beyond torch
@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - numba is a declared dependency
 Kernel = Literal["auto", "tensor", "numba"]
 
 
-class NeighborSampler:
+class NeighborSampler(BlockSampler):
     """Uniform neighbour sampling with per-layer fanouts (GraphSAGE, Hamilton et al. 2017, Alg. 2).
 
     Each dst node keeps all its in-edges if its in-degree is at most the layer's
@@ -64,39 +64,10 @@ class NeighborSampler:
         self.fanouts = [_check_fanout(f) for f in fanouts]
         _use_numba(kernel, graph.indptr)  # refuses an unknown or unavailable kernel now, not at the first batch
         self.kernel = kernel
-        self._last: tuple[Tensor, Batch] | None = None  # full neighbourhood: the last seeds and their batch
 
-    def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
-        """The batch computing ``seeds`` under ``key``.
-
-        With every fanout ``None`` (the full neighbourhood) the batch does not depend on ``key``: the
-        same seeds as the last call (a full batch, every epoch) return the last batch itself, which
-        the planner then recognises without comparing blocks (O(B) to check the seeds, instead of
-        sampling every in-edge again).
-
-        Args:
-            seeds: ``(B,)`` int64 distinct output node ids, on the graph's device.
-            key: the batch's :class:`SampleKey`.
-
-        Returns:
-            A :class:`Batch` of ``len(fanouts)`` blocks, input layer first.
-        """
-        full = all(fanout is None for fanout in self.fanouts)
-        if full and self._last is not None and self._last[0].shape == seeds.shape and torch.equal(self._last[0], seeds):
-            return self._last[1]
-        batch = self._sample(seeds, key)
-        self._last = (seeds.clone(), batch) if full else None
-        return batch
-
-    def _sample(self, seeds: Tensor, key: SampleKey) -> Batch:
-        dst = seeds.long()
-        blocks = []
-        for layer in reversed(range(len(self.fanouts))):
-            block = sample_block(self.graph, dst, self.fanouts[layer], key=key.layer_key(layer), kernel=self.kernel)
-            blocks.append(block)
-            dst = block.src_nodes
-        blocks.reverse()
-        return Batch(blocks)
+    def sample_layer(self, dst: Tensor, layer: int, key: SampleKey) -> Block:
+        """Block ``layer`` of batch ``key`` (:func:`sample_block` with the layer's fanout and key)."""
+        return sample_block(self.graph, dst, self.fanouts[layer], key=key.layer_key(layer), kernel=self.kernel)
 
     def __repr__(self) -> str:
         return f"NeighborSampler(fanouts={self.fanouts}, kernel={self.kernel!r})"

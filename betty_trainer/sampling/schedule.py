@@ -14,13 +14,11 @@ from torch import Tensor
 
 from betty_trainer.config import Config
 from betty_trainer.data.block import Batch
-from betty_trainer.data.cache import CachedFeatureStore, cache_capacity, device_bytes_bound
-from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import SampleKey, Sampler
-from betty_trainer.sampling.gns import GNSSampler, gns_cache_size
+from betty_trainer.sampling.gns import GNSSampler
 from betty_trainer.sampling.labor import LaborSampler
 from betty_trainer.sampling.neighbor import NeighborSampler
 
@@ -107,65 +105,6 @@ def check_macro_batch_budget(config: Config) -> None:
     if features.macro_batch and features.macro_batch_budget is None and config.micro_batch.budget is not None:
         raise ConfigError("features.macro_batch under micro_batch.budget needs features.macro_batch_budget (the "
                           "device bytes a staged macro-batch may take), so the plan can leave room for it")
-
-
-def feature_store_device_bytes(config: Config, graph: Graph) -> int:
-    """The most device bytes the feature store of ``config`` holds on ``graph`` between training steps
-    (:func:`~betty_trainer.data.cache.device_bytes_bound`): 0 for the plain host store; the node cache and
-    a staged macro-batch of at most ``features.macro_batch_budget`` bytes of rows otherwise. The planner
-    subtracts it from ``micro_batch.budget``.
-
-    Raises:
-        ConfigError: :func:`check_macro_batch_budget`.
-    """
-    features = config.features
-    kind = features.cache.kind
-    if kind == "none" and features.macro_batch == 0:
-        return 0
-    row_bytes = graph.x.shape[1] * graph.x.element_size()
-    if kind == "gns":
-        rows = gns_cache_size(config.sampling.gns.cache_fraction, graph.num_nodes)
-    else:
-        rows = 0 if kind == "none" else cache_capacity(features.cache.size, graph.num_nodes, row_bytes)
-    stage_rows = 0
-    check_macro_batch_budget(config)
-    if features.macro_batch and features.macro_batch_budget is not None:
-        stage_rows = min(graph.num_nodes, features.macro_batch_budget // max(row_bytes, 1))
-    return device_bytes_bound(kind, rows, graph.num_nodes, row_bytes, stage_rows)
-
-
-def make_feature_store(config: Config, graph: Graph, device: torch.device | str, sampler: Sampler,
-                       host: HostFeatureStore | None = None) -> FeatureStore:
-    """The feature store ``config.features`` asks for on ``device`` (docs/design.md › Feature store).
-
-    ``features.cache.kind=none`` with ``features.macro_batch=0`` is the host store itself; otherwise a
-    :class:`~betty_trainer.data.cache.CachedFeatureStore` over it: ``static`` caches the
-    ``features.cache.size`` nodes of highest out-degree (:meth:`Graph.out_degrees`: the most often sampled as
-    neighbours), ``lru`` the most recently read ones, ``gns``
-    the node set of ``sampler`` (a :class:`GNSSampler`; the config check ensures it).
-
-    Args:
-        config: the run's config.
-        graph: the graph whose ``x`` the store serves.
-        device: the training device (where the cache lives).
-        sampler: the run's sampler (its node cache, for ``gns``).
-        host: the host store to wrap; default ``HostFeatureStore(graph.x, pin=<device is CUDA>)``.
-
-    Raises:
-        ConfigError: ``gns`` with a sampler that has no node cache (``features.cache.kind``).
-    """
-    device = torch.device(device)
-    host = host if host is not None else HostFeatureStore(graph.x, pin=device.type == "cuda")
-    features = config.features
-    kind = features.cache.kind
-    if kind == "none" and features.macro_batch == 0:
-        return host
-    if kind == "gns":
-        if not isinstance(sampler, GNSSampler):
-            raise ConfigError(f"features.cache.kind=gns needs sampling.sampler=gns, got {type(sampler).__name__}")
-        return CachedFeatureStore(host, device, "gns", node_source=sampler.cache_nodes)
-    capacity = 0 if kind == "none" else cache_capacity(features.cache.size, graph.num_nodes, host.row_bytes)
-    return CachedFeatureStore(host, device, kind, capacity, degrees=graph.out_degrees() if kind == "static" else None)
 
 
 @dataclass

@@ -9,10 +9,10 @@ from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
-from betty_trainer.sampling.schedule import first_batch, plan_seed
+from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
 from betty_trainer.training.output import quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
-from betty_trainer.training.trainer import init_model
+from betty_trainer.training.trainer import feature_store, init_model
 
 
 def dry_run(config: Config, measure: bool = False) -> dict:
@@ -34,7 +34,9 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     device = resolve_device(config.train.device)
     graph = load_dataset(config.dataset)
     check_model_size(config, graph, device)
-    plan = make_planner(config, graph, None, device, plan_seed(config)).plan(first_batch(config, graph))
+    sampler = make_sampler(config, graph)
+    features = feature_store(config, graph, device, sampler)
+    plan = make_planner(config, graph, None, device, features, plan_seed(config)).plan(first_batch(config, graph, sampler))
     measured = None
     if measure:
         model = init_model(config, graph).to(device)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from betty_trainer.data.block import Batch
-from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, as_feature_store
+from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, require_store
 from betty_trainer.data.graph import Graph
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.sampling import sample_batch, sample_block
@@ -25,7 +25,7 @@ def full_neighbourhood_batches(graph: Graph, nodes: Tensor, num_layers: int,
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[Batch], features: Tensor | FeatureStore, labels: Tensor,
+def evaluate(model: nn.Module, batches: Iterable[Batch], features: FeatureStore, labels: Tensor,
              device: torch.device) -> float:
     """Accuracy over the output nodes of ``batches``, in eval mode (no dropout).
 
@@ -41,8 +41,11 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], features: Tensor | Feat
 
     Returns:
         Fraction in ``[0, 1]`` of outputs whose argmax logit is the label; ``nan`` with no outputs.
+
+    Raises:
+        TypeError: ``features`` is not a :class:`~betty_trainer.data.feature_store.FeatureStore`.
     """
-    features = as_feature_store(features)
+    require_store(features)
     was_training = model.training
     model.eval()
     correct, total = 0, 0
@@ -55,7 +58,7 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], features: Tensor | Feat
 
 
 @torch.no_grad()
-def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | FeatureStore, device: torch.device,
+def layerwise_logits(model: LayerStack, graph: Graph, features: FeatureStore, device: torch.device,
                      nodes: Tensor | None = None, chunk_size: int = EVAL_CHUNK) -> Tensor:
     """Logits of ``nodes`` computed one layer at a time over the whole graph, in eval mode.
 
@@ -83,13 +86,15 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | Feature
 
     Raises:
         ValueError: if ``nodes`` is empty or ``chunk_size < 1``.
+        TypeError: ``features`` is not a :class:`~betty_trainer.data.feature_store.FeatureStore`.
     """
+    require_store(features)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     nodes = torch.arange(graph.num_nodes) if nodes is None else nodes
     if nodes.numel() == 0:
         raise ValueError("layerwise_logits needs at least one node")
-    store, pin = as_feature_store(features), device.type == "cuda"
+    store, pin = features, device.type == "cuda"
     last = len(model.layers) - 1
     was_training = model.training
     model.eval()
@@ -110,7 +115,7 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: Tensor | Feature
     return out
 
 
-def evaluate_splits(model: nn.Module, graph: Graph, features: Tensor | FeatureStore, device: torch.device,
+def evaluate_splits(model: nn.Module, graph: Graph, features: FeatureStore, device: torch.device,
                     splits: Mapping[str, Tensor], num_layers: int, chunk_size: int = EVAL_CHUNK) -> dict[str, float]:
     """Accuracy of ``model`` on each split of node ids, in eval mode (no dropout).
 
@@ -132,7 +137,6 @@ def evaluate_splits(model: nn.Module, graph: Graph, features: Tensor | FeatureSt
         name → fraction in ``[0, 1]`` of the split's nodes whose argmax logit is the label;
         ``nan`` for an empty split.
     """
-    features = as_feature_store(features)
     if not runs_layer_by_layer(model):
         return {name: evaluate(model, full_neighbourhood_batches(graph, nodes, num_layers, chunk_size),
                                features, graph.y, device) for name, nodes in splits.items()}

@@ -23,6 +23,7 @@ from rich.console import Console
 from torch import nn
 
 from betty_trainer.config import Config
+from betty_trainer.data.cache import make_feature_store
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset, no_training_nodes_message
@@ -34,9 +35,9 @@ from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import Sampler
 from betty_trainer.sampling.schedule import (
     batch_rounds,
+    check_macro_batch_budget,
     epoch_seeds,
     first_batch,
-    make_feature_store,
     make_sampler,
     plan_seed,
 )
@@ -258,6 +259,22 @@ class _Run:
     resumed_from: int | None = None
 
 
+def feature_store(config: Config, graph: Graph, device: torch.device, sampler: Sampler,
+                  host: HostFeatureStore | None = None) -> FeatureStore:
+    """The feature store ``config.features`` names for a run on ``device`` (:func:`~betty_trainer.data.cache.
+    make_feature_store`; a ``gns`` cache holds ``sampler``'s node cache).
+
+    Raises:
+        ConfigError: macro-batches under a budget without ``features.macro_batch_budget``
+            (:func:`~betty_trainer.sampling.schedule.check_macro_batch_budget`); see ``make_feature_store``.
+    """
+    check_macro_batch_budget(config)
+    features = config.features
+    return make_feature_store(graph, device, features.cache.kind, features.cache.size,
+                              macro_batch=features.macro_batch > 0, stage_budget=features.macro_batch_budget,
+                              node_source=sampler.node_cache, host=host)
+
+
 def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path: Path, resume: bool,
              device: torch.device) -> _Run:
     """Load the checkpoint (on resume, verified before any data is read), the data and the model, build the
@@ -272,21 +289,21 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     builtin = model is None
     if builtin:
         check_model_size(config, graph, device)
+    sampler = make_sampler(config, graph)
+    host = HostFeatureStore(graph.x, pin=device.type == "cuda")
+    features = feature_store(config, graph, device, sampler, host)
     with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
-        planner = make_planner(config, graph, model, device, plan_seed(config))
+        planner = make_planner(config, graph, model, device, features, plan_seed(config))
     model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-    sampler = make_sampler(config, graph)
     if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
         logger.warning("GCN sums its neighbours, and GNS's importance weights leave a weighted sum biased upward on "
                        "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "
                        "+13% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
                        "unbiased under GNS (model.arch=sage)")
-    host = HostFeatureStore(graph.x, pin=device.type == "cuda")
     model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
     # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
-    run = _Run(graph, model, optimizer, make_scheduler(config, optimizer), sampler,
-               make_feature_store(config, graph, device, sampler, host), host, planner,
+    run = _Run(graph, model, optimizer, make_scheduler(config, optimizer), sampler, features, host, planner,
                identity(dataset_identity(graph), model_id, model.state_dict()))
     if state is not None:
         _restore(config, run, state, path)
