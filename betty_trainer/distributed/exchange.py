@@ -1,0 +1,118 @@
+"""The all-to-all of one layer boundary of a cooperative batch (cooperative paper §3.1, Alg. 1).
+
+When rank ``p`` has sampled block ``l`` for the seeds it owns, the block's src nodes ``S̃_p`` lie on every
+rank. The ranks send each src id to its owner (``all_to_all_single``); each owner ``q`` deduplicates what it
+received into ``S_q`` (sorted ids), the nodes whose rows it will provide: the dst nodes of its block ``l − 1``,
+or for the input block the input nodes whose features it loads. That exchange is recorded as an
+:class:`Exchange`, and "the same communication pattern used during cooperative sampling is used to send and
+receive input and intermediate layer embeddings before each GNN layer invocation" (§3.1): :func:`exchange_rows`
+moves the rows of ``S_q`` to the ranks that asked, and its backward sends the gradients of those rows back and
+sums them at the owner, so autograd runs through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class Exchange:
+    """One layer boundary's all-to-all, seen from one rank.
+
+    Attributes:
+        order: ``(n,)`` int64 positions of this rank's requested ids (a block's src nodes) sorted by owner,
+            stably: the order they are sent in, and the rows come back in.
+        send_counts: ids this rank requests from each rank (``P`` ints; rows it receives in the forward).
+        recv_counts: ids each rank requests from this rank (``P`` ints; rows it sends in the forward).
+        serve_index: ``(Σ recv_counts,)`` int64 position in :attr:`owned` of each id requested from this
+            rank, grouped by requesting rank.
+        owned: ``(u,)`` int64 ascending ids this rank provides the rows of (``S_q``).
+        group: the process group (``None``: the default group).
+    """
+
+    order: Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    serve_index: Tensor
+    owned: Tensor
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def rows_sent(self) -> int:
+        """Rows this rank sends to other ranks in one forward exchange (its own requests to itself excluded)."""
+        rank = dist.get_rank(self.group)
+        return sum(count for q, count in enumerate(self.recv_counts) if q != rank)
+
+    @property
+    def rows_received(self) -> int:
+        """Rows this rank receives from other ranks in one forward exchange."""
+        rank = dist.get_rank(self.group)
+        return sum(count for q, count in enumerate(self.send_counts) if q != rank)
+
+
+def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | None = None) -> Exchange:
+    """Send ``requested`` ids to their owners and record the pattern (a collective: every rank of ``group``
+    calls it, in the same order).
+
+    Args:
+        requested: ``(n,)`` int64 global ids whose rows this rank needs (a block's src nodes), on the CPU.
+        owners: ``(N,)`` int64 rank of every vertex (:func:`~betty_trainer.distributed.ownership.vertex_owners`),
+            the same on every rank.
+        group: the process group.
+
+    Returns:
+        The :class:`Exchange`; its ``owned`` are the distinct ids other ranks (and this one) asked this rank for.
+    """
+    world = dist.get_world_size(group)
+    owner = owners[requested]
+    order = torch.argsort(owner, stable=True)
+    send = torch.bincount(owner, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_counts, recv_counts = send.tolist(), recv.tolist()
+    received = torch.empty(sum(recv_counts), dtype=torch.int64)
+    dist.all_to_all_single(received, requested[order].contiguous(), recv_counts, send_counts, group=group)
+    owned, serve_index = torch.unique(received, return_inverse=True)
+    return Exchange(order, send_counts, recv_counts, serve_index, owned, group)
+
+
+class _ExchangeRows(torch.autograd.Function):
+    """Rows of the owned nodes → rows of the requested ids; backward: the reverse all-to-all, summed."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, exchange: Exchange) -> Tensor:
+        ctx.exchange, ctx.num_owned = exchange, rows.shape[0]
+        served = rows[exchange.serve_index.to(rows.device)].contiguous()
+        received = rows.new_empty((sum(exchange.send_counts), *rows.shape[1:]))
+        dist.all_to_all_single(received, served, exchange.send_counts, exchange.recv_counts, group=exchange.group)
+        out = torch.empty_like(received)
+        out[exchange.order.to(rows.device)] = received
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        exchange = ctx.exchange
+        sent = grad[exchange.order.to(grad.device)].contiguous()
+        back = grad.new_empty((sum(exchange.recv_counts), *grad.shape[1:]))
+        dist.all_to_all_single(back, sent, exchange.recv_counts, exchange.send_counts, group=exchange.group)
+        rows = grad.new_zeros((ctx.num_owned, *grad.shape[1:]))
+        rows.index_add_(0, exchange.serve_index.to(grad.device), back)
+        return rows, None
+
+
+def exchange_rows(rows: Tensor, exchange: Exchange) -> Tensor:
+    """The rows of this rank's requested ids, from their owners' rows (a collective; autograd-aware).
+
+    Args:
+        rows: ``(len(exchange.owned), …)`` rows of :attr:`Exchange.owned`, in that order.
+        exchange: the boundary's :class:`Exchange`.
+
+    Returns:
+        ``(n, …)`` rows of the ids :func:`plan_exchange` was given, in their order. Its gradient flows back to
+        ``rows`` on the owners (gradients of an id requested by several ranks are summed).
+    """
+    return _ExchangeRows.apply(rows, exchange)

@@ -1,0 +1,72 @@
+"""The forward and backward of one rank's share of a cooperative global batch (cooperative paper §3.1, Alg. 1:
+"Feature Loading", "Forward Pass", "Backward Pass").
+
+Each rank loads the features of the input nodes it owns through its own feature store (so a node cache there
+holds owned rows only, and the ranks' caches add up), and the rows go to the ranks whose blocks read them by
+all-to-all. Before every later layer the embeddings move the same way; the exchanges are autograd functions,
+so the backward sends each row's gradient back to its owner. The loss of the rank's seeds is divided by the
+global batch's seed count, and :func:`all_reduce_gradients` sums the parameters' gradients over the ranks: the
+result is the gradient of the global batch's mean loss, as one process computing the whole batch would get it
+(up to floating-point reassociation; ``tests/test_cooperative.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from betty_trainer.data.feature_store import FeatureStore
+from betty_trainer.distributed.exchange import exchange_rows
+from betty_trainer.distributed.share import CooperativeBatch
+from betty_trainer.errors import TrainingError
+from betty_trainer.execution.plan import StepResult
+from betty_trainer.models.stack import runs_layer_by_layer
+
+
+def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: FeatureStore, labels: Tensor,
+                         device: torch.device, num_outputs: int) -> StepResult:
+    """Forward and backward of this rank's share, adding its part of ``∇ mean_{i∈V} CE_i`` to ``.grad`` (a
+    collective: every rank of the share's group calls it for the same global batch).
+
+    Args:
+        model: a :class:`~betty_trainer.models.stack.LayerStack` (every built-in model), run one layer at a time
+            with an exchange before each layer.
+        share: this rank's :class:`~betty_trainer.distributed.share.CooperativeBatch`.
+        features: this rank's feature store; it is asked for the rows of the input nodes this rank owns.
+        labels: ``(N,)`` int64 labels.
+        device: where the model runs.
+        num_outputs: ``|V|``, the seed count of the global batch.
+
+    Returns:
+        The global batch's :class:`StepResult` (its mean loss and correct count, summed over the ranks).
+
+    Raises:
+        TypeError: ``model`` cannot run layer by layer.
+        TrainingError: the global loss is NaN or infinite, raised on every rank alike (no gradient is added).
+    """
+    if not runs_layer_by_layer(model):
+        raise TypeError(f"cooperative training runs the model layer by layer between exchanges: {type(model).__name__} "
+                        "must be a LayerStack whose forward is the stack's own")
+    group = share.exchanges[0].group
+    h = features.gather(share.input_nodes, device)
+    for index, block in enumerate(share.blocks):
+        h = model.layer_forward(index, block.to(device), exchange_rows(h, share.exchanges[index]))
+    y = labels[share.output_nodes].to(device, non_blocking=True)
+    loss = F.cross_entropy(h, y, reduction="sum") / num_outputs
+    totals = torch.stack([loss.detach().double().cpu(), (h.argmax(1) == y).sum().double().cpu()])
+    dist.all_reduce(totals, group=group)
+    if not torch.isfinite(totals[0]):  # every rank sees the same sum, so every rank stops here
+        raise TrainingError(f"loss is {totals[0].item()}")
+    loss.backward()
+    return StepResult(totals[0].item(), int(totals[1].item()))
+
+
+def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Sum every parameter's ``.grad`` over the ranks of ``group`` (a parameter without one on a rank counts as
+    zeros there), so every rank takes the same optimizer step (Alg. 1 ends with the gradients all-reduced)."""
+    for parameter in model.parameters():
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        dist.all_reduce(parameter.grad, group=group)

@@ -1,0 +1,136 @@
+"""Cooperative minibatching (cooperative paper §3.1, Alg. 1): vertex ownership, and one cooperative step on
+P gloo processes on loopback equal to one process computing the same global batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from betty_trainer import GraphSAGE, HostFeatureStore, accumulate_gradients, load_dataset
+from betty_trainer.config import DatasetConfig
+from betty_trainer.distributed.ownership import _symmetric_adjacency, load_owners, vertex_owners
+from betty_trainer.execution.cooperative import all_reduce_gradients, cooperative_backward
+from betty_trainer.models import set_dropout_key
+from betty_trainer.sampling import LaborSampler, NeighborSampler, SampleKey
+from betty_trainer.sampling.cooperative import CooperativeSampler
+
+CPU = torch.device("cpu")
+SEEDS, FANOUTS, KEY = 256, [10, 10], SampleKey(7, 1, 3)
+
+
+def cut_edges(graph, owners) -> int:
+    adjacency = _symmetric_adjacency(graph).tocoo()
+    return int((owners[adjacency.row] != owners[adjacency.col]).sum())
+
+
+def test_random_ownership_is_balanced_and_the_same_in_every_call(cora):
+    owners = vertex_owners(cora, 3, "random", seed=5)
+    sizes = torch.bincount(owners, minlength=3)
+    assert int(sizes.max() - sizes.min()) <= 1 and int(sizes.sum()) == cora.num_nodes
+    assert torch.equal(owners, vertex_owners(cora, 3, "random", seed=5))
+    assert not torch.equal(owners, vertex_owners(cora, 3, "random", seed=6))
+
+
+def test_metis_ownership_cuts_fewer_edges_than_random(cora):
+    metis, random = vertex_owners(cora, 4, "metis"), vertex_owners(cora, 4, "random")
+    assert set(metis.unique().tolist()) == {0, 1, 2, 3}
+    assert cut_edges(cora, metis.numpy()) < cut_edges(cora, random.numpy()) / 4  # Cora is clustered
+
+
+def test_owners_are_kept_on_disk_and_a_damaged_file_is_recomputed(cora, tmp_path):
+    owners = load_owners(cora, 2, "metis", folder=tmp_path)
+    (path,) = tmp_path.glob("metis-P2-seed0-*.npy")
+    assert torch.equal(torch.from_numpy(np.load(path)), owners)
+    np.save(path, np.full(cora.num_nodes, 7))  # a rank that does not exist
+    assert torch.equal(load_owners(cora, 2, "metis", folder=tmp_path), owners)
+    path.write_bytes(b"not an npy file")
+    assert torch.equal(load_owners(cora, 2, "metis", folder=tmp_path), owners)
+    with pytest.raises(ValueError, match="ranks"):
+        vertex_owners(cora, 0)
+
+
+def make_sampler(graph, kind):
+    return NeighborSampler(graph, FANOUTS) if kind == "ns" else LaborSampler(graph, FANOUTS)
+
+
+def make_model(graph):
+    torch.manual_seed(0)
+    model = GraphSAGE(graph.num_features, 16, graph.num_classes, 2, "mean", 0.5)
+    set_dropout_key(model, KEY.seed, KEY.step)
+    return model
+
+
+def global_seeds(graph):
+    return torch.randperm(graph.num_nodes, generator=torch.Generator().manual_seed(0))[:SEEDS]
+
+
+def edges_of(block):
+    """The block's sampled edges as (global dst, global src, weight) rows, sorted."""
+    dst = torch.repeat_interleave(block.dst_nodes, torch.diff(block.indptr))
+    src = block.src_nodes[block.indices.long()]
+    weight = block.edge_weight if block.edge_weight is not None else torch.ones(src.numel())
+    rows = torch.stack([dst.double(), src.double(), weight.double()], 1)
+    return rows[np.lexsort((rows[:, 1].numpy(), rows[:, 0].numpy()))]
+
+
+def _worker(rank, world, port, data_dir, sampler_kind, ownership, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        graph = load_dataset(DatasetConfig(name="cora", data_dir=data_dir))
+        owners = vertex_owners(graph, world, ownership)
+        share = CooperativeSampler(make_sampler(graph, sampler_kind), owners).sample(global_seeds(graph), KEY)
+        model = make_model(graph)
+        result = cooperative_backward(model, share, HostFeatureStore(graph.x, pin=False), graph.y, CPU, SEEDS)
+        all_reduce_gradients(model)
+        torch.save({"loss": result.loss, "correct": result.correct,
+                    "grads": [p.grad for p in model.parameters()],
+                    "edges": [edges_of(block) for block in share.blocks],
+                    "outputs": share.output_nodes, "inputs": share.input_nodes}, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sampler_kind, world, ownership", [
+    ("ns", 2, "random"), ("ns", 4, "metis"), ("labor", 2, "metis"), ("labor", 4, "random"),
+])
+def test_a_cooperative_step_equals_one_process_on_the_same_global_batch(cora, planetoid_dir, tmp_path,
+                                                                         sampler_kind, world, ownership):
+    """Loss, correct count and every parameter gradient of P processes sharing one global batch equal one
+    process's on that batch (dropout 0.5, keyed by node id); the ranks' sampled edges together are the
+    single-process batch's, each edge on the rank that owns its dst node, with the same weight."""
+    mp.spawn(_worker, args=(world, free_port(), planetoid_dir, sampler_kind, ownership, tmp_path), nprocs=world)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+    batch = make_sampler(cora, sampler_kind).sample(global_seeds(cora), KEY)
+    model = make_model(cora)
+    loss, correct = accumulate_gradients(model, [batch], HostFeatureStore(cora.x, pin=False), cora.y, CPU)
+    for layer, block in enumerate(batch.blocks):
+        together = torch.cat([r["edges"][layer] for r in ranks])
+        together = together[np.lexsort((together[:, 1].numpy(), together[:, 0].numpy()))]
+        assert torch.equal(together, edges_of(block)), f"layer {layer}: the ranks' edges are the batch's"
+    owners = vertex_owners(cora, world, ownership)
+    assert sorted(torch.cat([r["outputs"] for r in ranks]).tolist()) == sorted(global_seeds(cora).tolist())
+    inputs = torch.cat([r["inputs"] for r in ranks])
+    assert sorted(inputs.tolist()) == sorted(batch.input_nodes.tolist()), "each input row is loaded once"
+    assert all(bool((owners[r["inputs"]] == index).all()) for index, r in enumerate(ranks)), "by its owner"
+    for r in ranks:
+        assert r["correct"] == correct
+        assert r["loss"] == pytest.approx(loss, rel=1e-6)  # float32 sums in another order: ~1e-7 relative
+        for reference, got in zip((p.grad for p in model.parameters()), r["grads"]):
+            # sums of the same terms in another order (per-rank partial sums, all-reduced): float32
+            # reassociation, far under the 1e-5 relative bound the issue states
+            assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
