@@ -200,8 +200,8 @@ def train(
                         features.begin_batch(key)  # a GNS cache takes the batch's node set
                         set_dropout_key(model, config.seed, epoch * len(seed_batches) + key.step)
                         where, plan = f"epoch {epoch}, batch {key.step}", planner.plan(batch)
+                        optimizer.zero_grad(set_to_none=True)
                         while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
-                            optimizer.zero_grad(set_to_none=True)
                             try:
                                 with _named_failures(where, _last_good(path, epoch)):
                                     result = plan.run(model, features, graph.y, device)
