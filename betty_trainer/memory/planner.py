@@ -68,8 +68,8 @@ class Planner:
     reused. ``plans_made`` and ``plans_reused`` count the two cases.
 
     Raises:
-        ConfigError: a budget with an uncalibrated custom model, ``auto`` on CPU, or a feature store that
-            takes the whole budget.
+        ConfigError: a budget with an uncalibrated custom model, ``auto`` on CPU, or an allocator margin and a
+            feature store that take the whole budget.
     """
 
     def __init__(self, config: MicroBatchConfig, spec: ModelSpec | CalibratedModel | None, device: torch.device,
