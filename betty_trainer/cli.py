@@ -240,10 +240,22 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
 
 
 def _budget_text(report: dict) -> str:
-    """The plan's budget for a training step, and what the feature store's device cache took from it."""
-    budget, store = report["budget_bytes"], report.get("feature_store_bytes", 0)
-    text = f"{_mib(budget)} MiB" if budget else "none (micro_batch.num_micro_batches)"
-    return text + (f" (after the feature store's {_mib(store)} MiB: node cache, staged macro-batch)" if store else "")
+    """The plan's budget for a training step, term by term (``memory_terms``: the configured or free device memory,
+    the allocator's margin, the feature store's device bytes), and what every estimate holds resident."""
+    terms = report["memory_terms"]
+    resident = (f"resident in every estimate: parameters {_mib(terms['parameters'])} MiB, optimizer state "
+                f"{_mib(terms['optimizer_state'])} MiB, device_workspace {_mib(terms['device_workspace'])} MiB")
+    if terms["step_bytes"] is None:
+        return f"none (micro_batch.num_micro_batches); {resident}"
+    if terms["budget"] == "auto":
+        source = (f"NVML free {_mib(terms['nvml_free'])} MiB + held by this process "
+                  f"{_mib(terms['process_reserved'])} MiB")
+    else:
+        source = f"micro_batch.budget {_mib(terms['device_bytes'])} MiB"
+    allocator = terms["allocator"] or ("PyTorch's default allocator" if report.get("device", "cpu") != "cpu" else "cpu")
+    return (f"{_mib(terms['step_bytes'])} MiB per step = {source} − allocator margin "
+            f"{_mib(terms['allocator_margin'])} MiB ({allocator}) − feature store {_mib(terms['feature_store_bytes'])} "
+            f"MiB (node cache, staged macro-batch); {resident}")
 
 
 def _print_layerwise_plan(console: Console, report: dict, args: argparse.Namespace) -> None:

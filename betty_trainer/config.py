@@ -362,8 +362,11 @@ class MicroBatchConfig(_Section):
                                    "micro_batches) or chunks per layer (mode layerwise)")
     budget: int | Literal["auto"] | None = Field(
         None, description="memory budget per micro-batch: bytes ('6GiB' works), 'auto' (GPU free memory "
-                          "minus safety_margin), or null to use num_micro_batches")
-    safety_margin: int = Field(512 * 2**20, description="bytes kept free under an 'auto' budget")
+                          "plus what the run already holds there), or null to use num_micro_batches; the "
+                          "planner plans against it less safety_margin and the feature store's device bytes")
+    safety_margin: int | None = Field(
+        None, description="bytes of the budget kept free for the CUDA caching allocator's fragmentation; null: "
+                          "betty_trainer.memory.device.allocator_margin of the allocator setting (0 on the CPU)")
     balance: bool = Field(True, description="METIS balances each output's receptive-field size, not output counts")
     mode: Literal["micro_batches", "layerwise", "auto"] = Field(
         "micro_batches", description="micro_batches: K micro-batches of the outputs, each through all layers "
@@ -390,7 +393,7 @@ class MicroBatchConfig(_Section):
     @field_validator("safety_margin", mode="before")
     @classmethod
     def _margin_size(cls, value: Any) -> Any:
-        return parse_bytes(value, allow_zero=True)
+        return None if value is None else parse_bytes(value, allow_zero=True)
 
 
 MAX_WEIGHT_DECAY = float(torch.finfo(torch.float32).max)

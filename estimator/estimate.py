@@ -26,6 +26,7 @@ from estimator.tape import GRAD, OVER, Replay, StepTape
 COMPONENTS = (
     "parameters",
     "optimizer_state",
+    "device_workspace",
     "block_structure",
     "input_features",
     "labels",
@@ -71,13 +72,16 @@ class MemoryEstimate:
 
 
 def model_state_bytes(model: ModelSpec) -> dict[str, int]:
-    """Bytes live before any micro-batch: ``parameters`` (buffers included) and ``optimizer_state``
-    (Adam: two moments per parameter plus a 4-byte step counter per parameter tensor)."""
+    """Bytes live before any micro-batch: ``parameters`` (buffers included), ``optimizer_state``
+    (Adam: two moments per parameter plus a 4-byte step counter per parameter tensor) and
+    ``device_workspace`` (``model.device_workspace``: the BLAS workspaces a CUDA device keeps, measured; 0 on
+    the CPU)."""
     shapes = [numel for layer in model.parameter_numels for numel in layer]
     states = OPTIMIZER_STATES[model.optimizer]
     return {
         "parameters": sum(shapes) * model.dtype_bytes + model.buffer_bytes,
         "optimizer_state": (states * sum(shapes) * model.dtype_bytes + 4 * len(shapes)) if states else 0,
+        "device_workspace": model.device_workspace,
     }
 
 
@@ -87,7 +91,7 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     The step is the one :func:`betty_trainer.execution.micro_batches.measure_training_step` measures:
     gather input features and labels, forward, cross-entropy, backward, the accuracy
     count, optimizer step. Resident before it: parameters, optimizer state (Adam:
-    2 × parameters + a step counter per tensor) and the blocks' structure. A batch's
+    2 × parameters + a step counter per tensor), the device's workspaces (CUDA) and the blocks' structure. A batch's
     first micro-batch allocates the parameter gradients as backward computes them
     (``accumulate=False``); the later ones (``accumulate=True``) start with them resident
     and add each new gradient into them, which costs more.

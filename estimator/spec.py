@@ -45,6 +45,9 @@ class ModelSpec:
             counting sort into int32 arrays; else both are tensor ops (GPU), with their temporaries.
         foreach: Adam runs its multi-tensor (``foreach``) path, as PyTorch chooses by default on CUDA
             (:func:`adam_uses_foreach`); else its single-tensor path (the CPU default).
+        device_workspace: bytes the device keeps allocated from the first training step on beyond the step's
+            tensors (CUDA's BLAS workspaces, measured by ``betty_trainer.memory.device.device_workspace``; 0 on
+            the CPU), resident in every estimate.
         forward_terms: ``(tape, layers, x) -> (logits, backward)``: the model's forward written as
             memory terms on an :class:`estimator.tape.StepTape` (a built-in model's
             ``memory_terms``, declared beside its ``forward``); the estimate replays it. Not
@@ -70,6 +73,7 @@ class ModelSpec:
     weight_decay: bool = False
     foreach: bool = False
     compiled_kernels: bool = False
+    device_workspace: int = 0
     forward_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     layer_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 

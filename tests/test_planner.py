@@ -95,17 +95,19 @@ def test_out_of_memory_replans_and_equals_planning_the_larger_k(tmp_path, monkey
     original = micro_batches_module.accumulate_gradients
     failures = []
 
-    def flaky(model, micro_batches, *args):
-        if len(micro_batches) < 3:  # as if the GPU ran out of memory with K = 2
+    def flaky(model, micro_batches, features, labels, device):
+        if len(micro_batches) < 4:  # as if the GPU ran out of memory in the second micro-batch with K = 2
             failures.append(len(micro_batches))
+            micro_batches_module.micro_batch_backward(model, micro_batches[0], features, labels, device,
+                                                      micro_batches.num_outputs)  # the first one's gradients made
             raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
-        return original(model, micro_batches, *args)
+        return original(model, micro_batches, features, labels, device)
 
     overrides = OVERRIDES + ["optim.epochs=2"]
-    train(load_config(None, overrides + ["micro_batch.num_micro_batches=3"]), run_dir=tmp_path / "planned")
+    train(load_config(None, overrides + ["micro_batch.num_micro_batches=4"]), run_dir=tmp_path / "planned")
     monkeypatch.setattr(micro_batches_module, "accumulate_gradients", flaky)
     train(load_config(None, overrides + ["micro_batch.num_micro_batches=2"]), run_dir=tmp_path / "replanned")
-    assert failures == [2, 2], "each batch failed once with K = 2, then ran with K = 3"
+    assert failures == [2, 2], "each batch failed once with K = 2, then ran with K = 4 (doubled)"
     planned, replanned = load_checkpoint(tmp_path / "planned"), load_checkpoint(tmp_path / "replanned")
     for name, tensor in planned["model"].items():
         assert torch.equal(tensor, replanned["model"][name]), name
@@ -120,6 +122,9 @@ def test_plan_command_table_matches_plan_json(tmp_path, capsys):
     assert status == 0
     report = json.loads(output.read_text())
     assert report["budget_bytes"] == 4 * 2**20 and report["num_micro_batches"] == len(report["micro_batches"])
+    terms = report["memory_terms"]  # on the CPU: no workspace, no allocator margin, the budget as given
+    assert (terms["device_workspace"], terms["allocator_margin"], terms["step_bytes"]) == (0, 0, 4 * 2**20)
+    assert "device_workspace 0.00 MiB" in printed and "allocator margin 0.00 MiB (cpu)" in printed
     for row in report["micro_batches"]:
         assert row["measured_peak_bytes"] <= report["budget_bytes"]
         assert abs(row["error"]) <= 0.05

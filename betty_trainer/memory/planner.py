@@ -56,8 +56,9 @@ class Planner:
         device: where training runs (for ``budget: auto``).
         seed: the partitioner's seed (:func:`~betty_trainer.sampling.schedule.plan_seed`).
         feature_store_bytes: device bytes the feature store holds between steps (its node cache and a
-            staged macro-batch: the store's ``max_device_bytes``);
-            the budget a step may use is ``micro_batch.budget`` minus these.
+            staged macro-batch: the store's ``max_device_bytes``); the budget a step may use is
+            ``micro_batch.budget`` minus these and the allocator's margin (``budget_terms``:
+            :class:`~betty_trainer.memory.budget.BudgetTerms`).
 
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
     ``src_nodes``, ``indptr``, ``indices`` and ``edge_weight`` compared with
@@ -67,8 +68,8 @@ class Planner:
     reused. ``plans_made`` and ``plans_reused`` count the two cases.
 
     Raises:
-        ConfigError: a budget with an uncalibrated custom model, ``auto`` on CPU, or a feature store that
-            takes the whole budget.
+        ConfigError: a budget with an uncalibrated custom model, ``auto`` on CPU, or an allocator margin and a
+            feature store that take the whole budget.
     """
 
     def __init__(self, config: MicroBatchConfig, spec: ModelSpec | CalibratedModel | None, device: torch.device,
@@ -79,13 +80,8 @@ class Planner:
         self.calibrated = spec if isinstance(spec, CalibratedModel) else None
         self.feature_store_bytes = feature_store_bytes
         self.device = torch.device(device)
-        self.budget = resolve_budget(config, device)
-        if self.budget is not None and feature_store_bytes:
-            if feature_store_bytes >= self.budget:
-                raise ConfigError(f"the feature store's node cache and staged macro-batch take {feature_store_bytes} "
-                                  f"bytes of the {self.budget}-byte micro_batch.budget, leaving nothing for a training "
-                                  "step; shrink features.cache.size or features.macro_batch_budget, or raise the budget")
-            self.budget -= feature_store_bytes
+        self.budget_terms = resolve_budget(config, device, feature_store_bytes)
+        self.budget = self.budget_terms.step_bytes
         if self.budget is not None and spec is None:
             raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "
                               "betty_trainer.memory.custom.calibrate_model (train() does), or set "
@@ -100,6 +96,15 @@ class Planner:
         self._last: _LastPlan | None = None
         self._splitter: OutputSplitter | None = None
         self._warned_fewer = False  # REG gave fewer micro-batches than asked: said once
+
+    def report(self, plan: StepPlan, measured: list[int] | None = None) -> dict:
+        """``plan.json``'s content: ``plan``'s report (:meth:`~betty_trainer.execution.plan.StepPlan.report`) and
+        ``memory_terms``, every term of the budget (:meth:`BudgetTerms.report
+        <betty_trainer.memory.budget.BudgetTerms.report>`) and what every estimate holds resident: ``parameters``,
+        ``optimizer_state`` and ``device_workspace`` (bytes; 0 for a custom model, whose calibrated fit measured them)."""
+        resident = model_state_bytes(self.spec) if self.spec is not None else {}
+        terms = {name: resident.get(name, 0) for name in ("parameters", "optimizer_state", "device_workspace")}
+        return {**plan.report(measured), "memory_terms": {**self.budget_terms.report(), **terms}}
 
     def estimate(self, structures: Sequence[BlockStructure], accumulate: bool = False,
                  weighted: Sequence[bool] | None = None) -> MemoryEstimate:

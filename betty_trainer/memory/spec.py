@@ -9,6 +9,7 @@ from torch import nn
 from betty_trainer.config import Config
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import PlanningError
+from betty_trainer.memory.device import device_workspace
 from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
 from betty_trainer.rng import compiled_kernels
 from estimator.spec import ModelSpec, adam_uses_foreach
@@ -27,7 +28,8 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
     :func:`~betty_trainer.training.trainer.train` trains it: its kind, widths, aggregator, heads, dropout,
     parameter tensors (in ``model.parameters()`` order) and buffers read off the instance; Adam with
     ``config.optim.weight_decay`` on the foreach or single-tensor path PyTorch picks for the device;
-    the kernels dropout and aggregation use there; and the model's own memory terms (each layer's
+    the kernels dropout and aggregation use there; the device's BLAS workspaces, measured once per process
+    (:func:`~betty_trainer.memory.device.device_workspace`; 0 on the CPU); and the model's own memory terms (each layer's
     ``memory_terms`` beside its ``forward``), which the estimate replays.
 
     Raises:
@@ -45,5 +47,6 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
         parameter_numels=tuple(tuple(p.numel() for p in layer.parameters()) for layer in model.layers),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
-        compiled_kernels=compiled_kernels(device, parameter.dtype), forward_terms=model.memory_terms,
+        compiled_kernels=compiled_kernels(device, parameter.dtype),
+        device_workspace=device_workspace(device, parameter.dtype), forward_terms=model.memory_terms,
         layer_terms=model.layer_memory_terms)

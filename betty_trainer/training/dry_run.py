@@ -7,6 +7,7 @@ import torch
 from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
+from betty_trainer.memory.device import configure_allocator
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
@@ -25,18 +26,21 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     lines are hidden (:func:`~betty_trainer.training.output.quiet_native_stderr`).
 
     Returns:
-        The report dict (what ``plan.json`` holds), with the dataset, device and model.
+        The report dict (what ``plan.json`` holds: :meth:`~betty_trainer.memory.planner.Planner.report`), with the
+        dataset, device and model.
 
     Raises:
         BettyError: bad config or dataset, impossible budget.
     """
     check_config(config)  # the checks train makes before loading data
     device = resolve_device(config.train.device)
+    configure_allocator(device)  # as train does, before anything initialises CUDA
     graph = load_dataset(config.dataset)
     check_model_size(config, graph, device)
     sampler = make_sampler(config, graph)
     features = feature_store(config, graph, device, sampler)
-    plan = make_planner(config, graph, None, device, features, plan_seed(config)).plan(first_batch(config, graph, sampler))
+    planner = make_planner(config, graph, None, device, features, plan_seed(config))
+    plan = planner.plan(first_batch(config, graph, sampler))
     measured = None
     if measure:
         model = init_model(config, graph).to(device)
@@ -45,6 +49,6 @@ def dry_run(config: Config, measure: bool = False) -> dict:
         with quiet_native_stderr():
             measured = plan.measure(model, optimizer, HostFeatureStore(graph.x, pin=device.type == "cuda"), graph.y,
                                     device)
-    report = plan.report(measured)
+    report = planner.report(plan, measured)
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
     return report

@@ -29,6 +29,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset, no_training_nodes_message
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.execution.plan import StepPlan, StepResult
+from betty_trainer.memory.device import configure_allocator
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
@@ -172,6 +173,7 @@ def train(
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
     device = resolve_device(config.train.device)
+    configure_allocator(device)  # expandable segments unless the user chose, before anything initialises CUDA
     path = Path(run_dir or new_run_dir(config))
     check_config(config, dataset=graph is None, run_dir=path)
     directory = RunDirectory.open(path, create=not resume, overwrite=overwrite)  # refused if another run holds it
@@ -199,17 +201,19 @@ def train(
                         features.begin_batch(key)  # a GNS cache takes the batch's node set
                         set_dropout_key(model, config.seed, epoch * len(seed_batches) + key.step)
                         where, plan = f"epoch {epoch}, batch {key.step}", planner.plan(batch)
+                        optimizer.zero_grad(set_to_none=True)
                         while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
-                            optimizer.zero_grad(set_to_none=True)
                             try:
                                 with _named_failures(where, _last_good(path, epoch)):
                                     result = plan.run(model, features, graph.y, device)
                                 break
                             except torch.cuda.OutOfMemoryError:
-                                plan = _replan(planner, plan, where, device)
+                                pass  # leaving the handler drops the traceback, and with it the failed piece's tensors
+                            optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
+                            plan = _replan(planner, plan, where, device)
                         optimizer.step()
                         if epoch == run.start_epoch and key.step == 0:  # the first batch's plan, as `betty-train plan` shows it
-                            _record_plan(directory, console, plan, write=epoch == 0)
+                            _record_plan(directory, console, planner, plan, write=epoch == 0)
                         warned = warned or (plan.pieces > 1 and _warn_torch_dropout(model, plan.pieces))
                         totals.add(plan, result, seeds.numel())
                     features.release()
@@ -372,19 +376,24 @@ def _named_failures(where: str, last_good: str) -> Iterator[None]:
 
 
 def _replan(planner: Planner, plan: StepPlan, where: str, device: torch.device) -> StepPlan:
-    """The plan of a batch whose ``plan`` ran out of device memory: more pieces (Betty §4.4.3). The batch's partial
-    gradients are discarded by the loop's ``zero_grad``, so the step still happens once, with the whole batch's
-    gradient.
+    """The plan of a batch whose ``plan`` ran out of device memory: at least twice the pieces (Betty §4.4.3), at
+    most one output node per piece. Under ``micro_batch.mode=auto`` the planner again keeps, of micro-batches and
+    layer-wise chunks at that count, the plan of less estimated work that fits the budget. The caller has already
+    dropped the failed attempt's tensors and partial gradients; the cached blocks they leave are handed back to the
+    device here (``torch.cuda.empty_cache``), and the batch is redone from its start, so the optimizer step still
+    happens once, with the whole batch's gradient.
 
     Raises:
         TrainingError: the plan had one output node per piece already.
     """
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if plan.pieces >= plan.batch.output_nodes.numel():
+    outputs = plan.batch.output_nodes.numel()
+    if plan.pieces >= outputs:
         raise TrainingError(f"{where}: out of memory even with one output node per micro-batch") from None
-    logger.warning("%s: out of memory with K=%d; re-planning with K ≥ %d", where, plan.pieces, plan.pieces + 1)
-    return planner.plan(plan.batch, plan.pieces + 1)
+    pieces = min(2 * plan.pieces, outputs)
+    logger.warning("%s: out of memory with K=%d; re-planning with K ≥ %d", where, plan.pieces, pieces)
+    return planner.plan(plan.batch, pieces)
 
 
 @dataclass
@@ -576,11 +585,11 @@ def _print_start(console: Console, config: Config, graph: Graph, device: torch.d
         console.print(line, highlight=False, soft_wrap=True)
 
 
-def _record_plan(directory: RunDirectory, console: Console, plan: StepPlan, write: bool) -> None:
+def _record_plan(directory: RunDirectory, console: Console, planner: Planner, plan: StepPlan, write: bool) -> None:
     """Print the first batch's plan (and, ``write``, save its report as ``plan.json``), as ``betty-train plan``
     shows it."""
     if write:
-        directory.write_text("plan.json", json.dumps(plan.report(), indent=2))
+        directory.write_text("plan.json", json.dumps(planner.report(plan), indent=2))
     peak = f", estimated peak {plan.estimate / 2**20:.2f} MiB" if plan.estimate else ""
     console.print(f"first batch: {plan.batch.output_nodes.numel()} outputs, {plan.summary}{peak}, input redundancy "
                   f"{plan.redundancy()[0]:.3f}", highlight=False, soft_wrap=True)

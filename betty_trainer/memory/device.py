@@ -1,0 +1,161 @@
+"""What a CUDA device holds beyond a training step's own tensors: the BLAS workspaces (measured once per process)
+and the caching allocator's fragmentation (a margin off the budget), and the allocator setting the trainer asks for.
+
+On the CPU both are 0: there is no cuBLAS, and torch's CPU allocator hands freed memory back to ``malloc``, so the
+live bytes the estimator models are what the process holds (docs/design.md › Memory estimate).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+from torch.nn import functional as F
+
+logger = logging.getLogger(__name__)
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+"""The environment variable PyTorch's CUDA caching allocator reads its settings from when CUDA initialises."""
+ALLOC_CONF_NEW = "PYTORCH_ALLOC_CONF"
+"""The newer name of :data:`ALLOC_CONF` (recent PyTorch reads either); a user who set it is left alone too."""
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+"""What the trainer sets :data:`ALLOC_CONF` to when the user has set neither variable."""
+
+MIB = 2**20
+EXPANDABLE_MARGIN = (0.05, 64 * MIB)
+"""``(fraction of the budget, floor in bytes)`` kept free for fragmentation with expandable segments."""
+DEFAULT_MARGIN = (0.25, 256 * MIB)
+"""``(fraction of the budget, floor in bytes)`` kept free for fragmentation with the default (fixed-segment)
+allocator."""
+
+
+def configure_allocator(device: torch.device) -> str | None:
+    """Ask PyTorch's CUDA caching allocator for expandable segments in this process, unless the user chose.
+
+    For a CUDA ``device`` (nothing is done for another), sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+    when neither it nor ``PYTORCH_ALLOC_CONF`` is set and CUDA is not initialised yet (the allocator reads the
+    variable when CUDA initialises; after that a change has no effect, so it is not made). With expandable
+    segments the allocator maps memory in pages into a range it can grow, instead of allocating segments of fixed
+    sizes, which PyTorch documents as the remedy for fragmentation when allocation sizes change from step to step
+    (PyTorch docs › CUDA semantics › Optimizing memory usage with ``PYTORCH_CUDA_ALLOC_CONF``). To keep the
+    default allocator, set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (or any other setting) before
+    starting; the planner's margin then follows it (:func:`allocator_margin`).
+
+    Returns:
+        The allocator setting in effect (:func:`allocator_setting`; ``None`` for a device other than CUDA).
+    """
+    if torch.device(device).type != "cuda":
+        return None
+    if os.environ.get(ALLOC_CONF) is None and os.environ.get(ALLOC_CONF_NEW) is None:
+        if torch.cuda.is_initialized():
+            logger.info("CUDA was initialised before the trainer could set %s=%s; the default allocator stays",
+                        ALLOC_CONF, EXPANDABLE_SEGMENTS)
+        else:
+            os.environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
+    return allocator_setting()
+
+
+def allocator_setting() -> str | None:
+    """The caching allocator's settings as this process's environment gives them (``PYTORCH_CUDA_ALLOC_CONF``,
+    else ``PYTORCH_ALLOC_CONF``), or ``None`` for PyTorch's defaults. Read from the environment: a variable
+    changed after CUDA initialised is reported though the allocator never read it."""
+    return os.environ.get(ALLOC_CONF, os.environ.get(ALLOC_CONF_NEW))
+
+
+def expandable_segments(setting: str | None) -> bool:
+    """Whether an allocator ``setting`` (``key:value`` pairs separated by commas) turns expandable segments on."""
+    pairs = dict(item.split(":", 1) for item in (setting or "").replace(" ", "").split(",") if ":" in item)
+    return pairs.get("expandable_segments", "").lower() == "true"
+
+
+def allocator_margin(budget: int, device: torch.device, setting: str | None) -> int:
+    """Bytes of a budget kept free for the CUDA caching allocator's fragmentation, so that the memory it reserves
+    (``torch.cuda.max_memory_reserved``) stays within ``budget`` while the bytes the plan estimates
+    (``max_memory_allocated``) stay within ``budget − margin``. 0 on the CPU (no caching allocator in between).
+
+    On CUDA: ``max(floor, fraction × budget)`` with :data:`EXPANDABLE_MARGIN` (5%, at least 64 MiB) when
+    ``setting`` turns expandable segments on, else :data:`DEFAULT_MARGIN` (25%, at least 256 MiB).
+
+    How the constants were chosen, honestly: they are **provisional, not measured**. The one GPU measurement so
+    far (H100, torch 2.11, default allocator; benchmarks/README.md › estimator_accuracy.py on a GPU) found
+    ``max_memory_reserved`` above ``max_memory_allocated`` by 14 MiB to 2.7 GiB (median 194 MiB) without
+    recording the peaks those gaps belong to, so no fraction could be fitted: the default allocator's floor rounds
+    the median up and its fraction is a bound we expect to hold, not one we saw. Expandable segments leave only
+    the free space inside pages that still hold live blocks, which is why their margin is smaller; that too awaits
+    a measurement (``benchmarks/estimator_accuracy.py --device cuda`` records both figures per micro-batch).
+    ``micro_batch.safety_margin`` replaces this rule with a number.
+
+    Args:
+        budget: the budget in bytes.
+        device: where training runs.
+        setting: the allocator setting (:func:`allocator_setting`).
+    """
+    if device.type != "cuda":
+        return 0
+    fraction, floor = EXPANDABLE_MARGIN if expandable_segments(setting) else DEFAULT_MARGIN
+    return max(floor, int(budget * fraction))
+
+
+def device_workspace(device: torch.device | str, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the device keeps allocated from a model's first training step on beyond the step's own tensors,
+    measured once per process, device and dtype (cached); 0 on the CPU.
+
+    The probe (CUDA): synchronise, drop PyTorch's cuBLAS workspaces where this PyTorch can
+    (``torch._C._cuda_clearCublasWorkspaces``) and ``empty_cache``, read ``torch.cuda.memory_allocated``; run one
+    ``64 × 64`` ``F.linear`` with bias forward and its backward in ``dtype`` (the built-in layers' matmul, as
+    ``addmm``); ``empty_cache`` and read it again. The growth is what stays: PyTorch allocates each BLAS workspace
+    through the caching allocator (so it counts in ``memory_allocated`` and in every measured peak) and keeps it
+    for the life of the process, one per (BLAS handle, stream). Handles are per thread, and a CUDA backward runs
+    on autograd's own device thread, so a training step holds two: the forward's (this thread) and the
+    backward's, which is why the probe runs a backward too.
+
+    What it captures, per handle and stream (PyTorch's ``aten/src/ATen/cuda/CublasHandlePool.cpp``):
+
+    - the cuBLAS workspace, of the size ``CUBLAS_WORKSPACE_CONFIG=:SIZE:COUNT[:SIZE:COUNT…]`` gives
+      (Σ SIZE × COUNT KiB); PyTorch's default is ``:4096:2:16:8`` (8 MiB + 128 KiB), and 32 MiB on compute
+      capability 9.x (Hopper; recent releases also on later architectures): the ≈ 64 MiB seen on an H100 is two
+      of those;
+    - the cuBLASLt workspace, ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024 KiB), where the matmul goes through
+      cuBLASLt (``addmm`` with a bias may); recent releases can share the cuBLAS workspace instead.
+
+    To shrink it, set those variables before starting, e.g. ``CUBLAS_WORKSPACE_CONFIG=:16:8`` (128 KiB, the
+    setting PyTorch documents for deterministic cuBLAS) and ``CUBLASLT_WORKSPACE_SIZE=0``; some matmuls may
+    then pick slower kernels. Not captured: the CUDA context and the kernels' code (outside the caching
+    allocator; NVML's free memory, read after the probe, already excludes them) and cuDNN's workspaces (the
+    built-in models call no cuDNN op).
+
+    Args:
+        device: where training runs.
+        dtype: the model's parameter dtype.
+
+    Returns:
+        Bytes (``≥ 0``).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _probe(index, dtype)
+
+
+@functools.cache
+def _probe(index: int, dtype: torch.dtype) -> int:
+    device = torch.device("cuda", index)
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:  # workspaces made earlier in this process count as the probe's own
+        clear()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    with torch.enable_grad(), torch.cuda.device(device):
+        x, weight = (torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        bias = torch.randn(64, device=device, dtype=dtype, requires_grad=True)
+        F.linear(x, weight, bias).sum().backward()  # forward on this thread, backward on autograd's device thread
+    del x, weight, bias
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    grown = max(torch.cuda.memory_allocated(device) - before, 0)
+    logger.info("device workspace on cuda:%d (%s): %d bytes (cuBLAS/cuBLASLt)", index, dtype, grown)
+    return grown

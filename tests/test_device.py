@@ -1,0 +1,96 @@
+"""The device's fixed costs and the allocator's margin (betty_trainer.memory.device) and the budget's terms
+(betty_trainer.memory.budget), on the CPU: what a CUDA device would add is 0 here, and the CUDA arithmetic is
+checked with NVML's reading injected. tests/test_cuda.py measures them on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from betty_trainer import make_sbm
+from betty_trainer.config import load_config
+from betty_trainer.errors import ConfigError
+from betty_trainer.memory import budget as budget_module
+from betty_trainer.memory.budget import resolve_budget
+from betty_trainer.memory.device import (
+    ALLOC_CONF,
+    ALLOC_CONF_NEW,
+    DEFAULT_MARGIN,
+    EXPANDABLE_MARGIN,
+    EXPANDABLE_SEGMENTS,
+    allocator_margin,
+    configure_allocator,
+    device_workspace,
+    expandable_segments,
+)
+from betty_trainer.memory.spec import model_spec
+from estimator import COMPONENTS, estimate_micro_batch
+from estimator.counts import LayerCounts
+
+CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
+MIB = 2**20
+
+
+def test_the_cpu_has_no_device_workspace_and_the_estimate_names_it():
+    graph = make_sbm(num_nodes=300, num_features=16, avg_degree=5, train_per_class=10, num_val=20, num_test=20)
+    spec = model_spec(load_config(None, ["model.hidden=8"]), graph, "cpu")
+    assert device_workspace("cpu") == 0 and spec.device_workspace == 0
+    layers = [LayerCounts(num_src=120, num_dst=40, num_edges=300), LayerCounts(num_src=40, num_dst=10, num_edges=90)]
+    estimate = estimate_micro_batch(layers, spec)
+    assert "device_workspace" in COMPONENTS and estimate.at_peak["device_workspace"] == 0
+    with_workspace = estimate_micro_batch(layers, dataclasses.replace(spec, device_workspace=5 * MIB))
+    assert with_workspace.at_peak["device_workspace"] == 5 * MIB, "resident: live at the peak"
+    assert with_workspace.peak_bytes == estimate.peak_bytes + 5 * MIB
+    assert with_workspace.resident_bytes == estimate.resident_bytes + 5 * MIB
+
+
+@pytest.mark.parametrize("setting, expandable", [
+    ("expandable_segments:True", True), ("max_split_size_mb:128, expandable_segments:true", True),
+    ("expandable_segments:False", False), ("max_split_size_mb:128", False), (None, False)])
+def test_the_margin_follows_the_allocator_setting(setting, expandable):
+    assert expandable_segments(setting) is expandable
+    fraction, floor = EXPANDABLE_MARGIN if expandable else DEFAULT_MARGIN
+    for budget in (100 * MIB, 80 * 2**30):
+        assert allocator_margin(budget, CUDA, setting) == max(floor, int(fraction * budget))
+        assert allocator_margin(budget, torch.device("cpu"), setting) == 0
+    assert allocator_margin(80 * 2**30, CUDA, setting) < 80 * 2**30 // 3
+
+
+def test_the_trainer_asks_for_expandable_segments_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv(ALLOC_CONF, raising=False)
+    monkeypatch.delenv(ALLOC_CONF_NEW, raising=False)
+    assert configure_allocator(torch.device("cpu")) is None and ALLOC_CONF not in os.environ
+    assert configure_allocator(CUDA) == EXPANDABLE_SEGMENTS  # CUDA is not initialised on this machine
+    monkeypatch.setenv(ALLOC_CONF, "expandable_segments:False")
+    assert configure_allocator(CUDA) == "expandable_segments:False", "the user's setting is kept"
+    monkeypatch.delenv(ALLOC_CONF)
+    monkeypatch.setenv(ALLOC_CONF_NEW, "max_split_size_mb:64")
+    assert configure_allocator(CUDA) == "max_split_size_mb:64"
+    assert ALLOC_CONF not in os.environ
+
+
+def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):
+    config = load_config(None, ["micro_batch.budget=64MiB"]).micro_batch
+    terms = resolve_budget(config, torch.device("cpu"), feature_store_bytes=4 * MIB)
+    assert (terms.device_bytes, terms.allocator_margin, terms.step_bytes) == (64 * MIB, 0, 60 * MIB)
+    assert resolve_budget(load_config(None, []).micro_batch, torch.device("cpu")).step_bytes is None
+    explicit = load_config(None, ["micro_batch.budget=64MiB", "micro_batch.safety_margin=8MiB"]).micro_batch
+    assert resolve_budget(explicit, torch.device("cpu")).step_bytes == 56 * MIB, "a margin given is a margin kept"
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        resolve_budget(load_config(None, ["micro_batch.budget=auto"]).micro_batch, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="takes all of the 67108864-byte micro_batch.budget"):
+        resolve_budget(load_config(None, ["micro_batch.budget=64MiB", "micro_batch.safety_margin=64MiB"]).micro_batch,
+                       torch.device("cpu"))
+
+    monkeypatch.setenv(ALLOC_CONF, EXPANDABLE_SEGMENTS)
+    monkeypatch.setattr(budget_module, "_nvml_free", lambda device: 10 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 300 * MIB)
+    auto = resolve_budget(load_config(None, ["micro_batch.budget=auto"]).micro_batch, CUDA, feature_store_bytes=MIB)
+    held = 10 * 2**30 + 300 * MIB
+    assert (auto.nvml_free, auto.process_reserved, auto.device_bytes) == (10 * 2**30, 300 * MIB, held)
+    assert auto.allocator_margin == allocator_margin(held, CUDA, EXPANDABLE_SEGMENTS) == int(0.05 * held)
+    assert auto.step_bytes == held - auto.allocator_margin - MIB
+    assert auto.report()["step_bytes"] == auto.step_bytes and auto.report()["allocator"] == EXPANDABLE_SEGMENTS
