@@ -15,13 +15,13 @@ import torch.multiprocessing as mp
 from betty_trainer import GraphSAGE, HostFeatureStore, accumulate_gradients, load_dataset
 from betty_trainer.config import DatasetConfig
 from betty_trainer.distributed.ownership import _symmetric_adjacency, load_owners, vertex_owners
-from betty_trainer.execution.cooperative import all_reduce_gradients, cooperative_backward
+from betty_trainer.execution.cooperative import cooperative_step
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling import LaborSampler, NeighborSampler, SampleKey
 from betty_trainer.sampling.cooperative import CooperativeSampler
 
 CPU = torch.device("cpu")
-SEEDS, FANOUTS, KEY = 256, [10, 10], SampleKey(7, 1, 3)
+FANOUTS, KEY = [10, 10], SampleKey(7, 1, 3)
 
 
 def cut_edges(graph, owners) -> int:
@@ -66,8 +66,8 @@ def make_model(graph):
     return model
 
 
-def global_seeds(graph):
-    return torch.randperm(graph.num_nodes, generator=torch.Generator().manual_seed(0))[:SEEDS]
+def global_seeds(graph, count):
+    return torch.randperm(graph.num_nodes, generator=torch.Generator().manual_seed(0))[:count]
 
 
 def edges_of(block):
@@ -79,21 +79,22 @@ def edges_of(block):
     return rows[np.lexsort((rows[:, 1].numpy(), rows[:, 0].numpy()))]
 
 
-def _worker(rank, world, port, data_dir, sampler_kind, ownership, out):
+def _worker(rank, world, port, data_dir, sampler_kind, ownership, k, seeds, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         graph = load_dataset(DatasetConfig(name="cora", data_dir=data_dir))
         owners = vertex_owners(graph, world, ownership)
-        share = CooperativeSampler(make_sampler(graph, sampler_kind), owners).sample(global_seeds(graph), KEY)
+        sampler = CooperativeSampler(make_sampler(graph, sampler_kind), owners)
+        shares = list(sampler.rounds(global_seeds(graph, seeds), KEY, k))
         model = make_model(graph)
-        result = cooperative_backward(model, share, HostFeatureStore(graph.x, pin=False), graph.y, CPU, SEEDS)
-        all_reduce_gradients(model)
+        result = cooperative_step(model, shares, HostFeatureStore(graph.x, pin=False), graph.y, CPU, seeds)
         torch.save({"loss": result.loss, "correct": result.correct,
                     "grads": [p.grad for p in model.parameters()],
-                    "edges": [edges_of(block) for block in share.blocks],
-                    "outputs": share.output_nodes, "inputs": share.input_nodes}, out / f"rank{rank}.pt")
+                    "edges": [torch.cat([edges_of(share.blocks[layer]) for share in shares]) for layer in range(2)],
+                    "outputs": torch.cat([share.output_nodes for share in shares]),
+                    "inputs": [share.input_nodes for share in shares]}, out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -104,29 +105,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("sampler_kind, world, ownership", [
-    ("ns", 2, "random"), ("ns", 4, "metis"), ("labor", 2, "metis"), ("labor", 4, "random"),
+@pytest.mark.parametrize("sampler_kind, world, ownership, k, seeds", [
+    ("ns", 2, "random", 1, 256), ("ns", 4, "metis", 1, 256), ("labor", 2, "metis", 1, 256),
+    ("labor", 4, "random", 1, 256), ("ns", 2, "metis", 2, 256), ("labor", 4, "random", 2, 256),
+    ("ns", 4, "random", 3, 5),  # 5 seeds in 3 rounds on 4 ranks: most ranks have empty rounds
 ])
-def test_a_cooperative_step_equals_one_process_on_the_same_global_batch(cora, planetoid_dir, tmp_path,
-                                                                         sampler_kind, world, ownership):
-    """Loss, correct count and every parameter gradient of P processes sharing one global batch equal one
-    process's on that batch (dropout 0.5, keyed by node id); the ranks' sampled edges together are the
-    single-process batch's, each edge on the rank that owns its dst node, with the same weight."""
-    mp.spawn(_worker, args=(world, free_port(), planetoid_dir, sampler_kind, ownership, tmp_path), nprocs=world)
+def test_a_cooperative_step_equals_one_process_on_the_same_global_batch(cora, planetoid_dir, tmp_path, sampler_kind,
+                                                                         world, ownership, k, seeds):
+    """Loss, correct count and every parameter gradient of P processes sharing one global batch, in k micro-batch
+    rounds, equal one process's on that batch (dropout 0.5, keyed by node id); the ranks' sampled edges together
+    are the single-process batch's, each edge on the rank that owns its dst node, with the same weight."""
+    mp.spawn(_worker, args=(world, free_port(), planetoid_dir, sampler_kind, ownership, k, seeds, tmp_path),
+             nprocs=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
-    batch = make_sampler(cora, sampler_kind).sample(global_seeds(cora), KEY)
+    batch = make_sampler(cora, sampler_kind).sample(global_seeds(cora, seeds), KEY)
     model = make_model(cora)
     loss, correct = accumulate_gradients(model, [batch], HostFeatureStore(cora.x, pin=False), cora.y, CPU)
     for layer, block in enumerate(batch.blocks):
         together = torch.cat([r["edges"][layer] for r in ranks])
+        if k > 1:  # rounds recompute what they share below the output layer (micro-batch redundancy)
+            together = torch.unique(together, dim=0)
         together = together[np.lexsort((together[:, 1].numpy(), together[:, 0].numpy()))]
         assert torch.equal(together, edges_of(block)), f"layer {layer}: the ranks' edges are the batch's"
     owners = vertex_owners(cora, world, ownership)
-    assert sorted(torch.cat([r["outputs"] for r in ranks]).tolist()) == sorted(global_seeds(cora).tolist())
-    inputs = torch.cat([r["inputs"] for r in ranks])
-    assert sorted(inputs.tolist()) == sorted(batch.input_nodes.tolist()), "each input row is loaded once"
-    assert all(bool((owners[r["inputs"]] == index).all()) for index, r in enumerate(ranks)), "by its owner"
+    assert sorted(torch.cat([r["outputs"] for r in ranks]).tolist()) == sorted(global_seeds(cora, seeds).tolist())
+    if k == 1:
+        inputs = torch.cat([r["inputs"][0] for r in ranks])
+        assert sorted(inputs.tolist()) == sorted(batch.input_nodes.tolist()), "each input row is loaded once"
+    assert all(bool((owners[i] == index).all()) for index, r in enumerate(ranks) for i in r["inputs"]), "by its owner"
     for r in ranks:
         assert r["correct"] == correct
         assert r["loss"] == pytest.approx(loss, rel=1e-6)  # float32 sums in another order: ~1e-7 relative

@@ -12,6 +12,8 @@ result is the gradient of the global batch's mean loss, as one process computing
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -61,6 +63,32 @@ def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: Fe
         raise TrainingError(f"loss is {totals[0].item()}")
     loss.backward()
     return StepResult(totals[0].item(), int(totals[1].item()))
+
+
+def cooperative_step(model: nn.Module, shares: Iterable[CooperativeBatch], features: FeatureStore, labels: Tensor,
+                     device: torch.device, num_outputs: int) -> StepResult:
+    """One cooperative training step's forward and backward: every round's share
+    (:meth:`~betty_trainer.sampling.cooperative.CooperativeSampler.rounds`; one round without micro-batching) run by
+    :func:`cooperative_backward`, gradients accumulated, then all-reduced (:func:`all_reduce_gradients`), so
+    ``.grad`` on every rank is the gradient of the global batch's mean loss. No optimizer step.
+
+    Args:
+        model, features, labels, device: as :func:`cooperative_backward`.
+        shares: this rank's share of each round, in order; the same number on every rank.
+        num_outputs: ``|V|``, the seed count of the global batch (of all rounds together).
+
+    Returns:
+        The global batch's :class:`StepResult`.
+
+    Raises:
+        TypeError, TrainingError: see :func:`cooperative_backward`.
+    """
+    loss, correct, group = 0.0, 0, None
+    for share in shares:
+        result = cooperative_backward(model, share, features, labels, device, num_outputs)
+        loss, correct, group = loss + result.loss, correct + result.correct, share.exchanges[0].group
+    all_reduce_gradients(model, group)
+    return StepResult(loss, correct)
 
 
 def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

@@ -16,6 +16,9 @@ single-process batch there (its variates do not).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -64,6 +67,35 @@ class CooperativeSampler:
         blocks.reverse()
         exchanges.reverse()
         return CooperativeBatch(blocks, exchanges)
+
+    def rounds(self, seeds: Tensor, key: SampleKey, k: int) -> Iterator[CooperativeBatch]:
+        """The global batch in ``k`` micro-batch rounds, sampled one round at a time (a collective).
+
+        Every rank splits the seeds it owns into ``k`` consecutive parts; round ``r`` is the global batch of
+        every rank's part ``r`` (each rank computes all parts itself from ``owners``: no communication). A round's
+        sample is the global batch's sample restricted to its seeds (randomness is keyed per node), so running
+        the rounds with the loss divided by the global seed count accumulates the global batch's gradient
+        (Betty §4.2 across ranks). Every rank runs ``k`` rounds, so the collectives match even where a rank owns
+        fewer than ``k`` seeds (its part is then empty).
+
+        Args:
+            seeds: ``(B,)`` int64 distinct seed ids of the global batch, the same on every rank.
+            key: the batch's :class:`SampleKey`.
+            k: micro-batch rounds, ``≥ 1``, the same on every rank.
+
+        Yields:
+            This rank's :class:`CooperativeBatch` of each round.
+
+        Raises:
+            ValueError: ``k < 1``.
+        """
+        if k < 1:
+            raise ValueError(f"a cooperative batch needs at least one round, got {k}")
+        seeds = seeds.long()
+        owner = self.owners[seeds]
+        parts = [seeds[owner == q].tensor_split(k) for q in range(dist.get_world_size(self.group))]
+        for index in range(k):
+            yield self.sample(torch.cat([part[index] for part in parts]), key)
 
     def __repr__(self) -> str:
         return f"CooperativeSampler({self.sampler!r}, world_size={dist.get_world_size(self.group)})"
