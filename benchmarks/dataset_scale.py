@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from common import markdown_table  # this folder
 
 AVERAGE_DEGREE = 26  # directed edges per node (ogbn-products: 50.5; this keeps 52M edges at 2M nodes)
 FANOUTS = [10, 25]
@@ -211,7 +212,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = ["edges", "nodes"] + [f"{s} s / GiB" for s in stages] + [
         "plan: REG / weights / METIS / slicing / restrict s", "REG+METIS / epoch", "plan/train",
         "inputs full / Σ micro", "peak RSS GiB"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in rows:
         cells = [f"{r['edges']:,}", f"{r['nodes']:,}"]
         cells += [f"{r[f'{s}_s']:.2f} / {_gib(r[f'{s}_peak_bytes'])}" if f"{s}_s" in r else "cached" for s in stages]
@@ -219,8 +220,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                                                              "plan_slicing_s", "plan_restrict_s")))
         cells += [f"{r['reg_metis_share_of_epoch']:.1%}", f"{r['plan_share_of_train']:.1%}",
                   f"{r['input_nodes']:,} / {r['micro_input_nodes']:,}", _gib(r["peak_rss_bytes"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(head, lines)
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ def gather_epoch(store, inputs: list[torch.Tensor], device: torch.device, macro:
     return {"stats": store.stats - before, "seconds": seconds}
 
 
-def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], fanouts: list[int], args,
+def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], args,
                pool: torch.Tensor) -> list[dict]:
     """Bytes moved per epoch for each cache kind and macro-batch gathering (see ``--bytes``)."""
     from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
@@ -68,11 +68,11 @@ def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], fanouts: lis
     capacity = cache_capacity(args.lru, n, row)
     degrees = graph.out_degrees()  # as make_feature_store: how many neighbour lists hold a node
     def gns(only_input: bool):
-        return GNSSampler(graph, fanouts, cache_fraction=args.gns_cache, refresh_every=args.gns_refresh,
+        return GNSSampler(graph, args.fanouts, cache_fraction=args.gns_cache, refresh_every=args.gns_refresh,
                           cache_only_input_layer=only_input, batches_per_epoch=len(batches), training_nodes=pool)
 
-    samplers = {"NS": NeighborSampler(graph, fanouts),
-                "LABOR-0 κ=64": LaborSampler(graph, fanouts, batch_dependency=64, batches_per_epoch=len(batches)),
+    samplers = {"NS": NeighborSampler(graph, args.fanouts),
+                "LABOR-0 κ=64": LaborSampler(graph, args.fanouts, batch_dependency=64, batches_per_epoch=len(batches)),
                 "GNS": gns(False), "GNS cache-only input layer": gns(True)}
     everything = len(batches)
     specs = [("NS", "none", 0), ("NS", "static", 0), ("NS", "lru", 0), ("NS", "none", 8), ("NS", "none", everything),
@@ -131,13 +131,12 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    fanouts = [int(f) for f in args.fanouts.split(",")]
     graph, pool, batches = epoch_batches(args)
     x = features(graph, args.feature_width, args.seed)
-    print(f"{args.graph}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges; fanouts {fanouts} (input layer first), "
+    print(f"{args.graph}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges; fanouts {args.fanouts} (input layer first), "
           f"one epoch = {len(batches)} batches of {args.batch_size} seeds; features {tuple(x.shape)} "
           f"{x.dtype} ({x.shape[1] * x.element_size()} bytes a row); gathers to {args.device}", flush=True)
-    rows = bytes_rows(graph, x, batches, fanouts, args, pool)
+    rows = bytes_rows(graph, x, batches, args, pool)
     print_bytes_table(rows, args.device)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 import torch
-from common import load_graph  # this folder
+from common import int_list, load_graph  # this folder
 
 
 def gns_bias(args) -> None:
@@ -32,7 +32,7 @@ def gns_bias(args) -> None:
     from betty_trainer.sampling import GNSSampler, NeighborSampler, SampleKey
 
     graph = load_graph(args.graph, args.data_dir)
-    k = int(args.fanouts.split(",")[0])
+    k = args.fanouts[0]
     degree = graph.in_degrees()
     dst = torch.nonzero(degree > 3 * k).flatten()
     dst = dst[torch.randperm(dst.numel(), generator=torch.Generator().manual_seed(args.seed))[:300]]
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     parser.add_argument("--graph", default="amazon-computers", help="a dataset name betty-train knows, with features")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="raw files of the dataset (default: its folder in ../shared/datasets)")
-    parser.add_argument("--fanouts", default="10", help="k: the first value")
+    parser.add_argument("--fanouts", type=int_list, default=[10], help="k: the first value")
     parser.add_argument("--gns-caches", default="0.01,0.05", help="cache sizes, fractions of the nodes")
     parser.add_argument("--bias-batches", type=int, default=600, help="samples per cache size")
     parser.add_argument("--threads", type=int, default=2)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import load_graph, markdown_table  # this folder
+from common import int_list, load_graph, markdown_table  # this folder
 from sampling import features  # this folder
 
 PRODUCTS_NS_INPUT_FRACTION = 433_928 / 2_449_029  # GNS Table 4: NS input nodes per batch / ogbn-products' nodes
@@ -113,7 +113,7 @@ def gns_study_rows(name: str, graph, x: torch.Tensor, fanouts: list[int], batch_
 def gns_study(args) -> None:
     """For each graph of ``--graphs``: the seeds' pool (:func:`study_pool`), the paper's batch of 1,000 and the
     products-like batch (:func:`products_like_batch`), each cache size of ``--gns-caches``; prints one table."""
-    fanouts = [int(f) for f in args.fanouts.split(",")]
+    fanouts = args.fanouts
     rows = []
     for name in args.graphs.split(","):
         graph = load_graph(name)
@@ -162,7 +162,7 @@ def main(argv=None) -> None:
     parser.add_argument("--study-batch-sizes", default="1000,products",
                         help="batch sizes; 'products' is the size whose NS input nodes are the fraction "
                              "of the graph they are in the paper's ogbn-products run (17.7%%)")
-    parser.add_argument("--fanouts", default="10,10,10", help="input layer first (the paper's: 5,10,15)")
+    parser.add_argument("--fanouts", type=int_list, default=[10, 10, 10], help="input layer first (the paper's: 5,10,15)")
     parser.add_argument("--batches", type=int, default=48, help="measured batches per setting")
     parser.add_argument("--feature-width", type=int, default=128,
                         help="float32 features per node of a graph without features (SNAP graphs: random ones)")

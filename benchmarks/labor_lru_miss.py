@@ -92,7 +92,7 @@ def our_lru(graph, batches, fanouts, importance, kappa, layer_dependency, count,
     return {"miss": miss, "reads_per_batch": sum(r.size for r in reads) / len(batches)}
 
 
-def lru_study(args, batches: list[torch.Tensor], fanouts: list[int]) -> None:
+def lru_study(args, batches: list[torch.Tensor]) -> None:
     """LRU miss rate at κ = 1 and 64 under several counting rules, ours (a real LRU cache) and DGL's
     LaborSampler (the same LRU, simulated) side by side."""
     graphs = {"undirected": load_graph("ego-twitter", args.data_dir),
@@ -125,9 +125,9 @@ def lru_study(args, batches: list[torch.Tensor], fanouts: list[int]) -> None:
                 loaded = name
             cells = []
             for kappa in (1, 64):
-                ours = our_lru(graph, batches, fanouts, importance, kappa, layer_dependency, count, args.seed,
+                ours = our_lru(graph, batches, args.fanouts, importance, kappa, layer_dependency, count, args.seed,
                                capacity)
-                theirs = dgl("lru", seeds=str(scratch / "seeds.npy"), batch_size=args.batch_size, fanouts=fanouts,
+                theirs = dgl("lru", seeds=str(scratch / "seeds.npy"), batch_size=args.batch_size, fanouts=args.fanouts,
                              importance=importance, kappa=kappa, layer_dependency=layer_dependency, count=count,
                              seed=args.seed, capacity=capacity) if dgl is not None else None
                 cells.append((ours, theirs))
@@ -163,11 +163,10 @@ def main(argv=None) -> None:
         serve(DGLStudy())
         return
     torch.set_num_threads(args.threads)
-    fanouts = [int(f) for f in args.fanouts.split(",")]
     _, _, batches = epoch_batches(args)
-    print(f"{args.graph}: LRU of {args.lru:.0%} of the nodes; fanouts {fanouts}, {len(batches)} batches of "
+    print(f"{args.graph}: LRU of {args.lru:.0%} of the nodes; fanouts {args.fanouts}, {len(batches)} batches of "
           f"{args.batch_size} seeds ({args.seed_order})", flush=True)
-    lru_study(args, batches, fanouts)
+    lru_study(args, batches)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import load_graph, markdown_table  # this folder; both sides load it
+from common import int_list, load_graph, markdown_table  # this folder; both sides load it
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder: both sides load it
 
 # --- shared by both sides ----------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def batch_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--graph", default="ego-twitter", help="ego-twitter, or a dataset name betty-train knows")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="raw files of the dataset (default: its folder in ../shared/datasets)")
-    parser.add_argument("--fanouts", default="10,10,10", help="input layer first")
+    parser.add_argument("--fanouts", type=int_list, default=[10, 10, 10], help="input layer first")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--batches", type=int, default=48, help="batches of the measured sequence")
     parser.add_argument("--threads", type=int, default=2)
@@ -229,7 +229,7 @@ def main(argv=None) -> None:
         serve(DGLSide())
         return
     torch.set_num_threads(args.threads)
-    fanouts = [int(f) for f in args.fanouts.split(",")]
+    fanouts = args.fanouts
     graph, pool, batches = epoch_batches(args)
     n = graph.num_nodes
     lru = int(args.lru * n)
