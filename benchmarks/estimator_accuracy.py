@@ -52,6 +52,7 @@ from rich.table import Table  # noqa: E402
 from betty_trainer import plan_micro_batches, sample_batch  # noqa: E402
 from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.block import Batch  # noqa: E402
+from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
 from betty_trainer.datasets import DATASETS, make_sbm  # noqa: E402
 from betty_trainer.errors import BettyError  # noqa: E402
@@ -98,8 +99,9 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
     model = build_model(config.model, graph).to(device)
     set_dropout_key(model, seed, 0)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    features = HostFeatureStore(graph.x, pin=False)
     start = time.perf_counter()
-    measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, device)  # Adam state exists
+    measure_training_step(model, optimizer, micro_batches[0], features, graph.y, device)  # Adam state exists
     warm_s = time.perf_counter() - start
     per_mb, estimate_s = [], 0.0
     total = sum(micro_batch.output_nodes.numel() for micro_batch in micro_batches)
@@ -107,7 +109,7 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
         t0 = time.perf_counter()
         estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0)
         estimate_s += time.perf_counter() - t0
-        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, device,
+        measured = measure_training_step(model, optimizer, micro_batch, features, graph.y, device,
                                          num_outputs=total, accumulate=index > 0)
         reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
         per_mb.append({

@@ -77,14 +77,15 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     model.train()
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
-    runners = {"K=1": lambda: accumulate_gradients(model, [batch], graph.x, graph.y, CPU)}
+    features = HostFeatureStore(graph.x, pin=False)
+    runners = {"K=1": lambda: accumulate_gradients(model, [batch], features, graph.y, CPU)}
     for k in ks:
         split = make_split(batch.blocks, k=k, partitioner="reg", seed=0)
         micro_batches = MicroBatches(batch, split.layers)
-        runners[f"betty K={k}"] = (lambda mb=micro_batches: accumulate_gradients(model, mb, graph.x, graph.y, CPU))
+        runners[f"betty K={k}"] = (lambda mb=micro_batches: accumulate_gradients(model, mb, features, graph.y, CPU))
     for k in chunk_counts:
         chunks = chunk_layers(batch.blocks, k, "metis", seed=0)
-        runners[f"layerwise {k}"] = (lambda c=chunks: layerwise_backward(model, batch, c, graph.x, graph.y, CPU))
+        runners[f"layerwise {k}"] = (lambda c=chunks: layerwise_backward(model, batch, c, features, graph.y, CPU))
 
     def step(run):
         set_dropout_key(model, 0, 0)
@@ -121,14 +122,13 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
     spec = model_spec(config, graph, CPU)
     set_dropout_key(model, 0, 0)
-    measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU)  # Adam's moments exist from here on
-    full_peak = measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU).peak_bytes
+    features = HostFeatureStore(graph.x, pin=False)
+    measure_training_step(model, optimizer, batch, features, graph.y, CPU)  # Adam's moments exist from here on
+    full_peak = measure_training_step(model, optimizer, batch, features, graph.y, CPU).peak_bytes
 
     def planner(mode: str, budget: int) -> Planner:
         section = config.micro_batch.model_copy(update={"mode": mode, "budget": budget})
         return Planner(section, spec, CPU)
-
-    features = HostFeatureStore(graph.x, pin=False)
 
     def measure(plan: StepPlan) -> int:
         set_dropout_key(model, 0, 0)
