@@ -56,7 +56,7 @@ def gather_epoch(store, inputs: list[torch.Tensor], device: torch.device, macro:
 
 def bytes_rows(graph, x: torch.Tensor, batches: list[torch.Tensor], args,
                pool: torch.Tensor) -> list[dict]:
-    """Bytes moved per epoch for each cache kind and macro-batch gathering (see ``--bytes``)."""
+    """Bytes moved per epoch for each cache kind and macro-batch gathering (see the module docstring)."""
     from betty_trainer.data.cache import CachedFeatureStore, cache_capacity
     from betty_trainer.data.feature_store import HostFeatureStore
     from betty_trainer.sampling import GNSSampler, LaborSampler, NeighborSampler

@@ -146,8 +146,8 @@ class Ours:
         self.model = init_model(self.config, graph)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.optim.lr,
                                           weight_decay=self.config.optim.weight_decay)
-        self.planner = make_planner(self.config, graph, None, CPU, plan_seed(self.config))
         self.features = HostFeatureStore(graph.x, pin=False)
+        self.planner = make_planner(self.config, graph, None, CPU, self.features, plan_seed(self.config))
         self.model.train()
 
     def step(self, seeds: torch.Tensor, fanouts: list, step: int, epoch: int) -> dict[str, float]:
