@@ -20,9 +20,9 @@ add up. It prints the miss rate over all ranks' gathers and the bytes a GPU run 
 (misses × row bytes + cache fills, summed over the ranks).
 
 Run:
-    python benchmarks/cooperative.py --graph snap-ego-twitter --data-dir ../shared/datasets/snap-jlg
+    python benchmarks/cooperative.py --graph snap-ego-twitter
     python benchmarks/cooperative.py --graph powerlaw --powerlaw-nodes 1000000 --powerlaw-edges 20000000
-    python benchmarks/cooperative.py --graph cora --data-dir ../shared/datasets/planetoid --batch 1024
+    python benchmarks/cooperative.py --graph cora --batch 1024
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import load_graph  # this folder
 from rich.console import Console
 from rich.table import Table
 
@@ -50,12 +51,14 @@ from betty_trainer.sampling.cooperative import CooperativeSampler
 CPU = torch.device("cpu")
 
 
-def dataset_config(args: argparse.Namespace) -> DatasetConfig:
-    """The graph ``--graph`` names, through the library's dataset registry."""
+def load(args: argparse.Namespace):
+    """The graph ``--graph`` names, through the library's dataset registry (:func:`common.load_graph`; ``powerlaw``:
+    generated once into the cache)."""
     if args.graph == "powerlaw":
-        return DatasetConfig(name="powerlaw", powerlaw={"num_nodes": args.powerlaw_nodes,
-                                                        "num_edges": args.powerlaw_edges, "num_features": 16})
-    return DatasetConfig(name=args.graph, data_dir=args.data_dir)
+        return load_dataset(DatasetConfig(name="powerlaw", powerlaw={"num_nodes": args.powerlaw_nodes,
+                                                                     "num_edges": args.powerlaw_edges,
+                                                                     "num_features": 16}))
+    return load_graph(args.graph, args.data_dir)
 
 
 def global_batches(num_nodes: int, args: argparse.Namespace) -> list[torch.Tensor]:
@@ -80,7 +83,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Path)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        graph = load_dataset(dataset_config(args))
+        graph = load(args)
         fanouts = [args.fanout] * args.layers
         sampler = LaborSampler(graph, fanouts) if args.sampler == "labor" else NeighborSampler(graph, fanouts)
         batches = global_batches(graph.num_nodes, args)
@@ -150,7 +153,8 @@ def cache_table(results: list[dict], title: str) -> Table:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--graph", default="snap-ego-twitter", help="a dataset name (betty-train datasets)")
-    parser.add_argument("--data-dir", default=None, help="the folder of its files")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="the folder of its files (default: its folder in ../shared/datasets)")
     parser.add_argument("--powerlaw-nodes", type=int, default=1_000_000)
     parser.add_argument("--powerlaw-edges", type=int, default=20_000_000, help="directed edges drawn")
     parser.add_argument("--world", type=int, default=4, help="P, the processes")
@@ -165,7 +169,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.ownership, args.caches = args.ownership.split(","), args.caches.split(",")
-    load_dataset(dataset_config(args))  # converted once, before the processes map it
+    load(args)  # converted once, before the processes map it
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_rank, args=(args.world, free_port(), args, Path(folder)), nprocs=args.world)
         results = [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False) for r in range(args.world)]

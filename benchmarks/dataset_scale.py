@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from common import markdown_table  # this folder
 
 AVERAGE_DEGREE = 26  # directed edges per node (ogbn-products: 50.5; this keeps 52M edges at 2M nodes)
 FANOUTS = [10, 25]
@@ -106,14 +107,15 @@ def measured(stage: str, row: dict[str, Any], fn: Callable[[], Any]) -> Any:
 
 
 def _warm_up(graph, seed: int) -> None:
+    from betty_trainer import HostFeatureStore, accumulate_gradients
     from betty_trainer.memory.planner import plan_micro_batches
     from betty_trainer.models.sage import GraphSAGE
     from betty_trainer.sampling import sample_batch
-    from betty_trainer.training.trainer import accumulate_gradients
 
     batch = sample_batch(graph, graph.train_idx[:64], FANOUTS, torch.Generator().manual_seed(seed))
     model = GraphSAGE(graph.num_features, 64, graph.num_classes, 2, "mean", 0.5)
-    accumulate_gradients(model, plan_micro_batches(batch, 2, "reg", seed), graph.x, graph.y, torch.device("cpu"))
+    accumulate_gradients(model, plan_micro_batches(batch, 2, "reg", seed), HostFeatureStore(graph.x, pin=False),
+                         graph.y, torch.device("cpu"))
 
 
 def powerlaw_params(num_edges: int, seed: int, communities: int = 0, class_homophily: float = 0.0) -> dict[str, Any]:
@@ -146,11 +148,11 @@ def cached_graph(params: dict[str, Any], row: dict[str, Any] | None = None):
 
 def one_size(num_edges: int, seed: int, communities: int = 0, class_homophily: float = 0.0) -> dict[str, Any]:
     """Every stage on one graph size, in this process; returns the row."""
+    from betty_trainer import accumulate_gradients
     from betty_trainer.data.feature_store import HostFeatureStore
     from betty_trainer.datasets.cache import load_cached
     from betty_trainer.models.sage import GraphSAGE
     from betty_trainer.sampling import sample_batch
-    from betty_trainer.training.trainer import accumulate_gradients
     from partition import OutputSplitter, make_split
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -211,7 +213,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = ["edges", "nodes"] + [f"{s} s / GiB" for s in stages] + [
         "plan: REG / weights / METIS / slicing / restrict s", "REG+METIS / epoch", "plan/train",
         "inputs full / Σ micro", "peak RSS GiB"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in rows:
         cells = [f"{r['edges']:,}", f"{r['nodes']:,}"]
         cells += [f"{r[f'{s}_s']:.2f} / {_gib(r[f'{s}_peak_bytes'])}" if f"{s}_s" in r else "cached" for s in stages]
@@ -219,8 +221,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                                                              "plan_slicing_s", "plan_restrict_s")))
         cells += [f"{r['reg_metis_share_of_epoch']:.1%}", f"{r['plan_share_of_train']:.1%}",
                   f"{r['input_nodes']:,} / {r['micro_input_nodes']:,}", _gib(r["peak_rss_bytes"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(head, lines)
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 DGL needs torch ≤ 2.2, so its side runs as a subprocess with DGL's own Python. The driver sends one
 ``{"op": ..., **arguments}`` line per command; the side answers ``{"ok": true, **result}`` or
 ``{"ok": false, "error": "..."}``; ``{"op": "quit"}`` ends it and ``{"op": "hello"}`` returns the versions
-and thread count. Imports only the standard library and torch, so both environments can load it.
+and thread count. Imports only the standard library, torch and ``common`` (this folder; the standard library at
+its top), so both environments can load it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
+from common import REPO_ROOT  # this folder
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # The DGL environment `.ci/dgl` builds or reuses (torch 2.2.1, dgl 2.1.0): every benchmark's --dgl-python default.
 DGL_VENV = Path(os.environ.get("BETTY_DGL_VENV", Path.home() / ".cache" / "betty-trainer" / "dgl-venv"))
 DEFAULT_DGL_PYTHON = DGL_VENV / "bin" / "python"

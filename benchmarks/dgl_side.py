@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from dgl_channel import serve  # noqa: E402  (this folder: the script's own)
+from common import REPO_ROOT  # this folder
+from dgl_channel import serve  # this folder
 from torch import nn
 
-_MEASURE = Path(__file__).resolve().parent.parent / "estimator" / "measure.py"
+_MEASURE = REPO_ROOT / "estimator" / "measure.py"
 
 
 def _load_measure():

@@ -31,6 +31,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -42,15 +43,18 @@ from typing import Any, Sequence
 # silences them (set KINETO_LOG_LEVEL yourself to see kineto's messages).
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
+import common  # noqa: E402  (this folder)
 import torch  # noqa: E402
+from common import int_list, name_list  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from betty_trainer import plan_micro_batches, sample_batch  # noqa: E402
-from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
+from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.block import Batch  # noqa: E402
+from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
-from betty_trainer.datasets import DATASETS, load_dataset, make_sbm  # noqa: E402
+from betty_trainer.datasets import DATASETS, make_sbm  # noqa: E402
 from betty_trainer.errors import BettyError  # noqa: E402
 from betty_trainer.execution.micro_batches import measure_training_step  # noqa: E402
 from betty_trainer.memory.spec import model_spec  # noqa: E402
@@ -58,7 +62,6 @@ from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
 from estimator.counts import counts_of  # noqa: E402
 from estimator.estimate import estimate_micro_batch  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 CPU = torch.device("cpu")
 TOLERANCE = 0.05
@@ -78,25 +81,9 @@ DEFAULTS = dict(datasets=["cora", "citeseer", "synthetic-100k"], layers=[2, 3], 
 QUICK = dict(datasets=["cora"], layers=[2], hidden=[64], ks=[1, 4])
 
 
-def default_data_dir() -> Path:
-    """``$BETTY_DATA_DIR``, else ``../shared/datasets/planetoid`` next to the repository."""
-    env = os.environ.get("BETTY_DATA_DIR")
-    return Path(env) if env else REPO_ROOT.parent / "shared" / "datasets" / "planetoid"
-
-
-def int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
-def name_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def load_graph(name: str, data_dir: Path) -> Graph:
-    """A Planetoid (or other registered) dataset, or one of :data:`SYNTHETIC`."""
-    if name in SYNTHETIC:
-        return make_sbm(**SYNTHETIC[name])
-    return load_dataset(DatasetConfig(name=name, data_dir=data_dir))
+def load_graph(name: str, data_dir: Path | None) -> Graph:
+    """A registered dataset (:func:`common.load_graph`), or one of :data:`SYNTHETIC`."""
+    return make_sbm(**SYNTHETIC[name]) if name in SYNTHETIC else common.load_graph(name, data_dir)
 
 
 def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[Batch], seed: int,
@@ -112,8 +99,9 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
     model = build_model(config.model, graph).to(device)
     set_dropout_key(model, seed, 0)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    features = HostFeatureStore(graph.x, pin=False)
     start = time.perf_counter()
-    measure_training_step(model, optimizer, micro_batches[0], graph.x, graph.y, device)  # Adam state exists
+    measure_training_step(model, optimizer, micro_batches[0], features, graph.y, device)  # Adam state exists
     warm_s = time.perf_counter() - start
     per_mb, estimate_s = [], 0.0
     total = sum(micro_batch.output_nodes.numel() for micro_batch in micro_batches)
@@ -121,7 +109,7 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
         t0 = time.perf_counter()
         estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0)
         estimate_s += time.perf_counter() - t0
-        measured = measure_training_step(model, optimizer, micro_batch, graph.x, graph.y, device,
+        measured = measure_training_step(model, optimizer, micro_batch, features, graph.y, device,
                                          num_outputs=total, accumulate=index > 0)
         reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
         per_mb.append({
@@ -176,9 +164,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
             f"never more than {TOLERANCE:.0%} below the measurement: {'yes' if never_below else 'NO'}")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, with ``--quick``'s or the defaults filled in; ``parser.error`` on values it cannot run."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="folder of the Planetoid raw files")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="folder of the datasets' raw files (default: each one's folder in ../shared/datasets)")
     parser.add_argument("--datasets", type=name_list, default=None,
                         help=f"e.g. cora,citeseer (default {','.join(DEFAULTS['datasets'])}); "
                              f"synthetic: {', '.join(SYNTHETIC)}")
@@ -197,7 +187,7 @@ def main() -> None:
                         help="cora only, hidden 64, 2 layers, K 1,4 (options given explicitly still win)")
     parser.add_argument("--json", type=Path, default=None, help="write all raw numbers to this file")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: max_memory_allocated (and reserved) per step")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     base = QUICK if args.quick else DEFAULTS
     for key, value in base.items():
@@ -221,11 +211,56 @@ def main() -> None:
             load_config(None, overrides)
     except BettyError as error:
         parser.error(str(error))
+    return args
 
+
+def dataset_rows(name: str, graph: Graph, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, Batch]]:
+    """Every (model, layers, hidden, K) row of one dataset (:func:`measure_row`), and its full batch per layer count."""
+    batches = {num_layers: sample_batch(graph, graph.train_idx, fanouts_for(num_layers, args),
+                                        torch.Generator().manual_seed(args.seed)) for num_layers in args.layers}
+    splits: dict[tuple[int, int], list[Batch]] = {}
+    rows: list[dict[str, Any]] = []
+    for model_name, num_layers, hidden, k in itertools.product(args.models, args.layers, args.hidden, args.ks):
+        overrides = MODELS[model_name] + [f"model.num_layers={num_layers}", f"model.hidden={hidden}"]
+        overrides += args.overrides
+        row: dict[str, Any] = {"dataset": name, "model": model_name, "layers": num_layers,
+                               "hidden": hidden, "k": k, "overrides": overrides}
+        if (num_layers, k) not in splits:
+            splits[(num_layers, k)] = plan_micro_batches(batches[num_layers], k, "reg", args.seed)
+        row.update(measure_row(graph, overrides, splits[(num_layers, k)], args.seed, torch.device(args.device)))
+        rows.append(row)
+    return rows, batches
+
+
+def rows_table(name: str, rows: list[dict[str, Any]], sizes: dict[int, list[int]], args: argparse.Namespace) -> Table:
+    """One dataset's rows as a rich table; its caption gives the full batch's nodes per layer (``sizes``)."""
+
+    def describe(n: int) -> str:
+        fanouts = fanouts_for(n, args)
+        what = "full neighbourhood" if all(f is None for f in fanouts) else f"fanouts {fanouts}"
+        return f"{n} layers: {' → '.join(map(str, sizes[n]))} nodes ({what})"
+
+    table = Table(title=f"{name}: estimated vs measured peak per micro-batch (CPU); error = (est − meas) / meas",
+                  caption="full batch, " + "; ".join(describe(n) for n in args.layers))
+    for column in ("model", "L", "hidden", "K"):
+        table.add_column(column, justify="left" if column == "model" else "right", no_wrap=True)
+    for column in ("#mb", "max |err|", "worst err", "mean err", "peak MiB", "time s", "est ms"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in rows:
+        head = (row["model"], str(row["layers"]), str(row["hidden"]), str(row["k"]))
+        table.add_row(*head, str(row["num_micro_batches"]), f"{row['max_abs_error']:.2%}",
+                      f"{row['worst_error']:+.2%}", f"{row['mean_error']:+.2%}",
+                      f"{row['max_measured_bytes'] / MIB:.1f}", f"{row['seconds']:.1f}",
+                      f"{row['estimate_ms']:.1f}")
+    return table
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     # rich assumes 80 columns when piped, too narrow for the table: use 120 unless COLUMNS says otherwise
     console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 120)
     all_rows: list[dict[str, Any]] = []
-    results: dict[str, Any] = {"config": {**vars(args), "data_dir": str(args.data_dir),
+    results: dict[str, Any] = {"config": {**vars(args), "data_dir": None if args.data_dir is None else str(args.data_dir),
                                           "json": None if args.json is None else str(args.json)},
                                "datasets": {}}
     total_start = time.perf_counter()
@@ -233,49 +268,13 @@ def main() -> None:
         try:
             graph = load_graph(name, args.data_dir)
         except BettyError as error:
-            parser.error(str(error))
-        batches: dict[int, Batch] = {}
-        for num_layers in args.layers:
-            batches[num_layers] = sample_batch(graph, graph.train_idx, fanouts_for(num_layers, args),
-                                               torch.Generator().manual_seed(args.seed))
-        splits: dict[tuple[int, int], list[Batch]] = {}
-        rows: list[dict[str, Any]] = []
-        for model_name in args.models:
-            for num_layers in args.layers:
-                for hidden in args.hidden:
-                    for k in args.ks:
-                        overrides = MODELS[model_name] + [f"model.num_layers={num_layers}", f"model.hidden={hidden}"]
-                        overrides += args.overrides
-                        row: dict[str, Any] = {"dataset": name, "model": model_name, "layers": num_layers,
-                                               "hidden": hidden, "k": k, "overrides": overrides}
-                        if (num_layers, k) not in splits:
-                            splits[(num_layers, k)] = plan_micro_batches(batches[num_layers], k, "reg", args.seed)
-                        row.update(measure_row(graph, overrides, splits[(num_layers, k)], args.seed,
-                                               torch.device(args.device)))
-                        rows.append(row)
-                        all_rows.append(row)
+            raise SystemExit(f"error: {error}") from None
+        rows, batches = dataset_rows(name, graph, args)
+        all_rows += rows
         sizes = {n: [b.num_src for b in batch.blocks] + [batch.blocks[-1].num_dst] for n, batch in batches.items()}
         results["datasets"][name] = {"num_nodes": graph.num_nodes, "batch_layer_sizes": sizes,
                                      "fanouts": {n: fanouts_for(n, args) for n in args.layers}, "rows": rows}
-
-        def describe(n: int, sizes: dict = sizes) -> str:
-            fanouts = fanouts_for(n, args)
-            what = "full neighbourhood" if all(f is None for f in fanouts) else f"fanouts {fanouts}"
-            return f"{n} layers: {' → '.join(map(str, sizes[n]))} nodes ({what})"
-
-        table = Table(title=f"{name}: estimated vs measured peak per micro-batch (CPU); error = (est − meas) / meas",
-                      caption="full batch, " + "; ".join(describe(n) for n in args.layers))
-        for column in ("model", "L", "hidden", "K"):
-            table.add_column(column, justify="left" if column == "model" else "right", no_wrap=True)
-        for column in ("#mb", "max |err|", "worst err", "mean err", "peak MiB", "time s", "est ms"):
-            table.add_column(column, justify="right", no_wrap=True)
-        for row in rows:
-            head = (row["model"], str(row["layers"]), str(row["hidden"]), str(row["k"]))
-            table.add_row(*head, str(row["num_micro_batches"]), f"{row['max_abs_error']:.2%}",
-                          f"{row['worst_error']:+.2%}", f"{row['mean_error']:+.2%}",
-                          f"{row['max_measured_bytes'] / MIB:.1f}", f"{row['seconds']:.1f}",
-                          f"{row['estimate_ms']:.1f}")
-        console.print(table)
+        console.print(rows_table(name, rows, sizes, args))
 
     console.print(summary(all_rows), soft_wrap=True)
     console.print(f"total time {time.perf_counter() - total_start:.1f} s", soft_wrap=True)

@@ -31,21 +31,55 @@ import subprocess
 import sys
 import tempfile
 import time
+from operator import attrgetter
 from pathlib import Path
 
 import torch
+from common import REPO_ROOT, int_list, load_graph, markdown_table, name_list  # this folder
 from dgl_channel import DEFAULT_DGL_PYTHON  # this folder
 from torch import nn
 from torch.nn import functional as F
 
-from betty_trainer import GraphSAGE, accumulate_gradients, plan_micro_batches, sample_batch
-from betty_trainer.config import DatasetConfig
-from betty_trainer.datasets import load_dataset
+from betty_trainer import GraphSAGE, HostFeatureStore, accumulate_gradients, plan_micro_batches, sample_batch
 from betty_trainer.models.interop import DGLModel, PyGModel
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED = REPO_ROOT.parent / "shared" / "datasets"
 CPU = torch.device("cpu")
+
+
+class _Stack(nn.Module):
+    """A library's example-style GraphSAGE: its conv ``layers`` in turn, ReLU between them; ``call(layer, part, h)``
+    runs one layer on its part of the batch (a DGL block, a PyG ``(edge_index, e_id, size)``)."""
+
+    def __init__(self, layers: list[nn.Module], call):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.call = call
+
+    def run(self, parts, h):
+        for i, (layer, part) in enumerate(zip(self.layers, parts)):
+            h = self.call(layer, part, h)
+            if i != len(self.layers) - 1:
+                h = F.relu(h)
+        return h
+
+
+class _PyGStack(_Stack):
+    def forward(self, x, adjs):  # PyG's NeighborSampler examples
+        return self.run(adjs, x)
+
+
+class _DGLStack(_Stack):
+    def forward(self, blocks, x):  # DGL's examples
+        return self.run(blocks, x)
+
+
+def _copy_weights(ours: GraphSAGE, module: _Stack, theirs_from_ours: dict[str, str]) -> _Stack:
+    """``module`` with ``ours``' weights: each of its layers' parameter ``theirs`` takes our layer's ``ours``."""
+    with torch.no_grad():
+        for layer, conv in zip(ours.layers, module.layers):
+            for theirs, mine in theirs_from_ours.items():
+                attrgetter(theirs)(conv).copy_(attrgetter(mine)(layer))
+    return module
 
 
 def pyg_model(ours: GraphSAGE) -> nn.Module | None:
@@ -54,26 +88,10 @@ def pyg_model(ours: GraphSAGE) -> nn.Module | None:
         from torch_geometric.nn import SAGEConv
     except ImportError:
         return None
-
-    class NeighborSamplerSAGE(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.convs = nn.ModuleList([SAGEConv(layer.in_feats, layer.out_feats) for layer in ours.layers])
-
-        def forward(self, x, adjs):
-            for i, (edge_index, _, size) in enumerate(adjs):
-                x = self.convs[i]((x, x[: size[1]]), edge_index)
-                if i != len(self.convs) - 1:
-                    x = F.relu(x)
-            return x
-
-    module = NeighborSamplerSAGE()
-    with torch.no_grad():
-        for layer, conv in zip(ours.layers, module.convs):
-            conv.lin_l.weight.copy_(layer.fc_neigh.weight)
-            conv.lin_l.bias.copy_(layer.bias)
-            conv.lin_r.weight.copy_(layer.fc_self.weight)
-    return PyGModel(module)
+    module = _PyGStack([SAGEConv(layer.in_feats, layer.out_feats) for layer in ours.layers],
+                       lambda conv, adj, x: conv((x, x[: adj[2][1]]), adj[0]))
+    return PyGModel(_copy_weights(ours, module, {"lin_l.weight": "fc_neigh.weight", "lin_l.bias": "bias",
+                                                 "lin_r.weight": "fc_self.weight"}))
 
 
 def dgl_model(ours: GraphSAGE) -> nn.Module | None:
@@ -82,34 +100,18 @@ def dgl_model(ours: GraphSAGE) -> nn.Module | None:
         from dgl.nn import SAGEConv
     except ImportError:
         return None
-
-    class ExampleSAGE(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([SAGEConv(layer.in_feats, layer.out_feats, "mean") for layer in ours.layers])
-
-        def forward(self, blocks, x):
-            h = x
-            for i, (layer, block) in enumerate(zip(self.layers, blocks)):
-                h = layer(block, h)
-                if i != len(self.layers) - 1:
-                    h = F.relu(h)
-            return h
-
-    module = ExampleSAGE()
-    with torch.no_grad():
-        for layer, conv in zip(ours.layers, module.layers):
-            conv.fc_neigh.weight.copy_(layer.fc_neigh.weight)
-            conv.fc_self.weight.copy_(layer.fc_self.weight)
-            conv.fc_self.bias.copy_(layer.bias)
-    return DGLModel(module)
+    module = _DGLStack([SAGEConv(layer.in_feats, layer.out_feats, "mean") for layer in ours.layers],
+                       lambda conv, block, h: conv(block, h))
+    return DGLModel(_copy_weights(ours, module, {"fc_neigh.weight": "fc_neigh.weight",
+                                                 "fc_self.weight": "fc_self.weight", "fc_self.bias": "bias"}))
 
 
 def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    graph = load_dataset(DatasetConfig(name="amazon-computers", data_dir=SHARED / "graphdata-npz"))
+    graph = load_graph("amazon-computers")
     outputs = graph.train_idx if args.outputs == "train" else torch.arange(graph.num_nodes)
     batch = sample_batch(graph, outputs, args.fanouts, torch.Generator().manual_seed(0))
+    features = HostFeatureStore(graph.x, pin=False)
     torch.manual_seed(0)
     ours = GraphSAGE(graph.num_features, args.hidden, graph.num_classes, 2, "mean", dropout=0.0)
     models = {"ours": ours}
@@ -140,7 +142,7 @@ def measure(args: argparse.Namespace) -> dict:
                 model, optimizer = models[name], optimizers[name]
                 t0 = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
-                accumulate_gradients(model, micro_batches, graph.x, graph.y, CPU)
+                accumulate_gradients(model, micro_batches, features, graph.y, CPU)
                 optimizer.step()
                 if rep:
                     times[name].append(time.perf_counter() - t0)
@@ -153,11 +155,11 @@ def print_result(result: dict) -> None:
           f"fanouts {result['fanouts']} ({' + '.join(map(str, result['edges']))} edges), hidden {result['hidden']}")
     libraries = [name for name in ("dgl", "pyg") if name in next(iter(result["steps"].values()))]
     header = ["K", "ours (s)"] + [f"{name} (s)" for name in libraries] + [f"ours/{name}" for name in libraries]
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    rows = []
     for k, steps in result["steps"].items():
         cells = [str(k), f"{steps['ours']:.3f}"] + [f"{steps[name]:.3f}" for name in libraries]
-        cells += [f"{steps['ours'] / steps[name]:.2f}" for name in libraries]
-        print("| " + " | ".join(cells) + " |")
+        rows.append(cells + [f"{steps['ours'] / steps[name]:.2f}" for name in libraries])
+    print(markdown_table(header, rows))
     for name, ms in result["convert_ms"].items():
         print(f"converting the batch's {len(result['edges'])} blocks for {name}: {ms:.1f} ms")
     sys.stdout.flush()
@@ -166,13 +168,13 @@ def print_result(result: dict) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--fanouts", type=lambda s: [int(f) for f in s.split(",")], default=[10, 25])
+    parser.add_argument("--fanouts", type=int_list, default=[10, 25])
     parser.add_argument("--outputs", choices=["all", "train"], default="all",
                         help="the full batch's output nodes: every node (default) or the training split")
-    parser.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[1, 4])
+    parser.add_argument("--ks", type=int_list, default=[1, 4])
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per model and K (after one warm-up)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--libraries", type=lambda s: s.split(","), default=["dgl", "pyg"])
+    parser.add_argument("--libraries", type=name_list, default=["dgl", "pyg"])
     parser.add_argument("--dgl-python", type=Path, default=DEFAULT_DGL_PYTHON,
                         help="interpreter of the DGL environment, run for the DGL ratio when DGL is not here")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")

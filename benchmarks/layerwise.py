@@ -32,33 +32,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from common import load_graph, markdown_table  # this folder
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from betty_trainer import HostFeatureStore, StepPlan, load_config, load_dataset  # noqa: E402
-from betty_trainer.config import DatasetConfig  # noqa: E402
-from betty_trainer.errors import PlanningError  # noqa: E402
-from betty_trainer.execution.layerwise import layerwise_backward  # noqa: E402
-from betty_trainer.execution.micro_batches import (  # noqa: E402
+from betty_trainer import HostFeatureStore, StepPlan, load_config
+from betty_trainer.errors import PlanningError
+from betty_trainer.execution.layerwise import layerwise_backward
+from betty_trainer.execution.micro_batches import (
     MicroBatches,
     accumulate_gradients,
     measure_training_step,
     training_state,
 )
-from betty_trainer.memory.planner import Planner  # noqa: E402
-from betty_trainer.memory.spec import model_spec  # noqa: E402
-from betty_trainer.models import set_dropout_key  # noqa: E402
-from betty_trainer.sampling import sample_batch  # noqa: E402
-from betty_trainer.training.trainer import init_model  # noqa: E402
-from estimator.measure import measure_peak  # noqa: E402
-from partition import make_split  # noqa: E402
-from partition.chunks import chunk_layers  # noqa: E402
+from betty_trainer.memory.planner import Planner
+from betty_trainer.memory.spec import model_spec
+from betty_trainer.models import set_dropout_key
+from betty_trainer.sampling import sample_batch
+from betty_trainer.training.trainer import init_model
+from estimator.measure import measure_peak
+from partition import make_split
+from partition.chunks import chunk_layers
 
 CPU = torch.device("cpu")
 MIB = 2**20
@@ -81,14 +77,15 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     model.train()
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
-    runners = {"K=1": lambda: accumulate_gradients(model, [batch], graph.x, graph.y, CPU)}
+    features = HostFeatureStore(graph.x, pin=False)
+    runners = {"K=1": lambda: accumulate_gradients(model, [batch], features, graph.y, CPU)}
     for k in ks:
         split = make_split(batch.blocks, k=k, partitioner="reg", seed=0)
         micro_batches = MicroBatches(batch, split.layers)
-        runners[f"betty K={k}"] = (lambda mb=micro_batches: accumulate_gradients(model, mb, graph.x, graph.y, CPU))
+        runners[f"betty K={k}"] = (lambda mb=micro_batches: accumulate_gradients(model, mb, features, graph.y, CPU))
     for k in chunk_counts:
         chunks = chunk_layers(batch.blocks, k, "metis", seed=0)
-        runners[f"layerwise {k}"] = (lambda c=chunks: layerwise_backward(model, batch, c, graph.x, graph.y, CPU))
+        runners[f"layerwise {k}"] = (lambda c=chunks: layerwise_backward(model, batch, c, features, graph.y, CPU))
 
     def step(run):
         set_dropout_key(model, 0, 0)
@@ -125,14 +122,13 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
     spec = model_spec(config, graph, CPU)
     set_dropout_key(model, 0, 0)
-    measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU)  # Adam's moments exist from here on
-    full_peak = measure_training_step(model, optimizer, batch, graph.x, graph.y, CPU).peak_bytes
+    features = HostFeatureStore(graph.x, pin=False)
+    measure_training_step(model, optimizer, batch, features, graph.y, CPU)  # Adam's moments exist from here on
+    full_peak = measure_training_step(model, optimizer, batch, features, graph.y, CPU).peak_bytes
 
     def planner(mode: str, budget: int) -> Planner:
         section = config.micro_batch.model_copy(update={"mode": mode, "budget": budget})
         return Planner(section, spec, CPU)
-
-    features = HostFeatureStore(graph.x, pin=False)
 
     def measure(plan: StepPlan) -> int:
         set_dropout_key(model, 0, 0)
@@ -187,8 +183,7 @@ def print_planner(name: str, model: str, full_peak: int, rows: list[dict]) -> No
 
     print(f"\n{name}, {model}: K = 1 measured peak {full_peak / MIB:.1f} MiB; per plan K: estimated / measured peak, "
           "median step time")
-    print("| budget | betty | layer-wise | auto | fits | auto time / faster |")
-    print("|---|---|---|---|---|---|")
+    lines = []
     for row in rows:
         budget = row["budget"]
         auto = row["auto"]
@@ -201,8 +196,9 @@ def print_planner(name: str, model: str, full_peak: int, rows: list[dict]) -> No
             choice = f"{auto[0]} K={auto[1]}"
             fits = "yes" if entry["peak"] <= budget else f"NO (+{100 * (entry['peak'] / budget - 1):.1f}%)"
             ratio = f"{entry['seconds'] / faster:.2f}"
-        print(f"| {row['fraction']}× ({budget / MIB:.1f} MiB) | {cell(row['micro_batches'])} | {cell(row['layerwise'])} "
-              f"| {choice} | {fits} | {ratio} |")
+        lines.append([f"{row['fraction']}× ({budget / MIB:.1f} MiB)", cell(row["micro_batches"]), cell(row["layerwise"]),
+                      choice, fits, ratio])
+    print(markdown_table(["budget", "betty", "layer-wise", "auto", "fits", "auto time / faster"], lines))
 
 
 def main() -> None:
@@ -215,14 +211,15 @@ def main() -> None:
     parser.add_argument("--planner", action="store_true", help="the planner's choice under budgets (see above)")
     parser.add_argument("--fractions", default="1,0.75,0.5,0.375,0.25", help="--planner: budgets × the K = 1 peak")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--data-dir", default=str(REPO_ROOT.parent / "shared" / "datasets" / "graphdata-npz"))
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="folder of the graphs' raw files (default: each one's folder in ../shared/datasets)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     chunk_counts = [int(k) for k in (args.chunks or args.ks).split(",")]
     if args.planner:
         name = args.graphs.split(",")[0]
-        graph = load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
+        graph = load_graph(name, args.data_dir)
         results = []
         for model in args.models.split(","):
             arch, hidden = MODELS[model]
@@ -233,19 +230,18 @@ def main() -> None:
         return
     rows = []
     for name in args.graphs.split(","):
-        graph = load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
+        graph = load_graph(name, args.data_dir)
         for model in args.models.split(","):
             arch, hidden = MODELS[model]
             rows.append((name, model, run_case(graph, arch, hidden, ks, chunk_counts, args.repeats)))
     columns = list(rows[0][2])
     print("\npeak MiB / step s (ratio to K=1)")
-    print("| graph | model | " + " | ".join(columns) + " |")
-    print("|---|---|" + "---|" * len(columns))
+    lines = []
     for name, model, results in rows:
         base_peak, base_time = results["K=1"]
-        cells = [f"{peak:.0f} MiB ({peak / base_peak:.2f}×) / {secs:.2f} s ({secs / base_time:.1f}×)"
-                 for peak, secs in results.values()]
-        print(f"| {name} | {model} | " + " | ".join(cells) + " |")
+        lines.append([name, model] + [f"{peak:.0f} MiB ({peak / base_peak:.2f}×) / {secs:.2f} s ({secs / base_time:.1f}×)"
+                                      for peak, secs in results.values()])
+    print(markdown_table(["graph", "model", *columns], lines))
 
 
 if __name__ == "__main__":

@@ -17,31 +17,30 @@ reuse check when the batch equals the last one) and the training step, and plann
 share of the whole step averaged over the epochs.
 
 Run:
-    python benchmarks/redundancy.py --data-dir ../shared/datasets/planetoid
+    python benchmarks/redundancy.py
     python benchmarks/redundancy.py --fanouts 10,25 --ks 2,4,8 --json redundancy.json
-    python benchmarks/redundancy.py --datasets amazon-computers --data-dir ../shared/datasets/graphdata-npz \
-        --outputs all --ks 4,8,16 --methods reg,metis,reg_unclipped --step-epochs 5
+    python benchmarks/redundancy.py --datasets amazon-computers --outputs all --ks 4,8,16 \
+        --methods reg,metis,reg_unclipped --step-epochs 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import int_list, load_graph, name_list  # this folder
 from rich.console import Console
 from rich.table import Table
 
-from betty_trainer.config import DatasetConfig, load_config
+from betty_trainer.config import load_config
 from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
-from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import BettyError
 from betty_trainer.memory.planner import Planner
 from betty_trainer.memory.spec import model_spec
@@ -50,18 +49,7 @@ from betty_trainer.sampling import sample_batch
 from partition import PARTITIONERS, OutputSplitter, partition_outputs, redundancy
 from partition.reg import build_reg
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 METHODS = list(PARTITIONERS)  # reg, reg_unweighted, metis, range, random
-
-
-def default_data_dir() -> Path:
-    """``$BETTY_DATA_DIR``, else ``../shared/datasets/planetoid`` next to the repository."""
-    env = os.environ.get("BETTY_DATA_DIR")
-    return Path(env) if env else REPO_ROOT.parent / "shared" / "datasets" / "planetoid"
-
-
-def int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def measure(batch: Batch, k: int, method: str, seed: int, repeats: int) -> dict[str, Any]:
@@ -132,14 +120,15 @@ def summary(name: str, rows: list[dict[str, Any]], k: int = 8) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="folder of the Planetoid raw files")
-    parser.add_argument("--datasets", type=lambda s: s.split(","), default=["cora", "citeseer"], help="e.g. cora,citeseer")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="folder of the datasets' raw files (default: each one's folder in ../shared/datasets)")
+    parser.add_argument("--datasets", type=name_list, default=["cora", "citeseer"], help="e.g. cora,citeseer")
     parser.add_argument("--ks", type=int_list, default=[2, 4, 8, 16], help="numbers of micro-batches, e.g. 2,4,8,16")
     parser.add_argument("--fanouts", type=int_list, default=[-1, -1], help="input layer first; -1 = full neighbourhood")
     parser.add_argument("--seed", type=int, default=0, help="seed of sampling and partitioners")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median reported)")
     parser.add_argument("--json", type=Path, default=None, help="write all raw numbers to this file")
-    parser.add_argument("--methods", type=lambda s: s.split(","), default=METHODS,
+    parser.add_argument("--methods", type=name_list, default=METHODS,
                         help=f"partitioners, of {METHODS} and reg_unclipped")
     parser.add_argument("--outputs", choices=["train", "all"], default="train",
                         help="output nodes of the batch: the training split, or every node (full-graph training)")
@@ -149,10 +138,11 @@ def main() -> None:
 
     console = Console()
     fanouts = [None if f == -1 else f for f in args.fanouts]
-    results: dict[str, Any] = {"config": {**vars(args), "data_dir": str(args.data_dir), "json": None}, "datasets": {}}
+    data_dir = None if args.data_dir is None else str(args.data_dir)
+    results: dict[str, Any] = {"config": {**vars(args), "data_dir": data_dir, "json": None}, "datasets": {}}
     for name in args.datasets:
         try:
-            graph = load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
+            graph = load_graph(name, args.data_dir)
         except BettyError as error:
             parser.error(str(error))
         outputs = graph.train_idx if args.outputs == "train" else torch.arange(graph.num_nodes)

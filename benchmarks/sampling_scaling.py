@@ -33,7 +33,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -41,18 +40,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import SHARED_DATASETS, load_graph  # this folder
 from dgl_channel import DEFAULT_DGL_PYTHON  # this folder
 
 from betty_trainer.data.graph import Graph
-from betty_trainer.datasets import restricted_load
 from betty_trainer.sampling import NeighborSampler, SampleKey, sample_block
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 FANOUT = 10
 
 
@@ -126,35 +123,6 @@ def scaling(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- 3: versus DGL
 
 
-def load_jlg(path: Path) -> tuple[int, np.ndarray, np.ndarray]:
-    """A Graphs.jl ``.jlg`` edge list (gzip text, 1-based ``src,dst`` lines; see its SOURCE.md)."""
-    with gzip.open(path, "rt") as handle:
-        num_nodes = int(handle.readline().split(",")[0])
-        edges = np.loadtxt(handle, delimiter=",", dtype=np.int64) - 1
-    return num_nodes, edges[:, 0], edges[:, 1]
-
-
-def load_npz_adjacency(path: Path) -> tuple[int, np.ndarray, np.ndarray]:
-    """The ``adj_matrix`` of a GraphData ``.npz`` (see its SOURCE.md): a scipy CSR matrix stored as a
-    pickled 0-d object array. Read with the project's restricted unpickler (numpy and scipy CSR
-    globals only), never with ``np.load(allow_pickle=True)``."""
-    with zipfile.ZipFile(path) as archive, archive.open("adj_matrix.npy") as member:
-        np.lib.format.read_magic(member)
-        np.lib.format.read_array_header_1_0(member)
-        adjacency = restricted_load(member.read(), f"{path}:adj_matrix").item().tocoo()
-    return adjacency.shape[0], adjacency.row.astype(np.int64), adjacency.col.astype(np.int64)
-
-
-def undirected_csc(num_nodes: int, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """CSC of the symmetrised edge list without self loops or duplicates (as ``Graph.from_edges``)."""
-    src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
-    keep = src != dst
-    key = np.unique(dst[keep] * num_nodes + src[keep])
-    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
-    np.cumsum(np.bincount(key // num_nodes, minlength=num_nodes), out=indptr[1:])
-    return indptr, key % num_nodes
-
-
 DGL_WORKER = r"""
 import sys, time, json
 import numpy as np, torch, dgl
@@ -183,19 +151,14 @@ def versus_dgl(args: argparse.Namespace) -> None:
     header = f"{'graph':>18} {'edges/pass':>11} {'ours seeds/s':>13} {'DGL seeds/s':>12} {'ours/DGL':>9}"
     print(header)
     print("-" * len(header))
-    graphs = {
-        "ego-Twitter": lambda: load_jlg(args.data_dir / "snap-jlg" / "ego-twitter-undirected.jlg"),
-        "Coauthor Physics": lambda: load_npz_adjacency(args.data_dir / "graphdata-npz" / "coauthor_phy.npz"),
-    }
-    for name, load in graphs.items():
-        indptr, indices = undirected_csc(*load())
-        graph = csc_graph(indptr, indices, name)
+    for name, dataset in (("ego-Twitter", "ego-twitter"), ("Coauthor Physics", "coauthor-physics")):
+        graph = load_graph(dataset, datasets=args.data_dir)
         seeds = torch.randperm(graph.num_nodes, generator=torch.Generator().manual_seed(0))[: 1024 * args.batches]
         batches = seeds.split(1024)
         sampler = NeighborSampler(graph, fanouts, kernel=args.kernel)
         with tempfile.TemporaryDirectory() as folder:
-            np.save(f"{folder}/indptr.npy", indptr)
-            np.save(f"{folder}/indices.npy", indices)
+            np.save(f"{folder}/indptr.npy", graph.indptr.numpy().astype(np.int64))  # DGL's CSC: one index dtype
+            np.save(f"{folder}/indices.npy", graph.indices.numpy().astype(np.int64))
             np.save(f"{folder}/seeds.npy", seeds.numpy())
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
             worker = subprocess.Popen([str(args.dgl_python), "-c", DGL_WORKER, folder, ",".join(map(str, fanouts)),
@@ -230,7 +193,8 @@ def main() -> None:
     parser.add_argument("--hub-degree", type=int, default=100_000)
     parser.add_argument("--edges", type=lambda s: [int(float(e)) for e in s.split(",")],
                         default=[100_000, 300_000, 1_000_000, 3_000_000, 10_000_000], help="sampled edges per block")
-    parser.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "datasets")
+    parser.add_argument("--data-dir", type=Path, default=SHARED_DATASETS,
+                        help="the datasets' folders (snap-jlg, graphdata-npz) are in this one")
     parser.add_argument("--dgl-python", type=Path, default=DEFAULT_DGL_PYTHON)
     parser.add_argument("--batches", type=int, default=20, help="seed batches of 1024 per pass (versus DGL)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating passes per graph (versus DGL)")

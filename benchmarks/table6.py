@@ -40,15 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import markdown_table  # this folder
+from dataset_scale import FANOUTS, cached_graph, powerlaw_params  # this folder
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dataset_scale import FANOUTS, cached_graph, powerlaw_params  # noqa: E402
-
-from betty_trainer.datasets.cache import load_cached  # noqa: E402
-from betty_trainer.sampling import sample_batch  # noqa: E402
-from betty_trainer.sampling.base import SampleKey  # noqa: E402
-from partition import OutputSplitter, make_split  # noqa: E402
+from betty_trainer.datasets.cache import load_cached
+from betty_trainer.sampling import sample_batch
+from betty_trainer.sampling.base import SampleKey
+from partition import OutputSplitter, make_split
 
 #: Betty Table 6 (ogbn-products): batches → (micro-batch, mini-batch) first-layer input nodes.
 PAPER = {1: (1_829_066, 1_829_275), 2: (2_277_172, 3_318_923), 4: (2_964_874, 5_810_587),
@@ -91,7 +89,7 @@ def table(result: list[dict[str, Any]]) -> str:
     random = "random_inputs" in result[0]
     head = ["batches", "REG micro-batch", "mini-batch", "mini / REG"] + (["random micro-batch"] if random else []) + [
         "redundancy REG / mini", "paper: micro / mini (ratio)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for r in result:
         full = r["full_batch_inputs"]
         cells = [str(r["batches"]), f"{r['reg_inputs']:,}", f"{r['mini_inputs']:,}", f"{r['ratio']:.2f}×"]
@@ -99,8 +97,8 @@ def table(result: list[dict[str, Any]]) -> str:
         cells.append(f"{r['reg_inputs'] / full:.2f} / {r['mini_inputs'] / full:.2f}")
         paper = PAPER.get(r["batches"])
         cells.append(f"{paper[0]:,} / {paper[1]:,} ({paper[1] / paper[0]:.2f}×)" if paper else "")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(head, lines)
 
 
 def main() -> None:

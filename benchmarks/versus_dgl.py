@@ -42,7 +42,7 @@ Sections (``--sections``):
     batch ``--batch-size`` (1024), the same seed batches (a seeded permutation of all
     nodes) on both sides: ``betty_trainer.sample_batch`` (blocks relabelled) vs
     ``dgl.dataloading.NeighborSampler.sample_blocks``. Graphs ``--sample-graphs``:
-    ego-Twitter (``../shared/datasets/snap-jlg/ego-twitter-undirected.jlg``, symmetrised,
+    ego-Twitter (the registry's ``snap-ego-twitter``, from ``../shared/datasets/snap-jlg``: symmetrised,
     self loops dropped) and Coauthor Physics. The sampled edge counts are printed as a check
     that both sides do the same work.
 ``minibatch``
@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import gzip
 import json
 import os
 import statistics
@@ -76,22 +75,22 @@ from pathlib import Path
 # Kineto logs "USDT … profiler_start/stop" lines per measured step on stderr; level 6 silences them.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
+import common  # noqa: E402  (this folder)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import int_list, name_list  # noqa: E402
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # noqa: E402  (this folder)
 
 from betty_trainer import HostFeatureStore, NeighborSampler, SampleKey, sample_batch  # noqa: E402
-from betty_trainer.config import DatasetConfig, load_config  # noqa: E402
+from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
-from betty_trainer.datasets import load_dataset, make_sbm  # noqa: E402
+from betty_trainer.datasets import make_sbm  # noqa: E402
 from betty_trainer.memory.planner import make_planner  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.rng import derive_seed  # noqa: E402
 from betty_trainer.sampling.schedule import plan_seed, split_seeds  # noqa: E402
 from betty_trainer.training.trainer import init_model  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED = REPO_ROOT.parent / "shared" / "datasets"
 MIB = 2**20
 CPU = torch.device("cpu")
 TWITTER = "ego-twitter"
@@ -99,31 +98,14 @@ TWITTER = "ego-twitter"
 
 # --- data ----------------------------------------------------------------------------------------------------
 
-def load_jlg(path: Path) -> Graph:
-    """A Graphs.jl ``.jlg`` edge list (gzip text: header ``n,m,d|u,name``, then 1-based ``src,dst`` lines) as an
-    undirected graph without self loops; one zero feature column, label 0, no splits (structure only)."""
-    with gzip.open(path, "rt") as handle:
-        header = handle.readline().strip().split(",")
-        body = handle.read()
-    num_nodes = int(header[0])
-    edges = np.array(body.replace("\n", ",").strip(",").split(","), dtype=np.int64).reshape(-1, 2) - 1
-    empty = torch.zeros(0, dtype=torch.int64)
-    return Graph.from_edges(torch.from_numpy(edges[:, 0]), torch.from_numpy(edges[:, 1]), num_nodes,
-                            x=torch.zeros(num_nodes, 1), y=torch.zeros(num_nodes, dtype=torch.int64),
-                            train_idx=empty, val_idx=empty, test_idx=empty, num_classes=1, name=TWITTER)
-
-
 SBM = {"sbm-30k": {"num_nodes": 30_000, "num_features": 128, "avg_degree": 10.0}}
 """Low-locality graphs by name: a stochastic block model (5 classes, 70% of edges inside a class, the rest uniform),
 whose neighbourhoods share few nodes, unlike the co-purchase graphs the defaults were tuned on."""
 
 
 def load_graph(name: str, args: argparse.Namespace) -> Graph:
-    if name == TWITTER:
-        return load_jlg(args.twitter)
-    if name in SBM:
-        return make_sbm(**SBM[name])
-    return load_dataset(DatasetConfig(name=name, data_dir=args.data_dir))
+    """One of :data:`SBM`, or a registered dataset (``ego-twitter``: structure only, for the sampling section)."""
+    return make_sbm(**SBM[name]) if name in SBM else common.load_graph(name, args.data_dir)
 
 
 def export(graph: Graph, folder: Path, features: bool) -> None:
@@ -164,8 +146,8 @@ class Ours:
         self.model = init_model(self.config, graph)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.optim.lr,
                                           weight_decay=self.config.optim.weight_decay)
-        self.planner = make_planner(self.config, graph, None, CPU, plan_seed(self.config))
         self.features = HostFeatureStore(graph.x, pin=False)
+        self.planner = make_planner(self.config, graph, None, CPU, self.features, plan_seed(self.config))
         self.model.train()
 
     def step(self, seeds: torch.Tensor, fanouts: list, step: int, epoch: int) -> dict[str, float]:
@@ -368,14 +350,6 @@ def minibatch_section(graphs, dgl, args, folders, results) -> None:
 
 # --- driver --------------------------------------------------------------------------------------------------
 
-def int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
-def name_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 SECTIONS = {"memory": memory_section, "time": time_section, "sampling": sampling_section,
             "minibatch": minibatch_section}
 
@@ -407,8 +381,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dropout", type=float, default=0.5,
                         help="dropout of both models (0: the control that takes dropout's implementations out)")
-    parser.add_argument("--data-dir", type=Path, default=SHARED / "graphdata-npz")
-    parser.add_argument("--twitter", type=Path, default=SHARED / "snap-jlg" / "ego-twitter-undirected.jlg")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="folder of the graphs' raw files (default: each one's folder in ../shared/datasets)")
     parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON))
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
@@ -437,7 +411,8 @@ def main(argv=None) -> None:
         needed |= set(args.sample_graphs)
     with tempfile.TemporaryDirectory(prefix="versus-dgl-") as tmp:
         tmp = Path(tmp)
-        dgl = DGLProcess(args.dgl_python, REPO_ROOT / "benchmarks" / "dgl_side.py", [], args.threads, tmp / "dgl-side.log")
+        dgl = DGLProcess(args.dgl_python, Path(__file__).resolve().parent / "dgl_side.py", [], args.threads,
+                         tmp / "dgl-side.log")
         try:
             hello = dgl("hello")
             print(f"betty-trainer (torch {torch.__version__}, {torch.get_num_threads()} threads) vs DGL {hello['dgl']} "
