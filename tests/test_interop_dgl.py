@@ -98,7 +98,7 @@ def test_graph_from_dgl_is_the_graph_it_came_from(cora):
     dst = torch.repeat_interleave(torch.arange(cora.num_nodes), indptr[1:] - indptr[:-1])
     order = torch.randperm(cora.num_edges, generator=torch.Generator().manual_seed(0))  # DGL keeps any order
     g = dgl.graph((cora.indices.long()[order], dst[order]), num_nodes=cora.num_nodes)
-    g.ndata["feat"], g.ndata["label"] = HostFeatureStore(cora.x, pin=False), cora.y
+    g.ndata["feat"], g.ndata["label"] = cora.x, cora.y
     for key, split in zip(("train_mask", "val_mask", "test_mask"), (cora.train_idx, cora.val_idx, cora.test_idx)):
         g.ndata[key] = torch.zeros(cora.num_nodes, dtype=torch.bool).index_fill_(0, split, True)
     loaded = Graph.from_dgl(g, name="cora")
