@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import torch.multiprocessing as mp
 from betty_trainer import GraphSAGE, HostFeatureStore, accumulate_gradients, load_dataset
 from betty_trainer.config import DatasetConfig
 from betty_trainer.distributed.ownership import _symmetric_adjacency, load_owners, vertex_owners
+from betty_trainer.errors import TrainingError
 from betty_trainer.execution.cooperative import cooperative_step
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling import LaborSampler, NeighborSampler, SampleKey
@@ -142,3 +145,34 @@ def test_a_cooperative_step_equals_one_process_on_the_same_global_batch(cora, pl
             # sums of the same terms in another order (per-rank partial sums, all-reduced): float32
             # reassociation, far under the 1e-5 relative bound the issue states
             assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+
+
+def _dying_worker(rank, world, port, data_dir, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    if rank == 1:
+        os._exit(3)  # dies without a word, as a killed process does
+    graph = load_dataset(DatasetConfig(name="cora", data_dir=data_dir))
+    started = time.monotonic()
+    try:
+        CooperativeSampler(make_sampler(graph, "ns"), vertex_owners(graph, world)).sample(global_seeds(graph, 64), KEY)
+    except TrainingError as error:
+        (out / "error.txt").write_text(f"{time.monotonic() - started:.1f}\n{error}")
+
+
+def test_a_dead_rank_ends_the_others_with_one_line_naming_the_collective(planetoid_dir, tmp_path):
+    """A rank that dies mid-step (before the first all-to-all) makes the others' collective fail at once with a
+    TrainingError naming their rank and what failed, instead of waiting."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_dying_worker, args=(rank, 2, port, planetoid_dir, tmp_path))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+    assert [p.exitcode for p in processes] == [0, 3]
+    seconds, message = (tmp_path / "error.txt").read_text().split("\n", 1)
+    assert float(seconds) < 60
+    assert message.startswith("rank 0: the all-to-all of sampled ids failed; another rank died or left the group (")

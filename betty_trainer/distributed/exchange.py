@@ -12,11 +12,15 @@ sums them at the owner, so autograd runs through it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from betty_trainer.errors import TrainingError
 
 
 @dataclass
@@ -54,6 +58,25 @@ class Exchange:
         return sum(count for q, count in enumerate(self.send_counts) if q != rank)
 
 
+@contextmanager
+def collective(what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Run the collectives of ``what``; a failure of the process group (a rank that died or left: gloo raises at
+    once when its connection closes, NCCL when the group's timeout expires) becomes one
+    :class:`~betty_trainer.errors.TrainingError` naming this rank and ``what``.
+
+    Raises:
+        TrainingError: a collective inside failed.
+    """
+    try:
+        yield
+    except RuntimeError as error:  # torch.distributed's DistError and backend errors are RuntimeErrors
+        if isinstance(error, TrainingError):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TrainingError(f"rank {dist.get_rank(group)}: {what} failed; another rank died or left the group "
+                            f"({first[:200]})") from error
+
+
 def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | None = None) -> Exchange:
     """Send ``requested`` ids to their owners and record the pattern (a collective: every rank of ``group``
     calls it, in the same order).
@@ -66,16 +89,20 @@ def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | 
 
     Returns:
         The :class:`Exchange`; its ``owned`` are the distinct ids other ranks (and this one) asked this rank for.
+
+    Raises:
+        TrainingError: the all-to-all failed (:func:`collective`).
     """
     world = dist.get_world_size(group)
     owner = owners[requested]
     order = torch.argsort(owner, stable=True)
     send = torch.bincount(owner, minlength=world)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    send_counts, recv_counts = send.tolist(), recv.tolist()
-    received = torch.empty(sum(recv_counts), dtype=torch.int64)
-    dist.all_to_all_single(received, requested[order].contiguous(), recv_counts, send_counts, group=group)
+    with collective("the all-to-all of sampled ids", group):
+        dist.all_to_all_single(recv, send, group=group)
+        send_counts, recv_counts = send.tolist(), recv.tolist()
+        received = torch.empty(sum(recv_counts), dtype=torch.int64)
+        dist.all_to_all_single(received, requested[order].contiguous(), recv_counts, send_counts, group=group)
     owned, serve_index = torch.unique(received, return_inverse=True)
     return Exchange(order, send_counts, recv_counts, serve_index, owned, group)
 
@@ -88,7 +115,8 @@ class _ExchangeRows(torch.autograd.Function):
         ctx.exchange, ctx.num_owned = exchange, rows.shape[0]
         served = rows[exchange.serve_index.to(rows.device)].contiguous()
         received = rows.new_empty((sum(exchange.send_counts), *rows.shape[1:]))
-        dist.all_to_all_single(received, served, exchange.send_counts, exchange.recv_counts, group=exchange.group)
+        with collective("the all-to-all of rows", exchange.group):
+            dist.all_to_all_single(received, served, exchange.send_counts, exchange.recv_counts, group=exchange.group)
         out = torch.empty_like(received)
         out[exchange.order.to(rows.device)] = received
         return out
@@ -98,7 +126,8 @@ class _ExchangeRows(torch.autograd.Function):
         exchange = ctx.exchange
         sent = grad[exchange.order.to(grad.device)].contiguous()
         back = grad.new_empty((sum(exchange.recv_counts), *grad.shape[1:]))
-        dist.all_to_all_single(back, sent, exchange.recv_counts, exchange.send_counts, group=exchange.group)
+        with collective("the all-to-all of row gradients", exchange.group):
+            dist.all_to_all_single(back, sent, exchange.recv_counts, exchange.send_counts, group=exchange.group)
         rows = grad.new_zeros((ctx.num_owned, *grad.shape[1:]))
         rows.index_add_(0, exchange.serve_index.to(grad.device), back)
         return rows, None

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.feature_store import FeatureStore
-from betty_trainer.distributed.exchange import exchange_rows
+from betty_trainer.distributed.exchange import collective, exchange_rows
 from betty_trainer.distributed.share import CooperativeBatch
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.plan import StepResult
@@ -46,7 +46,8 @@ def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: Fe
 
     Raises:
         TypeError: ``model`` cannot run layer by layer.
-        TrainingError: the global loss is NaN or infinite, raised on every rank alike (no gradient is added).
+        TrainingError: the global loss is NaN or infinite, raised on every rank alike (no gradient is added), or a
+            collective failed because another rank died or left (naming this rank and the collective).
     """
     if not runs_layer_by_layer(model):
         raise TypeError(f"cooperative training runs the model layer by layer between exchanges: {type(model).__name__} "
@@ -58,7 +59,8 @@ def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: Fe
     y = labels[share.output_nodes].to(device, non_blocking=True)
     loss = F.cross_entropy(h, y, reduction="sum") / num_outputs
     totals = torch.stack([loss.detach().double().cpu(), (h.argmax(1) == y).sum().double().cpu()])
-    dist.all_reduce(totals, group=group)
+    with collective("the all-reduce of the loss", group):
+        dist.all_reduce(totals, group=group)
     if not torch.isfinite(totals[0]):  # every rank sees the same sum, so every rank stops here
         raise TrainingError(f"loss is {totals[0].item()}")
     loss.backward()
@@ -97,4 +99,5 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = Non
     for parameter in model.parameters():
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
-        dist.all_reduce(parameter.grad, group=group)
+        with collective("the all-reduce of gradients", group):
+            dist.all_reduce(parameter.grad, group=group)
