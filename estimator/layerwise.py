@@ -27,6 +27,7 @@ the stored ``h_l``, one boolean row block at a time.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts, block_structure_bytes
@@ -157,115 +158,156 @@ def _replay_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[L
         raise ValueError("the ModelSpec has no layer_terms: build it from the model (betty_trainer.memory.spec.spec_of)")
     replay = Replay()
     tape = StepTape(replay, model, accumulate=True)
-    f, widths = model.dtype_bytes, model.widths
     for component, nbytes in model_state_bytes(model).items():
         replay.alloc(nbytes, component)
-    replay.alloc(model.num_parameters * f, GRAD)
+    replay.alloc(model.num_parameters * model.dtype_bytes, GRAD)
     replay.alloc(block_structure_bytes(layers) + chunk_structure, "block_structure")
     resident = replay.current
+    step = _LayerwiseReplay(replay, tape, model, layers, chunks, blocks, host_outputs,
+                            list(projections) if projections is not None else [None] * model.num_layers)
+    replay.phase, replay.saving = "forward", False  # torch.no_grad: autograd saves nothing
+    stored, projected = step.forward()
+    replay.saving = True
+    grad_out = step.loss(stored)
+    for index in range(model.num_layers - 1, -1, -1):
+        grad_out = step.backward(index, grad_out, stored, projected)
+    replay.phase = "optimizer"
+    tape.optimizer_step()
+    return MemoryEstimate.of(replay, resident)
 
-    def chunk_inputs(index: int, c: LayerCounts) -> int:
+
+@dataclass
+class _LayerwiseReplay:
+    """:func:`_replay_layerwise`'s step, replayed as the executor (``betty_trainer.execution.layerwise``) runs
+    it: the tape and replay it allocates on, and the layers, chunks, row blocks and projections it reads."""
+
+    replay: Replay
+    tape: StepTape
+    model: ModelSpec
+    layers: Sequence[LayerCounts]
+    chunks: Sequence[Sequence[LayerCounts]]
+    blocks: Callable[[int, int], list[tuple[int, int]]]
+    host_outputs: bool
+    projections: list[ProjectedTerms | None]
+
+    def forward(self) -> tuple[list[int | None], list[int | None]]:
+        """Layers 1 … L without autograd: each layer's kept output ``h_l`` (``None`` when it is in host memory)
+        and each projected, non-affine layer's kept ``z`` (``None`` for the others), as replay handles."""
+        replay, model, f = self.replay, self.model, self.model.dtype_bytes
+        stored, projected = [], []
+        for index, pieces in enumerate(self.chunks):
+            z_all = None
+            if self.projections[index] is not None:
+                z_all = replay.alloc(self.layers[index].num_src * self.projections[index].width * f, HID)
+                self.projection(index, grad=False)
+            on_host = self.host_outputs and index < model.num_layers - 1
+            out = None
+            for position, c in enumerate(pieces):
+                mark = replay.mark()
+                if z_all is not None:
+                    self.propagated(index, c, grad=False)
+                else:
+                    rows = self.chunk_inputs(index, c)
+                    model.layer_terms(self.tape, index, c, rows, False, consume_input=index == 0)
+                replay.release_since(mark)  # the chunk's rows are copied into h_l; nothing of it survives
+                if position == 0 and not on_host:  # h_l is made beside the first chunk's output rows
+                    first = replay.alloc(c.num_dst * model.widths[index + 1] * f, HID)
+                    out = replay.alloc(self.layers[index].num_dst * model.widths[index + 1] * f, HID)
+                    replay.drop(first)
+            stored.append(out)
+            if z_all is not None and self.projections[index].affine:  # its backward does not read z
+                replay.drop(z_all)
+                z_all = None
+            projected.append(z_all)
+        return stored, projected
+
+    def loss(self, stored: list[int | None]) -> int:
+        """The loss of the logits ``stored[-1]`` and its backward; returns ``∂L/∂logits`` (the logits, the labels
+        and the predictions die here)."""
+        replay, outputs = self.replay, self.layers[-1].num_dst
+        labels = replay.alloc(outputs * INDEX_BYTES, "labels")
+        loss_bwd = self.tape.cross_entropy(outputs, self.model.widths[-1], labels)
+        replay.phase = "backward"
+        grad_out = loss_bwd()
+        predictions, hits = replay.alloc(outputs * INDEX_BYTES, OVER), replay.alloc(outputs, OVER)
+        replay.drop(predictions, hits, labels, stored[-1])  # logits and labels die here, ∂L/∂logits stays
+        return grad_out
+
+    def backward(self, index: int, grad_out: int, stored: list[int | None], projected: list[int | None]) -> int | None:
+        """Layer ``index``'s backward from ``grad_out`` (``∂L/∂h_l``): its chunks recomputed and backpropagated,
+        then a projected layer's projection; returns ``∂L/∂h_{l−1}`` (``None`` at the input layer)."""
+        replay, widths, f = self.replay, self.model.widths, self.model.dtype_bytes
+        projection = self.projections[index]
+        if index < self.model.num_layers - 1:
+            if projection is not None and projection.affine:  # ReLU's backward on ∂L/∂h_l, in place
+                for begin, end in self.blocks(index, self.layers[index].num_dst):
+                    replay.drop(replay.alloc((end - begin) * widths[index + 1], OVER))  # the block's boolean mask
+            replay.drop(stored[index])  # h_l: the chunks' recompute makes what their backward needs
+        grad_in = replay.alloc(self.layers[index].num_src * widths[index] * f, GRAD) if index > 0 else None
+        z_all = projected[index]
+        grad_z = (replay.alloc(self.layers[index].num_src * projection.width * f, GRAD)
+                  if projection is not None else None)
+        for c in self.chunks[index]:
+            self.chunk_backward(index, c)
+        replay.drop(grad_out)
+        if projection is not None:
+            replay.drop(z_all)
+            self.projection(index, grad=True)
+            replay.drop(grad_z)
+        return grad_in
+
+    def chunk_backward(self, index: int, c: LayerCounts) -> None:
+        """One chunk of layer ``index`` recomputed with autograd and backpropagated from its rows of ``∂L/∂h_l``."""
+        replay = self.replay
+        mark = replay.mark()
+        if self.projections[index] is not None:
+            out, backward = self.propagated(index, c, grad=True)
+        else:
+            rows = self.chunk_inputs(index, c)
+            out, backward = self.model.layer_terms(self.tape, index, c, rows, index > 0, consume_input=index == 0)
+            # at layer 1 the executor hands the gathered rows over (no reference left once the recomputed
+            # forward returns): only what autograd saved of them (r.save in the terms) stays live
+            replay.drop(rows if index == 0 else None)
+        grad = replay.alloc(c.num_dst * self.model.widths[index + 1] * self.model.dtype_bytes, GRAD)  # of ∂L/∂h_l
+        replay.keep(out, grad)  # the caller holds both while out.backward(grad) runs
+        backward(grad)
+        self.tape.settle()
+        replay.release_since(mark)  # rows.grad is added into ∂L/∂h_{l−1} (or ∂L/∂z); the chunk is freed
+
+    def chunk_inputs(self, index: int, c: LayerCounts) -> int:
         """The chunk's slice and sub-block, then its gathered input rows (rows of ``h_{l−1}`` stay held by the
         executor until the chunk ends, whatever the layer drops)."""
-        chunk_slice(replay, layers[index], c)
-        rows = replay.alloc(c.num_src * widths[index] * f, "input_features" if index == 0 else HID)
+        replay = self.replay
+        chunk_slice(replay, self.layers[index], c)
+        rows = replay.alloc(c.num_src * self.model.widths[index] * self.model.dtype_bytes,
+                            "input_features" if index == 0 else HID)
         if index > 0:
             replay.keep(rows)
         return rows
 
-    replay.phase, replay.saving = "forward", False  # torch.no_grad: autograd saves nothing
-    projections = list(projections) if projections is not None else [None] * model.num_layers
-    stored, projected = [], []
-
-    def projection(index: int, grad: bool) -> None:
+    def projection(self, index: int, grad: bool) -> None:
         """A projected layer's row blocks: forward (into the kept ``z``), or recomputed and backpropagated."""
-        for begin, end in blocks(index, layers[index].num_src):
+        replay, width = self.replay, self.model.widths[index] * self.model.dtype_bytes
+        for begin, end in self.blocks(index, self.layers[index].num_src):
             mark = replay.mark()
             rows = None  # a view of the stored h_{l−1} on the device
-            if index == 0 or host_outputs:  # gathered features, or rows copied from host memory
-                rows = replay.alloc((end - begin) * widths[index] * f, "input_features" if index == 0 else HID)
-            z, backward = projections[index].project(tape, end - begin, rows, grad and index > 0)
+            if index == 0 or self.host_outputs:  # gathered features, or rows copied from host memory
+                rows = replay.alloc((end - begin) * width, "input_features" if index == 0 else HID)
+            z, backward = self.projections[index].project(self.tape, end - begin, rows, grad and index > 0)
             if grad:
                 backward()
-                tape.settle()
+                self.tape.settle()
             replay.release_since(mark)  # z is copied into the kept z (forward), its input rows' gradient into ∂L/∂h
 
-    def propagated(index: int, c: LayerCounts, grad: bool):
+    def propagated(self, index: int, c: LayerCounts, grad: bool):
         """A projected layer's chunk: its slice and sub-block, its gathered rows of z (zeros in an affine layer's
         backward; and its dst input rows, when the layer reads them), the layer's rest (without the stack's ReLU
         in an affine layer's backward: ``∂L/∂h_l`` has it applied already)."""
-        chunk_slice(replay, layers[index], c)
-        rows = replay.alloc(c.num_src * projections[index].width * f, HID)
-        relu = not (grad and projections[index].affine)
-        if not projections[index].reads_dst_input:
-            return projections[index].propagate(tape, c, rows, relu=relu)
-        h_dst = replay.alloc(c.num_dst * widths[index] * f, "input_features" if index == 0 else HID)
-        return projections[index].propagate(tape, c, rows, h_dst, grad and index > 0, relu)
-
-    for index, pieces in enumerate(chunks):
-        z_all = None
-        if projections[index] is not None:
-            z_all = replay.alloc(layers[index].num_src * projections[index].width * f, HID)
-            projection(index, grad=False)
-        on_host = host_outputs and index < model.num_layers - 1
-        out = None
-        for position, c in enumerate(pieces):
-            mark = replay.mark()
-            if z_all is not None:
-                propagated(index, c, grad=False)
-            else:
-                rows = chunk_inputs(index, c)
-                model.layer_terms(tape, index, c, rows, False, consume_input=index == 0)
-            replay.release_since(mark)  # the chunk's rows are copied into h_l; nothing of it survives
-            if position == 0 and not on_host:  # h_l is made beside the first chunk's output rows
-                first = replay.alloc(c.num_dst * widths[index + 1] * f, HID)
-                out = replay.alloc(layers[index].num_dst * widths[index + 1] * f, HID)
-                replay.drop(first)
-        stored.append(out)
-        if z_all is not None and projections[index].affine:  # its backward does not read z
-            replay.drop(z_all)
-            z_all = None
-        projected.append(z_all)
-
-    replay.saving = True
-    outputs, classes = layers[-1].num_dst, widths[-1]
-    labels = replay.alloc(outputs * INDEX_BYTES, "labels")
-    loss_bwd = tape.cross_entropy(outputs, classes, labels)
-    replay.phase = "backward"
-    grad_out = loss_bwd()
-    predictions, hits = replay.alloc(outputs * INDEX_BYTES, OVER), replay.alloc(outputs, OVER)
-    replay.drop(predictions, hits, labels, stored[-1])  # logits and labels die here, ∂L/∂logits stays
-    for index in range(model.num_layers - 1, -1, -1):
-        if index < model.num_layers - 1:
-            if projections[index] is not None and projections[index].affine:  # ReLU's backward on ∂L/∂h_l, in place
-                for begin, end in blocks(index, layers[index].num_dst):
-                    replay.drop(replay.alloc((end - begin) * widths[index + 1], OVER))  # the block's boolean mask
-            replay.drop(stored[index])  # h_l: the chunks' recompute makes what their backward needs
-        grad_in = replay.alloc(layers[index].num_src * widths[index] * f, GRAD) if index > 0 else None
-        z_all = projected[index]
-        grad_z = (replay.alloc(layers[index].num_src * projections[index].width * f, GRAD)
-                  if projections[index] is not None else None)
-        for c in chunks[index]:
-            mark = replay.mark()
-            if projections[index] is not None:
-                out, backward = propagated(index, c, grad=True)
-            else:
-                rows = chunk_inputs(index, c)
-                out, backward = model.layer_terms(tape, index, c, rows, index > 0, consume_input=index == 0)
-                # at layer 1 the executor hands the gathered rows over (no reference left once the recomputed
-                # forward returns): only what autograd saved of them (r.save in the terms) stays live
-                replay.drop(rows if index == 0 else None)
-            grad = replay.alloc(c.num_dst * widths[index + 1] * f, GRAD)  # its rows of ∂L/∂h_l
-            replay.keep(out, grad)  # the caller holds both while out.backward(grad) runs
-            backward(grad)
-            tape.settle()
-            replay.release_since(mark)  # rows.grad is added into ∂L/∂h_{l−1} (or ∂L/∂z); the chunk is freed
-        replay.drop(grad_out)
-        if projections[index] is not None:
-            replay.drop(z_all)
-            projection(index, grad=True)
-            replay.drop(grad_z)
-        grad_out = grad_in
-    replay.phase = "optimizer"
-    tape.optimizer_step()
-    return MemoryEstimate.of(replay, resident)
+        replay, terms, f = self.replay, self.projections[index], self.model.dtype_bytes
+        chunk_slice(replay, self.layers[index], c)
+        rows = replay.alloc(c.num_src * terms.width * f, HID)
+        relu = not (grad and terms.affine)
+        if not terms.reads_dst_input:
+            return terms.propagate(self.tape, c, rows, relu=relu)
+        h_dst = replay.alloc(c.num_dst * self.model.widths[index] * f, "input_features" if index == 0 else HID)
+        return terms.propagate(self.tape, c, rows, h_dst, grad and index > 0, relu)

@@ -158,16 +158,9 @@ def make_split(
             of another block or method; an unknown ``search``.
     """
     started = time.perf_counter()
-    if (budget is None) == (k is None):
-        raise ValueError("give exactly one of budget and k")
-    if estimate is None and budget is not None:
-        raise ValueError("planning for a budget needs an estimate")
-    if search not in ("linear", "gallop"):
-        raise ValueError(f"unknown search {search!r}; choose 'linear' or 'gallop'")
+    _check_split_arguments(blocks, estimate, budget, k, splitter, partitioner, search)
     if splitter is None:
         splitter = OutputSplitter(blocks[-1], partitioner)
-    elif splitter.block.num_dst != blocks[-1].num_dst or splitter.method != partitioner:
-        raise ValueError("splitter was made for another output block or partitioner")
     num_outputs = blocks[-1].num_dst
     full = estimate(blocks, False) if estimate is not None else 0
     weighted = balance and partitioner in ("reg", "reg_unweighted", "metis")
@@ -225,20 +218,42 @@ def make_split(
             f"{_mib(alone)} (its receptive field); raise the budget or use smaller fanouts"
         )
     start = min(max(min_k, 2, math.ceil((full - resident) / (budget - resident))), num_outputs)
-    fits = lambda parts: max(split(parts)[2]) <= budget
+    parts = _first_fitting_k(lambda parts: max(split(parts)[2]) <= budget, start, num_outputs, search == "gallop")
+    if parts is None:
+        raise BudgetError(
+            f"memory budget {_mib(budget)} is impossible: even {num_outputs} micro-batches of one output "
+            f"node each need up to {_mib(max(splits[num_outputs][2]))}"
+        )
+    return done(parts)
+
+
+def _check_split_arguments(blocks: Sequence[BlockStructure], estimate: Estimate | None, budget: int | None,
+                           k: int | None, splitter: OutputSplitter | None, partitioner: str, search: str) -> None:
+    """:func:`make_split`'s argument checks (its ``ValueError`` s)."""
+    if (budget is None) == (k is None):
+        raise ValueError("give exactly one of budget and k")
+    if estimate is None and budget is not None:
+        raise ValueError("planning for a budget needs an estimate")
+    if search not in ("linear", "gallop"):
+        raise ValueError(f"unknown search {search!r}; choose 'linear' or 'gallop'")
+    if splitter is not None and (splitter.block.num_dst != blocks[-1].num_dst or splitter.method != partitioner):
+        raise ValueError("splitter was made for another output block or partitioner")
+
+
+def _first_fitting_k(fits: Callable[[int], bool], start: int, limit: int, gallop: bool) -> int | None:
+    """:func:`make_split`'s search for K in ``start … limit``: K = start, start + 1, … (or, ``gallop``, steps
+    1, 2, 4, …) to the first K that ``fits``, then bisection between it and the last K that did not; ``None``
+    when ``limit`` does not fit."""
     below, step, parts = start - 1, 1, start  # below: the largest K known not to fit (or under the start)
     while not fits(parts):
-        if parts == num_outputs:
-            raise BudgetError(
-                f"memory budget {_mib(budget)} is impossible: even {num_outputs} micro-batches of one output "
-                f"node each need up to {_mib(max(splits[parts][2]))}"
-            )
-        below, parts = parts, min(parts + step, num_outputs)
-        step = 2 * step if search == "gallop" else 1
+        if parts == limit:
+            return None
+        below, parts = parts, min(parts + step, limit)
+        step = 2 * step if gallop else 1
     while parts - below > 1:  # parts fits; below does not (or is under the lower bound)
         middle = (below + parts) // 2
         below, parts = (below, middle) if fits(middle) else (middle, parts)
-    return done(parts)
+    return parts
 
 
 def _mib(nbytes: float) -> str:

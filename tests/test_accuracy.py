@@ -39,6 +39,7 @@ def test_reg_micro_batches_reach_dgl_full_batch_accuracy(planetoid_dir, tmp_path
     assert four.test_acc >= threshold
     if dataset == "cora":
         one = run(dataset, planetoid_dir, tmp_path, 1)
+        # 0.005 of Cora's 1000 test nodes: 5 predictions whose near-tied logits float32 reassociation can flip
         assert abs(one.test_acc - four.test_acc) <= 0.005
         assert abs(one.last.test_acc - four.last.test_acc) <= 0.005
 

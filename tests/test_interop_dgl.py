@@ -17,7 +17,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from betty_trainer import Block, DatasetError, Graph, GraphSAGE, sample_batch
-from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.models import NodeDropout
 from betty_trainer.models.interop import DGLLayer, DGLModel
 from betty_trainer.models.stack import LayerStack, layer_widths

@@ -24,6 +24,7 @@ from betty_trainer.models.stack import runs_layer_by_layer
 from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
 from partition.chunks import chunk_layers
+from tests.test_estimator import DEFAULT_TOLERANCE  # the micro-batch estimator's bound (0.1%)
 
 CPU = torch.device("cpu")
 # the micro-batch exactness bound of tests/test_exactness.py (1e-5 of the largest entry), taken over the whole
@@ -63,7 +64,7 @@ def layerwise_gradients(model, batch, graph, k):
 def assert_same(reference, candidate):
     (ref_grads, ref_loss, ref_correct), (grads, loss, correct) = reference, candidate
     assert correct == ref_correct
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)  # Σ CE regrouped by chunk: float32, ~1e-7 relative per add
     scale = max(ref.abs().max() for ref in ref_grads)
     assert scale > 0
     for ref, got in zip(ref_grads, grads):
@@ -159,7 +160,7 @@ def test_every_hidden_node_is_computed_once_per_pass(cora):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_layerwise_estimate_is_within_two_percent_of_the_measured_peak(cora, cora64, arch):
+def test_layerwise_estimate_is_within_the_estimator_bound_of_the_measured_peak(cora, cora64, arch):
     """The layer-wise estimate (estimator.layerwise, from the layers' own memory terms) against the measured
     peak of a layer-wise step (resident: model state, gradients, the batch's blocks and the chunks' dst nodes
     and pointers). Hidden 16: every layer that can project first does (1433 → 16 → 7)."""
@@ -190,7 +191,7 @@ def assert_layerwise_estimate(model, arch: str, graph, fanouts) -> None:
                                       projected_terms(model))
         assert estimate.resident_bytes == measured.resident_bytes
         error = (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes
-        assert abs(error) <= 0.02, f"{arch} at {k} chunks: estimate {estimate.peak_bytes}, measured {measured.peak_bytes}"
+        assert abs(error) <= DEFAULT_TOLERANCE, (arch, k, estimate.peak_bytes, measured.peak_bytes)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.7, 0.45])  # below ~0.37 nothing fits: the model state is the floor
@@ -211,10 +212,10 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
     assert (plan.pieces == 1) == (fraction == 1.0)
 
     set_dropout_key(model, 0, 0)
-    # Adam's state exists from here on
-    measure_layerwise_step(model, optimizer, plan, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
-    measured = measure_layerwise_step(model, optimizer, plan, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
-    assert measured.peak_bytes <= budget * 1.02  # the estimate's bound (above)
+    features = HostFeatureStore(cora.x, pin=False)
+    measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)  # Adam's state exists from here on
+    measured = measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)
+    assert measured.peak_bytes <= budget  # never an overrun
 
 
 def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
@@ -249,6 +250,8 @@ def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_
     report = (tmp_path / "layerwise" / "plan.json").read_text()
     assert '"mode": "layerwise"' in report and '"chunks_per_layer": 4' in report
     for key, value in results["full"].items():
+        # the per-step bound (BOUND) compounded through 3 epochs of Adam, whose update divides by √v: a parameter
+        # with a tiny second moment amplifies round-off, as tests/test_planner.py's trained comparison allows
         assert torch.allclose(results["layerwise"][key], value, rtol=1e-4, atol=1e-6), key
 
 

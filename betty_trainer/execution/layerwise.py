@@ -182,34 +182,133 @@ def layerwise_backward(
     if len(chunks.layers) != len(blocks) or len(blocks) != len(model.layers):
         raise ValueError(f"{len(chunks.layers)} chunked layers for a batch of {len(blocks)} blocks and a model of "
                          f"{len(model.layers)} layers")
-    store = features
-    num_outputs = batch.output_nodes.numel()
-    last = len(blocks) - 1
-    projects = projected_layers(model)
-    affine = affine_layers(model)
-    dtype = next(model.parameters()).dtype  # of z, its zeros and ∂L/∂z
+    layer_pass = _LayerPass(model, blocks, chunks, features, device, projected_layers(model),
+                            affine_layers(model), next(model.parameters()).dtype)
+    stored, projected = layer_pass.forward()
+    return layer_pass.backward(stored, projected, labels, batch.output_nodes)
 
-    def layer_input(index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
+
+@dataclass
+class _LayerPass:
+    """One batch's layer-by-layer pass (:func:`layerwise_backward`): the model and blocks its chunk steps read,
+    per layer whether it is projected or affine (:func:`projected_layers`, :func:`affine_layers`), and ``dtype``,
+    the parameters' (of ``z``, its zeros and ``∂L/∂z``)."""
+
+    model: LayerStack
+    blocks: list[Block]
+    chunks: LayerChunks
+    store: FeatureStore
+    device: torch.device
+    projects: list[bool]
+    affine: list[bool]
+    dtype: torch.dtype
+
+    @property
+    def last(self) -> int:
+        return len(self.blocks) - 1
+
+    def forward(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
+        """Layers 1 … L without autograd: each layer's output ``h_l`` (the last one the logits), and each
+        projected, non-affine layer's ``z`` (``None`` for the others), which its backward reads."""
+        stored: list[Tensor | None] = []
+        projected: list[Tensor | None] = []
+        h_prev = None
+        with torch.no_grad():
+            for index, pieces in enumerate(self.chunks.layers):
+                z_all = self.project(index, h_prev) if self.projects[index] else None
+                out = None
+                for chunk in pieces:
+                    h = self.chunk_step(index, chunk, h_prev, z_all, grad=False)[0]  # its input rows die here
+                    if out is None:
+                        host = self.chunks.host_outputs and index < self.last
+                        out = output_storage(self.blocks[index].num_dst, h, host=host)
+                    out[chunk.dst.to(out.device)] = h.to(out.device)
+                    del h
+                stored.append(out)
+                projected.append(None if self.affine[index] else z_all)  # an affine layer's backward does not read z
+                h_prev, z_all = out, None
+        return stored, projected
+
+    def loss_backward(self, stored: list[Tensor | None], labels: Tensor,
+                      output_nodes: Tensor) -> tuple[Tensor, StepResult]:
+        """The loss ``Σ CE / |V|`` of the logits ``stored[-1]`` (then freed) and its gradient ``∂L/∂h_L``,
+        with the loss and the number of correctly classified outputs.
+
+        Raises:
+            TrainingError: the loss is NaN or infinite.
+        """
+        logits = stored[-1].requires_grad_()
+        y = labels[output_nodes].to(self.device)
+        loss = F.cross_entropy(logits, y, reduction="sum") / output_nodes.numel()
+        if not torch.isfinite(loss):
+            raise TrainingError(f"loss is {loss.item()}")
+        loss.backward()
+        stored[-1] = None  # the logits and their gradient die with this frame (and loss's graph)
+        return logits.grad, StepResult(loss.item(), int((logits.detach().argmax(1) == y).sum()))
+
+    def backward(self, stored: list[Tensor | None], projected: list[Tensor | None], labels: Tensor,
+                 output_nodes: Tensor) -> StepResult:
+        """The loss (:meth:`loss_backward`), then layers L … 1: each layer frees its ``h_l`` (``stored``) and
+        ``z`` (``projected``), recomputes its chunks with autograd and backpropagates their rows
+        (:meth:`chunks_backward`), frees ``∂L/∂h_l``, then backpropagates a projected layer's projection;
+        ``∂L/∂h_{l−1}`` is the next layer's ``grad_out``. Returns the loss and the correct outputs."""
+        grad_out, result = self.loss_backward(stored, labels, output_nodes)
+        for index in range(self.last, -1, -1):
+            if self.affine[index] and index < self.last:  # the stack's ReLU backward, from h_l (chunks skip the ReLU)
+                relu_backward_(grad_out, stored[index], len(self.chunks.layers[index]))
+            stored[index] = None  # h_l: each chunk's recompute makes what its backward needs
+            h_prev = stored[index - 1] if index > 0 else None
+            grad_in = torch.zeros_like(h_prev, device=self.device) if h_prev is not None else None  # on the device
+            z_all = projected[index]
+            projected[index] = None
+            grad_rows = grad_in  # ∂L/∂z for a projected layer
+            if self.projects[index]:
+                grad_rows = torch.zeros(self.blocks[index].num_src, self.model.layers[index].projected_width,
+                                        device=self.device, dtype=self.dtype)
+            self.chunks_backward(index, grad_out, h_prev, z_all, grad_rows, grad_in)
+            grad_out = z_all = None  # ∂L/∂h_l: its chunks are done
+            if self.projects[index]:
+                self.project(index, h_prev, grad_rows, grad_in)
+            del grad_rows
+            grad_out = grad_in
+        return result
+
+    def chunks_backward(self, index: int, grad_out: Tensor, h_prev: Tensor | None, z_all: Tensor | None,
+                        grad_rows: Tensor | None, grad_in: Tensor | None) -> None:
+        """Layer ``index``'s chunks, each recomputed with autograd and backpropagated from its rows of
+        ``grad_out``: parameter gradients into ``.grad``, the input rows' gradients into ``grad_rows``
+        (``∂L/∂z`` for a projected layer, else ``∂L/∂h_{l−1}``) and the dst input rows' into ``grad_in``."""
+        for chunk in self.chunks.layers[index]:
+            h, rows, src_index, h_dst, block = self.chunk_step(index, chunk, h_prev, z_all, grad=True)
+            h.backward(grad_out[chunk.dst.to(self.device)])
+            if grad_rows is not None:
+                grad_rows.index_add_(0, src_index.to(self.device), rows.grad)
+            if h_dst is not None and grad_in is not None:
+                grad_in.index_add_(0, chunk.dst.to(self.device), h_dst.grad)
+            del h, rows, src_index, h_dst, block
+
+    def layer_input(self, index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
         """Rows of the layer's input for ``nodes`` (global ids) at ``positions`` among the block's src nodes:
         gathered features (layer 1, a fresh tensor) or rows of ``h_{l−1}`` (a view for a slice of a
         device-resident ``h_{l−1}``)."""
         if index == 0:
-            return store.gather(nodes, device)
+            return self.store.gather(nodes, self.device)
         if isinstance(positions, Tensor):
             positions = positions.to(h_prev.device)
-        return h_prev[positions].to(device, non_blocking=True)  # host-resident h_l: the rows are copied over
+        return h_prev[positions].to(self.device, non_blocking=True)  # host-resident h_l: the rows are copied over
 
-    def project(index: int, h_prev: Tensor | None, grad_z: Tensor | None = None, grad_in: Tensor | None = None):
+    def project(self, index: int, h_prev: Tensor | None, grad_z: Tensor | None = None,
+                grad_in: Tensor | None = None) -> Tensor | None:
         """A projected layer's ``z = W·dropout(h_{l−1})`` for all its src rows, block by block (one block per
         chunk, contiguous rows): returned whole (forward) or, given ``grad_z``, recomputed with autograd and
         backpropagated (parameter gradients into ``.grad``, input rows' gradients into ``grad_in``)."""
-        block, layer = blocks[index], model.layers[index]
-        src_nodes = block.src_nodes.to(device)
+        block, layer, model = self.blocks[index], self.model.layers[index], self.model
+        src_nodes = block.src_nodes.to(self.device)
         z_all = None
         if grad_z is None:
-            z_all = torch.empty(block.num_src, layer.projected_width, device=device, dtype=dtype)
-        for begin, end in row_blocks(block.num_src, len(chunks.layers[index])):
-            rows = layer_input(index, src_nodes[begin:end], slice(begin, end), h_prev)
+            z_all = torch.empty(block.num_src, layer.projected_width, device=self.device, dtype=self.dtype)
+        for begin, end in row_blocks(block.num_src, len(self.chunks.layers[index])):
+            rows = self.layer_input(index, src_nodes[begin:end], slice(begin, end), h_prev)
             if grad_z is not None and index > 0:
                 rows = rows.detach().requires_grad_()
             z = layer.project(model.dropout(rows, src_nodes[begin:end], index, index == 0))
@@ -222,98 +321,53 @@ def layerwise_backward(
             del rows, z
         return z_all
 
-    def run(index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor | None,
-            grad: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Block]:
+    def chunk_step(self, index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor | None,
+                   grad: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Block]:
         """One chunk's one-layer step: its slice and sub-block (made now, freed with the chunk), its input
-        rows (of ``z`` for a projected layer, zeros in an affine layer's backward, and the dst nodes' rows of
-        ``h_{l−1}`` or features when the layer reads them) and its output rows (before the stack's ReLU in an
-        affine layer's backward, whose ``∂L/∂h_l`` has it applied already). Returns the output rows, the input
-        rows, the input rows' positions among the block's src nodes, the dst input rows (or ``None``) and the
-        sub-block (the caller holds it until the chunk ends)."""
-        piece = chunk.slice(blocks[index])
-        block = blocks[index].restrict(piece).to(device)
+        rows and its output rows. Returns the output rows, the input rows (``None`` at a plain input layer,
+        whose gather input dropout may overwrite), the input rows' positions among the block's src nodes,
+        the dst input rows (or ``None``) and the sub-block (the caller holds it until the chunk ends)."""
+        piece = chunk.slice(self.blocks[index])
+        block = self.blocks[index].restrict(piece).to(self.device)
         src_index = piece.src_index
         del piece  # its edge ids: the sub-block holds the rest
-        if projects[index]:
-            layer = model.layers[index]
-            if z_all is not None:
-                rows = z_all[src_index.to(device)]
-            else:  # an affine layer's backward: its gradients do not read z's values
-                rows = torch.zeros(src_index.numel(), layer.projected_width, device=device, dtype=dtype)
-            if grad:
-                rows.requires_grad_()
-            h_dst = None
-            if getattr(layer, "reads_dst_input", False):  # e.g. SAGE mean's W_self·h_d
-                dst_nodes = block.src_nodes[: block.num_dst]
-                h_dst = layer_input(index, dst_nodes, chunk.dst, h_prev)
-                if grad and index > 0:
-                    h_dst.requires_grad_()
-                h = layer.propagate(block, rows, model.dropout(h_dst, dst_nodes, index, index == 0))
-            else:
-                h = layer.propagate(block, rows)
-            relu = index < last and not (grad and affine[index])
-            return (F.relu(h) if relu else h), rows, src_index, h_dst, block
+        if self.projects[index]:
+            h, rows, h_dst = self._projected_chunk_step(index, chunk, block, src_index, h_prev, z_all, grad)
+            return h, rows, src_index, h_dst, block
         if index == 0:  # a fresh gather: input dropout may overwrite it
-            h = model.layer_forward(0, block, layer_input(0, block.src_nodes, src_index, None), consume_input=True)
+            h = self.model.layer_forward(0, block, self.layer_input(0, block.src_nodes, src_index, None),
+                                         consume_input=True)
             return h, None, src_index, None, block
-        rows = layer_input(index, block.src_nodes, src_index, h_prev)
+        rows = self.layer_input(index, block.src_nodes, src_index, h_prev)
         if grad:
             rows.requires_grad_()
-        return model.layer_forward(index, block, rows), rows, src_index, None, block
+        return self.model.layer_forward(index, block, rows), rows, src_index, None, block
 
-    stored: list[Tensor | None] = []
-    projected: list[Tensor | None] = []
-    h_prev = None
-    with torch.no_grad():
-        for index, pieces in enumerate(chunks.layers):
-            z_all = project(index, h_prev) if projects[index] else None
-            out = None
-            for chunk in pieces:
-                h = run(index, chunk, h_prev, z_all, grad=False)[0]  # its input rows die here
-                if out is None:
-                    out = output_storage(blocks[index].num_dst, h, host=chunks.host_outputs and index < last)
-                out[chunk.dst.to(out.device)] = h.to(out.device)
-                del h
-            stored.append(out)
-            projected.append(None if affine[index] else z_all)  # an affine layer's backward does not read z
-            h_prev, z_all = out, None
-    del out, h_prev
-
-    logits = stored[last].requires_grad_()
-    y = labels[batch.output_nodes].to(device)
-    loss = F.cross_entropy(logits, y, reduction="sum") / num_outputs
-    if not torch.isfinite(loss):
-        raise TrainingError(f"loss is {loss.item()}")
-    loss.backward()
-    grad_out, correct, loss = logits.grad, int((logits.detach().argmax(1) == y).sum()), loss.item()
-    stored[last] = logits = y = None  # and loss: its graph's AccumulateGrad held logits and their gradient
-
-    for index in range(last, -1, -1):
-        if affine[index] and index < last:  # the stack's ReLU backward, from h_l (its chunks skip the ReLU)
-            relu_backward_(grad_out, stored[index], len(chunks.layers[index]))
-        stored[index] = None  # h_l: each chunk's recompute makes what its backward needs
-        h_prev = stored[index - 1] if index > 0 else None
-        grad_in = torch.zeros_like(h_prev, device=device) if h_prev is not None else None  # on the device
-        z_all = projected[index]
-        projected[index] = None
-        grad_rows = grad_in  # ∂L/∂z for a projected layer
-        if projects[index]:
-            grad_rows = torch.zeros(blocks[index].num_src, model.layers[index].projected_width, device=device,
-                                    dtype=dtype)
-        for chunk in chunks.layers[index]:
-            h, rows, src_index, h_dst, block = run(index, chunk, h_prev, z_all, grad=True)
-            h.backward(grad_out[chunk.dst.to(device)])
-            if grad_rows is not None:
-                grad_rows.index_add_(0, src_index.to(device), rows.grad)
-            if h_dst is not None and grad_in is not None:
-                grad_in.index_add_(0, chunk.dst.to(device), h_dst.grad)
-            del h, rows, src_index, h_dst, block
-        grad_out = z_all = None  # ∂L/∂h_l: its chunks are done
-        if projects[index]:
-            project(index, h_prev, grad_rows, grad_in)
-        del grad_rows
-        grad_out = grad_in
-    return StepResult(loss, correct)
+    def _projected_chunk_step(self, index: int, chunk: Chunk, block: Block, src_index: Tensor, h_prev: Tensor | None,
+                              z_all: Tensor | None, grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """:meth:`chunk_step` of a projected layer: its input rows are rows of ``z`` (zeros in an affine layer's
+        backward, whose gradients do not read z's values), plus the dst nodes' rows of ``h_{l−1}`` or features
+        when the layer reads them; its output rows are before the stack's ReLU in an affine layer's backward
+        (whose ``∂L/∂h_l`` has it applied already). Returns the output rows, the rows of ``z`` and the dst
+        input rows (or ``None``)."""
+        model, layer = self.model, self.model.layers[index]
+        if z_all is not None:
+            rows = z_all[src_index.to(self.device)]
+        else:
+            rows = torch.zeros(src_index.numel(), layer.projected_width, device=self.device, dtype=self.dtype)
+        if grad:
+            rows.requires_grad_()
+        h_dst = None
+        if getattr(layer, "reads_dst_input", False):  # e.g. SAGE mean's W_self·h_d
+            dst_nodes = block.src_nodes[: block.num_dst]
+            h_dst = self.layer_input(index, dst_nodes, chunk.dst, h_prev)
+            if grad and index > 0:
+                h_dst.requires_grad_()
+            h = layer.propagate(block, rows, model.dropout(h_dst, dst_nodes, index, index == 0))
+        else:
+            h = layer.propagate(block, rows)
+        relu = index < self.last and not (grad and self.affine[index])
+        return (F.relu(h) if relu else h), rows, h_dst
 
 
 def output_storage(rows: int, like: Tensor, host: bool) -> Tensor:
