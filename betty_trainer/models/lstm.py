@@ -89,38 +89,7 @@ def lstm_terms(tape: StepTape, seq: int, rows: int, length: int, a: int, hidden:
     ``grads`` holds the :class:`SharedGradient` of ``W_ih``, ``W_hh`` and ``b``."""
     r, f = tape.r, tape.f
     u, g4 = rows * hidden * f, 4 * rows * hidden * f
-    saved = []  # per step: (i, g, o, f_sigmoid, tanh_c, c_prev, h_prev)
-    gates = h = c = None
-    kept = r.saving  # False under torch.no_grad (a layer-wise forward): temporaries die as Python lets go
-    for t in range(length):
-        first = r.alloc(g4, AGG)  # x_t W_ih + b
-        r.save(seq)  # AddmmBackward keeps x_t, a view of seq
-        if t > 0:
-            second = r.alloc(g4, AGG)  # + h W_hh, keeps h
-            r.drop(first, gates)  # the previous gates die when f is rebound to a view of these
-            first = second
-        gates = first
-        if not kept and saved:  # i, g, o rebound to views of the new gates: the previous activations die
-            r.drop(*saved[-1][:3])
-        i, g, o = (r.alloc(u, AGG) for _ in range(3))
-        if t == 0:
-            c_new, f_sig = r.alloc(u, AGG), None
-        else:
-            product = r.alloc(u, AGG)  # i * g
-            f_sig = r.alloc(u, AGG)
-            c_new = r.alloc(u, AGG)  # addcmul keeps f_sigmoid and the previous c
-            r.drop(product)
-            if not kept:
-                r.drop(f_sig, c)
-        tanh_c = r.alloc(u, AGG)
-        h_new = r.alloc(u, AGG)
-        if not kept:
-            r.drop(tanh_c, h)
-        saved.append((i, g, o, f_sig, tanh_c, c, h))
-        h, c = h_new, c_new
-    r.drop(c, gates)  # the last cell state and gates die with the function
-    if not kept:
-        r.drop(*saved[-1][:3])
+    h, saved = _lstm_forward_terms(tape, seq, length, u, g4)
 
     def backward(grad_h: int, x_grad: bool, free_grad_h: bool) -> list[int]:
         grad_x, grad_c = [], None
@@ -174,3 +143,43 @@ def lstm_terms(tape: StepTape, seq: int, rows: int, length: int, a: int, hidden:
         return grad_x
 
     return h, backward
+
+
+def _lstm_forward_terms(tape: StepTape, seq: int, length: int, u: int, g4: int) -> tuple[int, list[tuple]]:
+    """The forward of :func:`lstm_terms`: ``length`` steps of ``u``-byte states and ``g4``-byte gates. Returns
+    the final hidden state's handle and, per step, the handles autograd keeps
+    ``(i, g, o, f_sigmoid, tanh_c, c_prev, h_prev)`` (``f_sigmoid`` is ``None`` at step 0)."""
+    r = tape.r
+    saved = []  # per step: (i, g, o, f_sigmoid, tanh_c, c_prev, h_prev)
+    gates = h = c = None
+    kept = r.saving  # False under torch.no_grad (a layer-wise forward): temporaries die as Python lets go
+    for t in range(length):
+        first = r.alloc(g4, AGG)  # x_t W_ih + b
+        r.save(seq)  # AddmmBackward keeps x_t, a view of seq
+        if t > 0:
+            second = r.alloc(g4, AGG)  # + h W_hh, keeps h
+            r.drop(first, gates)  # the previous gates die when f is rebound to a view of these
+            first = second
+        gates = first
+        if not kept and saved:  # i, g, o rebound to views of the new gates: the previous activations die
+            r.drop(*saved[-1][:3])
+        i, g, o = (r.alloc(u, AGG) for _ in range(3))
+        if t == 0:
+            c_new, f_sig = r.alloc(u, AGG), None
+        else:
+            product = r.alloc(u, AGG)  # i * g
+            f_sig = r.alloc(u, AGG)
+            c_new = r.alloc(u, AGG)  # addcmul keeps f_sigmoid and the previous c
+            r.drop(product)
+            if not kept:
+                r.drop(f_sig, c)
+        tanh_c = r.alloc(u, AGG)
+        h_new = r.alloc(u, AGG)
+        if not kept:
+            r.drop(tanh_c, h)
+        saved.append((i, g, o, f_sig, tanh_c, c, h))
+        h, c = h_new, c_new
+    r.drop(c, gates)  # the last cell state and gates die with the function
+    if not kept:
+        r.drop(*saved[-1][:3])
+    return h, saved
