@@ -39,6 +39,8 @@ def test_reg_micro_batches_reach_dgl_full_batch_accuracy(planetoid_dir, tmp_path
     assert four.test_acc >= threshold
     if dataset == "cora":
         one = run(dataset, planetoid_dir, tmp_path, 1)
+        # the gradients agree to float32 round-off, not bit for bit, so after training a few of the 1000 test
+        # nodes near a decision boundary may flip: 0.005 is 5 nodes
         assert abs(one.test_acc - four.test_acc) <= 0.005
         assert abs(one.last.test_acc - four.last.test_acc) <= 0.005
 

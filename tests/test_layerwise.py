@@ -30,6 +30,10 @@ CPU = torch.device("cpu")
 # gradient: per tensor, a bias of 7 entries that cancel to 1e-5 of their summands turns float32 round-off
 # (2⁻²⁴ per addition) into a relative error of 1e-5 on its own
 BOUND = 1e-5
+# the micro-batch estimator's bound (DEFAULT_TOLERANCE in tests/test_estimator.py); measured on the CPU, the
+# layer-wise estimate equals the peak to the byte for every built-in model but SAGE-pool at 4 and 16 chunks,
+# 12 bytes under (2e-7 relative)
+ESTIMATE_TOLERANCE = 0.001
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,7 @@ def layerwise_gradients(model, batch, graph, k):
 def assert_same(reference, candidate):
     (ref_grads, ref_loss, ref_correct), (grads, loss, correct) = reference, candidate
     assert correct == ref_correct
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)  # float32 sums regrouped by chunk: ~1e-7 relative per term
     scale = max(ref.abs().max() for ref in ref_grads)
     assert scale > 0
     for ref, got in zip(ref_grads, grads):
@@ -159,7 +163,7 @@ def test_every_hidden_node_is_computed_once_per_pass(cora):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_layerwise_estimate_is_within_two_percent_of_the_measured_peak(cora, cora64, arch):
+def test_layerwise_estimate_matches_the_measured_peak(cora, cora64, arch):
     """The layer-wise estimate (estimator.layerwise, from the layers' own memory terms) against the measured
     peak of a layer-wise step (resident: model state, gradients, the batch's blocks and the chunks' dst nodes
     and pointers). Hidden 16: every layer that can project first does (1433 → 16 → 7)."""
@@ -190,7 +194,8 @@ def assert_layerwise_estimate(model, arch: str, graph, fanouts) -> None:
                                       projected_terms(model))
         assert estimate.resident_bytes == measured.resident_bytes
         error = (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes
-        assert abs(error) <= 0.02, f"{arch} at {k} chunks: estimate {estimate.peak_bytes}, measured {measured.peak_bytes}"
+        assert abs(error) <= ESTIMATE_TOLERANCE, \
+            f"{arch} at {k} chunks: estimate {estimate.peak_bytes}, measured {measured.peak_bytes}"
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.7, 0.45])  # below ~0.37 nothing fits: the model state is the floor
@@ -214,7 +219,7 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
     # Adam's state exists from here on
     measure_layerwise_step(model, optimizer, plan, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
     measured = measure_layerwise_step(model, optimizer, plan, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
-    assert measured.peak_bytes <= budget * 1.02  # the estimate's bound (above)
+    assert measured.peak_bytes <= budget  # never an overrun: the estimate fits and is exact here (above)
 
 
 def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
@@ -249,6 +254,8 @@ def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_
     report = (tmp_path / "layerwise" / "plan.json").read_text()
     assert '"mode": "layerwise"' in report and '"chunks_per_layer": 4' in report
     for key, value in results["full"].items():
+        # float32 round-off (1e-5 per step, above) carried through 3 epochs of Adam, whose m/√v step amplifies
+        # differences in small gradients: 1e-4 relative
         assert torch.allclose(results["layerwise"][key], value, rtol=1e-4, atol=1e-6), key
 
 
