@@ -78,6 +78,8 @@ def test_estimate_matches_max_memory_allocated(name, k, request):
         assert row["estimate"]["at_peak"]["device_workspace"] == report["memory_terms"]["device_workspace"]
         errors.append((estimate - own) / own)
     assert min(errors) >= -0.01, f"{name}, K = {k}: a micro-batch above its estimate by more than 1%: {errors}"
+    # not tightened to the CPU's 0.1%: on the GPU the caching allocator's rounding and cuBLAS/kernel temporaries
+    # are modelled in bulk (device_workspace, allocator margin); not re-measured here (CPU-only session)
     assert max(abs(error) for error in errors) <= 0.02, f"{name}, K = {k}: errors {errors}"
 
 

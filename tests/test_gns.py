@@ -53,9 +53,9 @@ def test_degree_cache_favours_high_degree_nodes(computers):
     assert float(counts[top].mean()) > 10 * float(counts[bottom].mean())
     inclusion = sampler.cache(SampleKey(2, 0, 0)).inclusion
     assert torch.allclose(sampler.probability(), degree / degree.sum())
-    # Σ_v frequency_v = |C| exactly, and Σ_v π_v = |C| by the choice of τ (cache_inclusion); Eq. 11's
-    # 1 − (1 − p_v)^{|C|} ≤ |C|·p_v summed to less (134.9 for |C| = 138 here)
-    assert abs(float(inclusion.sum()) / sampler.cache_size - 1) < 0.2
+    # Σ_v frequency_v = |C| exactly, and Σ_v π_v = |C| by the choice of τ (cache_inclusion, Newton's method to
+    # float64 precision); Eq. 11's 1 − (1 − p_v)^{|C|} ≤ |C|·p_v sums to less (134.9 for |C| = 138 here)
+    assert abs(float(inclusion.sum()) - sampler.cache_size) < 1e-6
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.05])
@@ -236,7 +236,7 @@ def test_numba_and_tensor_kernels_sample_the_same_block(computers, only_cached, 
     for a, b in zip(*(batch.blocks for batch in batches)):
         assert torch.equal(a.src_nodes, b.src_nodes) and torch.equal(a.indptr, b.indptr)
         assert torch.equal(a.indices, b.indices)
-        assert torch.allclose(a.edge_weight, b.edge_weight, rtol=1e-6)
+        assert torch.allclose(a.edge_weight, b.edge_weight, rtol=1e-6)  # float32 weights, two kernels' op order
 
 
 def test_gns_samples_fewer_uncached_inputs_than_ns(computers):
@@ -326,4 +326,4 @@ def test_tensor_path_on_cuda_samples_the_cpu_block(computers):
     assert sampler.cache_nodes(key).is_cuda
     for a, b in zip(cpu.blocks, gpu.blocks):
         assert torch.equal(a.src_nodes, b.src_nodes.cpu()) and torch.equal(a.indices, b.indices.cpu())
-        assert torch.allclose(a.edge_weight, b.edge_weight.cpu(), rtol=1e-6)
+        assert torch.allclose(a.edge_weight, b.edge_weight.cpu(), rtol=1e-6)  # float32 weights, two devices' op order

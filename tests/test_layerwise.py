@@ -31,6 +31,9 @@ CPU = torch.device("cpu")
 # gradient: per tensor, a bias of 7 entries that cancel to 1e-5 of their summands turns float32 round-off
 # (2⁻²⁴ per addition) into a relative error of 1e-5 on its own
 BOUND = 1e-5
+# DEFAULT_TOLERANCE, the micro-batch estimator's bound, holds layer-wise too: measured on the CPU, the layer-wise
+# estimate equals the peak to the byte for every built-in model but SAGE-pool at 4 and 16 chunks, 12 bytes under
+# (2e-7 relative)
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,7 @@ def test_sage_aggregator_matches_a_per_node_loop(aggregator):
         rows.append(layer.fc_self(h_ref[d]) + layer.fc_neigh(h_neigh) + layer.bias)
     reference = torch.stack(rows)
 
+    # float32 against a per-row reference (torch.nn.LSTM): the same sums in another order, ~1e-7 relative per term
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
     weights = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
     (out * weights).sum().backward()
@@ -85,6 +86,7 @@ def test_unrolled_lstm_equals_torch_lstm(batch, length, width, hidden):
     x_ref = x.detach().clone().requires_grad_(True)
     out = ours(x.unbind(1))
     _, (expected, _) = reference(x_ref)
+    # float32 against torch.nn.LSTM (fused gates, its own summation order): ~1e-7 relative per term
     torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6)
     weights = torch.randn(batch, hidden)
     (out * weights).sum().backward()
@@ -107,6 +109,7 @@ def test_lstm_aggregator_reads_neighbours_in_csc_order():
     block = tiny_block()
     reordered = Block(block.src_nodes, 4, block.indptr, torch.tensor([4, 1, 3, 2, 5, 0, 1, 5, 2, 3]))
     h = features(5)
+    # above float32 round-off of these O(1) outputs (~1e-7): the order really changes each row
     assert (layer(block, h)[:2] - layer(reordered, h)[:2]).abs().amax(1).min() > 1e-6
 
 
@@ -128,6 +131,7 @@ def test_gat_matches_a_per_node_loop(concat):
         total = (weights.unsqueeze(-1) * z[attended]).sum(0)
         rows.append((total.flatten() if concat else total.mean(0)) + layer.bias)
         alphas.append((attended, weights))
+    # float32 against a per-row softmax reference: the same sums in another order, ~1e-7 relative per term
     torch.testing.assert_close(out, torch.stack(rows), rtol=1e-5, atol=1e-6)
 
     # one self edge per dst node, after the block's other edges; the block's own 3 → 3 edge is not counted twice
@@ -137,7 +141,7 @@ def test_gat_matches_a_per_node_loop(concat):
     for d, (attended, weights) in enumerate(alphas):
         mine = edge_index[1] == d
         assert edge_index[0, mine].tolist() == attended
-        torch.testing.assert_close(alpha[mine], weights)
+        torch.testing.assert_close(alpha[mine], weights)  # float32 defaults: a segment softmax vs torch.softmax
     torch.testing.assert_close(torch.zeros(4, heads).index_add_(0, edge_index[1], alpha), torch.ones(4, heads))
     weighted = torch.zeros(4, heads, width).index_add_(0, edge_index[1], alpha.unsqueeze(-1) * z[edge_index[0]])
     expected = weighted.flatten(1) if concat else weighted.mean(1)

@@ -128,6 +128,7 @@ def test_partitions_are_deterministic_and_balanced(cora):
         two = partition_outputs(batch.blocks[-1], 4, name, seed=7)
         assert all(torch.equal(a, b) for a, b in zip(one, two))
         sizes = [g.numel() for g in one]
+        # the partitioners balance only up to a tolerance (METIS's imbalance factor): 10% over the mean, +1 for rounding
         assert max(sizes) <= 1.1 * 140 / 4 + 1, (name, sizes)
 
 

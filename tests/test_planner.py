@@ -66,6 +66,8 @@ def test_balanced_weights_keep_the_largest_micro_batch_near_the_mean(setting):
     planner = Planner(config.micro_batch, model_spec(config, graph), torch.device("cpu"))
     plan = planner.plan(batch)
     dynamic = [e - planner.resident for e in plan.split.estimates]
+    # METIS balances the output-cost weights only up to its imbalance factor, and the weights are the
+    # estimator's per-output costs, not its exact per-micro-batch bytes (shared inputs): 25% over the mean
     assert max(dynamic) <= 1.25 * sum(dynamic) / len(dynamic)
 
 
@@ -127,7 +129,7 @@ def test_plan_command_table_matches_plan_json(tmp_path, capsys):
     assert "device_workspace 0.00 MiB" in printed and "allocator margin 0.00 MiB (cpu)" in printed
     for row in report["micro_batches"]:
         assert row["measured_peak_bytes"] <= report["budget_bytes"]
-        assert abs(row["error"]) <= 0.05
+        assert abs(row["error"]) <= 0.001  # SAGE-mean: the micro-batch estimator's bound (tests/test_estimator.py)
         line = next(line for line in printed.splitlines()
                     if line.startswith("│") and line.split("│")[1].strip() == str(row["micro_batch"]))
         assert f"{row['estimate']['peak_bytes'] / 2**20:.2f}" in line and f"{row['measured_peak_bytes'] / 2**20:.2f}" in line

@@ -172,6 +172,7 @@ def test_powerlaw_is_deterministic_from_its_seed_and_cached(cache, monkeypatch):
 def test_powerlaw_has_heavy_tailed_degrees_class_homophily_and_informative_features(cache):
     graph = make_powerlaw(**SMALL)
     degree = graph.in_degrees().double()
+    # at most the edges asked for; merging repeated pairs (hubs) may drop a few, under 10%
     assert 0.9 * SMALL["num_edges"] <= graph.num_edges <= SMALL["num_edges"] and _is_symmetric(graph)
     assert degree.max() > 30 * degree.mean()  # a Poisson graph of this mean would stay below 2x
     pairs = _edge_pairs(graph)
@@ -213,4 +214,4 @@ def test_powerlaw_communities_cluster_edges_in_blocks_of_one_class(cache):
     inside = (block[pairs[:, 0]] == block[pairs[:, 1]]).double().mean()
     # an inside draw stays in the block; an outside draw lands in it with probability ~ its weight share (~1/100);
     # merging repeated pairs (hubs inside a block) lowers the share a little
-    assert abs(inside - SMALL["homophily"]) < 0.03, inside
+    assert abs(inside - SMALL["homophily"]) < 0.03, inside  # binomial sd ~0.001; the rest is that modelling slack

@@ -163,7 +163,7 @@ def test_predict_writes_one_row_per_node_that_reads_back(finished, tmp_path, cap
     assert len(columns["node"]) == n and [int(v) for v in columns["node"]] == list(range(n))
     assert [int(v) for v in columns["prediction"]] == expected.argmax(1).tolist()
     probabilities = torch.tensor([[float(v) for v in columns[f"prob_{c}"]] for c in range(classes)]).T
-    assert torch.allclose(probabilities, expected, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(probabilities, expected, rtol=1e-6, atol=1e-7)  # float32 written as text and read back
 
 
 def test_a_partial_metrics_line_is_dropped_and_resume_completes_bit_exactly(tmp_path, capsys):
@@ -269,6 +269,7 @@ def test_a_resume_applies_the_optim_section_it_is_given(tmp_path, scheduler):
     if scheduler == "none":
         assert lrs == [0.01, 0.01, 0.001, 0.001]
     else:
+        # the scheduler multiplies by γ step by step: float64 products in another order, approx's 1e-6 relative
         assert lrs[:2] == [0.01, 0.005] and lrs[2:] == pytest.approx([0.001 * 0.9**2, 0.001 * 0.9**3])
     state = load_checkpoint(tmp_path / "run")
     assert {group["weight_decay"] for group in state["optimizer"]["param_groups"]} == {0.1}
