@@ -11,7 +11,7 @@ import logging
 import math
 import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Iterable, Literal, Sequence, Union, get_args, get_origin
 
 import torch
 import yaml
@@ -382,6 +382,16 @@ class OptimConfig(_Section):
     step_size: int = Field(50, ge=1, description="epochs between two decays of the step scheduler")
     gamma: float = Field(0.5, gt=0, le=1, description="decay factor of the step scheduler")
     min_lr: float = Field(0.0, ge=0, description="last learning rate of the cosine scheduler")
+
+    optimizer: ClassVar[str] = "adam"
+    """Not a key: the optimizer :meth:`make_optimizer` builds, as the memory estimate names it
+    (``estimator.spec.ModelSpec.optimizer``)."""
+
+    def make_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The run's optimizer over ``params``: ``torch.optim.Adam`` with ``lr`` and ``weight_decay`` (PyTorch's
+        default ``foreach`` choice); training, the dry run's measurement and a custom model's calibration all
+        build it here."""
+        return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
 
     @field_validator("lr", "min_lr")
     @classmethod

@@ -260,3 +260,11 @@ def test_a_name_that_is_a_path_is_refused(capsys, name):
 def test_ordinary_names_are_kept():
     for name in ("cora-sage", "my run", "v1.2", "a..b"):
         assert load_config(None, [f"name={name}"]).name == name
+
+
+def test_the_optimizer_is_built_from_optim_in_one_place():
+    """Training, the dry run and calibration build ``config.optim.make_optimizer``; the estimate names the same one."""
+    optim = load_config(None, ["optim.lr=0.003", "optim.weight_decay=0"]).optim
+    optimizer = optim.make_optimizer([torch.nn.Parameter(torch.zeros(2))])
+    assert type(optimizer).__name__.lower() == optim.optimizer
+    assert (optimizer.defaults["lr"], optimizer.defaults["weight_decay"]) == (0.003, 0)
