@@ -11,7 +11,7 @@ import logging
 import math
 import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Iterable, Literal, Sequence, Union, get_args, get_origin
 
 import torch
 import yaml
@@ -25,13 +25,14 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from betty_trainer.data.cache import CACHE_KINDS, cache_capacity
 from betty_trainer.errors import ConfigError
-from betty_trainer.models.sage import AGGREGATORS
+from betty_trainer.models.registry import ARCHITECTURES
 from partition import PARTITIONERS
 
 logger = logging.getLogger(__name__)
@@ -141,54 +142,19 @@ class DatasetConfig(_Section):
 class _ModelSection(_Section):
     """Keys every built-in architecture has; ``arch`` picks the section (see :data:`ModelConfig`)."""
 
-    arch: str = Field(description="built-in architecture: sage, gcn or gat")
+    arch: str = Field(description=f"built-in architecture: {', '.join(sorted(ARCHITECTURES))}")
     hidden: int = Field(64, ge=1, description="hidden width (per head for gat)")
     num_layers: int = Field(2, ge=1)
     dropout: float = Field(0.5, ge=0, lt=1)
 
 
-class SAGEConfig(_ModelSection):
-    """``model`` with ``arch: sage``: GraphSAGE (Hamilton et al. 2017) with one of
-    :data:`~betty_trainer.models.sage.AGGREGATORS`."""
-
-    arch: Literal["sage"] = "sage"
-    aggregator: Literal[AGGREGATORS] = Field("mean", description="GraphSAGE aggregator")
-
-    @property
-    def heads(self) -> int:
-        """Not a key: GraphSAGE has one head (read by code that handles every arch)."""
-        return 1
-
-
-class GCNConfig(_ModelSection):
-    """``model`` with ``arch: gcn``: GCN (Kipf & Welling 2017); no aggregator or heads keys."""
-
-    arch: Literal["gcn"] = "gcn"
-
-    @property
-    def aggregator(self) -> None:
-        """Not a key: GCN has no choice of aggregator."""
-        return None
-
-    @property
-    def heads(self) -> int:
-        """Not a key: GCN has one head."""
-        return 1
-
-
-class GATConfig(_ModelSection):
-    """``model`` with ``arch: gat``: GAT (Veličković et al. 2018) with ``heads`` attention heads."""
-
-    arch: Literal["gat"] = "gat"
-    heads: int = Field(4, ge=1, description="attention heads (hidden layers concatenate them, the last averages)")
-
-    @property
-    def aggregator(self) -> None:
-        """Not a key: GAT aggregates by attention."""
-        return None
-
-
-_ARCHS: dict[str, type[_ModelSection]] = {"sage": SAGEConfig, "gcn": GCNConfig, "gat": GATConfig}
+MODEL_SECTIONS: dict[str, type[_ModelSection]] = {
+    name: create_model(f"{name.upper()}Config", __base__=_ModelSection, __module__=__name__,
+                       __doc__=f"``model`` with ``arch: {name}``: {architecture.title}.",
+                       arch=(Literal[name], name), **architecture.keys)
+    for name, architecture in sorted(ARCHITECTURES.items())}
+"""``model``'s section class per ``arch``, one per registered architecture
+(:data:`betty_trainer.models.registry.ARCHITECTURES`), by name: the keys every architecture has and its own."""
 
 
 def _arch_of(value: Any) -> Any:
@@ -199,12 +165,11 @@ def _arch_of(value: Any) -> Any:
 
 
 ModelConfig = Annotated[
-    Union[tuple(Annotated[section, Tag(arch)] for arch, section in _ARCHS.items())],
+    Union[tuple(Annotated[section, Tag(arch)] for arch, section in MODEL_SECTIONS.items())],
     Discriminator(_arch_of),
 ]
 """``model``: the built-in model and its widths (ignored for a custom model). One section per
-``arch`` (:class:`SAGEConfig`, :class:`GCNConfig`, :class:`GATConfig`); a key another arch owns
-(``aggregator`` under ``arch: gcn``) is refused."""
+``arch`` (:data:`MODEL_SECTIONS`); a key another arch owns (``aggregator`` under ``arch: gcn``) is refused."""
 
 
 SAMPLERS = ("full", "ns", "labor", "gns")
@@ -418,6 +383,16 @@ class OptimConfig(_Section):
     gamma: float = Field(0.5, gt=0, le=1, description="decay factor of the step scheduler")
     min_lr: float = Field(0.0, ge=0, description="last learning rate of the cosine scheduler")
 
+    optimizer: ClassVar[str] = "adam"
+    """Not a key: the optimizer :meth:`make_optimizer` builds, as the memory estimate names it
+    (``estimator.spec.ModelSpec.optimizer``)."""
+
+    def make_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The run's optimizer over ``params``: ``torch.optim.Adam`` with ``lr`` and ``weight_decay`` (PyTorch's
+        default ``foreach`` choice); training, the dry run's measurement and a custom model's calibration all
+        build it here."""
+        return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
+
     @field_validator("lr", "min_lr")
     @classmethod
     def _lr_fits_float32(cls, value: float) -> float:
@@ -459,7 +434,7 @@ class Config(_Section):
     name: str = Field("run", description="run name, used for the default run directory")
     seed: int = Field(0, ge=0)
     dataset: DatasetConfig = DatasetConfig()
-    model: ModelConfig = SAGEConfig()
+    model: ModelConfig = MODEL_SECTIONS["sage"]()
     sampling: SamplingConfig = SamplingConfig()
     features: FeaturesConfig = FeaturesConfig()
     micro_batch: MicroBatchConfig = MicroBatchConfig()
@@ -599,8 +574,8 @@ def _switch_arch(data: dict[str, Any], parsed: list[tuple[str, list[str], Any]])
     as overrides are all kept, so ``model.arch=gcn model.aggregator=lstm`` is still refused."""
     arches = [value for _, parts, value in parsed if parts == ["model", "arch"]]
     section = data.get("model")
-    if arches and isinstance(section, dict) and arches[-1] in _ARCHS:
-        keys = _ARCHS[arches[-1]].model_fields
+    if arches and isinstance(section, dict) and arches[-1] in MODEL_SECTIONS:
+        keys = MODEL_SECTIONS[arches[-1]].model_fields
         data["model"] = {key: value for key, value in section.items() if key in keys}
 
 
@@ -620,10 +595,10 @@ def _describe(error: ValidationError) -> str:
     key = ".".join(loc) or "config"
     if first["type"] == "extra_forbidden":
         allowed = ", ".join(section.model_fields) if section else "?"
-        if section not in _ARCHS.values():
+        if section not in MODEL_SECTIONS.values():
             return f"unknown config key {key!r}; allowed here: {allowed}"
         arch = section.model_fields["arch"].default
-        owners = [other for other in _ARCHS.values() if loc[-1] in other.model_fields]
+        owners = [other for other in MODEL_SECTIONS.values() if loc[-1] in other.model_fields]
         if not owners:
             return f"unknown config key {key!r} with model.arch={arch!r}; allowed here: {allowed}"
         owned = f"a key of model.arch={' or '.join(repr(o.model_fields['arch'].default) for o in owners)}"
@@ -635,7 +610,7 @@ def _describe(error: ValidationError) -> str:
         return f"unknown config key {key!r} with model.arch={arch!r} ({owned}); allowed here: {allowed}"
     if first["type"] == "union_tag_invalid":
         tag = first["ctx"]["tag"]
-        return f"invalid config value for '{key}.arch' ({tag!r}): Input should be {_choices(_ARCHS)}"
+        return f"invalid config value for '{key}.arch' ({tag!r}): Input should be {_choices(MODEL_SECTIONS)}"
     if first["type"] == "union_tag_not_found":
         return f"invalid config value for {key!r} ({first.get('input')!r}): a section (mapping of keys) is expected"
     message = first["msg"].removeprefix("Value error, ")

@@ -8,8 +8,6 @@ from typing import Any, Callable
 
 import torch
 
-ARCHS = ("sage", "gcn", "gat")
-SAGE_AGGREGATORS = ("mean", "gcn", "pool", "lstm")
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0}
 
 
@@ -28,10 +26,12 @@ class ModelSpec:
     """A built-in model, described for the estimator (Betty Table 3: h, n, NP_GNN, NP_Agg).
 
     Attributes:
-        arch: ``sage``, ``gcn`` or ``gat``.
+        arch: the model's architecture, a name the caller gives (the estimate replays ``forward_terms`` and
+            never reads it).
         widths: ``(F_in, hidden, …, C)``: ``L + 1`` widths for ``L`` layers, as the layers' inputs and
             outputs have them (a GAT hidden layer's concatenated heads: ``hidden × heads``).
-        aggregator: SAGE aggregator (``mean``, ``gcn``, ``pool``, ``lstm``).
+        aggregator: the layers' aggregator, for an architecture that has a choice (SAGE's ``mean``, ``gcn``,
+            ``pool``, ``lstm``).
         heads: GAT attention heads (hidden layers concatenate them, the last averages).
         dropout: drop probability (``0`` allocates no masks).
         dtype_bytes: bytes per feature element (4 for float32).
@@ -57,7 +57,7 @@ class ModelSpec:
             the layer-wise estimate (:mod:`estimator.layerwise`). Not compared.
 
     Raises:
-        ValueError: for an unknown arch, aggregator or optimizer, fewer than 2 widths, parameter counts
+        ValueError: for an unknown optimizer, fewer than 2 widths, parameter counts
             for another number of layers.
     """
 
@@ -78,10 +78,6 @@ class ModelSpec:
     layer_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"the estimator knows no model arch {self.arch!r}; built-in: {ARCHS}")
-        if self.arch == "sage" and self.aggregator not in SAGE_AGGREGATORS:
-            raise ValueError(f"unknown SAGE aggregator {self.aggregator!r}; built-in: {SAGE_AGGREGATORS}")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"the estimator knows no optimizer {self.optimizer!r}; known: {tuple(OPTIMIZER_STATES)}")
         if len(self.widths) < 2:

@@ -11,10 +11,10 @@ import torch
 from pydantic import BaseModel
 
 from betty_trainer.cli import main
-from betty_trainer.config import GATConfig, GCNConfig, MicroBatchConfig, SAGEConfig, load_config, parse_bytes
+from betty_trainer.config import MODEL_SECTIONS, MicroBatchConfig, load_config, parse_bytes
 from betty_trainer.datasets import make_sbm
 from betty_trainer.errors import ConfigError
-from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
+from betty_trainer.models import ARCHITECTURES, GAT, GCN, GraphSAGE, architecture_of, build_model
 from betty_trainer.models.sage import AGGREGATORS
 from partition import PARTITIONERS
 from tests.conftest import REPO
@@ -56,11 +56,11 @@ def test_auto_and_null_budgets_and_a_zero_margin_are_kept():
 
 
 @pytest.mark.parametrize("overrides, section", [
-    ([], SAGEConfig),
-    (["model.hidden=8"], SAGEConfig),  # arch defaults to sage in a section that leaves it out
-    (["model.arch=sage", "model.aggregator=lstm"], SAGEConfig),
-    (["model.arch=gcn"], GCNConfig),
-    (["model.arch=gat", "model.heads=2"], GATConfig),
+    ([], MODEL_SECTIONS["sage"]),
+    (["model.hidden=8"], MODEL_SECTIONS["sage"]),  # arch defaults to sage in a section that leaves it out
+    (["model.arch=sage", "model.aggregator=lstm"], MODEL_SECTIONS["sage"]),
+    (["model.arch=gcn"], MODEL_SECTIONS["gcn"]),
+    (["model.arch=gat", "model.heads=2"], MODEL_SECTIONS["gat"]),
 ])
 def test_each_arch_has_its_own_section(overrides, section):
     config = load_config(None, overrides)
@@ -78,7 +78,7 @@ def test_each_arch_has_its_own_section(overrides, section):
     (["model.heads=2"], ["unknown config key 'model.heads' with model.arch='sage'"]),
     (["model.arch=gcn", "model.aggregator=max"], ["'model.aggregator' ('max')", "'mean', 'gcn', 'pool' or 'lstm'",
                                                   "a key of model.arch='sage', not 'gcn'"]),
-    (["model.arch=gin"], ["'model.arch' ('gin')", "'sage', 'gcn' or 'gat'"]),
+    (["model.arch=mlp"], ["'model.arch' ('mlp')", "Input should be 'gat', 'gcn'"]),  # the registry's, by name
     (["model=5"], ["'model' (5): a section (mapping of keys) is expected"]),
     (["train.device=tpu"], ["'train.device' ('tpu')", "use auto, cpu, cuda or cuda:N"]),
     (["train.device=mps"], ["'train.device' ('mps')"]),
@@ -96,9 +96,9 @@ def test_an_arch_override_drops_the_file_keys_only_the_file_arch_has(capsys):
     cora = REPO / "configs/cora-sage.yaml"
     assert load_config(cora).model.aggregator == "mean"  # the file has an aggregator: it is a sage config
     gcn = load_config(cora, ["model.arch=gcn", "model.hidden=16"])
-    assert type(gcn.model) is GCNConfig and (gcn.model.hidden, gcn.model.num_layers) == (16, 2)
+    assert type(gcn.model) is MODEL_SECTIONS["gcn"] and (gcn.model.hidden, gcn.model.num_layers) == (16, 2)
     gat = load_config(cora, ["model.heads=2", "model.arch=gat"])
-    assert type(gat.model) is GATConfig and gat.model.heads == 2
+    assert type(gat.model) is MODEL_SECTIONS["gat"] and gat.model.heads == 2
     result = betty_in_process(capsys, "validate", "--config", str(cora), "model.arch=gcn", "model.aggregator=lstm")
     assert_one_line_error(result, "unknown config key 'model.aggregator' with model.arch='gcn'")
 
@@ -119,11 +119,15 @@ def test_cuda_without_a_gpu_is_refused_when_the_run_starts(tmp_path, capsys, mon
 
 def test_allowed_values_are_the_registries():
     assert get_args(MicroBatchConfig.model_fields["partitioner"].annotation) == tuple(PARTITIONERS)
-    assert get_args(SAGEConfig.model_fields["aggregator"].annotation) == tuple(AGGREGATORS)
+    assert get_args(MODEL_SECTIONS["sage"].model_fields["aggregator"].annotation) == tuple(AGGREGATORS)
     graph = make_sbm(num_nodes=60, num_classes=3, num_features=4, avg_degree=4.0, homophily=0.7, feature_signal=0.2,
                      train_per_class=2, num_val=5, num_test=5, seed=0)
+    assert list(MODEL_SECTIONS) == sorted(ARCHITECTURES) and {"sage", "gcn", "gat"} <= set(ARCHITECTURES)
     for arch, kind in (("sage", GraphSAGE), ("gcn", GCN), ("gat", GAT)):
-        assert isinstance(build_model(load_config(None, [f"model.arch={arch}"]).model, graph), kind)
+        assert ARCHITECTURES[arch].model is kind
+    for arch, architecture in ARCHITECTURES.items():
+        model = build_model(load_config(None, [f"model.arch={arch}"]).model, graph)
+        assert type(model) is architecture.model and architecture_of(model) is architecture
     for aggregator in AGGREGATORS:
         model = build_model(load_config(None, [f"model.aggregator={aggregator}"]).model, graph)
         assert {layer.aggregator for layer in model.layers} == {aggregator}
@@ -151,11 +155,11 @@ def test_the_readme_table_names_every_key_and_every_allowed_value():
             else:
                 keys.add(prefix + name)
 
-    for arch in ("sage", "gcn", "gat"):
+    for arch in MODEL_SECTIONS:
         walk("", load_config(None, [f"model.arch={arch}"]))
     keys = {key for key in keys if not key.startswith("dataset.synthetic.")} | {"dataset.synthetic"}
     assert keys <= documented, sorted(keys - documented)
-    assert set(PARTITIONERS) | set(AGGREGATORS) | {"sage", "gcn", "gat"} <= documented
+    assert set(PARTITIONERS) | set(AGGREGATORS) | set(MODEL_SECTIONS) <= documented
     assert config.micro_batch.partitioner in documented
 
 
@@ -256,3 +260,11 @@ def test_a_name_that_is_a_path_is_refused(capsys, name):
 def test_ordinary_names_are_kept():
     for name in ("cora-sage", "my run", "v1.2", "a..b"):
         assert load_config(None, [f"name={name}"]).name == name
+
+
+def test_the_optimizer_is_built_from_optim_in_one_place():
+    """Training, the dry run and calibration build ``config.optim.make_optimizer``; the estimate names the same one."""
+    optim = load_config(None, ["optim.lr=0.003", "optim.weight_decay=0"]).optim
+    optimizer = optim.make_optimizer([torch.nn.Parameter(torch.zeros(2))])
+    assert type(optimizer).__name__.lower() == optim.optimizer
+    assert (optimizer.defaults["lr"], optimizer.defaults["weight_decay"]) == (0.003, 0)

@@ -199,7 +199,7 @@ def test_build_model_from_config(cora, overrides, kind, layer_kind):
 
 @pytest.mark.parametrize("override, fragment", [
     ("model.aggregator=max", "'mean', 'gcn', 'pool' or 'lstm'"),
-    ("model.arch=gin", "'sage', 'gcn' or 'gat'"),
+    ("model.arch=mlp", "'gat', 'gcn'"),
     ("model.heads=0", "greater than or equal to 1"),
 ])
 def test_config_rejects_unknown_model_choices(override, fragment):

@@ -359,10 +359,7 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
                           "use micro_batch.mode=micro_batches for a custom model")
     resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
     started = time.perf_counter()
-    optim = config.optim
-    calibrated = calibrate_model(
-        model, graph, config.model.num_layers,
-        lambda params: torch.optim.Adam(params, lr=optim.lr, weight_decay=optim.weight_decay), device)
+    calibrated = calibrate_model(model, graph, config.model.num_layers, config.optim.make_optimizer, device)
     logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
                 type(model).__name__, time.perf_counter() - started, 100 * calibrated.max_relative_error)
     planner = Planner(config.micro_batch, calibrated, device, reserved, seed)

@@ -10,7 +10,7 @@ from betty_trainer.config import Config
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import PlanningError
 from betty_trainer.memory.device import device_workspace
-from betty_trainer.models import GAT, GCN, GraphSAGE, build_model
+from betty_trainer.models import architecture_of, build_model
 from betty_trainer.rng import compiled_kernels
 from estimator.spec import ModelSpec, adam_uses_foreach
 
@@ -26,24 +26,26 @@ def model_spec(config: Config, graph: Graph, device: torch.device | str = "cpu")
 def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu") -> ModelSpec:
     """The estimator's description of a built-in model **instance** trained on ``device`` as
     :func:`~betty_trainer.training.trainer.train` trains it: its kind, widths, aggregator, heads, dropout,
-    parameter tensors (in ``model.parameters()`` order) and buffers read off the instance; Adam with
-    ``config.optim.weight_decay`` on the foreach or single-tensor path PyTorch picks for the device;
+    parameter tensors (in ``model.parameters()`` order) and buffers read off the instance; the optimizer
+    ``config.optim.make_optimizer`` builds (Adam, with ``config.optim.weight_decay``) on the foreach or
+    single-tensor path PyTorch picks for the device;
     the kernels dropout and aggregation use there; the device's BLAS workspaces, measured once per process
     (:func:`~betty_trainer.memory.device.device_workspace`; 0 on the CPU); and the model's own memory terms (each layer's
     ``memory_terms`` beside its ``forward``), which the estimate replays.
 
     Raises:
-        PlanningError: ``model`` is not a built-in model (custom models are calibrated instead).
+        PlanningError: ``model`` is not a built-in model, an instance of a registered architecture's class
+            (:func:`~betty_trainer.models.registry.architecture_of`); custom models are calibrated instead.
     """
-    arch = {GraphSAGE: "sage", GCN: "gcn", GAT: "gat"}.get(type(model))
-    if arch is None:
+    architecture = architecture_of(model)
+    if architecture is None:
         raise PlanningError(f"{type(model).__name__} has no closed-form memory estimate; custom models are calibrated")
     first = model.layers[0]
     parameter = next(model.parameters())
     return ModelSpec(
-        arch, model.widths,
+        architecture.name, model.widths,
         aggregator=getattr(first, "aggregator", "mean"), heads=getattr(first, "heads", 1), dropout=model.dropout.p,
-        dtype_bytes=parameter.element_size(), optimizer="adam",
+        dtype_bytes=parameter.element_size(), optimizer=config.optim.optimizer,
         parameter_numels=tuple(tuple(p.numel() for p in layer.parameters()) for layer in model.layers),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),

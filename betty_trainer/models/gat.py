@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, attention_aggregate, edge_dst_terms, edge_softmax
+from betty_trainer.models.registry import Architecture, LayerSize, Work, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts
 from estimator.tape import AGG, GRAD, HID, OVER, StepTape
@@ -284,3 +286,20 @@ class GAT(LayerStack):
         super().__init__(layer_widths(in_feats, hidden * heads, out_feats, num_layers),
                          lambda a, _: GATConv(a, hidden, heads), dropout,
                          make_output_layer=lambda a, b: GATConv(a, b, heads, concat=False))
+
+
+def gat_work(spec, size: LayerSize) -> Work:
+    """One GAT layer's multiply-adds per pass (:attr:`~betty_trainer.models.registry.Architecture.work`): ``W``
+    (``a·b``, ``b`` the heads' width: the output layer's ``b`` times ``heads``, averaged after projecting) on the
+    src rows (layer-wise: the block's projected rows); the attention and the aggregation, ``b`` per edge."""
+    b = size.b * spec.heads if size.last else size.b
+    rows = size.projected if size.projected is not None else size.src
+    return Work(rows * size.a * b, size.edges * b, size.gathered(b))
+
+
+register(Architecture(
+    "gat", "GAT (Veličković et al. 2018) with ``heads`` attention heads", GAT,
+    lambda config, graph: GAT(graph.num_features, config.hidden, graph.num_classes, config.num_layers,
+                              config.heads, config.dropout),
+    gat_work,
+    {"heads": (int, Field(4, ge=1, description="attention heads (hidden layers concatenate them, the last averages)"))}))

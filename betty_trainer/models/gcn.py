@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import aggregate, aggregate_terms, per_edge, per_edge_terms
+from betty_trainer.models.registry import Architecture, LayerSize, Work, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import INDEX_BYTES, LayerCounts
 from estimator.tape import AGG, HID, OVER, StepTape
@@ -144,3 +145,20 @@ class GCN(LayerStack):
 
     def apply_layer(self, layer: nn.Module, block: Block, h: Tensor) -> Tensor:
         return layer(block, h, self.inv_sqrt_degree[block.src_nodes])
+
+
+def gcn_work(spec, size: LayerSize) -> Work:
+    """One GCN layer's multiply-adds per pass (:attr:`~betty_trainer.models.registry.Architecture.work`): ``W``
+    (``a·b``) on the src rows when the layer projects first (``a > b``), else on the dst rows; the aggregation
+    per edge at the width aggregated (``b`` when projected first, else ``a``)."""
+    a, b = size.a, size.b
+    first = a > b
+    rows = size.projected if size.projected is not None else size.src if first else size.dst
+    return Work(rows * a * b, size.edges * (b if first else a), size.gathered(b))
+
+
+register(Architecture(
+    "gcn", "GCN (Kipf & Welling 2017)", GCN,
+    lambda config, graph: GCN(graph.num_features, config.hidden, graph.num_classes, graph.in_degrees(),
+                              config.num_layers, config.dropout),
+    gcn_work))

@@ -3,7 +3,10 @@ aggregators."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -24,6 +27,7 @@ from betty_trainer.models.aggregate import (
     weight_totals_terms,
 )
 from betty_trainer.models.lstm import LSTM
+from betty_trainer.models.registry import Architecture, LayerSize, Work, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import LayerCounts
 from estimator.tape import AGG, GRAD, HID, StepTape
@@ -338,3 +342,32 @@ class GraphSAGE(LayerStack):
                  aggregator: str = "mean", dropout: float = 0.5):
         super().__init__(layer_widths(in_feats, hidden, out_feats, num_layers),
                          lambda a, b: SAGEConv(a, b, aggregator), dropout)
+
+
+def sage_work(spec, size: LayerSize) -> Work:
+    """One SAGE layer's multiply-adds per pass (:attr:`~betty_trainer.models.registry.Architecture.work`):
+    ``W_neigh`` (``a·b``) on the src rows when the layer projects first (``mean``/``gcn`` with ``a > b``; layer-wise,
+    on the block's projected rows), else on the dst rows; ``W_self`` (every aggregator but ``gcn``) on the dst
+    rows; ``pool``'s ``fc_pool`` (``a·a``) on the src rows; the aggregation per edge at the width aggregated
+    (``b`` when projected first, else ``a``), ``lstm``: an LSTM step per edge, ``8·a²`` (four gates over the
+    input and the hidden state)."""
+    a, b = size.a, size.b
+    first = spec.aggregator in _LINEAR and a > b
+    rows = size.projected if size.projected is not None else size.src if first else size.dst
+    if spec.aggregator != "gcn":
+        rows += size.dst  # fc_self
+    linear, aggregate = rows * a * b, size.edges * (b if first else a)
+    if spec.aggregator == "pool":
+        linear += size.src * a * a  # fc_pool, before the max
+    elif spec.aggregator == "lstm":
+        aggregate = size.edges * 8 * a * a
+    return Work(linear, aggregate, size.gathered(b, dst_input=spec.aggregator == "mean"))
+
+
+register(Architecture(
+    "sage", "GraphSAGE (Hamilton et al. 2017) with one of :data:`~betty_trainer.models.sage.AGGREGATORS`",
+    GraphSAGE,
+    lambda config, graph: GraphSAGE(graph.num_features, config.hidden, graph.num_classes, config.num_layers,
+                                    config.aggregator, config.dropout),
+    sage_work,
+    {"aggregator": (Literal[AGGREGATORS], Field("mean", description="GraphSAGE aggregator"))}))

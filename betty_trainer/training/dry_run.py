@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
@@ -45,7 +43,7 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     if measure:
         model = init_model(config, graph).to(device)
         set_dropout_key(model, config.seed, 0)
-        optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+        optimizer = config.optim.make_optimizer(model.parameters())
         with quiet_native_stderr():
             measured = plan.measure(model, optimizer, HostFeatureStore(graph.x, pin=device.type == "cuda"), graph.y,
                                     device)

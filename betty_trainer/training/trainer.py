@@ -299,7 +299,7 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
         planner = make_planner(config, graph, model, device, features, plan_seed(config))
     model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    optimizer = config.optim.make_optimizer(model.parameters())
     if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
         logger.warning("GCN sums its neighbours, and GNS's importance weights leave a weighted sum biased upward on "
                        "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "

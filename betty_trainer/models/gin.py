@@ -1,0 +1,137 @@
+"""GIN (Xu, Hu, Leskovec & Jegelka, ICLR 2019) on blocks: a sum aggregation and a two-layer MLP per layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from betty_trainer.data.block import Block
+from betty_trainer.models.aggregate import aggregate, aggregate_terms
+from betty_trainer.models.registry import Architecture, LayerSize, Work, register
+from betty_trainer.models.stack import LayerStack, layer_widths
+from estimator.counts import LayerCounts
+from estimator.tape import AGG, HID, StepTape
+
+
+class GINConv(nn.Module):
+    """One GIN layer: h'_d = MLP((1 + ε)·h_d + Σ_{s∈N(d)} h_s) with ε = 0 (GIN-0, Xu et al. 2019, Eq. 4.1), the
+    MLP ``W₂·ReLU(W₁·x + b₁) + b₂``.
+
+    The sum is one sparse matmul (:func:`~betty_trainer.models.aggregate.aggregate`, no per-edge feature
+    tensor). ``W₁`` is linear, so with ``F_in > F_out`` it is applied before summing (the same function with
+    less memory), as GCN and SAGE ``mean`` do. On a weighted block (LABOR, GNS) each neighbour is multiplied by
+    its edge weight, an importance weight ``1/p``: the sum is then a Horvitz–Thompson estimate of the full one
+    (DGL's ``GINConv`` with ``edge_weight``). The paper's MLP has batch normalisation; it has none here, since
+    statistics over a batch would differ between a batch and its micro-batches.
+
+    Args:
+        in_feats: ``F_in``.
+        out_feats: ``F_out`` (the MLP's hidden and output width).
+
+    Shapes:
+        ``h_src`` ``(num_src, F_in)`` → ``(num_dst, F_out)``.
+    """
+
+    def __init__(self, in_feats: int, out_feats: int):
+        super().__init__()
+        self.in_feats, self.out_feats = in_feats, out_feats
+        self.linear1 = nn.Linear(in_feats, out_feats, bias=False)
+        self.bias1 = nn.Parameter(torch.empty(out_feats))
+        self.linear2 = nn.Linear(out_feats, out_feats, bias=False)
+        self.bias2 = nn.Parameter(torch.empty(out_feats))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        gain = nn.init.calculate_gain("relu")
+        nn.init.xavier_uniform_(self.linear1.weight, gain=gain)
+        nn.init.xavier_uniform_(self.linear2.weight, gain=gain)
+        nn.init.zeros_(self.bias1)
+        nn.init.zeros_(self.bias2)
+
+    def forward(self, block: Block, h_src: Tensor) -> Tensor:
+        project_first = self.in_feats > self.out_feats
+        h = self.linear1(h_src) if project_first else h_src
+        values = h.new_ones(block.num_edges) if block.edge_weight is None else block.edge_weight.to(h.dtype)
+        out = aggregate(block, h, values, self_scale=h.new_ones(block.num_dst))  # (1 + ε)·h_d + Σ h_s, ε = 0
+        hidden = F.relu((out if project_first else self.linear1(out)) + self.bias1)
+        return self.linear2(hidden) + self.bias2
+
+    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
+        """What :meth:`forward` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
+        tape; ``hd_grad``: it requires grad), op by op (:class:`estimator.tape.StepTape`). Returns ``(output
+        handle, backward)`` as :meth:`SAGEConv.memory_terms <betty_trainer.models.sage.SAGEConv.memory_terms>`
+        does."""
+        a, b = self.in_feats, self.out_feats
+        r, f, d = tape.r, tape.f, c.num_dst
+        project_first, w, record = tape.aggregation_width(a, b, hd_grad)
+        h, lin_in_bwd = tape.linear(hd, c.num_src, a, b, hd_grad, AGG) if project_first else (hd, None)
+        values = None if c.weighted else r.alloc(c.num_edges * f, AGG)  # ones; a weighted block's own weights
+        scale = r.alloc(d * f, AGG)  # ones
+        out, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
+        r.drop(scale)
+        lin_out, lin_out_bwd = (None, None) if project_first else tape.linear(out, d, a, b, True)
+        pre = r.alloc(d * b * f, HID)  # + b₁
+        r.drop(lin_out)
+        hidden, relu_bwd = tape.relu(pre, d, b)
+        z, lin2_bwd = tape.linear(hidden, d, b, b, True)
+        result = r.alloc(d * b * f, HID)  # + b₂
+        r.drop(z, hidden, out, values)
+        if project_first:
+            r.drop(h)
+
+        def backward(grad: int) -> int | None:
+            tape.param_grad(b)  # b₂
+            tape.settle()
+            grad = relu_bwd(lin2_bwd(grad))
+            tape.param_grad(b)  # b₁
+            tape.settle()
+            if lin_out_bwd is not None:
+                grad = lin_out_bwd(grad, True, record)
+            if not record:
+                return None
+            grad_h = agg_bwd(grad)
+            if lin_in_bwd is not None:
+                return lin_in_bwd(grad_h)
+            return grad_h if hd_grad else r.drop(grad_h)
+
+        return result, backward
+
+    def __repr__(self) -> str:
+        return f"GINConv({self.in_feats}, {self.out_feats})"
+
+
+class GIN(LayerStack):
+    """GIN: a :class:`~betty_trainer.models.stack.LayerStack` of :class:`GINConv` layers (Xu et al. 2019),
+    classifying nodes from the last layer's output (no graph readout).
+
+    Args:
+        in_feats: ``F``.
+        hidden: hidden width.
+        out_feats: ``C``.
+        num_layers: ``L ≥ 1``. Default ``2``.
+        dropout: drop probability. Default ``0.5``.
+
+    Shapes:
+        ``x`` ``(blocks[0].num_src, F)`` → ``(blocks[-1].num_dst, C)`` logits.
+    """
+
+    def __init__(self, in_feats: int, hidden: int, out_feats: int, num_layers: int = 2, dropout: float = 0.5):
+        super().__init__(layer_widths(in_feats, hidden, out_feats, num_layers), GINConv, dropout)
+
+
+def gin_work(spec, size: LayerSize) -> Work:
+    """One GIN layer's multiply-adds per pass (:attr:`~betty_trainer.models.registry.Architecture.work`):
+    ``W₁`` (``a·b``) on the src rows when the layer projects first (``a > b``), else on the dst rows; ``W₂``
+    (``b·b``) on the dst rows; the sum per edge at the width summed (``b`` when projected first, else ``a``)."""
+    a, b = size.a, size.b
+    first = a > b
+    linear = (size.src if first else size.dst) * a * b + size.dst * b * b
+    return Work(linear, size.edges * (b if first else a), size.gathered(b))
+
+
+register(Architecture(
+    "gin", "GIN (Xu et al. 2019) with ε = 0 and a two-layer MLP per layer", GIN,
+    lambda config, graph: GIN(graph.num_features, config.hidden, graph.num_classes, config.num_layers,
+                              config.dropout),
+    gin_work))

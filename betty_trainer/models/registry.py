@@ -1,0 +1,110 @@
+"""The built-in architectures: one :class:`Architecture` record per ``model.arch`` name, registered by the
+model's own file, from which the config's choices and sections, the estimator's model description and the
+planner's work model are read. A new built-in architecture is one module in ``betty_trainer/models/`` that
+calls :func:`register` (``betty_trainer.models`` imports every module of the package), plus its tests and docs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerSize:
+    """One layer's size in one training step, summed over the pieces that run it (every micro-batch's slice
+    of the layer, or a layer-wise plan's chunks): what a work function (:attr:`Architecture.work`) reads.
+
+    Attributes:
+        index: the layer (0 = input layer).
+        last: it is the output layer.
+        a: input width.
+        b: output width.
+        src: src rows (a row read by several pieces counts in each: the redundancy).
+        dst: dst rows.
+        edges: edges.
+        projected: layer-wise, the block's src rows the layer projects once per pass (GAT, SAGE
+            ``mean``/``gcn`` projecting first); ``None`` when each piece runs the whole layer.
+    """
+
+    index: int
+    last: bool
+    a: int
+    b: int
+    src: int
+    dst: int
+    edges: int
+    projected: int | None = None
+
+    def gathered(self, z_width: int, dst_input: bool = False) -> int:
+        """Input elements the pieces gather (each gathered element is also dropout-masked): the src rows at
+        width ``a``; a projected layer (``projected`` set): the projection's rows at width ``a``, each piece's
+        rows of ``z`` at ``z_width`` and, when the layer reads its dst nodes' input (``dst_input``, SAGE
+        ``mean``'s self term), each piece's dst rows at width ``a``."""
+        if self.projected is None:
+            return self.src * self.a
+        return self.projected * self.a + self.src * z_width + (self.dst * self.a if dst_input else 0)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One layer's multiply-adds in one pass (:attr:`Architecture.work`'s result).
+
+    Attributes:
+        linear: the linear maps' multiply-adds.
+        aggregate: the neighbour aggregation's.
+        gathered: input elements gathered and dropout-masked (:meth:`LayerSize.gathered`).
+    """
+
+    linear: int
+    aggregate: int
+    gathered: int
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A built-in architecture, as the config, the estimator and the planner know it.
+
+    Attributes:
+        name: its ``model.arch`` value.
+        title: what the config section's docstring calls it (the model and its paper).
+        model: the ``nn.Module`` class :attr:`build` returns (the estimator recognises an instance by it).
+        build: ``(model config section, graph) -> model``, sized for the graph.
+        keys: the config keys only this architecture has, as pydantic fields: name → ``(annotation,
+            pydantic.Field(...))`` (SAGE's ``aggregator``, GAT's ``heads``); every architecture also has
+            ``hidden``, ``num_layers`` and ``dropout``.
+        work: ``(spec, LayerSize) -> Work``: one layer's multiply-adds per pass, which ``micro_batch.mode=auto``
+            compares (``betty_trainer.memory.work.step_work``), written beside the layer's forward and
+            memory terms. ``spec`` is the model's ``estimator.spec.ModelSpec`` (its aggregator, heads).
+    """
+
+    name: str
+    title: str
+    model: type[nn.Module]
+    build: Callable[[Any, Any], nn.Module]
+    work: Callable[[Any, LayerSize], Work]
+    keys: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
+
+
+ARCHITECTURES: dict[str, Architecture] = {}
+"""Every registered architecture by ``model.arch`` name, in registration order."""
+
+
+def register(architecture: Architecture) -> Architecture:
+    """Add ``architecture`` to :data:`ARCHITECTURES` (a model module calls this once, at import).
+
+    Raises:
+        ValueError: the name or the model class is registered already.
+    """
+    if architecture.name in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture.name!r} is registered already")
+    if any(known.model is architecture.model for known in ARCHITECTURES.values()):
+        raise ValueError(f"{architecture.model.__name__} is registered already")
+    ARCHITECTURES[architecture.name] = architecture
+    return architecture
+
+
+def architecture_of(model: nn.Module) -> Architecture | None:
+    """The registered architecture whose class ``model`` is exactly (a subclass is a custom model), else ``None``."""
+    return next((known for known in ARCHITECTURES.values() if type(model) is known.model), None)
