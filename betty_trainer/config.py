@@ -451,6 +451,9 @@ class TrainConfig(_Section):
                                 "epochs; null = train all optim.epochs")
     tensorboard: bool = Field(False, description="also log the metrics for TensorBoard in <run_dir>/tensorboard "
                                                  "(needs the tensorboard package)")
+    stop_on_divergence: bool = Field(
+        False, description="end the run when an epoch's training loss exceeds 1000 × ln(num_classes), the "
+                           "cross-entropy of a uniform guess (false: a warning only)")
 
 
 class Config(_Section):

@@ -187,7 +187,7 @@ def train(
     _print_start(console, config, run.graph, device, run.model, path, run.start_epoch, resume)
     model, optimizer, planner, features, graph = run.model, run.optimizer, run.planner, run.features, run.graph
     board = _tensorboard(config, path)
-    last, stopped_early, best, warned = None, False, run.best, False
+    last, stopped_early, best, warned, diverging = None, False, run.best, False, False
     model.train()
     try:
         with EpochProgress(console, f"{graph.name} · {config.micro_batch.partitioner}", config.optim.epochs,
@@ -225,6 +225,7 @@ def train(
                                         f"try a lower optim.lr; {_last_good(path, epoch)}")
                 last = totals.metrics(epoch, graph, features.stats.snapshot(), time.perf_counter() - started, lr,
                                       _evaluate(config, run, epoch, device))
+                diverging = _check_divergence(config, graph, last, path, diverging)
                 best = _end_epoch(directory, run, last, best, board)
                 progress.advance(epoch, epoch_status(last, best))
                 if _patience_exhausted(config, epoch, best) and last.val_acc is not None:
@@ -519,6 +520,34 @@ def _allocate(build: Callable[[], nn.Module], device: torch.device) -> nn.Module
             raise
         raise TrainingError(f"cannot allocate the model on {device} ({str(error).splitlines()[0][-120:]}); "
                             "lower model.hidden or model.num_layers") from None
+
+
+DIVERGENCE_FACTOR = 1000.0
+"""An epoch's mean training loss above this many times ln(num_classes) (the cross-entropy of a uniform guess,
+what an untrained model scores) is taken as divergence."""
+
+
+def _check_divergence(config: Config, graph: Graph, metrics: EpochMetrics, path: Path, warned: bool) -> bool:
+    """Warn once (``warning:`` line) when the epoch's training loss exceeds :data:`DIVERGENCE_FACTOR` × ln(C),
+    C = ``graph.num_classes`` (at least 2); returns whether the run has warned. The loss is finite (a NaN or
+    infinite one is refused in the step), so this catches the slow blow-up of a too-high learning rate, which
+    under Adam can keep the accuracy near normal while the loss reaches 1e21.
+
+    Raises:
+        TrainingError: the loss diverged and ``train.stop_on_divergence`` is set; names the last good ``last.pt``
+            (the diverged epoch is not saved).
+    """
+    limit = DIVERGENCE_FACTOR * math.log(max(graph.num_classes, 2))
+    if not metrics.loss > limit:
+        return warned
+    said = (f"epoch {metrics.epoch}: training loss {metrics.loss:.3g} is over {DIVERGENCE_FACTOR:g}× "
+            f"ln(num_classes) = {limit:.4g}: training is diverging, most likely optim.lr={config.optim.lr:g} is too "
+            "high (under Adam the accuracy can look normal meanwhile)")
+    if config.train.stop_on_divergence:
+        raise TrainingError(f"{said}; stopped (train.stop_on_divergence); {_last_good(path, metrics.epoch)}")
+    if not warned:
+        logger.warning("%s; set train.stop_on_divergence=true to stop such a run", said)
+    return True
 
 
 def _last_good(path: Path, epoch: int) -> str:
