@@ -3,16 +3,21 @@ files, a user's own files in a run directory, a YAML alias bomb, K above the out
 
 from __future__ import annotations
 
-import json
 import logging
+import re
 
+import numpy as np
 import pytest
+import torch
 
 from betty_trainer.config import load_config
-from betty_trainer.errors import TrainingError
+from betty_trainer.data.graph import Graph
+from betty_trainer.errors import DatasetError, TrainingError
 from betty_trainer.training.checkpoint import load_checkpoint
 from betty_trainer.training.trainer import train
+from tests.conftest import REPO
 from tests.test_cli import assert_one_line_error, betty_in_process
+from tests.test_readme import README
 from tests.test_runs import QUICKSTART, SMALL, metrics
 
 
@@ -37,3 +42,50 @@ def test_a_huge_learning_rate_warns_of_divergence_and_can_stop_the_run(tmp_path,
     refused = betty_in_process(capsys, "train", "--config", QUICKSTART, *diverging, "train.stop_on_divergence=true",
                                f"train.run_dir={tmp_path / 'cli'}")
     assert_one_line_error(refused, "epoch 1: training loss", "stop_on_divergence", "last.pt (epoch 0")
+
+
+def own_graph_example() -> str:
+    """The README's own-graph example: the ``py`` block after its marker."""
+    (block,) = re.findall(r"<!-- own-graph example -->\n```py\n(.*?)```", README, flags=re.S)
+    return block
+
+
+def test_the_readmes_own_graph_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(own_graph_example(), "README.md", "exec"), {"__name__": "readme"})
+    assert "4 nodes, 8 edges, 4 features, 2 classes" in capsys.readouterr().out
+    assert len(list((tmp_path / "runs").glob("*/last.pt"))) == 1
+
+
+def small_graph(**fields) -> Graph:
+    given = {"x": torch.zeros(6, 3), "y": torch.tensor([0, 1, 2, 0, 1, -1]), "train_idx": torch.tensor([0, 1]),
+             "val_idx": torch.tensor([2, 3]), "test_idx": torch.tensor([4])}
+    return Graph.from_edges(torch.tensor([0, 1, 2, 3, 4]), torch.tensor([1, 2, 3, 4, 5]), 6, **(given | fields))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_classes": 2}, "node 2 has label 2, outside [0, num_classes=2)"),
+    ({"y": torch.tensor([0, 1, 2, 0, 1, -2])}, "node 5 has label -2, outside"),
+    ({"y": torch.tensor([0.0, 1, 2, 0, 1, 1])}, "y has dtype torch.float32, expected integer class labels"),
+    ({"x": torch.zeros(6, 3).index_put_((torch.tensor([4]), torch.tensor([2])), torch.tensor(float("nan")))},
+     "feature x[4, 2] is nan"),
+    ({"x": torch.zeros(5, 3)}, "x has shape (5, 3), expected (6, F)"),
+    ({"y": torch.tensor([0, 1, 2])}, "y has shape (3,), expected (6,)"),
+    ({"test_idx": torch.tensor([6])}, "test_idx holds node ids outside [0, 6)"),
+    ({"test_idx": torch.tensor([5])}, "test_idx holds node 5, which has no label (-1)"),
+    ({"test_idx": torch.tensor([1])}, "node 1 is in both train_idx and test_idx"),
+    ({"val_idx": torch.tensor([2, 3, 2])}, "node 2 is twice in val_idx"),
+    ({"train_idx": torch.tensor([[0, 1]])}, "train_idx must be a 1-D integer tensor"),
+])
+def test_a_graph_built_from_python_is_checked_in_one_line(fields, message):
+    with pytest.raises(DatasetError, match=re.escape(message)) as raised:
+        small_graph(**fields)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_graph_takes_numpy_arrays_and_infers_num_classes():
+    graph = small_graph(x=np.zeros((6, 3), dtype=np.float32), y=np.array([0, 1, 2, 0, 1, -1]),
+                        train_idx=np.array([0, 1]))
+    assert graph.num_classes == 3 and isinstance(graph.x, torch.Tensor) and isinstance(graph.train_idx, torch.Tensor)
+    assert torch.equal(graph.y, torch.tensor([0, 1, 2, 0, 1, -1]))
