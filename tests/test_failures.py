@@ -13,12 +13,12 @@ import torch
 from betty_trainer.config import load_config
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import DatasetError, TrainingError
-from betty_trainer.training.checkpoint import load_checkpoint
+from betty_trainer.training.checkpoint import BEST_NAME, checksum_path, load_checkpoint
 from betty_trainer.training.trainer import train
 from tests.conftest import REPO
 from tests.test_cli import assert_one_line_error, betty_in_process
 from tests.test_readme import README
-from tests.test_runs import QUICKSTART, SMALL, metrics
+from tests.test_runs import QUICKSTART, SMALL, finished, metrics, run_copy  # noqa: F401 (fixtures)
 
 
 def test_a_huge_learning_rate_warns_of_divergence_and_can_stop_the_run(tmp_path, caplog, capsys):
@@ -89,3 +89,33 @@ def test_a_graph_takes_numpy_arrays_and_infers_num_classes():
                         train_idx=np.array([0, 1]))
     assert graph.num_classes == 3 and isinstance(graph.x, torch.Tensor) and isinstance(graph.train_idx, torch.Tensor)
     assert torch.equal(graph.y, torch.tensor([0, 1, 2, 0, 1, -1]))
+
+
+@pytest.mark.parametrize("edit, fragments", [
+    (lambda line: line.replace('"epoch": 1,', '"epoch": "1",'), ["line 2: field 'epoch' is \"1\", expected an integer"]),
+    (lambda line: "[1, 2]", ["line 2 is not a metrics record"]),
+    (lambda line: line[:20], ["line 2 is not JSON"]),
+])
+def test_resume_names_a_hand_edited_metrics_line(run_copy, capsys, edit, fragments):
+    lines = (run_copy / "metrics.jsonl").read_text().splitlines()
+    lines[1] = edit(lines[1])
+    (run_copy / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    refused = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=8")
+    assert_one_line_error(refused, "metrics.jsonl", *fragments, "to resume")
+
+
+def test_resume_verifies_best_pt_and_can_go_on_without_it(run_copy, capsys, caplog):
+    best = run_copy / BEST_NAME
+    data = bytearray(best.read_bytes())
+    data[len(data) // 2] ^= 1
+    best.write_bytes(bytes(data))
+    refused = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=8")
+    assert_one_line_error(refused, "cannot resume: checkpoint", "best.pt does not match its sha256",
+                          "delete best.pt and best.sha256 to resume")
+    best.unlink()
+    checksum_path(best).unlink()
+    with caplog.at_level(logging.WARNING, logger="betty_trainer"):
+        resumed = betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=8")
+    assert resumed.returncode == 0, resumed.stderr
+    assert any("has no best.pt (epoch 3 was best)" in r.getMessage() for r in caplog.records)
+    assert load_checkpoint(run_copy, BEST_NAME)["epoch"] >= 6  # chosen again from the epochs that ran

@@ -47,6 +47,7 @@ from betty_trainer.training.checkpoint import (
     CHECKPOINT_NAME,
     FORMAT,
     LAST_NAME,
+    checksum_path,
     dataset_identity,
     identity,
     identity_difference,
@@ -260,7 +261,7 @@ class _Run:
     planner: Planner
     identity: dict
     start_epoch: int = 0
-    best: dict = field(default_factory=lambda: {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")})
+    best: dict = field(default_factory=lambda: _no_best())
     resumed_from: int | None = None
 
 
@@ -288,6 +289,7 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     state = load_checkpoint(path) if resume else None
     if state is not None:
         _check_resumable(config, state, path)
+        _check_best(path, state)
     graph = graph if graph is not None else load_dataset(config.dataset)
     if graph.train_idx.numel() == 0:
         raise ConfigError(no_training_nodes_message(graph.name))
@@ -508,6 +510,33 @@ def _check_resumable(config: Config, state: dict, path: Path) -> None:
                             f"improved since epoch {state['best']['epoch']}); raise train.patience to continue")
 
 
+def _check_best(path: Path, state: dict) -> None:
+    """Verify the run's ``best.pt`` as ``last.pt`` is verified, so that a resumed run cannot end with its best model
+    unreadable. Without a ``best.pt`` (deleted by the user), the best model is chosen again from the epochs still
+    to run: ``state["best"]`` is reset.
+
+    Raises:
+        TrainingError: ``best.pt`` fails a check of :func:`load_checkpoint` (the message says what to do).
+    """
+    if not (path / BEST_NAME).exists():
+        if state["best"]["epoch"] >= 0:
+            logger.warning("%s has no %s (epoch %d was best); the best model is chosen from the epochs still to run",
+                           path, BEST_NAME, state["best"]["epoch"])
+            state["best"] = _no_best()
+        return
+    try:
+        load_checkpoint(path, BEST_NAME)
+    except TrainingError as error:
+        raise TrainingError(f"cannot resume: {error}; restore {BEST_NAME} from a copy, or delete {BEST_NAME} and "
+                            f"{checksum_path(path / BEST_NAME).name} to resume choosing the best model from the epochs still to run") \
+            from None
+
+
+def _no_best() -> dict:
+    """The best-so-far before any epoch was evaluated."""
+    return {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")}
+
+
 def _allocate(build: Callable[[], nn.Module], device: torch.device) -> nn.Module:
     """``build()``, with an allocation failure as a one-line error."""
     try:
@@ -663,6 +692,9 @@ def _truncate_metrics(path: Path, last_epoch: int) -> None:
             raise TrainingError(f"{path} line {number} is not JSON; repair or remove that line to resume") from None
         if not isinstance(record, dict) or "epoch" not in record:
             raise TrainingError(f"{path} line {number} is not a metrics record; repair or remove it to resume")
+        if type(record["epoch"]) is not int:
+            raise TrainingError(f"{path} line {number}: field 'epoch' is {json.dumps(record['epoch'])}, expected an "
+                                "integer; repair or remove that line to resume")
         if record["epoch"] <= last_epoch:
             kept.append(line)
     write_text(path, "".join(line + "\n" for line in kept))
