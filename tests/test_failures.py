@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from betty_trainer.config import load_config
+from betty_trainer.config import DatasetConfig, load_config
 from betty_trainer.data.graph import Graph
+from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import DatasetError, TrainingError
 from betty_trainer.training.checkpoint import BEST_NAME, checksum_path, load_checkpoint
 from betty_trainer.training.trainer import train
@@ -119,3 +120,17 @@ def test_resume_verifies_best_pt_and_can_go_on_without_it(run_copy, capsys, capl
     assert resumed.returncode == 0, resumed.stderr
     assert any("has no best.pt (epoch 3 was best)" in r.getMessage() for r in caplog.records)
     assert load_checkpoint(run_copy, BEST_NAME)["epoch"] >= 6  # chosen again from the epochs that ran
+
+
+@pytest.mark.parametrize("part, source, fragment", [
+    ("x", "ind.citeseer.x", "feature columns disagree (ind.cora.x: 3703, ind.cora.tx: 1433, ind.cora.allx: 1433)"),
+    ("ty", "ind.citeseer.ty", "classes disagree (ind.cora.y: 7, ind.cora.ty: 6, ind.cora.ally: 7)"),
+    ("x", "ind.cora.tx", "ind.cora.x has 1000 rows, ind.cora.y 140"),
+])
+def test_planetoid_files_that_disagree_are_refused_without_checksums(planetoid_dir, tmp_path, part, source, fragment):
+    for path in planetoid_dir.glob("ind.cora.*"):
+        (tmp_path / path.name).symlink_to(path)
+    (tmp_path / f"ind.cora.{part}").unlink()
+    (tmp_path / f"ind.cora.{part}").symlink_to(planetoid_dir / source)
+    with pytest.raises(DatasetError, match=re.escape(fragment)):
+        load_dataset(DatasetConfig(name="cora", data_dir=tmp_path, verify_checksums=False))
