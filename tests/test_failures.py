@@ -134,3 +134,28 @@ def test_planetoid_files_that_disagree_are_refused_without_checksums(planetoid_d
     (tmp_path / f"ind.cora.{part}").symlink_to(planetoid_dir / source)
     with pytest.raises(DatasetError, match=re.escape(fragment)):
         load_dataset(DatasetConfig(name="cora", data_dir=tmp_path, verify_checksums=False))
+
+
+def test_a_folder_holding_the_users_own_files_is_not_a_run_and_is_never_overwritten(tmp_path, run_copy, capsys):
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "config.yaml").write_text("# my notes\nname: mine\n")
+    before = sorted(own.iterdir())
+    for extra in ([], ["--overwrite"]):
+        refused = betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, f"train.run_dir={own}", *extra)
+        assert_one_line_error(refused, f"{own} holds files betty-train did not write (config.yaml)", "--overwrite too")
+    assert sorted(own.iterdir()) == before and (own / "config.yaml").read_text() == "# my notes\nname: mine\n"
+    refused = betty_in_process(capsys, "validate", "--config", QUICKSTART, f"train.run_dir={own}")
+    assert_one_line_error(refused, "holds files betty-train did not write (config.yaml)")
+
+    (run_copy / "notes.txt").write_text("kept")  # a user's file beside a run: --overwrite refuses rather than mix
+    refused = betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, f"train.run_dir={run_copy}",
+                               "--overwrite")
+    assert_one_line_error(refused, "(notes.txt)")
+    (run_copy / "notes.txt").unlink()
+    replaced = betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, f"train.run_dir={run_copy}",
+                                "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, f"train.run_dir={empty}").returncode == 0
