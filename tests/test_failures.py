@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 from betty_trainer.config import DatasetConfig, load_config
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
-from betty_trainer.errors import DatasetError, TrainingError
+from betty_trainer.errors import ConfigError, DatasetError, TrainingError
 from betty_trainer.training.checkpoint import BEST_NAME, checksum_path, load_checkpoint
 from betty_trainer.training.trainer import train
 from tests.conftest import REPO
@@ -159,3 +160,20 @@ def test_a_folder_holding_the_users_own_files_is_not_a_run_and_is_never_overwrit
     empty = tmp_path / "empty"
     empty.mkdir()
     assert betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, f"train.run_dir={empty}").returncode == 0
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_line_at_once(tmp_path, capsys):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]  # 10⁹ values once expanded
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\nname: *a8\n")
+    assert bomb.stat().st_size < 600
+    started = time.perf_counter()
+    refused = betty_in_process(capsys, "validate", "--config", str(bomb))
+    assert time.perf_counter() - started < 5
+    assert_one_line_error(refused, "bomb.yaml", "expands to over 10,000 values through YAML aliases")
+    with pytest.raises(ConfigError, match="expands to over 10,000 values"):
+        load_config(bomb)
+    aliased = tmp_path / "aliased.yaml"  # aliases a config really uses stay allowed
+    aliased.write_text("name: &n quick\nmodel: {arch: sage, hidden: 16}\noptim: &o {lr: 0.1}\n")
+    assert load_config(aliased).name == "quick" and load_config(aliased).optim.lr == 0.1
