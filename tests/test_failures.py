@@ -177,3 +177,23 @@ def test_a_yaml_alias_bomb_is_refused_in_one_line_at_once(tmp_path, capsys):
     aliased = tmp_path / "aliased.yaml"  # aliases a config really uses stay allowed
     aliased.write_text("name: &n quick\nmodel: {arch: sage, hidden: 16}\noptim: &o {lr: 0.1}\n")
     assert load_config(aliased).name == "quick" and load_config(aliased).optim.lr == 0.1
+
+
+@pytest.mark.parametrize("mode, partitioner, said", [
+    ("micro_batches", "range", "asks for 5000 micro-batches; the batch has 100 output nodes, at most one per piece; "
+                               "range made 100, so 100 run"),
+    ("micro_batches", "reg", "asks for 5000 micro-batches; the batch has 100 output nodes, at most one per piece; "
+                             "reg made {k} (it left parts empty; micro_batch.partitioner=range or random give exactly "
+                             "min(K, 100)), so {k} run"),
+    ("layerwise", "reg", "asks for 5000 chunks per layer; the batch has 512 dst nodes in its largest layer, at most "
+                         "one per piece; reg made {k} (it left parts empty; micro_batch.partitioner=range or random "
+                         "give exactly min(K, 512)), so {k} run"),
+])
+def test_k_above_the_outputs_says_what_was_asked_and_what_runs(tmp_path, caplog, mode, partitioner, said):
+    config = load_config(QUICKSTART, SMALL + ["optim.epochs=1", "micro_batch.num_micro_batches=5000",
+                                              f"micro_batch.mode={mode}", f"micro_batch.partitioner={partitioner}"])
+    with caplog.at_level(logging.WARNING, logger="betty_trainer"):
+        train(config, run_dir=tmp_path)
+    (warning,) = [r.getMessage() for r in caplog.records if "num_micro_batches asks for" in r.getMessage()]
+    pieces = metrics(tmp_path)[0]["micro_batches"]
+    assert warning == "micro_batch.num_micro_batches " + said.format(k=pieces)
