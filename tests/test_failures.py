@@ -3,6 +3,7 @@ files, a user's own files in a run directory, a YAML alias bomb, K above the out
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -197,3 +198,24 @@ def test_k_above_the_outputs_says_what_was_asked_and_what_runs(tmp_path, caplog,
     (warning,) = [r.getMessage() for r in caplog.records if "num_micro_batches asks for" in r.getMessage()]
     pieces = metrics(tmp_path)[0]["micro_batches"]
     assert warning == "micro_batch.num_micro_batches " + said.format(k=pieces)
+
+
+def test_plan_hides_components_the_model_lacks_and_writes_plan_json_only_with_output(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    plan = ["plan", "--config", QUICKSTART, *SMALL]
+
+    def header(*extra: str) -> list[str]:
+        result = betty_in_process(capsys, *plan, *extra)
+        assert result.returncode == 0, result.stderr
+        line = next(line for line in result.stdout.splitlines() if "est. peak" in line)
+        return [cell.strip() for cell in line.split("┃")[1:-1]]
+
+    shown = header()
+    assert list(tmp_path.iterdir()) == []  # no plan.json left in the working directory
+    assert "dropout" not in shown  # NodeDropout's masks hold no bytes at the peak: an all-zero column
+    assert header("--output", "mine.json") == shown and [p.name for p in tmp_path.iterdir()] == ["mine.json"]
+    rows = [row["estimate"]["at_peak"] for row in json.loads((tmp_path / "mine.json").read_text())["micro_batches"]]
+    for name, column in {"input_features": "features", "hidden_outputs": "hidden", "dropout_masks": "dropout",
+                         "aggregator_intermediates": "aggr.", "gradients": "grads"}.items():
+        assert (column in shown) == any(at_peak[name] for at_peak in rows), column
+    assert "written to mine.json" in betty_in_process(capsys, *plan, "--output", "mine.json").stdout
