@@ -18,10 +18,13 @@ from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, DatasetError, TrainingError
 from betty_trainer.training.checkpoint import BEST_NAME, checksum_path, load_checkpoint
 from betty_trainer.training.trainer import train
+from tests import test_runs
 from tests.conftest import REPO
 from tests.test_cli import assert_one_line_error, betty_in_process
 from tests.test_readme import README
-from tests.test_runs import QUICKSTART, SMALL, finished, metrics, run_copy  # noqa: F401 (fixtures)
+from tests.test_runs import QUICKSTART, SMALL, metrics
+
+finished, run_copy = test_runs.finished, test_runs.run_copy  # test_runs' fixtures: a finished 6-epoch run, a copy
 
 
 def test_a_huge_learning_rate_warns_of_divergence_and_can_stop_the_run(tmp_path, caplog, capsys):

@@ -528,8 +528,8 @@ def _check_best(path: Path, state: dict) -> None:
         load_checkpoint(path, BEST_NAME)
     except TrainingError as error:
         raise TrainingError(f"cannot resume: {error}; restore {BEST_NAME} from a copy, or delete {BEST_NAME} and "
-                            f"{checksum_path(path / BEST_NAME).name} to resume choosing the best model from the epochs still to run") \
-            from None
+                            f"{checksum_path(path / BEST_NAME).name} to resume choosing the best model from the "
+                            "epochs still to run") from None
 
 
 def _no_best() -> dict:
