@@ -84,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                                parents=[common])
     add_config_args(plan, required=True)
     plan.add_argument("--measure", action="store_true", help="also run one step per micro-batch and measure its peak")
-    plan.add_argument("--output", type=Path, default=Path("plan.json"),
-                      help="where to write the plan (default plan.json)")
+    plan.add_argument("--output", type=Path, default=None,
+                      help="also write the plan as JSON to this file (default: not written)")
     validate = commands.add_parser("validate", help="check a config as train would, before loading data",
                                    parents=[common])
     add_config_args(validate, required=True)
@@ -192,21 +192,23 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
         print(config.to_yaml(), end="")
         return
     output = args.output
-    if output.is_dir():
+    if output is not None and output.is_dir():
         raise ConfigError(f"--output {output} is a folder; give a file name such as {output / 'plan.json'}")
-    if not output.parent.is_dir():
+    if output is not None and not output.parent.is_dir():
         raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another "
                           "--output")
     report = dry_run(config, measure=args.measure)
-    write_text(output, json.dumps(report, indent=2))
+    if output is not None:
+        write_text(output, json.dumps(report, indent=2))
     if report["mode"] == "layerwise":
         _print_layerwise_plan(console, report, args)
         return
     budget = report["budget_bytes"]
     table = Table(title=f"plan: {report['dataset']}, {report['num_micro_batches']} micro-batches "
                         f"({report['partitioner']}), sizes in MiB")
-    columns = ["#", "outputs", "src nodes/layer", "edges/layer", "features", "hidden", "dropout",
-               "aggr.", "grads", "params+opt", "other", "est. peak", "budget"]
+    shown = _nonzero_components(report)
+    columns = ["#", "outputs", "src nodes/layer", "edges/layer", *(_COMPONENTS[name] for name in shown),
+               "params+opt", "other", "est. peak", "budget"]
     if args.measure:
         columns += ["measured", "error"]
     for column in columns:
@@ -217,13 +219,12 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
                  " / ".join(str(layer["edges"]) for layer in row["layers"])]
         if "estimate" in row:
             at_peak, peak = row["estimate"]["at_peak"], row["estimate"]["peak_bytes"]
-            shown = ("input_features", "hidden_outputs", "dropout_masks", "aggregator_intermediates", "gradients")
             state = at_peak["parameters"] + at_peak["optimizer_state"]
-            other = peak - state - sum(at_peak[name] for name in shown)
+            other = peak - state - sum(at_peak[name] for name in _COMPONENTS)
             memory = [*(_mib(at_peak[name]) for name in shown), _mib(state), _mib(other), _mib(peak),
                       f"{peak / budget:.0%}" if budget else "-"]
         else:
-            memory = ["-"] * 9
+            memory = ["-"] * (len(shown) + 4)
         cells = sizes + memory
         if args.measure:
             cells += [_mib(row["measured_peak_bytes"]), f"{row['error']:+.1%}" if "error" in row else "-"]
@@ -235,8 +236,23 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     full_text = f"{_mib(full)} MiB" if full else "not computed (fixed K)"
     console.print(f"budget {budget_text}; full batch estimate {full_text}; "
                   f"K = {report['num_micro_batches']} (tried {[t['k'] for t in report['tried']]}); "
-                  f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s; "
-                  f"written to {args.output}", highlight=False, soft_wrap=True)
+                  f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s"
+                  f"{_written(args.output)}", highlight=False, soft_wrap=True)
+
+
+_COMPONENTS = {"input_features": "features", "hidden_outputs": "hidden", "dropout_masks": "dropout",
+               "aggregator_intermediates": "aggr.", "gradients": "grads"}
+"""The estimate's terms the plan table shows (``at_peak`` keys → column headers)."""
+
+
+def _nonzero_components(report: dict) -> list[str]:
+    """The :data:`_COMPONENTS` some micro-batch's estimate holds (a model without dropout has no dropout column)."""
+    rows = [row["estimate"]["at_peak"] for row in report["micro_batches"] if "estimate" in row]
+    return [name for name in _COMPONENTS if any(at_peak[name] for at_peak in rows)]
+
+
+def _written(output: Path | None) -> str:
+    return f"; written to {output}" if output is not None else ""
 
 
 def _budget_text(report: dict) -> str:
@@ -274,8 +290,8 @@ def _print_layerwise_plan(console: Console, report: dict, args: argparse.Namespa
                 if "error" in report else "")
     console.print(f"budget {_budget_text(report)}; "
                   f"estimated peak {_mib(peak) + ' MiB' if peak else '-'}{measured}; estimated work {report['work']:,}; "
-                  f"tried {[t['k'] for t in report['tried']]}; planning took {report['planning_seconds']:.3f} s; "
-                  f"written to {args.output}", highlight=False, soft_wrap=True)
+                  f"tried {[t['k'] for t in report['tried']]}; planning took {report['planning_seconds']:.3f} s"
+                  f"{_written(args.output)}", highlight=False, soft_wrap=True)
 
 
 def _validate(args: argparse.Namespace, console: Console) -> None:

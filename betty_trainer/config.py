@@ -426,6 +426,9 @@ class TrainConfig(_Section):
                                 "epochs; null = train all optim.epochs")
     tensorboard: bool = Field(False, description="also log the metrics for TensorBoard in <run_dir>/tensorboard "
                                                  "(needs the tensorboard package)")
+    stop_on_divergence: bool = Field(
+        False, description="end the run when an epoch's training loss exceeds 1000 × ln(num_classes), the "
+                           "cross-entropy of a uniform guess (false: a warning only)")
 
 
 class Config(_Section):
@@ -466,7 +469,22 @@ class Config(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-class _DuplicateKey(Exception):
+MAX_CONFIG_VALUES = 10_000
+"""Values (mappings, lists, scalars) a config may expand to; a real one has a few hundred. YAML aliases can make a
+300-byte file expand to billions (an "alias bomb"), which is refused before it is walked further."""
+
+
+class _Refused(Exception):
+    """A YAML document :class:`_ConfigLoader` refuses; the message says why."""
+
+
+class _TooLarge(_Refused):
+    def __init__(self) -> None:
+        super().__init__(f"it expands to over {MAX_CONFIG_VALUES:,} values through YAML aliases (*name); a config "
+                         "has a few hundred: write the values out")
+
+
+class _DuplicateKey(_Refused):
     """A mapping of a YAML document names a key twice (raised by :class:`_ConfigLoader`)."""
 
     def __init__(self, key: str, first_line: int, second_line: int) -> None:
@@ -475,17 +493,26 @@ class _DuplicateKey(Exception):
 
 class _ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a mapping that names a key twice (plain YAML keeps the last one
-    silently) with :class:`_DuplicateKey` naming the dotted key and both lines."""
+    silently) with :class:`_DuplicateKey` naming the dotted key and both lines, and a document that expands to
+    over :data:`MAX_CONFIG_VALUES` values (:class:`_TooLarge`), before anything is constructed."""
 
     def get_single_data(self) -> Any:
         node = self.get_single_node()
         if node is None:
             return None
-        _check_unique_keys(node, [])
+        _check_unique_keys(node, [], [0])
         return self.construct_document(node)
 
 
-def _check_unique_keys(node: yaml.Node, path: list[str]) -> None:
+def _check_unique_keys(node: yaml.Node, path: list[str], walked: list[int]) -> None:
+    """Walk ``node`` as expanded (an aliased node once per use), counting the nodes in ``walked[0]``.
+
+    Raises:
+        _DuplicateKey: a mapping names a key twice. _TooLarge: over :data:`MAX_CONFIG_VALUES` nodes.
+    """
+    walked[0] += 1
+    if walked[0] > MAX_CONFIG_VALUES:
+        raise _TooLarge()
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
         for key_node, value_node in node.value:
@@ -495,10 +522,10 @@ def _check_unique_keys(node: yaml.Node, path: list[str]) -> None:
                 if key in seen:
                     raise _DuplicateKey(".".join([*path, key]), seen[key], line)
                 seen[key] = line
-            _check_unique_keys(value_node, [*path, str(key)])
+            _check_unique_keys(value_node, [*path, str(key)], walked)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _check_unique_keys(item, [*path, str(index)])
+            _check_unique_keys(item, [*path, str(index)], walked)
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
@@ -512,7 +539,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         overrides: ``"dotted.key=value"`` strings.
 
     Raises:
-        ConfigError: unreadable or not UTF-8 file, bad YAML, a key written twice, malformed override, unknown key or bad value.
+        ConfigError: unreadable or not UTF-8 file, bad YAML, a key written twice, a YAML alias bomb (over
+            :data:`MAX_CONFIG_VALUES` values once expanded), malformed override, unknown key or bad value.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -526,7 +554,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
                               "a config must be a UTF-8 YAML file") from None
         try:
             data = yaml.load(text, Loader=_ConfigLoader) or {}
-        except _DuplicateKey as error:
+        except _Refused as error:
             raise ConfigError(f"config {path}: {error}") from None
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
@@ -561,7 +589,7 @@ def _parse_override(override: str) -> tuple[str, list[str], Any]:
         raise ConfigError(f"override {override!r} must look like key.path=value")
     try:
         value = yaml.load(raw, Loader=_ConfigLoader) if raw.strip() else None
-    except _DuplicateKey as error:
+    except _Refused as error:
         raise ConfigError(f"override {override!r}: {error}") from None
     except yaml.YAMLError:
         value = raw

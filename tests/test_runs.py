@@ -251,7 +251,8 @@ def test_a_run_refused_by_its_budget_loses_nothing(run_copy, tmp_path, capsys):
 def test_a_run_without_a_checkpoint_is_not_offered_for_resume(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text("seed: 0\n")  # what a run that failed in its first epoch leaves
+    for name in ("environment.json", "config.yaml"):  # what a run that failed in its first epoch leaves
+        (run / name).write_text("{}\n")
     refused = betty_in_process(capsys, *train_cli(run))
     assert_one_line_error(refused, "no checkpoint to resume from", "--overwrite")
     assert "--resume" not in refused.stderr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import numpy as np
 import torch
@@ -24,14 +24,20 @@ class Graph:
         indptr: ``(N + 1,)`` int64, CSC row pointer over destination nodes.
         indices: ``(E,)`` int32 or int64, source node of each in-edge (converted to
             int32 when ``N < 2³¹``).
-        x: ``(N, F)`` float32 (or float16) node features.
-        y: ``(N,)`` int64 class labels in ``[0, num_classes)``.
-        train_idx, val_idx, test_idx: int64 node ids of each split.
-        num_classes: number of classes ``C``.
+        x: ``(N, F)`` float32 (or float16) node features, all finite.
+        y: ``(N,)`` int64 class labels in ``[0, num_classes)``, or -1 for an unlabelled node (in no split).
+        train_idx, val_idx, test_idx: int64 node ids of each split, in ``[0, N)``, each id in at most one
+            split and once.
+        num_classes: number of classes ``C``; default (``None``) ``max(y) + 1``.
         name: dataset name, for logs.
+        check_features: scan ``x`` for NaN and infinity (a cached graph, checked when it was converted, skips
+            the scan so that mapping it stays cheap).
+
+    Tensors may be given as numpy arrays.
 
     Raises:
-        DatasetError: if shapes or dtypes are inconsistent.
+        DatasetError: shapes or dtypes are inconsistent, a label or split id is out of range, a node is in two
+            splits or twice in one, or a feature is NaN or infinite (the message names the first row and column).
     """
 
     indptr: Tensor
@@ -41,11 +47,17 @@ class Graph:
     train_idx: Tensor
     val_idx: Tensor
     test_idx: Tensor
-    num_classes: int
+    num_classes: int | None = None
     name: str = "graph"
+    check_features: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_features: bool = True) -> None:
+        for name in ("indptr", "indices", "x", "y", "train_idx", "val_idx", "test_idx"):
+            if isinstance(getattr(self, name), np.ndarray):
+                setattr(self, name, torch.from_numpy(getattr(self, name)))
         n = self.indptr.numel() - 1
+        if self.num_classes is None:
+            self.num_classes = int(self.y.max()) + 1 if self.y.numel() else 0
         problems = []
         if self.indptr.dtype != torch.int64 or self.indices.dtype not in (torch.int32, torch.int64):
             problems.append("indptr must be int64 and indices int32 or int64")
@@ -61,6 +73,10 @@ class Graph:
             idx = getattr(self, split)
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
                 problems.append(f"{split} holds node ids outside [0, {n})")
+        if not problems:
+            problems = _label_and_split_problems(self)
+        if not problems and check_features:
+            problems = _non_finite_feature(self.x)
         if problems:
             raise DatasetError(f"invalid graph {self.name!r}: " + "; ".join(problems))
         if self.indices.dtype == torch.int64 and n < 2**31:
@@ -215,6 +231,52 @@ class Graph:
             f"features={self.num_features}, classes={self.num_classes}, "
             f"train/val/test={self.train_idx.numel()}/{self.val_idx.numel()}/{self.test_idx.numel()})"
         )
+
+
+_SPLITS = ("train_idx", "val_idx", "test_idx")
+
+
+def _label_and_split_problems(graph: Graph) -> list[str]:
+    """What is wrong with ``graph``'s labels and splits (shapes already agree): labels outside ``[-1, C)``, a
+    split node unlabelled, a split not 1-D integer, a node in two splits or twice in one."""
+    y, c = graph.y, graph.num_classes
+    if y.dtype.is_floating_point or y.dtype == torch.bool:
+        return [f"y has dtype {y.dtype}, expected integer class labels"]
+    for split in _SPLITS:
+        idx = getattr(graph, split)
+        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            return [f"{split} must be a 1-D integer tensor of node ids, got {idx.dtype} of shape {tuple(idx.shape)}"]
+    if y.numel() and (int(y.min()) < -1 or int(y.max()) >= c):
+        bad = int(torch.nonzero((y < -1) | (y >= c))[0])
+        return [f"node {bad} has label {int(y[bad])}, outside [0, num_classes={c}) (-1 marks an unlabelled node); "
+                "pass num_classes=max(y)+1 or leave it out to infer it"]
+    splits = [(split, getattr(graph, split).long()) for split in _SPLITS]
+    for split, idx in splits:
+        unlabelled = idx[y[idx] < 0] if idx.numel() else idx
+        if unlabelled.numel():
+            return [f"{split} holds node {int(unlabelled[0])}, which has no label (-1)"]
+    owner = torch.cat([torch.full((idx.numel(),), i) for i, (_, idx) in enumerate(splits)])
+    ids = torch.cat([idx for _, idx in splits])
+    order = torch.argsort(ids, stable=True)
+    ids, owner = ids[order], owner[order]
+    repeated = torch.nonzero(ids[1:] == ids[:-1]).view(-1)
+    if repeated.numel():
+        i = int(repeated[0])
+        first, second = _SPLITS[int(owner[i])], _SPLITS[int(owner[i + 1])]
+        where = f"twice in {first}" if first == second else f"in both {first} and {second}"
+        return [f"node {int(ids[i])} is {where}; splits must be disjoint and without repeats"]
+    return []
+
+
+def _non_finite_feature(x: Tensor, rows: int = 1 << 16) -> list[str]:
+    """The first NaN or infinite entry of ``x`` (scanned ``rows`` rows at a time), as a problem; ``[]`` if none."""
+    for start in range(0, x.shape[0], rows):
+        bad = torch.nonzero(~torch.isfinite(x[start:start + rows]))
+        if bad.numel():
+            row, column = int(bad[0, 0]) + start, int(bad[0, 1])
+            return [f"feature x[{row}, {column}] is {float(x[row, column])}; replace non-finite features "
+                    "(e.g. torch.nan_to_num) before training"]
+    return []
 
 
 def _as_numpy(ids) -> np.ndarray:

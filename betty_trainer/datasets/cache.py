@@ -196,4 +196,4 @@ def load_cached(folder: Path, source: Any, mmap: bool = True) -> Graph | None:
         arrays[name] = np.load(folder / f"{name}.npy", mmap_mode="c" if mmap and not empty else None,
                                allow_pickle=False)
     return Graph(**{name: torch.from_numpy(array) for name, array in arrays.items()},
-                 num_classes=int(meta["num_classes"]), name=str(meta["name"]))
+                 num_classes=int(meta["num_classes"]), name=str(meta["name"]), check_features=False)

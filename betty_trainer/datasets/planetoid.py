@@ -59,6 +59,7 @@ def load_planetoid(name: str, folder: Path, normalize_features: bool = True) -> 
         raise DatasetError(f"{name}: {test_ids.size} test ids but {tx.shape[0]} tx rows and {ty.shape[0]} ty rows")
     if allx.shape[0] != ally.shape[0] or x.shape[0] > allx.shape[0]:
         raise DatasetError(f"{name}: allx/ally/x row counts disagree ({allx.shape[0]}, {ally.shape[0]}, {x.shape[0]})")
+    _check_agreement(name, parts)
 
     span = np.arange(test_ids.min(), test_ids.max() + 1)
     tx_full = sp.lil_matrix((span.size, tx.shape[1]), dtype=np.float32)
@@ -111,6 +112,30 @@ def _check_types(name: str, parts: dict) -> None:
             raise DatasetError(f"ind.{name}.{part} should hold a 2-D numpy array")
     if not isinstance(parts["graph"], dict):
         raise DatasetError(f"ind.{name}.graph should hold a dict of adjacency lists")
+
+
+def _check_agreement(name: str, parts: dict) -> None:
+    """The arrays describe one dataset, whether or not their checksums were verified: ``x``, ``tx`` and ``allx``
+    have the same feature columns, ``y``, ``ty`` and ``ally`` the same classes, ``x``/``y`` are the first rows of
+    ``allx``/``ally`` (the training nodes), and the 500 validation rows follow them within ``allx``.
+
+    Raises:
+        DatasetError: naming the files that disagree and their shapes.
+    """
+    for group in (("x", "tx", "allx"), ("y", "ty", "ally")):
+        widths = {part: parts[part].shape[1] for part in group}
+        if len(set(widths.values())) > 1:
+            what = "feature columns" if group[0] == "x" else "classes"
+            raise DatasetError(f"{name}: {what} disagree ({', '.join(f'ind.{name}.{p}: {w}' for p, w in widths.items())}"
+                               "); the files come from different datasets")
+    x, y, allx, ally = parts["x"], parts["y"], parts["allx"], parts["ally"]
+    rows = x.shape[0]
+    if y.shape[0] != rows or rows + 500 > allx.shape[0]:
+        raise DatasetError(f"{name}: ind.{name}.x has {rows} rows, ind.{name}.y {y.shape[0]} and ind.{name}.allx "
+                           f"{allx.shape[0]} (expected x and y alike, and 500 validation rows after them in allx)")
+    if (x != allx[:rows]).nnz or not np.array_equal(y, ally[:rows]):
+        raise DatasetError(f"{name}: ind.{name}.x/y are not the first {rows} rows of ind.{name}.allx/ally; the files "
+                           "come from different versions of the dataset")
 
 
 def _edge_list(adjacency: dict, num_nodes: int, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -95,7 +95,7 @@ class Planner:
         self.layerwise_allowed = True  # make_planner: False for a custom model that cannot run layer by layer
         self._last: _LastPlan | None = None
         self._splitter: OutputSplitter | None = None
-        self._warned_fewer = False  # REG gave fewer micro-batches than asked: said once
+        self._warned_fewer = False  # fewer micro-batches or chunks than asked: said once
 
     def report(self, plan: StepPlan, measured: list[int] | None = None) -> dict:
         """``plan.json``'s content: ``plan``'s report (:meth:`~betty_trainer.execution.plan.StepPlan.report`) and
@@ -172,16 +172,26 @@ class Planner:
             )
         except BudgetError as error:
             raise PlanningError(str(error)) from None
-        if fixed_k is not None and split.k < max(fixed_k, min_pieces) and not self._warned_fewer:
-            self._warned_fewer = True
-            logger.warning("micro_batch.num_micro_batches asks for %d micro-batches; %s made %d (METIS left parts "
-                           "empty); micro_batch.partitioner=range or random give exactly K",
-                           max(fixed_k, min_pieces), self.config.partitioner, split.k)
+        if fixed_k is not None:
+            self._warn_fewer(max(self.config.num_micro_batches, min_pieces), split.k, "micro-batches",
+                             batch.output_nodes.numel(), "output nodes")
         self._splitter = splitter
         work = (float(split.work) if self.spec is None else
                 step_work(self.spec, [list(layer) for layer in zip(*split.layers)], False))
         return MicroBatchPlan(batch, split, work, self.config.partitioner, self.feature_store_bytes,
                               self.estimate if self.spec is not None else None)
+
+    def _warn_fewer(self, asked: int, made: int, what: str, limit: int, nodes: str) -> None:
+        """Say once per planner, with the request and what runs, when a fixed K gave fewer ``what`` than asked:
+        more than the ``limit`` ``nodes`` that can each be one, or parts the partitioner left empty."""
+        if made >= asked or self._warned_fewer:
+            return
+        self._warned_fewer = True
+        cause = f"the batch has {limit} {nodes}, at most one per piece; " if asked > limit else ""
+        empty = (f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"
+                 if made < min(asked, limit) else "")
+        logger.warning("micro_batch.num_micro_batches asks for %d %s; %s%s made %d%s, so %d run",
+                       asked, what, cause, self.config.partitioner, made, empty, made)
 
     def layerwise_peak(self, batch: Batch, chunks: LayerChunks, host_outputs: bool | None = None,
                        layers: Sequence[LayerCounts] | None = None) -> int:
@@ -245,6 +255,8 @@ class Planner:
 
         if self.budget is None:
             chosen, peak = attempt(max(min_pieces, self.config.num_micro_batches))
+            self._warn_fewer(max(min_pieces, self.config.num_micro_batches), chosen.k, "chunks per layer", most,
+                             "dst nodes in its largest layer")
         else:
             if self.spec is None:
                 raise PlanningError("a layer-wise plan under a budget needs a built-in model's estimate")

@@ -22,7 +22,7 @@ from betty_trainer.errors import ConfigError
 from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.sampling.schedule import check_macro_batch_budget
-from betty_trainer.training.rundir import check_run_dir_path, holds_checkpoint, holds_run
+from betty_trainer.training.rundir import check_run_dir_path, holds_checkpoint, holds_run, refuse_foreign_files
 
 _STATE_COPIES = 4  # parameters, gradients and Adam's two moments
 
@@ -65,7 +65,8 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
         What was checked, e.g. ``["dataset name", "device (cpu)", "synthetic split sizes", "budget", ...]``.
 
     Raises:
-        ConfigError: naming the key and the fix. RunDirError: the run directory is or lies under a file.
+        ConfigError: naming the key and the fix. RunDirError: the run directory is or lies under a file, or (without
+            ``run_dir``) holds files betty-train did not write.
     """
     checked = []
     if dataset:
@@ -98,6 +99,8 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
     path = run_dir if run_dir is not None else config.train.run_dir
     if path is not None:
         check_run_dir_path(Path(path))
+        if run_dir is None:  # validate checks what a new run needs
+            refuse_foreign_files(Path(path))
         if run_dir is None and holds_run(Path(path)):  # validate: train decides with --resume or --overwrite
             go_on = ("continues it with --resume, " if holds_checkpoint(Path(path))
                      else "cannot resume it (no last.pt yet), ")

@@ -100,7 +100,8 @@ class RunDirectory:
 
         Raises:
             RunDirError: another process (or another open in this one) holds the lock; the path or
-                one of its parents is a file; a new run without ``overwrite`` finds a run there; or
+                one of its parents is a file; a new run finds files betty-train did not write there
+                (:func:`foreign_files`, even with ``overwrite``) or, without ``overwrite``, a run; or
                 the directory cannot be created or its lock file written. The message names the
                 path, the cause and the fix.
         """
@@ -108,6 +109,7 @@ class RunDirectory:
         check_run_dir_path(path)
         created = []
         if create:
+            refuse_foreign_files(path)
             created = [folder for folder in [path, *path.parents] if not folder.exists()]
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -206,6 +208,34 @@ class RunDirectory:
 def run_files(path: Path) -> list[str]:
     """The :data:`RUN_FILES` present in ``path``."""
     return [name for name in RUN_FILES if (Path(path) / name).is_file()]
+
+
+def foreign_files(path: Path) -> list[str]:
+    """The entries of the folder ``path`` that betty-train did not write, sorted: anything but :data:`RUN_FILES`,
+    their ``.partial`` leftovers, the lock and the TensorBoard folder; and, in a folder without a run's
+    ``environment.json`` (the first file every run writes) or checkpoint, the :data:`RUN_FILES` names too (the
+    user's own ``config.yaml``, say). ``[]`` for a missing folder."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    written = {LOCK_NAME, TENSORBOARD_DIR} | {name + ".partial" for name in RUN_FILES}
+    if any((path / name).is_file() for name in ("environment.json", "last.pt", "checkpoint.pt")):
+        written |= set(RUN_FILES)
+    return sorted(entry.name for entry in path.iterdir() if entry.name not in written)
+
+
+def refuse_foreign_files(path: Path) -> None:
+    """Refuse a new run into a folder holding files betty-train did not write (:func:`foreign_files`): a run
+    directory is only what a run wrote, and ``--overwrite`` must never remove or replace a user's file.
+
+    Raises:
+        RunDirError: naming the folder and up to five of those files.
+    """
+    foreign = foreign_files(path)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise RunDirError(f"train.run_dir {path} holds files betty-train did not write ({shown}), so it is not a "
+                          "run directory and is left alone (--overwrite too); choose a new or empty train.run_dir")
 
 
 def holds_run(path: Path) -> bool:

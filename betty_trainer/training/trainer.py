@@ -47,6 +47,7 @@ from betty_trainer.training.checkpoint import (
     CHECKPOINT_NAME,
     FORMAT,
     LAST_NAME,
+    checksum_path,
     dataset_identity,
     identity,
     identity_difference,
@@ -187,7 +188,7 @@ def train(
     _print_start(console, config, run.graph, device, run.model, path, run.start_epoch, resume)
     model, optimizer, planner, features, graph = run.model, run.optimizer, run.planner, run.features, run.graph
     board = _tensorboard(config, path)
-    last, stopped_early, best, warned = None, False, run.best, False
+    last, stopped_early, best, warned, diverging = None, False, run.best, False, False
     model.train()
     try:
         with EpochProgress(console, f"{graph.name} · {config.micro_batch.partitioner}", config.optim.epochs,
@@ -225,6 +226,7 @@ def train(
                                         f"try a lower optim.lr; {_last_good(path, epoch)}")
                 last = totals.metrics(epoch, graph, features.stats.snapshot(), time.perf_counter() - started, lr,
                                       _evaluate(config, run, epoch, device))
+                diverging = _check_divergence(config, graph, last, path, diverging)
                 best = _end_epoch(directory, run, last, best, board)
                 progress.advance(epoch, epoch_status(last, best))
                 if _patience_exhausted(config, epoch, best) and last.val_acc is not None:
@@ -259,7 +261,7 @@ class _Run:
     planner: Planner
     identity: dict
     start_epoch: int = 0
-    best: dict = field(default_factory=lambda: {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")})
+    best: dict = field(default_factory=lambda: _no_best())
     resumed_from: int | None = None
 
 
@@ -287,6 +289,7 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     state = load_checkpoint(path) if resume else None
     if state is not None:
         _check_resumable(config, state, path)
+        _check_best(path, state)
     graph = graph if graph is not None else load_dataset(config.dataset)
     if graph.train_idx.numel() == 0:
         raise ConfigError(no_training_nodes_message(graph.name))
@@ -507,6 +510,33 @@ def _check_resumable(config: Config, state: dict, path: Path) -> None:
                             f"improved since epoch {state['best']['epoch']}); raise train.patience to continue")
 
 
+def _check_best(path: Path, state: dict) -> None:
+    """Verify the run's ``best.pt`` as ``last.pt`` is verified, so that a resumed run cannot end with its best model
+    unreadable. Without a ``best.pt`` (deleted by the user), the best model is chosen again from the epochs still
+    to run: ``state["best"]`` is reset.
+
+    Raises:
+        TrainingError: ``best.pt`` fails a check of :func:`load_checkpoint` (the message says what to do).
+    """
+    if not (path / BEST_NAME).exists():
+        if state["best"]["epoch"] >= 0:
+            logger.warning("%s has no %s (epoch %d was best); the best model is chosen from the epochs still to run",
+                           path, BEST_NAME, state["best"]["epoch"])
+            state["best"] = _no_best()
+        return
+    try:
+        load_checkpoint(path, BEST_NAME)
+    except TrainingError as error:
+        raise TrainingError(f"cannot resume: {error}; restore {BEST_NAME} from a copy, or delete {BEST_NAME} and "
+                            f"{checksum_path(path / BEST_NAME).name} to resume choosing the best model from the "
+                            "epochs still to run") from None
+
+
+def _no_best() -> dict:
+    """The best-so-far before any epoch was evaluated."""
+    return {"epoch": -1, "val_acc": -1.0, "test_acc": float("nan")}
+
+
 def _allocate(build: Callable[[], nn.Module], device: torch.device) -> nn.Module:
     """``build()``, with an allocation failure as a one-line error."""
     try:
@@ -519,6 +549,34 @@ def _allocate(build: Callable[[], nn.Module], device: torch.device) -> nn.Module
             raise
         raise TrainingError(f"cannot allocate the model on {device} ({str(error).splitlines()[0][-120:]}); "
                             "lower model.hidden or model.num_layers") from None
+
+
+DIVERGENCE_FACTOR = 1000.0
+"""An epoch's mean training loss above this many times ln(num_classes) (the cross-entropy of a uniform guess,
+what an untrained model scores) is taken as divergence."""
+
+
+def _check_divergence(config: Config, graph: Graph, metrics: EpochMetrics, path: Path, warned: bool) -> bool:
+    """Warn once (``warning:`` line) when the epoch's training loss exceeds :data:`DIVERGENCE_FACTOR` × ln(C),
+    C = ``graph.num_classes`` (at least 2); returns whether the run has warned. The loss is finite (a NaN or
+    infinite one is refused in the step), so this catches the slow blow-up of a too-high learning rate, which
+    under Adam can keep the accuracy near normal while the loss reaches 1e21.
+
+    Raises:
+        TrainingError: the loss diverged and ``train.stop_on_divergence`` is set; names the last good ``last.pt``
+            (the diverged epoch is not saved).
+    """
+    limit = DIVERGENCE_FACTOR * math.log(max(graph.num_classes, 2))
+    if not metrics.loss > limit:
+        return warned
+    said = (f"epoch {metrics.epoch}: training loss {metrics.loss:.3g} is over {DIVERGENCE_FACTOR:g}× "
+            f"ln(num_classes) = {limit:.4g}: training is diverging, most likely optim.lr={config.optim.lr:g} is too "
+            "high (under Adam the accuracy can look normal meanwhile)")
+    if config.train.stop_on_divergence:
+        raise TrainingError(f"{said}; stopped (train.stop_on_divergence); {_last_good(path, metrics.epoch)}")
+    if not warned:
+        logger.warning("%s; set train.stop_on_divergence=true to stop such a run", said)
+    return True
 
 
 def _last_good(path: Path, epoch: int) -> str:
@@ -634,6 +692,9 @@ def _truncate_metrics(path: Path, last_epoch: int) -> None:
             raise TrainingError(f"{path} line {number} is not JSON; repair or remove that line to resume") from None
         if not isinstance(record, dict) or "epoch" not in record:
             raise TrainingError(f"{path} line {number} is not a metrics record; repair or remove it to resume")
+        if type(record["epoch"]) is not int:
+            raise TrainingError(f"{path} line {number}: field 'epoch' is {json.dumps(record['epoch'])}, expected an "
+                                "integer; repair or remove that line to resume")
         if record["epoch"] <= last_epoch:
             kept.append(line)
     write_text(path, "".join(line + "\n" for line in kept))
