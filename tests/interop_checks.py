@@ -39,7 +39,7 @@ def assert_micro_batches_equal_full_batch(model: nn.Module, batch: Batch, graph:
     if dropout is not None:
         dropout.p = 0.0
         # guard: 100x the exactness bound, so the check above can fail
-    assert (gradients(model, [batch], graph)[0] - reference[0]).abs().max() > 1e-3 * reference[0].abs().max()
+        assert (gradients(model, [batch], graph)[0] - reference[0]).abs().max() > 1e-3 * reference[0].abs().max()
 
 
 def assert_trains_with_the_trainer(model: nn.Module, tmp_path, epochs: int) -> None:

@@ -41,7 +41,7 @@ def csc_graph(degrees, num_nodes=None, seed=0) -> Graph:
     indptr[len(degrees) + 1 :] = indptr[len(degrees)]
     indices = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
     return Graph(torch.from_numpy(indptr), torch.from_numpy(indices), torch.zeros(n, 1), torch.zeros(n, dtype=torch.long),
-                 torch.arange(1), torch.arange(1), torch.arange(1), 1)
+                 torch.tensor([0]), torch.tensor([1]), torch.tensor([2]), 1)
 
 
 def rows_of(block):
@@ -121,7 +121,7 @@ def test_per_edge_inclusion_probability_is_k_over_degree(kernel):
     indices = np.concatenate([np.arange(d) for d in per_row])
     n = per_row.size
     graph = Graph(torch.from_numpy(indptr), torch.from_numpy(indices), torch.zeros(n, 1), torch.zeros(n, dtype=torch.long),
-                  torch.arange(1), torch.arange(1), torch.arange(1), 1)
+                  torch.tensor([0]), torch.tensor([1]), torch.tensor([2]), 1)
     group = torch.repeat_interleave(torch.arange(len(degrees)), rows)
     counts = torch.zeros(len(degrees), max(degrees))
     for trial in range(keys):
@@ -185,7 +185,7 @@ def hubs():
     indptr = np.zeros(num_nodes + 1, dtype=np.int64)
     np.cumsum(degrees, out=indptr[1:])
     graph = Graph(torch.from_numpy(indptr), torch.from_numpy(indices), torch.zeros(num_nodes, 1),
-                  torch.zeros(num_nodes, dtype=torch.long), torch.arange(1), torch.arange(1), torch.arange(1), 1)
+                  torch.zeros(num_nodes, dtype=torch.long), torch.tensor([0]), torch.tensor([1]), torch.tensor([2]), 1)
     return graph, torch.arange(plain, plain + count)
 
 
@@ -209,7 +209,7 @@ def test_tensor_sampling_allocates_nothing_sized_by_the_graph():
     indices = (torch.arange(3 * n, dtype=torch.int64) * 7919) % n
     indices = indices.view(n, 3).sort(1).values.flatten()
     graph = Graph(indptr, indices, torch.zeros(n, 1), torch.zeros(n, dtype=torch.long),
-                  torch.arange(1), torch.arange(1), torch.arange(1), 1)
+                  torch.tensor([0]), torch.tensor([1]), torch.tensor([2]), 1)
     dst = torch.arange(0, n, n // 100)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         block = sample_block(graph, dst, 2, key=5, kernel="tensor")
@@ -287,7 +287,7 @@ def test_numba_kernel_split_over_threads_gives_the_same_sample():
     indptr = torch.arange(n + 1, dtype=torch.int64) * degree
     indices = ((torch.arange(n)[:, None] * 31 + torch.arange(degree)) % n).sort(1).values.flatten()
     graph = Graph(indptr, indices, torch.zeros(n, 1), torch.zeros(n, dtype=torch.long),
-                  torch.arange(1), torch.arange(1), torch.arange(1), 1)
+                  torch.tensor([0]), torch.tensor([1]), torch.tensor([2]), 1)
     dst = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()
     try:
