@@ -46,12 +46,6 @@ class Exchange:
     group: dist.ProcessGroup | None = None
 
     @property
-    def rows_sent(self) -> int:
-        """Rows this rank sends to other ranks in one forward exchange (its own requests to itself excluded)."""
-        rank = dist.get_rank(self.group)
-        return sum(count for q, count in enumerate(self.recv_counts) if q != rank)
-
-    @property
     def rows_received(self) -> int:
         """Rows this rank receives from other ranks in one forward exchange."""
         rank = dist.get_rank(self.group)

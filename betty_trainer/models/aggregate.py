@@ -510,6 +510,26 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, va
     return out, backward
 
 
+
+def linear_aggregate_backward(tape: StepTape, grad: int, lin_in_bwd, agg_bwd, lin_out_bwd, record: bool,
+                              hd_grad: bool) -> int | None:
+    """The backward of a layer that aggregates with :func:`aggregate_terms` and applies one linear map before it
+    (projecting first: ``lin_in_bwd``) or after it (``lin_out_bwd``), from the gradient ``grad`` of the map's
+    output (GCN and GIN). ``record``: the aggregation's input takes a gradient; ``hd_grad``: the layer's input
+    ``h_src`` does (otherwise a gradient made for the weights only is dropped).
+
+    Returns:
+        The handle of ``∂L/∂h_src``, or ``None`` when nothing below takes a gradient.
+    """
+    if lin_out_bwd is not None:
+        grad = lin_out_bwd(grad, True, record)
+    if not record:
+        return None
+    grad_h = agg_bwd(grad)
+    if lin_in_bwd is not None:
+        return lin_in_bwd(grad_h)
+    return grad_h if hd_grad else tape.r.drop(grad_h)
+
 def segment_max_terms(tape: StepTape, c: LayerCounts, width: int):
     """max_neighbours: the ``(D, w)`` maxima and their int32 argmax (kept for backward). The compiled
     kernel makes nothing else; the tensor path makes one chunk of rows' gathered values, their

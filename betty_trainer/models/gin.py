@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.aggregate import aggregate, aggregate_terms
+from betty_trainer.models.aggregate import aggregate, aggregate_terms, linear_aggregate_backward
 from betty_trainer.models.registry import Architecture, LayerSize, Work, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import LayerCounts
@@ -86,14 +86,7 @@ class GINConv(nn.Module):
             grad = relu_bwd(lin2_bwd(grad))
             tape.param_grad(b)  # b₁
             tape.settle()
-            if lin_out_bwd is not None:
-                grad = lin_out_bwd(grad, True, record)
-            if not record:
-                return None
-            grad_h = agg_bwd(grad)
-            if lin_in_bwd is not None:
-                return lin_in_bwd(grad_h)
-            return grad_h if hd_grad else r.drop(grad_h)
+            return linear_aggregate_backward(tape, grad, lin_in_bwd, agg_bwd, lin_out_bwd, record, hd_grad)
 
         return result, backward
 
