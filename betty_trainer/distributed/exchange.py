@@ -137,5 +137,10 @@ def exchange_rows(rows: Tensor, exchange: Exchange) -> Tensor:
     Returns:
         ``(n, …)`` rows of the ids :func:`plan_exchange` was given, in their order. Its gradient flows back to
         ``rows`` on the owners (gradients of an id requested by several ranks are summed).
+
+    Raises:
+        TrainingError: the all-to-all (forward or backward) failed because a rank died or left (:func:`collective`).
+
+    Source: the cooperative paper's Alg. 1, the all-to-alls of the forward and backward passes.
     """
     return _ExchangeRows.apply(rows, exchange)

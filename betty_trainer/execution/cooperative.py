@@ -95,7 +95,11 @@ def cooperative_step(model: nn.Module, shares: Iterable[CooperativeBatch], featu
 
 def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Sum every parameter's ``.grad`` over the ranks of ``group`` (a parameter without one on a rank counts as
-    zeros there), so every rank takes the same optimizer step (Alg. 1 ends with the gradients all-reduced)."""
+    zeros there), so every rank takes the same optimizer step (Alg. 1 ends with the gradients all-reduced).
+
+    Raises:
+        TrainingError: the all-reduce failed because a rank died or left.
+    """
     for parameter in model.parameters():
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
