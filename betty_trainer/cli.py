@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -322,24 +323,33 @@ def _datasets(args: argparse.Namespace, console: Console) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``betty-train``; returns the exit status."""
+    """Entry point of ``betty-train``; returns the exit status. Under ``torchrun`` (``RANK`` set) every process
+    runs it: rank 0 prints and logs at ``--log-level``; the others print nothing but errors (``error: rank N: …``)."""
     args = _parser().parse_args(argv)
     args.argv = None if argv is None else list(argv)
-    saved = configure_logging(args.log_level)
+    saved = configure_logging(args.log_level if _rank() in (None, 0) else "error")
     try:
         return _run(args)
     finally:
         restore_logging(saved)
 
 
+def _rank() -> int | None:
+    """This process's rank when a launcher (``torchrun``) started several, else ``None``."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+    return int(rank) if rank is not None and rank.isdigit() and world.isdigit() and int(world) > 1 else None
+
+
 def _run(args: argparse.Namespace) -> int:
-    console = Console()
+    rank = _rank()
+    console = Console(quiet=rank not in (None, 0))
     command = {"train": _train, "evaluate": _evaluate, "predict": _predict, "plan": _plan, "validate": _validate,
                "datasets": _datasets}[args.command]
     try:
         command(args, console)
     except BettyError as error:
-        print(f"error: {error}", file=sys.stderr)
+        named = "" if rank is None or str(error).startswith(f"rank {rank}") else f"rank {rank}: "
+        print(f"error: {named}{error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as error:
         print(_interrupted(args.command, getattr(error, "run_dir", None)), file=sys.stderr)

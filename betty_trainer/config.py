@@ -431,6 +431,30 @@ class TrainConfig(_Section):
                            "cross-entropy of a uniform guess (false: a warning only)")
 
 
+class DistributedConfig(_Section):
+    """``distributed``: several processes training one model, launched by ``torchrun`` (README › Several GPUs).
+
+    ``cooperative`` shares each global batch of ``sampling.batch_size`` seeds among the ``P`` processes (cooperative
+    minibatching, Balın et al. 2023, §3.1, Alg. 1): each samples, loads and computes the part of the batch whose
+    vertices it owns, and embeddings move between them by all-to-all. ``independent`` is the usual data-parallel
+    baseline: each process samples its ``B/P`` share of the global batch's seeds on its own. Both all-reduce the
+    gradients, so every process takes the same optimizer step on the gradient of the global batch's mean loss."""
+
+    mode: Literal["none", "cooperative", "independent"] = Field(
+        "none", description="none: one process; cooperative: one global batch shared by all processes over "
+                            "all-to-all; independent: each process samples its B/P share of the seeds alone")
+    ownership: Literal["random", "metis"] = Field(
+        "metis", description="cooperative: which process owns each vertex (its features, its in-edges' sampling "
+                             "and its embeddings); metis communicates fewer vertices, random balances exactly. "
+                             "Computed once and kept beside the dataset's cache")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on the CPU (sampled ids always "
+                            "go over a gloo group)")
+    timeout_s: float = Field(
+        600.0, gt=0, description="seconds a collective waits for the other processes before the run ends with an "
+                                 "error naming this process (a process that dies is noticed at once on gloo)")
+
+
 class Config(_Section):
     """A whole run. ``Config()`` is the synthetic quickstart."""
 
@@ -443,6 +467,7 @@ class Config(_Section):
     micro_batch: MicroBatchConfig = MicroBatchConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @model_validator(mode="after")
     def _fanouts_match_layers(self) -> "Config":

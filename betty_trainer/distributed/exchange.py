@@ -12,6 +12,7 @@ sums them at the owner, so autograd runs through it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +22,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from betty_trainer.errors import TrainingError
+
+
+@dataclass
+class ExchangeTraffic:
+    """Bytes one rank sent to the other ranks through its exchanges (its own rows, which stay, are not counted).
+
+    Attributes:
+        id_bytes: sampled ids sent to their owners (8 bytes each).
+        row_bytes: feature and embedding rows sent to the ranks that asked, and their gradients sent back.
+    """
+
+    id_bytes: int = 0
+    row_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        """All bytes sent to other ranks."""
+        return self.id_bytes + self.row_bytes
 
 
 @dataclass
@@ -35,7 +54,10 @@ class Exchange:
         serve_index: ``(Σ recv_counts,)`` int64 position in :attr:`owned` of each id requested from this
             rank, grouped by requesting rank.
         owned: ``(u,)`` int64 ascending ids this rank provides the rows of (``S_q``).
-        group: the process group (``None``: the default group).
+        group: the process group the ids went over (``None``: the default group).
+        row_group: the process group rows and their gradients go over (``None``: ``group``); NCCL on CUDA while
+            the ids, on the CPU, go over gloo.
+        traffic: where the bytes sent to other ranks are counted (``None``: not counted).
     """
 
     order: Tensor
@@ -44,6 +66,18 @@ class Exchange:
     serve_index: Tensor
     owned: Tensor
     group: dist.ProcessGroup | None = None
+    row_group: dist.ProcessGroup | None = None
+    traffic: ExchangeTraffic | None = None
+
+    @property
+    def rows_group(self) -> dist.ProcessGroup | None:
+        """The group rows move over: :attr:`row_group`, else :attr:`group`."""
+        return self.row_group if self.row_group is not None else self.group
+
+    def count(self, rows: int, row_bytes: int) -> None:
+        """Add ``rows`` rows of ``row_bytes`` bytes sent to other ranks to :attr:`traffic`."""
+        if self.traffic is not None:
+            self.traffic.row_bytes += rows * row_bytes
 
     @property
     def rows_received(self) -> int:
@@ -71,7 +105,8 @@ def collective(what: str, group: dist.ProcessGroup | None = None) -> Iterator[No
                             f"({first[:200]})") from error
 
 
-def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | None = None) -> Exchange:
+def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | None = None,
+                  row_group: dist.ProcessGroup | None = None, traffic: ExchangeTraffic | None = None) -> Exchange:
     """Send ``requested`` ids to their owners and record the pattern (a collective: every rank of ``group``
     calls it, in the same order).
 
@@ -79,7 +114,9 @@ def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | 
         requested: ``(n,)`` int64 global ids whose rows this rank needs (a block's src nodes), on the CPU.
         owners: ``(N,)`` int64 rank of every vertex (:func:`~betty_trainer.distributed.ownership.vertex_owners`),
             the same on every rank.
-        group: the process group.
+        group: the process group of the ids (its backend moves CPU tensors: gloo).
+        row_group, traffic: kept on the :class:`Exchange` (rows' group; where bytes sent are counted, the ids'
+            here).
 
     Returns:
         The :class:`Exchange`; its ``owned`` are the distinct ids other ranks (and this one) asked this rank for.
@@ -98,7 +135,13 @@ def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | 
         received = torch.empty(sum(recv_counts), dtype=torch.int64)
         dist.all_to_all_single(received, requested[order].contiguous(), recv_counts, send_counts, group=group)
     owned, serve_index = torch.unique(received, return_inverse=True)
-    return Exchange(order, send_counts, recv_counts, serve_index, owned, group)
+    if traffic is not None:
+        traffic.id_bytes += 8 * (requested.numel() - send_counts[dist.get_rank(group)])
+    return Exchange(order, send_counts, recv_counts, serve_index, owned, group, row_group, traffic)
+
+
+def _row_bytes(rows: Tensor) -> int:
+    return math.prod(rows.shape[1:]) * rows.element_size()
 
 
 class _ExchangeRows(torch.autograd.Function):
@@ -109,8 +152,10 @@ class _ExchangeRows(torch.autograd.Function):
         ctx.exchange, ctx.num_owned = exchange, rows.shape[0]
         served = rows[exchange.serve_index.to(rows.device)].contiguous()
         received = rows.new_empty((sum(exchange.send_counts), *rows.shape[1:]))
-        with collective("the all-to-all of rows", exchange.group):
-            dist.all_to_all_single(received, served, exchange.send_counts, exchange.recv_counts, group=exchange.group)
+        with collective("the all-to-all of rows", exchange.rows_group):
+            dist.all_to_all_single(received, served, exchange.send_counts, exchange.recv_counts,
+                                   group=exchange.rows_group)
+        exchange.count(served.shape[0] - exchange.recv_counts[dist.get_rank(exchange.group)], _row_bytes(rows))
         out = torch.empty_like(received)
         out[exchange.order.to(rows.device)] = received
         return out
@@ -120,8 +165,9 @@ class _ExchangeRows(torch.autograd.Function):
         exchange = ctx.exchange
         sent = grad[exchange.order.to(grad.device)].contiguous()
         back = grad.new_empty((sum(exchange.recv_counts), *grad.shape[1:]))
-        with collective("the all-to-all of row gradients", exchange.group):
-            dist.all_to_all_single(back, sent, exchange.recv_counts, exchange.send_counts, group=exchange.group)
+        with collective("the all-to-all of row gradients", exchange.rows_group):
+            dist.all_to_all_single(back, sent, exchange.recv_counts, exchange.send_counts, group=exchange.rows_group)
+        exchange.count(sent.shape[0] - exchange.send_counts[dist.get_rank(exchange.group)], _row_bytes(grad))
         rows = grad.new_zeros((ctx.num_owned, *grad.shape[1:]))
         rows.index_add_(0, exchange.serve_index.to(grad.device), back)
         return rows, None

@@ -25,10 +25,14 @@ class CooperativeBatch:
         exchanges: ``L`` exchanges; ``exchanges[l]`` delivers the rows of ``blocks[l].src_nodes`` from their
             owners. ``exchanges[0].owned`` are the input nodes whose features this rank loads;
             ``exchanges[l].owned`` equals ``blocks[l − 1].dst_nodes`` for ``l ≥ 1``.
+        seeds: ``(B,)`` int64 seeds of the global batch (of this round) the share belongs to, the same on every rank.
+        key: the global batch's sample key (a ``SampleKey``).
     """
 
     blocks: list[Block]
     exchanges: list[Exchange]
+    seeds: Tensor
+    key: object
 
     @property
     def input_nodes(self) -> Tensor:

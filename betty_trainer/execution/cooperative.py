@@ -12,7 +12,9 @@ result is the gradient of the global batch's mean loss, as one process computing
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.distributed.exchange import collective, exchange_rows
 from betty_trainer.distributed.share import CooperativeBatch
 from betty_trainer.errors import TrainingError
-from betty_trainer.execution.plan import StepResult
+from betty_trainer.execution.plan import StepResult, layer_sizes
 from betty_trainer.models.stack import runs_layer_by_layer
 
 
@@ -88,7 +90,7 @@ def cooperative_step(model: nn.Module, shares: Iterable[CooperativeBatch], featu
     loss, correct, group = 0.0, 0, None
     for share in shares:
         result = cooperative_backward(model, share, features, labels, device, num_outputs)
-        loss, correct, group = loss + result.loss, correct + result.correct, share.exchanges[0].group
+        loss, correct, group = loss + result.loss, correct + result.correct, share.exchanges[0].rows_group
     all_reduce_gradients(model, group)
     return StepResult(loss, correct)
 
@@ -105,3 +107,69 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = Non
             parameter.grad = torch.zeros_like(parameter)
         with collective("the all-reduce of gradients", group):
             dist.all_reduce(parameter.grad, group=group)
+
+
+@dataclass
+class CooperativePlan:
+    """A :class:`~betty_trainer.execution.plan.StepPlan` for this rank's share of a cooperative global batch, in
+    ``len(shares)`` micro-batch rounds (:meth:`~betty_trainer.sampling.cooperative.CooperativeSampler.rounds`), run
+    by :func:`cooperative_step`. Its ``run`` holds collectives, so every rank runs a plan of the same number of
+    rounds for the same global batch.
+
+    Attributes:
+        batch: the share of the whole global batch (one round; what the loop sampled).
+        shares: the share of each round (``[batch]`` for one round).
+        rank: this rank; ``world_size``: ``P``.
+    """
+
+    batch: CooperativeBatch
+    shares: Sequence[CooperativeBatch]
+    rank: int
+    world_size: int
+    method: ClassVar[str] = "cooperative"
+
+    @property
+    def pieces(self) -> int:
+        return len(self.shares)
+
+    @property
+    def estimate(self) -> int | None:
+        return None  # a share's memory is not estimated yet: the rounds are micro_batch.num_micro_batches
+
+    @property
+    def work(self) -> float:
+        return float(sum(block.num_src + block.num_edges for share in self.shares for block in share.blocks))
+
+    @property
+    def summary(self) -> str:
+        rounds = f"{self.pieces} micro-batch round{'s' if self.pieces > 1 else ''}"
+        return f"rank {self.rank} of {self.world_size}: its share of the global batch in {rounds}"
+
+    def redundancy(self) -> list[float]:
+        whole = [max(block.num_src, 1) for block in self.batch.blocks]
+        computed = [sum(share.blocks[layer].num_src for share in self.shares) for layer in range(len(whole))]
+        return [max(1.0, rows / total) for rows, total in zip(computed, whole)]
+
+    def run(self, model: nn.Module, features: FeatureStore, labels: Tensor, device: torch.device) -> StepResult:
+        return cooperative_step(model, self.shares, features, labels, device, self.batch.seeds.numel())
+
+    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer, features: FeatureStore, labels: Tensor,
+                device: torch.device) -> list[int]:
+        """Not available: a share's peak is measured by no single process's profiler alone.
+
+        Raises:
+            NotImplementedError: always (``betty-train plan --measure`` plans one process).
+        """
+        raise NotImplementedError("a cooperative share is measured by training (metrics.jsonl), not by plan --measure")
+
+    def report(self, measured: list[int] | None = None) -> dict:
+        rounds = []
+        for index, share in enumerate(self.shares):
+            layers = layer_sizes(share)
+            for sizes, exchange in zip(layers, share.exchanges):
+                sizes["rows_received"] = exchange.rows_received
+                sizes["rows_served"] = exchange.owned.numel()
+            rounds.append({"round": index, "outputs": share.output_nodes.numel(), "layers": layers})
+        return {"mode": self.method, "rank": self.rank, "world_size": self.world_size, "work": self.work,
+                "num_micro_batches": self.pieces, "global_batch_outputs": self.batch.seeds.numel(),
+                "redundancy_per_layer": self.redundancy(), "rounds": rounds}

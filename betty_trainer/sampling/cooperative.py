@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from betty_trainer.distributed.exchange import plan_exchange
+from betty_trainer.distributed.exchange import ExchangeTraffic, plan_exchange
 from betty_trainer.distributed.share import CooperativeBatch
 from betty_trainer.sampling.base import BlockSampler, SampleKey
 
@@ -37,12 +37,24 @@ class CooperativeSampler:
             (:func:`~betty_trainer.distributed.ownership.load_owners`).
         group: the process group of the ranks that share the batch (``None``: the default group). Its backend
             must move CPU tensors (gloo), as the sampled ids are on the CPU.
+        row_group: the group the rows of the exchanges move over (``None``: ``group``; NCCL on CUDA).
+        traffic: where the bytes sent to the others are counted (default: a new counter).
+
+    Attributes:
+        traffic: the bytes this rank sent to the others through every exchange of its shares so far (ids here,
+            rows as the shares run; :class:`~betty_trainer.distributed.exchange.ExchangeTraffic`).
+        node_cache: ``None``: a rank's feature store caches the rows it owns, with no sampler-given node set.
     """
 
-    def __init__(self, sampler: BlockSampler, owners: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    node_cache = None
+
+    def __init__(self, sampler: BlockSampler, owners: Tensor, group: dist.ProcessGroup | None = None,
+                 row_group: dist.ProcessGroup | None = None, traffic: ExchangeTraffic | None = None) -> None:
         self.sampler = sampler
         self.owners = owners.long()
         self.group = group
+        self.row_group = row_group
+        self.traffic = traffic if traffic is not None else ExchangeTraffic()
 
     def sample(self, seeds: Tensor, key: SampleKey) -> CooperativeBatch:
         """This rank's share of the global batch ``seeds`` under ``key`` (a collective: every rank of the
@@ -60,13 +72,13 @@ class CooperativeSampler:
         blocks, exchanges = [], []
         for layer in reversed(range(len(self.sampler.fanouts))):
             block = self.sampler.sample_layer(dst, layer, key)
-            exchange = plan_exchange(block.src_nodes, self.owners, self.group)
+            exchange = plan_exchange(block.src_nodes, self.owners, self.group, self.row_group, self.traffic)
             blocks.append(block)
             exchanges.append(exchange)
             dst = exchange.owned
         blocks.reverse()
         exchanges.reverse()
-        return CooperativeBatch(blocks, exchanges)
+        return CooperativeBatch(blocks, exchanges, seeds, key)
 
     def rounds(self, seeds: Tensor, key: SampleKey, k: int) -> Iterator[CooperativeBatch]:
         """The global batch in ``k`` micro-batch rounds, sampled one round at a time (a collective).

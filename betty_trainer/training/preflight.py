@@ -22,6 +22,7 @@ from betty_trainer.errors import ConfigError
 from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.sampling.schedule import check_macro_batch_budget
+from betty_trainer.training.distributed import check_cooperative
 from betty_trainer.training.rundir import check_run_dir_path, holds_checkpoint, holds_run, refuse_foreign_files
 
 _STATE_COPIES = 4  # parameters, gradients and Adam's two moments
@@ -108,6 +109,9 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
                            "refuses it otherwise)")
         else:
             checked.append("run directory")
+    if config.distributed.mode == "cooperative":
+        check_cooperative(config)
+        checked.append("cooperative mode")
     if config.train.tensorboard:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install tensorboard "

@@ -27,6 +27,8 @@ from betty_trainer.data.cache import make_feature_store
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset, no_training_nodes_message
+from betty_trainer.distributed.exchange import ExchangeTraffic
+from betty_trainer.distributed.group import Processes, leave
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.device import configure_allocator
@@ -55,6 +57,14 @@ from betty_trainer.training.checkpoint import (
     non_finite,
     save_checkpoint,
 )
+from betty_trainer.training.distributed import (
+    agree_on_run,
+    distributed_planner,
+    distributed_sampler,
+    join_run,
+    leader_value,
+    rank_metrics,
+)
 from betty_trainer.training.evaluation import evaluate_splits
 from betty_trainer.training.output import EpochProgress, epoch_status, quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
@@ -80,7 +90,10 @@ class EpochMetrics:
     feature store's counter; 0 when training runs on the CPU; evaluation's gathers are not included);
     ``lr`` is the learning rate of the epoch's optimizer steps; ``feature_hits`` and ``feature_misses`` are the
     input rows training's gathers found on the device (a node cache, a staged macro-batch) and read from the
-    host, and ``cache_fill_bytes`` the bytes read to fill the node cache (docs/design.md › Feature store)."""
+    host, and ``cache_fill_bytes`` the bytes read to fill the node cache (docs/design.md › Feature store). In a
+    distributed run (``distributed.mode``) those counters are summed over the ranks, ``exchanged_bytes`` is what the
+    ranks sent each other (sampled ids, rows and row gradients of cooperative exchanges; gradients' all-reduce not
+    included), and ``ranks`` holds each rank's counters; both are ``None`` in a single process."""
 
     epoch: int
     loss: float
@@ -95,6 +108,8 @@ class EpochMetrics:
     feature_hits: int = 0
     feature_misses: int = 0
     cache_fill_bytes: int = 0
+    exchanged_bytes: int | None = None
+    ranks: list[dict] | None = None
 
 
 @dataclass
@@ -170,24 +185,19 @@ def train(
             by another run (its ``run.lock`` names the holder), is a file, is read-only, or its disk is full
             (the last good checkpoint is kept).
     """
-    console = console if console is not None else Console()
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
     device = resolve_device(config.train.device)
     configure_allocator(device)  # expandable segments unless the user chose, before anything initialises CUDA
-    path = Path(run_dir or new_run_dir(config))
-    check_config(config, dataset=graph is None, run_dir=path)
-    directory = RunDirectory.open(path, create=not resume, overwrite=overwrite)  # refused if another run holds it
-    try:  # every check, and the data, model and checkpoint loaded, before anything is written
-        run = _prepare(config, model, graph, path, resume, device)
-    except BaseException as error:  # refused before the run started: nothing written, a directory made for it removed
-        _name_run(error, path)
-        directory.abandon()
-        raise
-    _start(directory, config, run, device, overwrite, command)
+    processes = join_run(config, device)  # None in one process; under torchrun rank 0 alone writes and prints
+    directory, path, run = _open(config, model, graph, run_dir, resume, overwrite, device, processes)
+    device, console = run.device, console if console is not None and directory is not None else Console(
+        quiet=directory is None)  # ranks other than 0 print nothing
+    if directory is not None:
+        _start(directory, config, run, device, overwrite, command)
     _print_start(console, config, run.graph, device, run.model, path, run.start_epoch, resume)
     model, optimizer, planner, features, graph = run.model, run.optimizer, run.planner, run.features, run.graph
-    board = _tensorboard(config, path)
+    board = _tensorboard(config, path) if directory is not None else None
     last, stopped_early, best, warned, diverging = None, False, run.best, False, False
     model.train()
     try:
@@ -195,7 +205,7 @@ def train(
                            run.start_epoch, live=config.train.progress) as progress:
             for epoch in range(run.start_epoch, config.optim.epochs):
                 started, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
-                totals, seed_batches = _EpochTotals(features.stats.snapshot()), epoch_seeds(config, graph, epoch)
+                totals, seed_batches = _EpochTotals.start(run), epoch_seeds(config, graph, epoch)
                 for batch_round in batch_rounds(config, run.sampler, seed_batches, epoch, features.row_bytes):
                     features.prefetch(batch_round.staged_nodes)  # a macro-batch's rows, staged on the device at once
                     for key, seeds, batch in batch_round.batches:
@@ -224,8 +234,7 @@ def train(
                 if diverged:
                     raise TrainingError(f"epoch {epoch}: {diverged} after the optimizer step (training diverged); "
                                         f"try a lower optim.lr; {_last_good(path, epoch)}")
-                last = totals.metrics(epoch, graph, features.stats.snapshot(), time.perf_counter() - started, lr,
-                                      _evaluate(config, run, epoch, device))
+                last = totals.metrics(epoch, run, time.perf_counter() - started, lr, _evaluate(config, run, epoch, device))
                 diverging = _check_divergence(config, graph, last, path, diverging)
                 best = _end_epoch(directory, run, last, best, board)
                 progress.advance(epoch, epoch_status(last, best))
@@ -241,10 +250,29 @@ def train(
     finally:
         if board is not None:
             board.close()
+        leave()
 
     if last is None:
         raise TrainingError(f"run in {path} already finished {config.optim.epochs} epochs; raise optim.epochs to continue")
     return TrainResult(path, best["epoch"], best["val_acc"], best["test_acc"], last, stopped_early)
+
+
+def _open(config: Config, model: nn.Module | None, graph: Graph | None, run_dir: Path | None, resume: bool,
+          overwrite: bool, device: torch.device, processes: Processes | None) -> tuple[RunDirectory | None, Path, _Run]:
+    """Check the config, hold the run directory (rank 0 alone in a distributed run; the others get ``None``) and
+    prepare the run (:func:`_prepare`). A refusal leaves the directory as it was and the process group left."""
+    leads, device = (True, device) if processes is None else (processes.leads, processes.device)
+    path = Path(run_dir or leader_value(processes, lambda: str(new_run_dir(config))))
+    check_config(config, dataset=graph is None, run_dir=path)
+    directory = RunDirectory.open(path, create=not resume, overwrite=overwrite) if leads else None  # refused if held
+    try:  # every check, and the data, model and checkpoint loaded, before anything is written
+        return directory, path, _prepare(config, model, graph, path, resume, device, processes)
+    except BaseException as error:  # refused before the run started: nothing written, a directory made for it removed
+        _name_run(error, path)
+        if directory is not None:
+            directory.abandon()
+        leave()
+        raise
 
 
 @dataclass
@@ -260,6 +288,9 @@ class _Run:
     evaluation_features: FeatureStore
     planner: Planner
     identity: dict
+    device: torch.device
+    processes: Processes | None = None
+    traffic: ExchangeTraffic = field(default_factory=ExchangeTraffic)  # bytes sent to other ranks (cooperative)
     start_epoch: int = 0
     best: dict = field(default_factory=lambda: _no_best())
     resumed_from: int | None = None
@@ -282,10 +313,11 @@ def feature_store(config: Config, graph: Graph, device: torch.device, sampler: S
 
 
 def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path: Path, resume: bool,
-             device: torch.device) -> _Run:
+             device: torch.device, processes: Processes | None = None) -> _Run:
     """Load the checkpoint (on resume, verified before any data is read), the data and the model, build the
     optimizer, sampler, feature store and planner, and plan the first batch (an impossible budget is refused
-    here). Writes nothing."""
+    here). Writes nothing. In a distributed run (``processes``) the sampler and planner are this rank's, and the
+    ranks agree on the config and dataset first."""
     state = load_checkpoint(path) if resume else None
     if state is not None:
         _check_resumable(config, state, path)
@@ -296,11 +328,18 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     builtin = model is None
     if builtin:
         check_model_size(config, graph, device)
-    sampler = make_sampler(config, graph)
+    dataset = dataset_identity(graph)
+    if processes is not None:
+        agree_on_run(processes, config, dataset["fingerprint"])
+    sampler, traffic = make_sampler(config, graph), ExchangeTraffic()
+    if processes is not None:
+        sampler = distributed_sampler(config, graph, sampler, processes, traffic)
     host = HostFeatureStore(graph.x, pin=device.type == "cuda")
     features = feature_store(config, graph, device, sampler, host)
     with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
         planner = make_planner(config, graph, model, device, features, plan_seed(config))
+    if processes is not None:
+        planner = distributed_planner(config, planner, sampler, processes)
     model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
     optimizer = config.optim.make_optimizer(model.parameters())
     if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
@@ -311,7 +350,9 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
     # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
     run = _Run(graph, model, optimizer, make_scheduler(config, optimizer), sampler, features, host, planner,
-               identity(dataset_identity(graph), model_id, model.state_dict()))
+               identity(dataset, model_id, model.state_dict()), device, processes, traffic)
+    if processes is not None:
+        run.identity["distributed"] = {"mode": config.distributed.mode, "world_size": processes.world_size}
     if state is not None:
         _restore(config, run, state, path)
     planner.plan(first_batch(config, graph, sampler, run.start_epoch))
@@ -322,6 +363,12 @@ def _restore(config: Config, run: _Run, state: dict, path: Path) -> None:
     """Load the checkpoint ``state`` of the run in ``path`` (its model, optimizer and schedule) into ``run`` after
     checking that they belong to it."""
     scheduler = run.scheduler
+    saved_world = state["identity"].get("distributed", {"mode": "none", "world_size": 1})
+    world = run.identity.get("distributed", {"mode": "none", "world_size": 1})
+    if saved_world != world:
+        raise TrainingError(f"cannot resume {path}: it trained with distributed.mode={saved_world['mode']} on "
+                            f"{saved_world['world_size']} process(es), this is {world['mode']} on {world['world_size']}; "
+                            "resume with the run's mode and number of processes (torchrun --nproc-per-node)")
     difference = identity_difference(state["identity"], run.identity)
     if difference is not None:
         raise TrainingError(f"cannot resume {path}: {difference}; resume with the run's own model and dataset, "
@@ -404,10 +451,15 @@ class _EpochTotals:
     """An epoch's sums over its batches, for its :class:`EpochMetrics`."""
 
     gathered_before: TransferStats
+    exchanged_before: int = 0
     loss_sum: float = 0.0
     correct: int = 0
     pieces: int = 0
     input_redundancy: float = 0.0
+
+    @classmethod
+    def start(cls, run: _Run) -> _EpochTotals:
+        return cls(run.features.stats.snapshot(), run.traffic.total)
 
     def add(self, plan: StepPlan, result: StepResult, outputs: int) -> None:
         self.loss_sum += result.loss * outputs
@@ -415,13 +467,17 @@ class _EpochTotals:
         self.pieces = max(self.pieces, plan.pieces)
         self.input_redundancy = max(self.input_redundancy, plan.redundancy()[0])
 
-    def metrics(self, epoch: int, graph: Graph, stats: TransferStats, seconds: float, lr: float,
-                accuracy: dict[str, float]) -> EpochMetrics:
-        gathered, trained = stats - self.gathered_before, graph.train_idx.numel()
+    def metrics(self, epoch: int, run: _Run, seconds: float, lr: float, accuracy: dict[str, float]) -> EpochMetrics:
+        """The epoch's :class:`EpochMetrics`; in a distributed run the transfer counters are every rank's, summed,
+        and per rank under ``ranks`` (a collective)."""
+        gathered, trained = run.features.stats.snapshot() - self.gathered_before, run.graph.train_idx.numel()
+        counters = {"host_to_device_bytes": gathered.host_to_device_bytes, "feature_hits": gathered.hits,
+                    "feature_misses": gathered.misses, "cache_fill_bytes": gathered.cache_fill_bytes}
+        if run.processes is not None:
+            counters = rank_metrics(run.processes, counters, run.traffic.total - self.exchanged_before)
         return EpochMetrics(epoch, self.loss_sum / trained, self.correct / trained, accuracy.get("val"),
-                            accuracy.get("test"), self.pieces, self.input_redundancy, seconds,
-                            host_to_device_bytes=gathered.host_to_device_bytes, lr=lr, feature_hits=gathered.hits,
-                            feature_misses=gathered.misses, cache_fill_bytes=gathered.cache_fill_bytes)
+                            accuracy.get("test"), self.pieces, self.input_redundancy, seconds, lr=lr, **counters)
+
 
 
 def _evaluate(config: Config, run: _Run, epoch: int, device: torch.device) -> dict[str, float]:
@@ -429,16 +485,21 @@ def _evaluate(config: Config, run: _Run, epoch: int, device: torch.device) -> di
     if (epoch + 1) % config.train.eval_every != 0 and epoch + 1 != config.optim.epochs:
         return {}
     splits = {"val": run.graph.val_idx, "test": run.graph.test_idx}
-    return evaluate_splits(run.model, run.graph, run.evaluation_features, device, splits, config.model.num_layers)
+    return leader_value(run.processes, lambda: evaluate_splits(run.model, run.graph, run.evaluation_features, device,
+                                                               splits, config.model.num_layers))
 
 
-def _end_epoch(directory: RunDirectory, run: _Run, last: EpochMetrics, best: dict, board) -> dict:
+def _end_epoch(directory: RunDirectory | None, run: _Run, last: EpochMetrics, best: dict, board) -> dict:
     """Append the epoch's metrics, save ``best.pt`` when validation accuracy improved and ``last.pt`` always, log to
-    TensorBoard; returns the best-so-far."""
+    TensorBoard; returns the best-so-far. A rank other than 0 (``directory`` ``None``) only follows the best."""
+    improved = last.val_acc is not None and last.val_acc > best["val_acc"]
+    if improved:
+        best = {"epoch": last.epoch, "val_acc": last.val_acc, "test_acc": last.test_acc}
+    if directory is None:
+        return best
     directory.append_line("metrics.jsonl", json.dumps(asdict(last)))
     model, epoch, path = run.model, last.epoch, directory.path
-    if last.val_acc is not None and last.val_acc > best["val_acc"]:
-        best = {"epoch": epoch, "val_acc": last.val_acc, "test_acc": last.test_acc}
+    if improved:
         save_checkpoint(path, {"format": FORMAT, "kind": "best", "epoch": epoch, "model": model.state_dict(),
                                    "metrics": asdict(last), "identity": run.identity}, BEST_NAME)
     save_checkpoint(path, {"format": FORMAT, "kind": "last", "epoch": epoch, "model": model.state_dict(),
@@ -643,11 +704,14 @@ def _print_start(console: Console, config: Config, graph: Graph, device: torch.d
         console.print(line, highlight=False, soft_wrap=True)
 
 
-def _record_plan(directory: RunDirectory, console: Console, planner: Planner, plan: StepPlan, write: bool) -> None:
+def _record_plan(directory: RunDirectory | None, console: Console, planner: Planner, plan: StepPlan,
+                 write: bool) -> None:
     """Print the first batch's plan (and, ``write``, save its report as ``plan.json``), as ``betty-train plan``
-    shows it."""
+    shows it. In a distributed run every rank calls it (the report gathers every rank's plan); rank 0 writes."""
     if write:
-        directory.write_text("plan.json", json.dumps(planner.report(plan), indent=2))
+        report = planner.report(plan)
+        if directory is not None:
+            directory.write_text("plan.json", json.dumps(report, indent=2))
     peak = f", estimated peak {plan.estimate / 2**20:.2f} MiB" if plan.estimate else ""
     console.print(f"first batch: {plan.batch.output_nodes.numel()} outputs, {plan.summary}{peak}, input redundancy "
                   f"{plan.redundancy()[0]:.3f}", highlight=False, soft_wrap=True)
