@@ -127,6 +127,7 @@ def agree(processes: Processes, values: dict[str, str]) -> None:
         for rank, theirs in enumerate(gathered):
             seen.setdefault(theirs.get(name, "missing"), []).append(rank)
         if len(seen) > 1:
-            sides = "; ".join(f"ranks {', '.join(map(str, ranks))} have {value}" for value, ranks in seen.items())
+            sides = "; ".join(f"rank {ranks[0]} has {value}" if len(ranks) == 1 else
+                              f"ranks {', '.join(map(str, ranks))} have {value}" for value, ranks in seen.items())
             raise ConfigError(f"the processes of this run differ in their {name} ({sides}); start every process "
                               "with the same config and dataset")

@@ -1,0 +1,184 @@
+"""Distributed training launched as users launch it: ``torchrun ... -m betty_trainer train`` on loopback with gloo
+(README › Several GPUs). Each test starts real processes; the synthetic quickstart graph keeps them to seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_cooperative import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = ["--config", str(REPO / "configs" / "quickstart.yaml"), "optim.epochs=3", "sampling.fanouts=[10,10]",
+         "sampling.batch_size=256", "micro_batch.num_micro_batches=2", "train.progress=false"]
+_TORCH_DIST = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key not in _TORCH_DIST}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def betty(*args: str) -> list[str]:
+    return [sys.executable, "-m", "betty_trainer", *args]
+
+
+def run(command: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, env=environment(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> list[dict]:
+    """The quickstart in one process, the reference the distributed runs must equal."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    done = run(betty("train", *QUICK, f"train.run_dir={run_dir}"))
+    assert done.returncode == 0, done.stderr
+    return metrics(run_dir)
+
+
+@pytest.mark.parametrize("mode", ["cooperative", "independent"])
+def test_torchrun_trains_like_one_process_and_rank_0_alone_writes(tmp_path, single_run, mode):
+    """Two gloo ranks under torchrun: with NS (randomness keyed per node) every epoch's loss and accuracies equal
+    the single process's (same global batches, the gradient of the global mean loss); one metrics line per epoch
+    (rank 0 alone writes), each with both ranks' counters; one console (rank 0's)."""
+    run_dir = tmp_path / "run"
+    done = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *QUICK,
+                        f"distributed.mode={mode}", "distributed.ownership=random", f"train.run_dir={run_dir}"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("final test accuracy") == 1
+    lines = metrics(run_dir)
+    assert [line["epoch"] for line in lines] == [0, 1, 2]
+    for ours, reference in zip(lines, single_run):
+        assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)  # float32 sums reassociated across ranks
+        assert (ours["val_acc"], ours["test_acc"], ours["train_acc"]) == \
+               (reference["val_acc"], reference["test_acc"], reference["train_acc"])
+        assert len(ours["ranks"]) == 2
+        assert ours["feature_misses"] == sum(rank["feature_misses"] for rank in ours["ranks"])
+        assert (ours["exchanged_bytes"] > 0) == (mode == "cooperative")
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["mode"] == mode and [rank["rank"] for rank in plan["ranks"]] == [0, 1]
+    identity = subprocess.run([sys.executable, "-c", "import torch,sys; print(torch.load(sys.argv[1], "
+                               "weights_only=True)['identity']['distributed'])", str(run_dir / "last.pt")],
+                              capture_output=True, text=True, env=environment())
+    assert "'world_size': 2" in identity.stdout
+
+
+def test_a_resume_with_another_number_of_processes_is_refused_and_evaluate_works_in_one(tmp_path):
+    run_dir = tmp_path / "run"
+    done = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *QUICK,
+                        "distributed.mode=cooperative", "distributed.ownership=random", f"train.run_dir={run_dir}"))
+    assert done.returncode == 0, done.stderr
+    resumed = run(betty("train", "--resume", str(run_dir), "optim.epochs=4"))
+    assert resumed.returncode == 2
+    error = resumed.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: cannot resume") and "cooperative on 2 process(es)" in error, resumed.stderr
+    evaluated = run(betty("evaluate", "--run", str(run_dir)))
+    assert evaluated.returncode == 0 and "test" in evaluated.stdout, evaluated.stderr
+
+
+def test_processes_with_different_configs_are_refused_before_training(tmp_path):
+    """Two processes started as torchrun would (its environment variables), one with another learning rate: both
+    stop before anything is written, with one line naming what differs and the ranks."""
+    port, run_dir = free_port(), tmp_path / "run"
+    procs = [subprocess.Popen(betty("train", *QUICK, "distributed.mode=cooperative", f"train.run_dir={run_dir}",
+                                    f"optim.lr={lr}"),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for rank, lr in enumerate(["0.01", "0.02"])]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for rank, (proc, (_, stderr)) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 2, stderr
+        assert f"error: rank {rank}: the processes of this run differ in their config" in stderr
+        assert "rank 0 has" in stderr and "rank 1 has" in stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of the worker of ``rank`` among ``parent``'s children (read from its environment)."""
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        try:
+            variables = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in variables:
+            return int(child)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker's pid through Linux's /proc")
+def test_a_killed_rank_ends_the_job_within_60_s_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    agent = subprocess.Popen(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *QUICK,
+                                      "optim.epochs=100000", "distributed.mode=cooperative",
+                                      "distributed.ownership=random", f"train.run_dir={run_dir}"),
+                             cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and agent.poll() is None, "the run did not start"
+            time.sleep(0.2)
+        victim = _rank_pid(agent.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)  # mid-epoch: epochs take about 0.3 s
+        killed = time.monotonic()
+        output, _ = agent.communicate(timeout=60)
+        assert time.monotonic() - killed < 60
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode != 0
+    assert "rank: 1" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]  # torchrun's root cause
+
+
+def test_two_torchrun_agents_on_loopback_train_one_model(tmp_path):
+    """Two nodes as torchrun runs them (``--nnodes 2`` with a c10d rendezvous), here two agents on one machine."""
+    port, run_dir = free_port(), tmp_path / "run"
+    agents = [subprocess.Popen(torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "betty-test",
+                                        "-m", "betty_trainer", "train", *QUICK, "distributed.mode=cooperative",
+                                        "distributed.ownership=random", f"train.run_dir={run_dir}"),
+                               cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(output[-2000:] for output in outputs)
+    assert sum(output.count("final test accuracy") for output in outputs) == 1
+    assert [line["epoch"] for line in metrics(run_dir)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("override, named", [
+    ("sampling.sampler=gns sampling.fanouts=[5,5]", "sampling.sampler"),
+    ("micro_batch.mode=layerwise", "micro_batch.mode=micro_batches"),
+    ("micro_batch.budget=1GiB", "micro_batch.budget=null"), ("features.macro_batch=2", "features.macro_batch=0"),
+])
+def test_what_cooperative_mode_does_not_run_is_refused_by_validate_in_one_line(tmp_path, capsys, override, named):
+    from betty_trainer.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text("distributed:\n  mode: cooperative\n")
+    assert main(["validate", "--config", str(config), *override.split()]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: distributed.mode=cooperative") and named in error and "\n" not in error
+
+
+def test_plan_plans_one_process_and_says_so_for_a_distributed_config(capsys):
+    from betty_trainer.cli import main
+
+    assert main(["plan", "--config", str(REPO / "configs" / "quickstart.yaml"), "distributed.mode=independent"]) == 2
+    assert "betty-train plan plans one process" in capsys.readouterr().err
