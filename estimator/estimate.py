@@ -35,6 +35,7 @@ COMPONENTS = (
     "aggregator_intermediates",
     "gradients",
     "framework_overheads",
+    "exchange_buffers",  # cooperative minibatching's all-to-all buffers (estimator.cooperative)
 )
 
 

@@ -10,6 +10,8 @@ from torch import Tensor
 
 from betty_trainer.data.block import Block
 from betty_trainer.distributed.exchange import Exchange
+from estimator.cooperative import ExchangeCounts
+from estimator.counts import LayerCounts, counts_of
 
 
 @dataclass
@@ -43,3 +45,10 @@ class CooperativeBatch:
     def output_nodes(self) -> Tensor:
         """``(b,)`` int64 ids of the global batch's seeds this rank owns and computes the logits of."""
         return self.blocks[-1].dst_nodes
+
+    def counts(self) -> tuple[list[LayerCounts], list[ExchangeCounts]]:
+        """The share's sizes for its memory estimate (:func:`estimator.cooperative.estimate_cooperative_share`):
+        each block's counts and each exchange's rows owned, served and requested."""
+        exchanges = [ExchangeCounts(exchange.owned.numel(), sum(exchange.recv_counts), sum(exchange.send_counts))
+                     for exchange in self.exchanges]
+        return counts_of(self.blocks), exchanges

@@ -12,8 +12,9 @@ result is the gradient of the global batch's mean loss, as one process computing
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -25,8 +26,11 @@ from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.distributed.exchange import collective, exchange_rows
 from betty_trainer.distributed.share import CooperativeBatch
 from betty_trainer.errors import TrainingError
-from betty_trainer.execution.plan import StepResult, layer_sizes
+from betty_trainer.execution.micro_batches import training_state
+from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
 from betty_trainer.models.stack import runs_layer_by_layer
+from estimator.estimate import MemoryEstimate
+from estimator.measure import MeasuredPeak, measure_peak
 
 
 def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: FeatureStore, labels: Tensor,
@@ -57,7 +61,8 @@ def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: Fe
     group = share.exchanges[0].group
     h = features.gather(share.input_nodes, device)
     for index, block in enumerate(share.blocks):
-        h = model.layer_forward(index, block.to(device), exchange_rows(h, share.exchanges[index]))
+        # the exchanged input rows are this step's own: input dropout may overwrite them (consume_input)
+        h = model.layer_forward(index, block.to(device), exchange_rows(h, share.exchanges[index]), index == 0)
     y = labels[share.output_nodes].to(device, non_blocking=True)
     loss = F.cross_entropy(h, y, reduction="sum") / num_outputs
     totals = torch.stack([loss.detach().double().cpu(), (h.argmax(1) == y).sum().double().cpu()])
@@ -120,12 +125,25 @@ class CooperativePlan:
         batch: the share of the whole global batch (one round; what the loop sampled).
         shares: the share of each round (``[batch]`` for one round).
         rank: this rank; ``world_size``: ``P``.
+        itemise: ``(share, accumulate) -> MemoryEstimate``, a round's itemised estimate
+            (:func:`estimator.cooperative.estimate_cooperative_share` of a built-in model), or ``None`` without one
+            (a custom model).
+        budget: the budget the rounds were planned against (bytes; ``None``: a fixed number of rounds).
     """
 
     batch: CooperativeBatch
     shares: Sequence[CooperativeBatch]
     rank: int
     world_size: int
+    itemise: Callable[[CooperativeBatch, bool], MemoryEstimate] | None = None
+    budget: int | None = None
+
+    @cached_property
+    def estimates(self) -> list[MemoryEstimate] | None:
+        """Each round's estimate (made when first read), or ``None`` without an ``itemise``."""
+        if self.itemise is None:
+            return None
+        return [self.itemise(share, index > 0) for index, share in enumerate(self.shares)]
     method: ClassVar[str] = "cooperative"
 
     @property
@@ -134,7 +152,7 @@ class CooperativePlan:
 
     @property
     def estimate(self) -> int | None:
-        return None  # a share's memory is not estimated yet: the rounds are micro_batch.num_micro_batches
+        return max((estimate.peak_bytes for estimate in self.estimates), default=None) if self.estimates else None
 
     @property
     def work(self) -> float:
@@ -155,12 +173,13 @@ class CooperativePlan:
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer, features: FeatureStore, labels: Tensor,
                 device: torch.device) -> list[int]:
-        """Not available: a share's peak is measured by no single process's profiler alone.
-
-        Raises:
-            NotImplementedError: always (``betty-train plan --measure`` plans one process).
-        """
-        raise NotImplementedError("a cooperative share is measured by training (metrics.jsonl), not by plan --measure")
+        """One real cooperative step per round (:func:`measure_cooperative_step`; a collective), after one that
+        creates the optimizer's state; those after the first with the earlier rounds' gradients resident."""
+        num_outputs = self.batch.seeds.numel()
+        measure_cooperative_step(model, optimizer, self.shares[0], features, labels, device, num_outputs)
+        return [measure_cooperative_step(model, optimizer, share, features, labels, device, num_outputs,
+                                         accumulate=index > 0).peak_bytes
+                for index, share in enumerate(self.shares)]
 
     def report(self, measured: list[int] | None = None) -> dict:
         rounds = []
@@ -169,7 +188,48 @@ class CooperativePlan:
             for sizes, exchange in zip(layers, share.exchanges):
                 sizes["rows_received"] = exchange.rows_received
                 sizes["rows_served"] = exchange.owned.numel()
-            rounds.append({"round": index, "outputs": share.output_nodes.numel(), "layers": layers})
+            row = {"round": index, "outputs": share.output_nodes.numel(), "layers": layers}
+            if self.estimates is not None:
+                estimate = self.estimates[index]
+                row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
+            if measured is not None:
+                row["measured_peak_bytes"] = measured[index]
+                if "estimate" in row:
+                    row["error"] = relative_error(row["estimate"]["peak_bytes"], measured[index])
+            rounds.append(row)
         return {"mode": self.method, "rank": self.rank, "world_size": self.world_size, "work": self.work,
-                "num_micro_batches": self.pieces, "global_batch_outputs": self.batch.seeds.numel(),
-                "redundancy_per_layer": self.redundancy(), "rounds": rounds}
+                "num_micro_batches": self.pieces, "budget_bytes": self.budget,
+                "global_batch_outputs": self.batch.seeds.numel(), "redundancy_per_layer": self.redundancy(),
+                "rounds": rounds}
+
+
+def measure_cooperative_step(model: nn.Module, optimizer: torch.optim.Optimizer, share: CooperativeBatch,
+                             features: FeatureStore, labels: Tensor, device: torch.device, num_outputs: int,
+                             accumulate: bool = False) -> MeasuredPeak:
+    """Run one cooperative training step on ``share`` (one round: :func:`cooperative_step`, then
+    ``optimizer.step()``; a collective) and return its measured memory peak, as
+    :func:`~betty_trainer.execution.micro_batches.measure_training_step` does for a micro-batch (same resident
+    set, plus the share's exchange indices on the CPU). **Updates the model and the optimizer.**
+
+    Raises:
+        TrainingError: see :func:`cooperative_backward`. ValueError, RuntimeError: see
+            :func:`estimator.measure.measure_peak`.
+    """
+    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    if accumulate:
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+    resident = training_state(model, optimizer)
+    if accumulate:
+        resident += [parameter.grad for parameter in model.parameters()]
+    if device.type == "cpu":  # the share's structure is live during the step
+        resident += [t for block in share.blocks for t in (block.src_nodes, block.indptr, block.indices,
+                                                           block.edge_weight) if t is not None]
+        resident += [t for exchange in share.exchanges for t in (exchange.order, exchange.serve_index, exchange.owned)]
+
+    def step() -> None:
+        cooperative_step(model, [share], features, labels, device, num_outputs)
+        optimizer.step()
+
+    return measure_peak(step, device, resident)

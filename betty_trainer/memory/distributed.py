@@ -5,23 +5,32 @@
   :class:`~betty_trainer.memory.planner.Planner` (micro-batches or layer-wise chunks, a budget, out-of-memory
   re-plans: none of it needs the other ranks, as the collectives come after the local plan) and wrapped in an
   :class:`~betty_trainer.execution.independent.IndependentPlan`.
-- ``cooperative``: the share runs in ``micro_batch.num_micro_batches`` rounds, the same on every rank so the
-  collectives match (cooperative paper §3.1 with Betty §4.2's accumulation across the ranks).
+- ``cooperative``: the share runs in micro-batch rounds, the same number on every rank so the collectives match
+  (cooperative paper §3.1 with Betty §4.2's accumulation across the ranks): ``micro_batch.num_micro_batches``, or
+  under ``micro_batch.budget`` the fewest (doubling from one) whose every round fits on every rank, agreed by an
+  all-reduce. A round's estimate is :func:`estimator.cooperative.estimate_cooperative_share`: the built-in model's
+  layers with the exchanges' buffers between them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import torch.distributed as dist
 
 from betty_trainer.data.block import Batch
+from betty_trainer.distributed.exchange import collective
 from betty_trainer.distributed.group import Processes
 from betty_trainer.distributed.share import CooperativeBatch
-from betty_trainer.errors import TrainingError
+from betty_trainer.errors import PlanningError, TrainingError
 from betty_trainer.execution.cooperative import CooperativePlan
 from betty_trainer.execution.independent import IndependentPlan
 from betty_trainer.execution.plan import StepPlan
 from betty_trainer.memory.planner import Planner
 from betty_trainer.sampling.cooperative import CooperativeSampler
+from estimator.cooperative import estimate_cooperative_share
+from estimator.estimate import MemoryEstimate
 
 
 class DistributedPlanner:
@@ -42,19 +51,43 @@ class DistributedPlanner:
         """This rank's plan of ``batch`` (its share of a global batch).
 
         Raises:
-            PlanningError: independent mode: see :meth:`Planner.plan`.
+            PlanningError: independent mode: see :meth:`Planner.plan`; cooperative: a budget no rounds fit.
             TrainingError: cooperative mode asked for more rounds than configured (after an out-of-memory error:
                 the ranks cannot agree on a re-plan mid-step).
         """
         processes = self.processes
         if self.sampler is None:
             return IndependentPlan(self.local.plan(batch, min_pieces), processes.group, processes.cpu_group)
-        if min_pieces > self.rounds:
-            raise TrainingError(f"rank {processes.rank} ran out of device memory in a cooperative step of "
-                                f"{self.rounds} round(s); raise micro_batch.num_micro_batches (the ranks cannot "
-                                "re-plan one step together)")
-        shares = [batch] if self.rounds == 1 else list(self.sampler.rounds(batch.seeds, batch.key, self.rounds))
-        return CooperativePlan(batch, shares, processes.rank, processes.world_size)
+        if min_pieces > 1:
+            raise TrainingError(f"rank {processes.rank} ran out of device memory in a cooperative step; raise "
+                                "micro_batch.num_micro_batches or lower micro_batch.budget (the ranks cannot re-plan "
+                                "one step together)")
+        budget = self.local.budget
+        rounds = self.rounds if budget is None else 1
+        while True:
+            shares = [batch] if rounds == 1 else list(self.sampler.rounds(batch.seeds, batch.key, rounds))
+            plan = CooperativePlan(batch, shares, processes.rank, processes.world_size, self._itemise, budget)
+            if budget is None or self._all_fit(plan.estimates, budget):
+                return plan
+            if rounds >= batch.seeds.numel():
+                raise PlanningError(f"memory budget {budget} bytes is impossible for a cooperative step: with one seed "
+                                    f"of the global batch per round, some rank's share needs more; raise the budget")
+            rounds = min(2 * rounds, batch.seeds.numel())
+
+    @property
+    def _itemise(self) -> Callable[[CooperativeBatch, bool], MemoryEstimate] | None:
+        spec = self.local.spec
+        if spec is None:
+            return None
+        return lambda share, accumulate: estimate_cooperative_share(*share.counts(), spec, accumulate)
+
+    def _all_fit(self, estimates: list, budget: int) -> bool:
+        """Whether every rank's rounds fit ``budget`` (a collective: each rank's answer, all-reduced), so every rank
+        doubles its rounds together and the collectives of the step match."""
+        misses = torch.tensor([int(max(estimate.peak_bytes for estimate in estimates) > budget)])
+        with collective("the agreement on micro-batch rounds", self.processes.cpu_group):
+            dist.all_reduce(misses, group=self.processes.cpu_group)
+        return int(misses) == 0
 
     def report(self, plan: StepPlan, measured: list[int] | None = None) -> dict:
         """``plan.json``'s content on rank 0: every rank's plan report (a collective over the ranks' CPU group),

@@ -60,9 +60,6 @@ def check_cooperative(config: Config) -> None:
     if config.micro_batch.mode != "micro_batches":
         raise ConfigError("distributed.mode=cooperative runs a rank's share in micro-batch rounds; set "
                           "micro_batch.mode=micro_batches")
-    if config.micro_batch.budget is not None:
-        raise ConfigError("distributed.mode=cooperative does not estimate a rank's share yet: set "
-                          "micro_batch.budget=null and micro_batch.num_micro_batches to the rounds each step runs")
     if config.features.macro_batch:
         raise ConfigError("distributed.mode=cooperative stages no macro-batches; set features.macro_batch=0")
 
