@@ -348,7 +348,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         command(args, console)
     except BettyError as error:
-        named = "" if rank is None or str(error).startswith(f"rank {rank}") else f"rank {rank}: "
+        named = "" if rank is None or f"rank {rank}:" in str(error) else f"rank {rank}: "
         print(f"error: {named}{error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as error:

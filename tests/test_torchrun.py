@@ -201,3 +201,18 @@ def test_under_a_budget_the_ranks_agree_on_the_fewest_rounds_that_fit_every_shar
     ranks = json.loads((tmp_path / "budget" / "plan.json").read_text())["ranks"]
     assert len({rank["num_micro_batches"] for rank in ranks}) == 1 and ranks[0]["num_micro_batches"] > 1
     assert all(row["estimate"]["peak_bytes"] <= budget for rank in ranks for row in rank["rounds"])
+
+
+@pytest.mark.parametrize("mode", ["cooperative", "independent"])
+def test_global_batches_smaller_than_the_ranks_leave_a_rank_without_seeds_and_still_train(tmp_path, mode):
+    """One seed per global batch on two ranks: every step one rank has an empty share; it joins the collectives
+    with no gradient of its own, and the run equals one process's."""
+    single = [*QUICK, "optim.epochs=1", "sampling.batch_size=1", "dataset.synthetic.train_per_class=2"]
+    reference = run(betty("train", *single, f"train.run_dir={tmp_path / 'single'}"))
+    assert reference.returncode == 0, reference.stderr
+    done = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *single, f"distributed.mode={mode}",
+                        "distributed.ownership=random", f"train.run_dir={tmp_path / 'run'}"))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ours, theirs = metrics(tmp_path / "run")[0], metrics(tmp_path / "single")[0]
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert (ours["val_acc"], ours["test_acc"]) == (theirs["val_acc"], theirs["test_acc"])

@@ -29,38 +29,38 @@ class IndependentPlan:
     local plan: the ranks' plans may have different pieces).
 
     Attributes:
-        local: the plan of this rank's seeds.
+        batch: this rank's share of the global batch (no seeds when the global batch has fewer than ``P``).
+        local: the plan of this rank's seeds (``None`` for an empty share: the rank adds no gradient but joins the
+            collectives).
         group: the group the gradients are summed over (NCCL on CUDA); ``cpu_group``: the loss and correct
             counts' (gloo).
     """
 
-    local: StepPlan
+    batch: Batch
+    local: StepPlan | None
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
     method: ClassVar[str] = "independent"
 
     @property
-    def batch(self) -> Batch:
-        return self.local.batch
-
-    @property
     def pieces(self) -> int:
-        return self.local.pieces
+        return self.local.pieces if self.local is not None else 1
 
     @property
     def estimate(self) -> int | None:
-        return self.local.estimate
+        return self.local.estimate if self.local is not None else None
 
     @property
     def work(self) -> float:
-        return self.local.work
+        return self.local.work if self.local is not None else 0.0
 
     @property
     def summary(self) -> str:
-        return f"rank {dist.get_rank(self.group)}'s share of the seeds as {self.local.summary}"
+        how = self.local.summary if self.local is not None else "nothing (no seeds)"
+        return f"rank {dist.get_rank(self.group)}'s share of the seeds as {how}"
 
     def redundancy(self) -> list[float]:
-        return self.local.redundancy()
+        return self.local.redundancy() if self.local is not None else [1.0] * len(self.batch.blocks)
 
     def run(self, model: nn.Module, features: FeatureStore, labels: Tensor, device: torch.device) -> StepResult:
         """The local plan's forward and backward, then ``.grad ← Σ_p (b_p / B) .grad_p`` on every rank; returns the
@@ -69,8 +69,8 @@ class IndependentPlan:
         Raises:
             TrainingError: see the local plan; or a collective failed because a rank died.
         """
-        local = self.local.batch.output_nodes.numel()
-        result = self.local.run(model, features, labels, device)
+        local = self.batch.output_nodes.numel()
+        result = self.local.run(model, features, labels, device) if self.local is not None else StepResult(0.0, 0)
         totals = torch.tensor([result.loss * local, float(result.correct), float(local)], dtype=torch.float64)
         with collective("the all-reduce of the loss", self.cpu_group):
             dist.all_reduce(totals, group=self.cpu_group)
@@ -83,8 +83,9 @@ class IndependentPlan:
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer, features: FeatureStore, labels: Tensor,
                 device: torch.device) -> list[int]:
-        return self.local.measure(model, optimizer, features, labels, device)
+        return self.local.measure(model, optimizer, features, labels, device) if self.local is not None else []
 
     def report(self, measured: list[int] | None = None) -> dict:
-        return {**self.local.report(measured), "distributed": self.method, "rank": dist.get_rank(self.group),
+        local = self.local.report(measured) if self.local is not None else {"num_micro_batches": 0}
+        return {**local, "distributed": self.method, "rank": dist.get_rank(self.group),
                 "world_size": dist.get_world_size(self.group)}

@@ -57,7 +57,8 @@ class DistributedPlanner:
         """
         processes = self.processes
         if self.sampler is None:
-            return IndependentPlan(self.local.plan(batch, min_pieces), processes.group, processes.cpu_group)
+            local = self.local.plan(batch, min_pieces) if batch.output_nodes.numel() else None
+            return IndependentPlan(batch, local, processes.group, processes.cpu_group)
         if min_pieces > 1:
             raise TrainingError(f"rank {processes.rank} ran out of device memory in a cooperative step; raise "
                                 "micro_batch.num_micro_batches or lower micro_batch.budget (the ranks cannot re-plan "
