@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,8 @@ SETTINGS = {
 """Per dataset: the global batch size, epochs and learning rate (``--epochs`` overrides every epochs)."""
 
 LABEL = {"cora": "Cora", "amazon-computers": "Amazon Computers"}
+FAILURES: list[str] = []
+"""The failed attempts that were run again."""
 FINAL = re.compile(r"final test accuracy ([0-9.]+) \(model chosen on validation: epoch (\d+)")
 
 
@@ -81,24 +84,33 @@ def config(dataset: str, sampler: str, args: argparse.Namespace) -> dict:
             "distributed": {"ownership": args.ownership}}
 
 
-def run(config_path: Path, mode: str, seed: int, run_dir: Path, world: int) -> Run:
-    """``torchrun --standalone --nproc-per-node world -m betty_trainer train`` in ``mode`` with ``seed``.
+def run(config_path: Path, mode: str, seed: int, run_dir: Path, world: int, retries: int) -> Run:
+    """``torchrun --standalone --nproc-per-node world -m betty_trainer train`` in ``mode`` with ``seed``; a failed
+    run is run again up to ``retries`` times (each failure kept in :data:`FAILURES` and printed).
 
     Raises:
-        RuntimeError: the run failed (its output's tail), or printed no final accuracy.
+        RuntimeError: the run failed ``retries + 1`` times (its output's tail), or printed no final accuracy.
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "-m", "betty_trainer", "train", "--config", str(config_path), f"distributed.mode={mode}",
                f"seed={seed}", f"train.run_dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    output = done.stdout + done.stderr
-    final = FINAL.search(done.stdout)
-    if done.returncode != 0 or final is None:
-        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{output[-3000:]}")
+    for attempt in range(retries + 1):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        output = done.stdout + done.stderr
+        final = FINAL.search(done.stdout)
+        if done.returncode == 0 and final is not None:
+            break
+        failure = f"{' '.join(command)} exited {done.returncode}:\n{output[-3000:]}"
+        if attempt == retries:
+            raise RuntimeError(failure)
+        FAILURES.append(f"{mode} seed {seed} ({run_dir.name}), exit {done.returncode}: " +
+                        "; ".join(line for line in output.splitlines() if "terminate" in line or "exitcode" in line))
+        print(f"{failure}\nretrying", file=sys.stderr, flush=True)
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return Run(float(final.group(1)), int(final.group(2)), epochs, seconds)
 
@@ -127,6 +139,7 @@ def main() -> None:
     parser.add_argument("--ownership", choices=["metis", "random"], default="metis")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="the folder of the datasets' files (default: each one's folder in ../shared/datasets)")
+    parser.add_argument("--retries", type=int, default=1, help="times a failed run is run again (reported)")
     parser.add_argument("--criterion", type=float, default=1.5, help="largest |difference| in points that passes")
     args = parser.parse_args()
     for dataset in args.datasets:
@@ -147,7 +160,7 @@ def main() -> None:
                     runs = results.setdefault((dataset, sampler, mode), [])
                     for seed in range(args.seeds):
                         one = run(config_path, mode, seed, Path(folder) / f"{dataset}-{sampler}-{mode}-{seed}",
-                                  args.world)
+                                  args.world, args.retries)
                         runs.append(one)
                         print(f"{dataset} {sampler} {mode} seed {seed}: test {one.test_acc:.4f} "
                               f"(best.pt epoch {one.best_epoch}) in {one.seconds:.0f} s", file=sys.stderr, flush=True)
@@ -188,6 +201,8 @@ def main() -> None:
     print()
     for note in notes:
         print(f"- {note}")
+    for failure in FAILURES:
+        print(f"- failed and run again: {failure}")
     print(f"\n{len(args.datasets) * len(args.samplers) * 2 * args.seeds} runs in {elapsed / 60:.1f} min")
 
 
