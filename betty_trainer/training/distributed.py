@@ -122,3 +122,11 @@ def rank_metrics(processes: Processes, counters: dict[str, int], exchanged_bytes
     with collective("the gathering of metrics", processes.cpu_group):
         dist.all_gather_object(ranks, mine, group=processes.cpu_group)
     return {**{name: sum(rank[name] for rank in ranks) for name in mine}, "ranks": ranks}
+
+
+def finish_together(processes: Processes | None) -> None:
+    """Wait until every rank has finished training (a barrier; nothing in a single process), so that no rank tears
+    its process group down while another still uses it: gloo aborts a process whose peer leaves mid-connection."""
+    if processes is not None:
+        with collective("waiting for the other ranks to finish", processes.cpu_group):
+            dist.barrier(group=processes.cpu_group)

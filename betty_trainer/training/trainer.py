@@ -61,6 +61,7 @@ from betty_trainer.training.distributed import (
     agree_on_run,
     distributed_planner,
     distributed_sampler,
+    finish_together,
     join_run,
     leader_value,
     rank_metrics,
@@ -244,6 +245,7 @@ def train(
                                   f"{epoch - best['epoch']} epoch(s) (train.patience={config.train.patience})",
                                   highlight=False, soft_wrap=True)
                     break
+        finish_together(run.processes)  # no rank leaves while rank 0 still writes its last checkpoint
     except KeyboardInterrupt as error:
         _name_run(error, path)
         raise
