@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from estimator.counts import INDEX_BYTES, LayerCounts, block_structure_bytes
-from estimator.estimate import MemoryEstimate, model_state_bytes
+from estimator.estimate import MemoryEstimate, resident_replay
 from estimator.spec import ModelSpec
-from estimator.tape import GRAD, HID, OVER, Replay, StepTape
+from estimator.tape import GRAD, HID, OVER
 
 EXCHANGE = "exchange_buffers"
 """The estimate's component for the exchanges' send and receive buffers."""
@@ -73,16 +73,9 @@ def estimate_cooperative_share(layers: Sequence[LayerCounts], exchanges: Sequenc
                          f"{model.num_layers} layers")
     if model.layer_terms is None:
         raise ValueError("the ModelSpec has no layer_terms: build it from a LayerStack (betty_trainer.memory.spec)")
-    replay = Replay()
-    step = StepTape(replay, model, accumulate)
-    f = model.dtype_bytes
-    for component, nbytes in model_state_bytes(model).items():
-        replay.alloc(nbytes, component)
-    if accumulate:
-        replay.alloc(model.num_parameters * f, GRAD)
-    replay.alloc(block_structure_bytes(layers) + sum(exchange.index_bytes for exchange in exchanges),
-                 "block_structure")
-    resident = replay.current
+    replay, step = resident_replay(model, accumulate, block_structure_bytes(layers) +
+                                   sum(exchange.index_bytes for exchange in exchanges))
+    f, resident = model.dtype_bytes, replay.current
 
     replay.phase = "forward"
     owned = replay.alloc(exchanges[0].owned * model.widths[0] * f, "input_features")

@@ -86,6 +86,20 @@ def model_state_bytes(model: ModelSpec) -> dict[str, int]:
     }
 
 
+def resident_replay(model: ModelSpec, accumulate: bool, structure_bytes: int) -> tuple[Replay, StepTape]:
+    """A step's replay and tape with what is resident before the step allocated: the model state
+    (:func:`model_state_bytes`), the earlier micro-batches' gradients when ``accumulate``, and ``structure_bytes``
+    of the step's blocks (and any index tensors held with them)."""
+    replay = Replay()
+    step = StepTape(replay, model, accumulate)
+    for component, nbytes in model_state_bytes(model).items():
+        replay.alloc(nbytes, component)
+    if accumulate:  # the earlier micro-batches' gradients
+        replay.alloc(model.num_parameters * model.dtype_bytes, GRAD)
+    replay.alloc(structure_bytes, "block_structure")
+    return replay, step
+
+
 def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumulate: bool = False) -> MemoryEstimate:
     """Estimate the memory of one training step of a micro-batch, itemised (Betty §4.4.3).
 
@@ -112,15 +126,8 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
         raise ValueError(f"the micro-batch has {len(layers)} layers but the model has {model.num_layers}")
     if model.forward_terms is None:
         raise ValueError("the ModelSpec has no forward_terms: build it from the model (betty_trainer.memory.spec.spec_of)")
-    replay = Replay()
-    step = StepTape(replay, model, accumulate)
-    f = model.dtype_bytes
-    for component, nbytes in model_state_bytes(model).items():
-        replay.alloc(nbytes, component)
-    if accumulate:  # the earlier micro-batches' gradients
-        replay.alloc(model.num_parameters * f, GRAD)
-    replay.alloc(block_structure_bytes(layers), "block_structure")
-    resident = replay.current
+    replay, step = resident_replay(model, accumulate, block_structure_bytes(layers))
+    f, resident = model.dtype_bytes, replay.current
 
     replay.phase = "forward"
     x = replay.alloc(layers[0].num_src * model.widths[0] * f, "input_features")

@@ -26,7 +26,7 @@ from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.distributed.exchange import collective, exchange_rows
 from betty_trainer.distributed.share import CooperativeBatch
 from betty_trainer.errors import TrainingError
-from betty_trainer.execution.micro_batches import training_state
+from betty_trainer.execution.micro_batches import measured_step_resident
 from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
 from betty_trainer.models.stack import runs_layer_by_layer
 from estimator.estimate import MemoryEstimate
@@ -215,17 +215,8 @@ def measure_cooperative_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         TrainingError: see :func:`cooperative_backward`. ValueError, RuntimeError: see
             :func:`estimator.measure.measure_peak`.
     """
-    model.zero_grad(set_to_none=True)
-    optimizer.zero_grad(set_to_none=True)
-    if accumulate:
-        for parameter in model.parameters():
-            parameter.grad = torch.zeros_like(parameter)
-    resident = training_state(model, optimizer)
-    if accumulate:
-        resident += [parameter.grad for parameter in model.parameters()]
-    if device.type == "cpu":  # the share's structure is live during the step
-        resident += [t for block in share.blocks for t in (block.src_nodes, block.indptr, block.indices,
-                                                           block.edge_weight) if t is not None]
+    resident = measured_step_resident(model, optimizer, share.blocks, device, accumulate)
+    if device.type == "cpu":  # the exchanges' indices are live during the step, as the blocks are
         resident += [t for exchange in share.exchanges for t in (exchange.order, exchange.serve_index, exchange.owned)]
 
     def step() -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from betty_trainer.data.block import Batch
+from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, require_store
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
@@ -252,6 +252,25 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[T
     return [*model.parameters(), *model.buffers(), *state]
 
 
+def measured_step_resident(model: nn.Module, optimizer: torch.optim.Optimizer, blocks: Sequence[Block],
+                           device: torch.device, accumulate: bool) -> list[Tensor]:
+    """Set the gradients as a measured step starts (``None``, or zeros with ``accumulate``: an earlier micro-batch
+    left them) and return what is live before it and belongs in its peak: :func:`training_state`, the gradients
+    when accumulating, and on the CPU the blocks' structure (not copied inside the step, but live during it)."""
+    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    if accumulate:
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+    resident = training_state(model, optimizer)
+    if accumulate:
+        resident += [parameter.grad for parameter in model.parameters()]
+    if device.type == "cpu":
+        resident += [t for block in blocks
+                     for t in (block.src_nodes, block.indptr, block.indices, block.edge_weight) if t is not None]
+    return resident
+
+
 def measure_training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -311,17 +330,7 @@ def measure_training_step(
     """
     device = torch.device(device)
     divisor = micro_batch.output_nodes.numel() if num_outputs is None else num_outputs
-    model.zero_grad(set_to_none=True)
-    optimizer.zero_grad(set_to_none=True)
-    if accumulate:
-        for parameter in model.parameters():
-            parameter.grad = torch.zeros_like(parameter)
-    resident = training_state(model, optimizer)
-    if accumulate:
-        resident += [parameter.grad for parameter in model.parameters()]
-    if device.type == "cpu":  # on CPU the blocks are not copied inside the step but are live during it
-        resident += [t for block in micro_batch.blocks
-                     for t in (block.src_nodes, block.indptr, block.indices, block.edge_weight) if t is not None]
+    resident = measured_step_resident(model, optimizer, micro_batch.blocks, device, accumulate)
 
     def step() -> None:
         micro_batch_backward(model, micro_batch, features, labels, device, divisor)
