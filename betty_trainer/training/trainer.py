@@ -54,6 +54,7 @@ from betty_trainer.training.checkpoint import (
     load_checkpoint,
     non_finite,
     save_checkpoint,
+    split_refusal,
 )
 from betty_trainer.training.evaluation import evaluate_splits
 from betty_trainer.training.output import EpochProgress, epoch_status, quiet_native_stderr
@@ -290,6 +291,11 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     if state is not None:
         _check_resumable(config, state, path)
         _check_best(path, state)
+    split = config.dataset.split if graph is None else None  # a graph given from Python carries its own split
+    if state is not None and graph is None:
+        refusal = split_refusal(state["identity"], split)
+        if refusal is not None:
+            raise TrainingError(f"cannot resume {path}: {refusal}")
     graph = graph if graph is not None else load_dataset(config.dataset)
     if graph.train_idx.numel() == 0:
         raise ConfigError(no_training_nodes_message(graph.name))
@@ -311,7 +317,7 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
     # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
     run = _Run(graph, model, optimizer, make_scheduler(config, optimizer), sampler, features, host, planner,
-               identity(dataset_identity(graph), model_id, model.state_dict()))
+               identity(dataset_identity(graph, split), model_id, model.state_dict()))
     if state is not None:
         _restore(config, run, state, path)
     planner.plan(first_batch(config, graph, sampler, run.start_epoch))
