@@ -19,19 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 DATASETS = Path(os.environ.get("BETTY_TEST_DATA", REPO.parent / "shared" / "datasets"))
 
 
-def pytest_configure(config) -> None:
-    """Under pytest-xdist (``-n``), each worker gets its share of the cores as torch threads (and the commands it
-    runs get it through ``OMP_NUM_THREADS``), so that the workers do not oversubscribe the CPU."""
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers:
-        import torch
-
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // int(workers))
-        torch.set_num_threads(threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-
-
 def shared_data(folder: str, probe: str) -> Path:
     """``DATASETS / folder``, which must hold ``probe``. If it does not, the calling test fails in CI
     (``CI`` set: CI must exercise the real files) and is skipped elsewhere."""

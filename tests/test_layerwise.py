@@ -191,11 +191,12 @@ def assert_layerwise_estimate(model, arch: str, graph, fanouts) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     batch = sample_batch(graph, graph.train_idx, fanouts, torch.Generator().manual_seed(0))
     spec = spec_of(model, config, CPU)
-    for k in (1, 4, 16):
+    for index, k in enumerate((1, 4, 16)):
         work = LayerwisePlan(batch, chunk_layers(batch.blocks, k, "metis", 0), work=0.0, partitioner="metis")
         set_dropout_key(model, 0, 0)
         features = HostFeatureStore(graph.x, pin=False)
-        measure_layerwise_step(model, optimizer, work, features, graph.y, CPU)  # Adam's state exists from here on
+        if index == 0:
+            measure_layerwise_step(model, optimizer, work, features, graph.y, CPU)  # Adam's state exists from here on
         measured = measure_layerwise_step(model, optimizer, work, features, graph.y, CPU)
         estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
                                                                 for layer in work.chunks.layers], spec,
