@@ -135,8 +135,19 @@ class DatasetConfig(_Section):
     to_undirected: bool | None = Field(
         None, description="add every reverse edge (null = the dataset's default; OGB: only ogbn-products)")
     mmap: bool = Field(True, description="memory-map cached arrays (features read on demand) instead of reading them")
+    split: Path | None = Field(
+        None, description="your own split in place of the dataset's: an .npz with integer arrays train_idx, val_idx "
+                          "and test_idx, or an OGB-style folder with train.csv, valid.csv and test.csv (one node id a "
+                          "line, optionally .gz); relative to the working directory, saved absolute in the run")
     synthetic: SyntheticConfig = SyntheticConfig()
     powerlaw: PowerLawConfig = PowerLawConfig()
+
+    @field_validator("split")
+    @classmethod
+    def _split_is_absolute(cls, value: Path | None) -> Path | None:
+        """A relative ``split`` is taken from the working directory and kept absolute, so that the run's saved
+        config.yaml names the same file for ``evaluate``, ``predict`` and ``--resume`` run from elsewhere."""
+        return None if value is None else value.expanduser().absolute()
 
 
 class _ModelSection(_Section):

@@ -4,7 +4,6 @@ P gloo processes on loopback equal to one process computing the same global batc
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -85,10 +84,9 @@ def edges_of(block):
     return rows[np.lexsort((rows[:, 1].numpy(), rows[:, 0].numpy()))]
 
 
-def _worker(rank, world, port, data_dir, sampler_kind, ownership, k, seeds, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, data_dir, sampler_kind, ownership, k, seeds, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous(out), rank=rank, world_size=world)
     try:
         graph = load_dataset(DatasetConfig(name="cora", data_dir=data_dir))
         owners = vertex_owners(graph, world, ownership)
@@ -105,10 +103,10 @@ def _worker(rank, world, port, data_dir, sampler_kind, ownership, k, seeds, out)
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous(folder) -> str:
+    """The process group's meeting point: a file in the test's own temporary folder, not a TCP port, so tests
+    run in parallel (pytest-xdist) never race for one port."""
+    return f"file://{folder / 'rendezvous'}"
 
 
 @pytest.mark.parametrize("sampler_kind, world, ownership, k, seeds", [
@@ -122,7 +120,7 @@ def test_a_cooperative_step_equals_one_process_on_the_same_global_batch(cora, pl
     """Loss, correct count and every parameter gradient of P processes sharing one global batch, in k micro-batch
     rounds, equal one process's on that batch (dropout 0.5, keyed by node id); the ranks' sampled edges together
     are the single-process batch's, each edge on the rank that owns its dst node, with the same weight."""
-    mp.spawn(_worker, args=(world, free_port(), planetoid_dir, sampler_kind, ownership, k, seeds, tmp_path),
+    mp.spawn(_worker, args=(world, planetoid_dir, sampler_kind, ownership, k, seeds, tmp_path),
              nprocs=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
@@ -150,10 +148,10 @@ def test_a_cooperative_step_equals_one_process_on_the_same_global_batch(cora, pl
             assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
 
 
-def _dying_worker(rank, world, port, data_dir, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _dying_worker(rank, world, data_dir, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=rendezvous(out), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
     if rank == 1:
         os._exit(3)  # dies without a word, as a killed process does
     graph = load_dataset(DatasetConfig(name="cora", data_dir=data_dir))
@@ -168,8 +166,7 @@ def test_a_dead_rank_ends_the_others_with_one_line_naming_the_collective(planeto
     """A rank that dies mid-step (before the first all-to-all) makes the others' collective fail at once with a
     TrainingError naming their rank and what failed, instead of waiting."""
     context = mp.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=_dying_worker, args=(rank, 2, port, planetoid_dir, tmp_path))
+    processes = [context.Process(target=_dying_worker, args=(rank, 2, planetoid_dir, tmp_path))
                  for rank in range(2)]
     for process in processes:
         process.start()
@@ -181,10 +178,9 @@ def test_a_dead_rank_ends_the_others_with_one_line_naming_the_collective(planeto
     assert message.startswith("rank 0: the all-to-all of sampled ids failed; another rank died or left the group (")
 
 
-def _estimate_worker(rank, world, port, data_dir, arch, sampler_kind, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _estimate_worker(rank, world, data_dir, arch, sampler_kind, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous(out), rank=rank, world_size=world)
     try:
         graph = load_dataset(DatasetConfig(name="cora", data_dir=data_dir))
         config = load_config(None, [f"model.arch={arch}", "model.hidden=32", "model.dropout=0.5"])
@@ -210,7 +206,7 @@ def test_a_shares_memory_estimate_matches_its_measured_peak(planetoid_dir, tmp_p
     """Each rank's estimate of each round of its share (the model's layers replayed one at a time, with the
     exchanges' send and receive buffers between them) against the CPU peak measured on that rank: the micro-batch
     estimator's 0.1% bound (tests/test_estimator.py)."""
-    mp.spawn(_estimate_worker, args=(2, free_port(), planetoid_dir, arch, sampler_kind, tmp_path), nprocs=2)
+    mp.spawn(_estimate_worker, args=(2, planetoid_dir, arch, sampler_kind, tmp_path), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         for estimated, measured in zip(result["estimated"], result["measured"]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,13 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cooperative import free_port
-
 REPO = Path(__file__).resolve().parents[1]
 QUICK = ["--config", str(REPO / "configs" / "quickstart.yaml"), "optim.epochs=3", "sampling.fanouts=[10,10]",
          "sampling.batch_size=256", "micro_batch.num_micro_batches=2", "train.progress=false"]
 _TORCH_DIST = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def free_port() -> int:
+    """A loopback port free now (torchrun's rendezvous needs TCP; another test may take it in between, rarely)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def environment(**extra: str) -> dict[str, str]:

@@ -33,7 +33,8 @@ class Graph:
         check_features: scan ``x`` for NaN and infinity (a cached graph, checked when it was converted, skips
             the scan so that mapping it stays cheap).
 
-    Tensors may be given as numpy arrays.
+    Tensors may be given as numpy arrays (or lists): unsigned ids and labels become int64, float64, integer or
+    boolean features float32.
 
     Raises:
         DatasetError: shapes or dtypes are inconsistent, a label or split id is out of range, a node is in two
@@ -53,8 +54,8 @@ class Graph:
 
     def __post_init__(self, check_features: bool = True) -> None:
         for name in ("indptr", "indices", "x", "y", "train_idx", "val_idx", "test_idx"):
-            if isinstance(getattr(self, name), np.ndarray):
-                setattr(self, name, torch.from_numpy(getattr(self, name)))
+            if not isinstance(getattr(self, name), Tensor):
+                setattr(self, name, _as_tensor(name, getattr(self, name)))
         n = self.indptr.numel() - 1
         if self.num_classes is None:
             self.num_classes = int(self.y.max()) + 1 if self.y.numel() else 0
@@ -277,6 +278,28 @@ def _non_finite_feature(x: Tensor, rows: int = 1 << 16) -> list[str]:
             return [f"feature x[{row}, {column}] is {float(x[row, column])}; replace non-finite features "
                     "(e.g. torch.nan_to_num) before training"]
     return []
+
+
+def _as_tensor(name: str, value) -> Tensor:
+    """A :class:`Graph` field given as a numpy array (or a list) as a tensor: a copy only where torch needs one
+    (negative strides) or the dtype changes (unsigned ids and labels become int64; float64, integer or boolean
+    features float32).
+
+    Raises:
+        DatasetError: ``value`` is not an array of numbers (named by ``name``).
+    """
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as error:
+        raise DatasetError(f"{name} must be a tensor or numpy array, got {type(value).__name__} ({error})") from None
+    if array.dtype.kind not in "biuf":
+        raise DatasetError(f"{name} must be a tensor or numpy array of numbers, got {type(value).__name__} of dtype "
+                           f"{array.dtype}")
+    if name == "x" and array.dtype not in (np.float16, np.float32):
+        array = array.astype(np.float32)
+    elif array.dtype.kind == "u":
+        array = array.astype(np.int64)
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _as_numpy(ids) -> np.ndarray:

@@ -22,7 +22,7 @@ from betty_trainer.datasets.registry import (
     structure_only_message,
 )
 from betty_trainer.datasets.safe_pickle import RestrictedUnpickler, restricted_load
-from betty_trainer.datasets.splits import random_split
+from betty_trainer.datasets.splits import apply_split, random_split, read_split, split_sha256
 from betty_trainer.datasets.synthetic import make_sbm
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "DatasetStatus",
     "OGB_DATASETS",
     "RestrictedUnpickler",
+    "apply_split",
     "cache_dir",
     "convert_ogb_directory",
     "dataset_status",
@@ -49,11 +50,13 @@ __all__ = [
     "no_training_nodes_message",
     "processed_dir",
     "random_split",
+    "read_split",
     "read_jlg",
     "read_npz",
     "require_labels",
     "restricted_load",
     "save_graph",
+    "split_sha256",
     "stratified_split",
     "structure_only_message",
     "write_powerlaw",

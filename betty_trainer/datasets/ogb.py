@@ -174,6 +174,41 @@ def _read_csv(path: Path, columns: int, dtype: str, rows: int | None = None, out
     return np.concatenate(blocks) if blocks else np.empty((0, columns), dtype=dtype)
 
 
+def read_split_ids(path: Path, num_nodes: int) -> np.ndarray:
+    """The node ids of one OGB split file (``train.csv``, ``valid.csv`` or ``test.csv``, gzipped when its name
+    ends in ``.gz``): one integer per line, no header.
+
+    Returns:
+        ``(n,)`` int64 ids, in file order.
+
+    Raises:
+        DatasetError: the file is missing or unreadable, holds something else than one integer per line, or
+            names a node outside ``[0, num_nodes)`` (the message names the file).
+    """
+    ids = _read_csv(path, 1, "int64").reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_nodes):
+        raise DatasetError(f"{path} names nodes outside [0, {num_nodes})")
+    return ids
+
+
+def split_folder_files(folder: Path) -> list[Path]:
+    """The three files of an OGB-style split folder, in :data:`SPLITS` order: ``<part>.csv.gz`` where it
+    exists, else ``<part>.csv``.
+
+    Raises:
+        DatasetError: a part has neither file (named).
+    """
+    files = []
+    for _, part in SPLITS:
+        found = [folder / f"{part}.csv.gz", folder / f"{part}.csv"]
+        path = next((path for path in found if path.is_file()), None)
+        if path is None:
+            raise DatasetError(f"split folder {folder} has no {part}.csv (nor {part}.csv.gz); an OGB-style split "
+                               "folder holds train.csv, valid.csv and test.csv, one node id per line")
+        files.append(path)
+    return files
+
+
 def _npz_member(path: Path, member: str, out_factory=None) -> np.ndarray:
     """One array of an (uncompressed or deflated) ``.npz`` file, streamed from the zip without
     a second copy; ``out_factory(shape, dtype)`` may provide the target (e.g. a cache memmap).
@@ -270,10 +305,8 @@ def convert_ogb_directory(directory: Path, target: Path, *, name: str, split: st
         y = np.where(np.isnan(labels), -1, labels).astype(np.int64) if labels.dtype.kind == "f" else labels.astype(np.int64)
         writer.save("y", y)
         for field, part in SPLITS:
-            ids = _read_csv(directory / "split" / split / f"{part}.csv.gz", 1, "int64").reshape(-1)
             path = directory / "split" / split / f"{part}.csv.gz"
-            if ids.size and (ids.min() < 0 or ids.max() >= num_nodes):
-                raise DatasetError(f"{path} names nodes outside [0, {num_nodes})")
+            ids = read_split_ids(path, num_nodes)
             unlabelled = int((y[ids] < 0).sum())
             if unlabelled:
                 raise DatasetError(f"{path} lists {unlabelled} node(s) without a label in node-label; the files disagree")

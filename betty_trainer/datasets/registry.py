@@ -30,6 +30,7 @@ from betty_trainer.datasets.npz import load_npz_graph
 from betty_trainer.datasets.ogb import OGB_DATASETS, load_ogb
 from betty_trainer.datasets.planetoid import PARTS, load_planetoid
 from betty_trainer.datasets.powerlaw import make_powerlaw
+from betty_trainer.datasets.splits import apply_split, split_files
 from betty_trainer.datasets.synthetic import make_sbm
 from betty_trainer.errors import DatasetError
 
@@ -292,18 +293,23 @@ def require_labels(name: str) -> None:
 
 
 def load_dataset(config) -> Graph:
-    """Load the dataset a :class:`~betty_trainer.config.DatasetConfig` names.
+    """Load the dataset a :class:`~betty_trainer.config.DatasetConfig` names, with the split of
+    ``config.split`` in place of its own when one is given (:func:`~betty_trainer.datasets.splits.apply_split`).
 
     Raises:
-        DatasetError: unknown name, missing/corrupt/tampered files, failed download.
+        DatasetError: unknown name, missing/corrupt/tampered files, failed download, or a split file that is
+            missing, unreadable or does not fit the graph (named).
     """
     spec = DATASETS.get(config.name)
     if spec is None:
         raise DatasetError(f"unknown dataset {config.name!r}; known: {', '.join(DATASETS)}")
+    if config.split is not None:
+        split_files(config.split)  # a missing split file is named before a large dataset is read
     folder = resolve_folder(spec, config.data_dir) if spec.files else None
     if folder is not None and config.verify_checksums:
         verify_files(spec, folder)
-    return spec.load(folder, config)
+    graph = spec.load(folder, config)
+    return graph if config.split is None else apply_split(graph, config.split)
 
 
 @dataclass(frozen=True)

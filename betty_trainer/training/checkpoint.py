@@ -17,7 +17,9 @@ resumes; a changed byte matches no listed digest and is refused.
 
 ``identity`` records what the parameters belong to: the dataset's name and sizes, the model section of
 the config (or a custom model's class) and every parameter's shape, so a resume or a load with another
-model or dataset is refused with one line naming what differs (:func:`identity_difference`).
+model or dataset is refused with one line naming what differs (:func:`identity_difference`). A run trained on
+its own split (``dataset.split``) also records the split file's path and sha256, so that a missing or changed
+split file is named before the dataset is loaded again (:func:`split_refusal`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from betty_trainer.errors import TrainingError
+from betty_trainer.datasets.splits import split_sha256
+from betty_trainer.errors import DatasetError, TrainingError
 from betty_trainer.training.rundir import write_bytes, write_text
 
 FORMAT = 1
@@ -255,6 +258,11 @@ def identity_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) ->
     for section in ("dataset", "model"):
         for key in _keys(saved.get(section, {}), current.get(section, {})):
             here, there = current.get(section, {}).get(key), saved.get(section, {}).get(key)
+            if section == "dataset" and key == "split":
+                phrase = split_difference(there, here)
+                if phrase is not None:
+                    return phrase
+                continue
             if here != there and key == "fingerprint":
                 return ("the dataset's content differs from the checkpoint's (same name and sizes, other structure, "
                         "labels, split or features)")
@@ -300,15 +308,62 @@ def _first_line(error: BaseException) -> str:
 FINGERPRINT_ROWS = 1024  # feature rows hashed into a dataset's fingerprint (a memory-mapped matrix is not read whole)
 
 
-def dataset_identity(graph: Any) -> dict[str, Any]:
+def dataset_identity(graph: Any, split: Path | None = None) -> dict[str, Any]:
     """The ``identity["dataset"]`` of a :class:`~betty_trainer.data.graph.Graph`: its name, sizes and a
     fingerprint: 16 hex digits of the sha256 of its CSC structure, labels, splits and first
     :data:`FINGERPRINT_ROWS` feature rows, so another split or another feature preprocessing of the same
-    dataset is told apart too."""
+    dataset is told apart too; with ``split`` (the config's ``dataset.split``, whose split the graph holds),
+    also ``split``: the file's path and sha256 (:func:`~betty_trainer.datasets.splits.split_sha256`), so that a
+    missing or changed split file is named (:func:`split_refusal`).
+
+    Raises:
+        DatasetError: ``split`` is given but missing.
+    """
     digest = hashlib.sha256()
     for tensor in (graph.indptr, graph.indices, graph.y, graph.train_idx, graph.val_idx, graph.test_idx,
                    graph.x[:FINGERPRINT_ROWS]):
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return {"name": graph.name, "num_nodes": int(graph.num_nodes), "num_edges": int(graph.indices.numel()),
             "num_features": int(graph.num_features), "num_classes": int(graph.num_classes),
-            "fingerprint": digest.hexdigest()[:16]}
+            "fingerprint": digest.hexdigest()[:16],
+            **({"split": {"path": str(split), "sha256": split_sha256(split)}} if split is not None else {})}
+
+
+def split_difference(saved: Any, current: Any) -> str | None:
+    """``None`` when a run's ``identity["dataset"]["split"]`` (``saved``) and the one here (``current``) name
+    the same split (same sha256; the file may have moved), else a phrase naming the file and what differs.
+    A graph given from Python records no split (``current`` is ``None``): its fingerprint decides."""
+    if not isinstance(saved, Mapping):
+        saved = None
+    if current is None or (saved is None and not isinstance(current, Mapping)):
+        return None
+    if saved is None:
+        return (f"dataset.split is {current['path']} here but the checkpoint was trained on the dataset's own "
+                "split (no dataset.split)")
+    if current.get("sha256") == saved.get("sha256"):
+        return None
+    return (f"the split file {current['path']} (dataset.split) has sha256 {str(current.get('sha256'))[:16]}… "
+            f"here but the run was trained on {saved.get('path')} with sha256 {str(saved.get('sha256'))[:16]}…: "
+            "the split changed since training; restore the original file, or train a new run on this split")
+
+
+def split_refusal(saved_identity: Mapping[str, Any], split: Path | None) -> str | None:
+    """Before a run's dataset is loaded again (``evaluate``, ``predict``, ``--resume``): ``None`` when the
+    config's ``dataset.split`` (``split``) is the file the run was trained on (``saved_identity``, its
+    checkpoint's identity) or the run used none, else a phrase naming the path and what is missing or differs."""
+    dataset = saved_identity.get("dataset") if isinstance(saved_identity, Mapping) else None
+    saved = dataset.get("split") if isinstance(dataset, Mapping) else None
+    if not isinstance(saved, Mapping):
+        return None
+    if split is None:
+        return (f"the run was trained on the split file {saved.get('path')} (dataset.split) but no dataset.split "
+                f"is given here; give dataset.split={saved.get('path')}")
+    if not split.exists():
+        moved = "" if str(split) == saved.get("path") else f" (trained on {saved.get('path')})"
+        return (f"the run was trained on the split file {split}{moved} (dataset.split, sha256 "
+                f"{str(saved.get('sha256'))[:16]}…), which is missing; put that file back, or train a new run")
+    try:
+        digest = split_sha256(split)
+    except DatasetError as error:
+        return str(error)
+    return split_difference(saved, {"path": str(split), "sha256": digest})

@@ -31,6 +31,7 @@ from betty_trainer.training.checkpoint import (
     identity,
     identity_difference,
     load_checkpoint,
+    split_refusal,
 )
 from betty_trainer.training.evaluation import (
     evaluate_splits,
@@ -85,6 +86,11 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module 
     config = load_config(saved)
     state = load_checkpoint(run_dir, CHECKPOINTS[checkpoint])
     device = resolve_device(str(device))
+    split = config.dataset.split if graph is None else None  # a graph given from Python carries its own split
+    if graph is None:
+        refusal = split_refusal(state["identity"], split)
+        if refusal is not None:
+            raise TrainingError(f"cannot load {run_dir / CHECKPOINTS[checkpoint]}: {refusal}")
     graph = graph if graph is not None else load_dataset(config.dataset)
     builtin = model is None
     if builtin and "custom" in state["identity"].get("model", {}):
@@ -94,7 +100,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module 
                           f"betty_trainer.load_model({str(run_dir)!r}, model={custom.rsplit('.', 1)[-1]}(...))")
     model = model if model is not None else init_model(config, graph)
     model_id = config.model.model_dump(mode="json") if builtin else state["identity"].get("model", {})
-    difference = identity_difference(state["identity"], identity(dataset_identity(graph), model_id,
+    difference = identity_difference(state["identity"], identity(dataset_identity(graph, split), model_id,
                                                                   model.state_dict()))
     if difference is not None:
         raise TrainingError(f"cannot load {run_dir / CHECKPOINTS[checkpoint]}: {difference}")

@@ -56,6 +56,7 @@ from betty_trainer.training.checkpoint import (
     load_checkpoint,
     non_finite,
     save_checkpoint,
+    split_refusal,
 )
 from betty_trainer.training.distributed import (
     agree_on_run,
@@ -324,13 +325,18 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     if state is not None:
         _check_resumable(config, state, path)
         _check_best(path, state)
+    split = config.dataset.split if graph is None else None  # a graph given from Python carries its own split
+    if state is not None and graph is None:
+        refusal = split_refusal(state["identity"], split)
+        if refusal is not None:
+            raise TrainingError(f"cannot resume {path}: {refusal}")
     graph = graph if graph is not None else load_dataset(config.dataset)
     if graph.train_idx.numel() == 0:
         raise ConfigError(no_training_nodes_message(graph.name))
     builtin = model is None
     if builtin:
         check_model_size(config, graph, device)
-    dataset = dataset_identity(graph)
+    dataset = dataset_identity(graph, split)
     if processes is not None:
         agree_on_run(processes, config, dataset["fingerprint"])
     sampler, traffic = make_sampler(config, graph), ExchangeTraffic()
