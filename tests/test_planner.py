@@ -51,7 +51,7 @@ def test_planned_micro_batches_fit_the_budget_with_the_smallest_k(setting, fract
         measured = measure_training_step(model, optimizer, micro_batch, HostFeatureStore(graph.x, pin=False), graph.y,
                                          "cpu", accumulate=index > 0)
         assert measured.peak_bytes <= budget, (plan.pieces, measured.peak_bytes, budget)
-    estimate = lambda structures, accumulate: planner.estimate(structures, accumulate).peak_bytes
+    estimate = lambda structures, accumulate: planner.estimator.peak(structures, accumulate)
     brute_force = next(k for k in range(1, plan.pieces + 1)
                        if max(make_split(batch.blocks, estimate, k=k, seed=0).estimates) <= budget)
     assert plan.pieces == brute_force
@@ -184,7 +184,7 @@ def test_a_weighted_batch_is_planned_with_weighted_estimates(setting):
     plan = planner.plan(weighted)
     for index, micro_batch in enumerate(plan.micro_batches):
         assert micro_batch.blocks[0].edge_weight is not None
-        assert plan.split.estimates[index] == planner.estimate(micro_batch.blocks, accumulate=index > 0).peak_bytes
+        assert plan.split.estimates[index] == planner.estimator.peak(micro_batch.blocks, accumulate=index > 0)
     unweighted_estimate = Planner(load_config(None, overrides).micro_batch, model_spec(config, graph),
                                             torch.device("cpu")).plan(batch).split.estimates[0]
     assert plan.split.estimates[0] > unweighted_estimate  # the weights are bytes of their own
@@ -230,9 +230,10 @@ def test_step_work_counts_each_sage_aggregator_s_own_maps(aggregator, linear, ag
     it forward and backward (the input layer's input takes no gradient), a layer-wise step once more."""
     from types import SimpleNamespace
 
-    from betty_trainer.memory.work import MASK_COST, step_work
+    from betty_trainer.models.sage import sage_work
+    from estimator.work import MASK_COST, step_work
 
-    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1)
+    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1, layer_work=sage_work)
     piece = SimpleNamespace(num_src=10, num_dst=4, indptr=torch.tensor([0, 5, 10, 15, 20]))
     gather = 10 * 8 * MASK_COST
     assert step_work(spec, [[piece]], layerwise=False) == 2 * (linear + aggregate) + gather
@@ -247,9 +248,10 @@ def test_step_work_of_a_projected_sage_layer_projects_its_block_s_src_rows_once(
     dst input rows (8 wide)."""
     from types import SimpleNamespace
 
-    from betty_trainer.memory.work import MASK_COST, step_work
+    from betty_trainer.models.sage import sage_work
+    from estimator.work import MASK_COST, step_work
 
-    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1)
+    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1, layer_work=sage_work)
     pieces = [SimpleNamespace(num_src=10, num_dst=2, indptr=torch.tensor([0, 5, 10]))] * 2
     linear, aggregate = (7 + self_rows) * 8 * 4, 20 * 4
     gather = (7 * 8 + 20 * 4 + self_rows * 8) * MASK_COST

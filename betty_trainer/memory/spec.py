@@ -11,6 +11,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import PlanningError
 from betty_trainer.memory.device import device_workspace
 from betty_trainer.models import architecture_of, build_model
+from betty_trainer.models.capabilities import projected_terms
 from betty_trainer.rng import compiled_kernels
 from estimator.spec import ModelSpec, adam_uses_foreach
 
@@ -42,6 +43,8 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
         raise PlanningError(f"{type(model).__name__} has no closed-form memory estimate; custom models are calibrated")
     first = model.layers[0]
     parameter = next(model.parameters())
+    workspace = device_workspace(device, parameter.dtype)
+    projections = tuple(projected_terms(model))
     return ModelSpec(
         architecture.name, model.widths,
         aggregator=getattr(first, "aggregator", "mean"), heads=getattr(first, "heads", 1), dropout=model.dropout.p,
@@ -49,6 +52,6 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
         parameter_numels=tuple(tuple(p.numel() for p in layer.parameters()) for layer in model.layers),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
-        compiled_kernels=compiled_kernels(device, parameter.dtype),
-        device_workspace=device_workspace(device, parameter.dtype), forward_terms=model.memory_terms,
-        layer_terms=model.layer_memory_terms)
+        compiled_kernels=compiled_kernels(device, parameter.dtype), device_workspace=workspace,
+        forward_terms=model.memory_terms, layer_terms=model.layer_memory_terms, projections=projections,
+        layer_work=architecture.work)
