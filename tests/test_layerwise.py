@@ -259,7 +259,7 @@ def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_
         train(config)
         results[name] = load_checkpoint(tmp_path / name)["model"]
     report = (tmp_path / "layerwise" / "plan.json").read_text()
-    assert '"mode": "layerwise"' in report and '"chunks_per_layer": 4' in report
+    assert '"mode": "layerwise"' in report and '"num_pieces": 4' in report
     for key, value in results["full"].items():
         # the per-step bound (BOUND) compounded through 3 epochs of Adam, whose update divides by √v: a parameter
         # with a tiny second moment amplifies round-off, as tests/test_planner.py's trained comparison allows

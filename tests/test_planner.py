@@ -123,17 +123,17 @@ def test_plan_command_table_matches_plan_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert status == 0
     report = json.loads(output.read_text())
-    assert report["budget_bytes"] == 4 * 2**20 and report["num_micro_batches"] == len(report["micro_batches"])
+    assert report["budget_bytes"] == 4 * 2**20 and report["num_pieces"] == len(report["pieces"])
     terms = report["memory_terms"]  # on the CPU: no workspace, no allocator margin, the budget as given
     assert (terms["device_workspace"], terms["allocator_margin"], terms["step_bytes"]) == (0, 0, 4 * 2**20)
     assert "device_workspace 0.00 MiB" in printed and "allocator margin 0.00 MiB (cpu)" in printed
-    for row in report["micro_batches"]:
+    for row in report["pieces"]:
         assert row["measured_peak_bytes"] <= report["budget_bytes"]
         assert abs(row["error"]) <= 0.001  # SAGE-mean: the micro-batch estimator's bound (tests/test_estimator.py)
         line = next(line for line in printed.splitlines()
-                    if line.startswith("│") and line.split("│")[1].strip() == str(row["micro_batch"]))
+                    if line.startswith("│") and line.split("│")[1].strip() == str(row["piece"]))
         assert f"{row['estimate']['peak_bytes'] / 2**20:.2f}" in line and f"{row['measured_peak_bytes'] / 2**20:.2f}" in line
-    assert f"K = {report['num_micro_batches']}" in printed
+    assert f"K = {report['num_pieces']}" in printed
 
 
 def test_plan_reuse_returns_the_same_micro_batches_until_the_batch_changes(setting, monkeypatch):

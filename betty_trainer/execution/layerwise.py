@@ -50,7 +50,7 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import training_state
-from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
+from betty_trainer.execution.plan import StepResult, piece_row, plan_report
 from betty_trainer.models.capabilities import affine_layers, projected_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from estimator.layerwise import row_blocks
@@ -120,27 +120,17 @@ class LayerwisePlan:
         return [measure_layerwise_step(model, optimizer, self, features, labels, device).peak_bytes]
 
     def report(self, measured: list[int] | None = None) -> dict:
-        report = {
-            "mode": self.method,
-            "chunks_per_layer": self.pieces,
-            "layer_outputs_on": "host" if self.host_outputs else "device",
-            "budget_bytes": self.budget,
-            "feature_store_bytes": self.feature_store_bytes,
-            "partitioner": self.partitioner,
-            "full_batch": {"outputs": self.batch.output_nodes.numel(), "layers": layer_sizes(self.batch)},
-            "estimate_peak_bytes": self.estimate,
-            "work": self.work,
-            "redundancy_per_layer": self.redundancy(),
-            "tried": [{"k": k, "largest_estimate_bytes": peak} for k, peak in self.tried],
-            "planning_seconds": self.seconds,
-            "layers": [[{"src": piece.num_src, "dst": piece.num_dst, "edges": int(piece.indptr[-1])} for piece in pieces]
-                       for pieces in self.chunks.layers],
-        }
-        if measured is not None:
-            report["measured_peak_bytes"] = measured[0]
-            if self.estimate:
-                report["error"] = relative_error(self.estimate, measured[0])
-        return report
+        """Rows: chunk ``i`` of every layer is piece ``i`` (a layer with fewer chunks has zeros there); the chunks
+        run in one step, estimated and measured whole (the report's ``estimate_peak_bytes``, ``measured_peak_bytes``)."""
+        empty = {"src_nodes": 0, "dst_nodes": 0, "edges": 0}
+        rows = [piece_row(index, [{"src_nodes": layer[index].num_src, "dst_nodes": layer[index].num_dst,
+                                   "edges": layer[index].num_edges} if index < len(layer) else empty
+                                  for layer in self.chunks.layers])
+                for index in range(self.pieces)]
+        return plan_report(self, rows, budget=self.budget, partitioner=self.partitioner, tried=self.tried,
+                           seconds=self.seconds, feature_store_bytes=self.feature_store_bytes,
+                           measured_step=measured[0] if measured is not None else None,
+                           layer_outputs_on="host" if self.host_outputs else "device")
 
 
 def layerwise_backward(
