@@ -1,13 +1,14 @@
 """What a layer declares it can do, as protocols: its memory terms (every built-in layer), and the projection that
 lets layer-wise execution compute ``W·h`` once per pass instead of once per chunk (GAT, SAGE ``mean``/``gcn``
-projecting first). Execution and the estimate ask these protocols, never ``hasattr``.
+projecting first). Execution and the estimate ask these protocols instead of probing a layer's attributes.
 
 - :class:`LayerMemoryTerms`: ``memory_terms`` beside ``forward``, what the closed-form estimate replays
   (:mod:`estimator.estimate`);
 - :class:`ProjectedLayer`: ``project``/``propagate`` and their memory terms, ``projected_width``, and the two
   promises ``reads_dst_input`` and ``propagate_is_affine`` (:func:`projected_layers`, :func:`affine_layers`);
 - :class:`ProjectedLayerTerms`: a projected layer's terms as layer-wise execution runs them, the
-  :class:`estimator.layerwise.ProjectedTerms` the layer-wise estimate replays (:func:`projected_terms`).
+  :class:`estimator.layerwise.ProjectedTerms` the layer-wise estimate replays (:func:`projected_terms`);
+- :func:`estimator_spec`: all of it, as the :class:`~estimator.spec.ModelSpec` the estimator reads.
 
 A layer's work terms (its multiply-adds per pass) are declared beside its code too, as its architecture's
 :attr:`~betty_trainer.models.registry.Architecture.work` (:func:`estimator.work.step_work`).
@@ -19,12 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from betty_trainer.data.block import Block
 from betty_trainer.models.dropout import dropout_terms, keyed_mask_terms
+from betty_trainer.models.registry import Architecture
 from betty_trainer.models.stack import LayerStack
+from betty_trainer.rng import compiled_kernels
 from estimator.counts import LayerCounts
+from estimator.spec import ModelSpec, adam_uses_foreach
 from estimator.tape import StepTape
 
 Terms = tuple[int, Callable]  # (output handle on the tape, backward)
@@ -177,3 +182,27 @@ def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
     (what :func:`estimator.layerwise.estimate_layerwise` takes as ``projections``)."""
     return [ProjectedLayerTerms(model, index) if projected else None
             for index, projected in enumerate(projected_layers(model))]
+
+
+def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: str, weight_decay: bool,
+                   device: torch.device | str, device_workspace: int) -> ModelSpec:
+    """What a built-in model declares to the estimator (:class:`~estimator.spec.ModelSpec`): its architecture's
+    name and work terms, its widths, aggregator, heads and dropout, its parameter tensors (in
+    ``model.parameters()`` order) and buffers read off the instance, its memory terms (each layer's
+    ``memory_terms`` beside its ``forward``, which the estimate replays) and its projected layers' terms
+    (:func:`projected_terms`); with the training's ``optimizer`` (and ``weight_decay``) on the foreach or
+    single-tensor path PyTorch picks for ``device``, the kernels dropout and aggregation use there, and the
+    ``device_workspace`` bytes the caller measured.
+    """
+    first = model.layers[0]
+    parameter = next(model.parameters())
+    return ModelSpec(
+        architecture.name, model.widths,
+        aggregator=getattr(first, "aggregator", "mean"), heads=getattr(first, "heads", 1), dropout=model.dropout.p,
+        dtype_bytes=parameter.element_size(), optimizer=optimizer,
+        parameter_numels=tuple(tuple(p.numel() for p in layer.parameters()) for layer in model.layers),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        weight_decay=weight_decay, foreach=adam_uses_foreach(device),
+        compiled_kernels=compiled_kernels(device, parameter.dtype), device_workspace=device_workspace,
+        forward_terms=model.memory_terms, layer_terms=model.layer_memory_terms,
+        projections=tuple(projected_terms(model)), layer_work=architecture.work)
