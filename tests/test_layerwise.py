@@ -19,6 +19,7 @@ from betty_trainer.models.gat import GAT
 from betty_trainer.models.stack import runs_layer_by_layer
 from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
+from estimator.peaks import PeakEstimator
 from partition.chunks import chunk_floor, chunk_layers
 from tests.test_estimator import DEFAULT_TOLERANCE  # the micro-batch estimator's bound (0.1%)
 
@@ -212,12 +213,12 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
     model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     batch = sample_batch(cora, cora.train_idx, [None, None])
-    full = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
+    full = Planner(config.micro_batch, PeakEstimator(spec_of(model, config, CPU)), CPU)
     whole = layerwise_peak(full, batch, chunk_layers(batch.blocks, 1))
     budget = int(whole * fraction)
     planner = Planner(load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise",
                                                    f"micro_batch.budget={budget}"]).micro_batch,
-                                spec_of(model, config, CPU), CPU)
+                                PeakEstimator(spec_of(model, config, CPU)), CPU)
     plan = planner.plan(batch)
     assert plan.method == "layerwise" and plan.estimate <= budget
     assert (plan.pieces == 1) == (fraction == 1.0)
@@ -240,7 +241,7 @@ def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
     for mode in ("micro_batches", "layerwise", "auto"):
         section = load_config(None, ["model.hidden=64", f"micro_batch.mode={mode}",
                                      "micro_batch.num_micro_batches=8"]).micro_batch
-        plans[mode] = Planner(section, spec, CPU).plan(batch)
+        plans[mode] = Planner(section, PeakEstimator(spec), CPU).plan(batch)
     assert plans["auto"].method == min(("micro_batches", "layerwise"), key=lambda m: plans[m].work)
     assert plans["layerwise"].work < plans["micro_batches"].work  # every node an output: Betty's redundancy dominates
 
@@ -306,7 +307,7 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
     model = GraphSAGE(graph.num_features, 256, graph.num_classes, 2, "mean", 0.5)
     spec = spec_of(model, config, CPU)
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
-    probe = Planner(config.micro_batch, spec, CPU)
+    probe = Planner(config.micro_batch, PeakEstimator(spec), CPU)
     peaks = {}
     for k in (1, 2):
         chunks = chunk_layers(batch.blocks, k, config.micro_batch.partitioner, 0)
@@ -319,11 +320,11 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
     assert host_1 > device_2 and host_1 > host_2  # so that neither budget below fits at K = 1
     for budget, host in ((device_2, False), (host_2, True)):
         section = config.micro_batch.model_copy(update={"budget": budget, "safety_margin": 0})  # no allocator margin
-        plan = Planner(section, spec, torch.device("cuda")).plan(batch)
+        plan = Planner(section, PeakEstimator(spec), torch.device("cuda")).plan(batch)
         assert plan.pieces == 2 and plan.host_outputs == host and plan.chunks.host_outputs == host
         assert plan.estimate == (host_2 if host else device_2) <= budget
         # on the CPU host memory is the device's: h_l never moves there, and the plan fits without it
-        plan = Planner(section, spec, CPU).plan(batch)
+        plan = Planner(section, PeakEstimator(spec), CPU).plan(batch)
         assert not plan.host_outputs and plan.estimate == layerwise_peak(probe, batch, plan.chunks, False) <= budget
 
 
@@ -335,7 +336,7 @@ def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking
 
     config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", "micro_batch.budget=4000000"])
     model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
-    planner = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
+    planner = Planner(config.micro_batch, PeakEstimator(spec_of(model, config, CPU)), CPU)
     batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
     floor = layerwise_floor(planner, batch)
     assert floor > 4000000
@@ -361,7 +362,7 @@ def test_the_layerwise_floor_is_below_the_estimate_of_every_chunking(cora, cora6
     most = max(block.num_dst for block in batch.blocks)
     for model in (make(arch, graph), make(arch, cora64, hidden=256)):
         config = load_config(None, [f"model.arch={arch.split('-')[0]}"])
-        planner = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
+        planner = Planner(config.micro_batch, PeakEstimator(spec_of(model, config, CPU)), CPU)
         floor = layerwise_floor(planner, batch)
         peaks = [layerwise_peak(planner, batch, chunk_layers(batch.blocks, k, partitioner, 0))
                  for k in (1, 4, 32, most) for partitioner in ("reg", "metis")]
@@ -422,10 +423,10 @@ def test_a_budget_one_node_chunks_meet_is_never_refused(cora64):
     model = GraphSAGE(cora64.num_features, 256, cora64.num_classes, 2, "pool", 0.5)
     spec = spec_of(model, config, CPU)
     batch = sample_batch(cora64, torch.arange(cora64.num_nodes), [None, None])
-    floor = layerwise_floor(Planner(config.micro_batch, spec, CPU), batch)
+    floor = layerwise_floor(Planner(config.micro_batch, PeakEstimator(spec), CPU), batch)
     budget = floor + sum(8 * (block.num_dst - 1) for block in batch.blocks)
     section = config.micro_batch.model_copy(update={"budget": budget})
-    plan = Planner(section, spec, CPU).plan(batch)
+    plan = Planner(section, PeakEstimator(spec), CPU).plan(batch)
     assert plan.estimate <= budget
     assert min(peak for _, peak in plan.tried[:-1]) > budget  # no REG chunking fitted
     assert plan.partitioner == "range" and plan.pieces == cora64.num_nodes

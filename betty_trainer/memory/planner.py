@@ -31,9 +31,7 @@ from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models.stack import runs_layer_by_layer
-from estimator.calibrate import CalibratedModel
 from estimator.peaks import PeakEstimator
-from estimator.spec import ModelSpec
 from partition import BudgetError, OutputSplitter, make_split
 from partition.chunks import search_chunks
 
@@ -45,11 +43,9 @@ class Planner:
 
     Args:
         config: the ``micro_batch`` section.
-        spec: the built-in model for the closed-form estimator, a custom model's
-            :class:`~estimator.calibrate.CalibratedModel` (see :func:`make_planner`), or
-            ``None`` for an uncalibrated custom model; without an estimate only a fixed
-            ``K`` is possible. The planner asks its :class:`~estimator.peaks.PeakEstimator`, which the searches
-            it calls are handed.
+        estimator: the :class:`~estimator.peaks.PeakEstimator` of the built-in model's closed form or of a custom
+            model's calibrated fit (see :func:`make_planner`), which the searches the planner calls are handed; or
+            ``None`` for an uncalibrated custom model, and without an estimate only a fixed ``K`` is possible.
         device: where training runs (for ``budget: auto``).
         feature_store_bytes: device bytes the feature store holds between steps (its node cache and a
             staged macro-batch: the store's ``max_device_bytes``); the budget a step may use is
@@ -71,7 +67,7 @@ class Planner:
             feature store that take the whole budget.
     """
 
-    def __init__(self, config: MicroBatchConfig, spec: ModelSpec | CalibratedModel | None, device: torch.device,
+    def __init__(self, config: MicroBatchConfig, estimator: PeakEstimator | None, device: torch.device,
                  feature_store_bytes: int = 0, seed: int = 0, layerwise_allowed: bool = True):
         self.config = config
         self.seed = seed
@@ -80,12 +76,12 @@ class Planner:
         self.layerwise_allowed = layerwise_allowed
         self.budget_terms = resolve_budget(config, device, feature_store_bytes)
         self.budget = self.budget_terms.step_bytes
-        if self.budget is not None and spec is None:
+        if self.budget is not None and estimator is None:
             raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "
                               "betty_trainer.memory.custom.calibrate_model (train() does), or set "
                               "micro_batch.num_micro_batches instead")
-        self.estimator = PeakEstimator(spec) if spec is not None else None
-        self.resident = self.estimator.resident_bytes if self.estimator is not None else 0
+        self.estimator = estimator
+        self.resident = estimator.resident_bytes if estimator is not None else 0
         self.plans_made = 0
         self.plans_reused = 0
         self._last: _LastPlan | None = None
@@ -235,21 +231,23 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         CalibrationError: the custom model cannot be calibrated (the message names the cause).
     """
     mode, budget = config.micro_batch.mode, config.micro_batch.budget
-    if model is None:  # the closed form, for every kind of plan
-        estimate, layerwise = model_spec(config, graph, device), True
-    elif mode == "layerwise" and not runs_layer_by_layer(model):
+    layer_by_layer = model is None or runs_layer_by_layer(model)
+    if not layer_by_layer and mode == "layerwise":
         raise ConfigError(f"micro_batch.mode=layerwise: {type(model).__name__} cannot run layer by layer (it needs a "
                           "LayerStack whose forward is the stack's own); use micro_batch.mode=micro_batches")
-    elif budget is None:  # a fixed K needs no estimate
-        estimate, layerwise = None, runs_layer_by_layer(model)
-    elif mode == "layerwise":
-        raise ConfigError("micro_batch.mode=layerwise under a budget needs a built-in model's estimate; "
-                          "use micro_batch.mode=micro_batches for a custom model")
-    else:  # a calibrated fit, which models micro-batches, not layer-wise chunks
+    if model is not None and budget is not None:
+        if mode == "layerwise":
+            raise ConfigError("micro_batch.mode=layerwise under a budget needs a built-in model's estimate; "
+                              "use micro_batch.mode=micro_batches for a custom model")
         resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
+    estimator = None  # a fixed K needs no estimate
+    if model is None:  # the closed form, for every kind of plan
+        spec = model_spec(config, graph, device)
+        estimator = PeakEstimator(spec)
+    elif budget is not None:  # a calibrated fit, which models micro-batches, not layer-wise chunks
         started = time.perf_counter()
-        estimate = calibrate_model(model, graph, config.model.num_layers, config.optim.make_optimizer, device)
+        calibrated = calibrate_model(model, graph, config.model.num_layers, config.optim.make_optimizer, device)
         logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
-                    type(model).__name__, time.perf_counter() - started, 100 * estimate.max_relative_error)
-        layerwise = False
-    return Planner(config.micro_batch, estimate, device, features.max_device_bytes, seed, layerwise)
+                    type(model).__name__, time.perf_counter() - started, 100 * calibrated.max_relative_error)
+        estimator, layer_by_layer = PeakEstimator(calibrated), False
+    return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer)

@@ -29,7 +29,6 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset, no_training_nodes_message
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.execution.plan import StepPlan, StepResult
-from betty_trainer.memory.device import configure_allocator
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
@@ -173,10 +172,9 @@ def train(
     console = console if console is not None else Console()
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
-    device = resolve_device(config.train.device)
-    configure_allocator(device)  # expandable segments unless the user chose, before anything initialises CUDA
     path = Path(run_dir or new_run_dir(config))
-    check_config(config, dataset=graph is None, run_dir=path)
+    device = resolve_device(config.train.device)
+    check_config(config, dataset=graph is None, run_dir=path)  # also sets the allocator, before CUDA initialises
     directory = RunDirectory.open(path, create=not resume, overwrite=overwrite)  # refused if another run holds it
     try:  # every check, and the data, model and checkpoint loaded, before anything is written
         run = _prepare(config, model, graph, path, resume, device)
@@ -283,9 +281,9 @@ def feature_store(config: Config, graph: Graph, device: torch.device, sampler: S
 
 def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path: Path, resume: bool,
              device: torch.device) -> _Run:
-    """Load the checkpoint (on resume, verified before any data is read), the data and the model, build the
-    optimizer, sampler, feature store and planner, and plan the first batch (an impossible budget is refused
-    here). Writes nothing."""
+    """Load the checkpoint (on resume, verified before any data is read) and the data, build the sampler, feature
+    store and planner, plan the first batch (an impossible budget is refused here), then build the model and its
+    optimizer and restore them on resume. Writes nothing."""
     state = load_checkpoint(path) if resume else None
     if state is not None:
         _check_resumable(config, state, path)
@@ -299,8 +297,11 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     sampler = make_sampler(config, graph)
     host = HostFeatureStore(graph.x, pin=device.type == "cuda")
     features = feature_store(config, graph, device, sampler, host)
+    batch = first_batch(config, graph, sampler, state["epoch"] + 1 if state is not None else 0)
+    seed = plan_seed(config)
     with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
-        planner = make_planner(config, graph, model, device, features, plan_seed(config))
+        planner = make_planner(config, graph, model, device, features, seed)
+    planner.plan(batch)  # the first batch's plan: an impossible budget is refused before the model is allocated
     model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
     optimizer = config.optim.make_optimizer(model.parameters())
     if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
@@ -314,7 +315,6 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
                identity(dataset_identity(graph), model_id, model.state_dict()))
     if state is not None:
         _restore(config, run, state, path)
-    planner.plan(first_batch(config, graph, sampler, run.start_epoch))
     return run
 
 
