@@ -113,7 +113,7 @@ def main() -> None:
     if plan is not None:
         result["plan"] = {key: plan.get(key) for key in ("num_micro_batches", "budget_bytes", "full_batch",
                                                           "redundancy_per_layer", "tried", "planning_seconds")}
-        result["plan_estimates_bytes"] = [row.get("estimate", {}).get("peak_bytes") for row in plan["micro_batches"]]
+        result["plan_estimates_bytes"] = [row.get("estimate", {}).get("peak_bytes") for row in plan["pieces"]]
     print(f"K = {len(peaks)} micro-batches; measured peaks (GiB): {[round(p / 2**30, 2) for p in peaks]}; "
           f"budget {budget / 2**30:.2f} GiB; all under: {result['all_under_budget']}", flush=True)
     if args.json:

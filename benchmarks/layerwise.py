@@ -53,6 +53,7 @@ from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling import sample_batch
 from betty_trainer.training.trainer import init_model
 from estimator.measure import measure_peak
+from estimator.peaks import PeakEstimator
 from partition import make_split
 from partition.chunks import chunk_layers
 
@@ -128,7 +129,7 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
 
     def planner(mode: str, budget: int) -> Planner:
         section = config.micro_batch.model_copy(update={"mode": mode, "budget": budget})
-        return Planner(section, spec, CPU)
+        return Planner(section, PeakEstimator(spec), CPU)
 
     def measure(plan: StepPlan) -> int:
         set_dropout_key(model, 0, 0)

@@ -46,6 +46,7 @@ from betty_trainer.memory.planner import Planner
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model
 from betty_trainer.sampling import sample_batch
+from estimator.peaks import PeakEstimator
 from partition import PARTITIONERS, OutputSplitter, partition_outputs, redundancy
 from partition.reg import build_reg
 
@@ -88,7 +89,7 @@ def step_share(graph: Graph, outputs: torch.Tensor, fanouts: list, k: int, epoch
     model = build_model(config.model, graph)
     optimizer = torch.optim.Adam(model.parameters())
     features = HostFeatureStore(graph.x, pin=False)
-    planner = Planner(config.micro_batch, model_spec(config, graph), torch.device("cpu"), seed=seed)
+    planner = Planner(config.micro_batch, PeakEstimator(model_spec(config, graph)), torch.device("cpu"), seed=seed)
     rows = []
     for epoch in range(epochs):
         start = time.perf_counter()

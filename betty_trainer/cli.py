@@ -201,21 +201,24 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     report = dry_run(config, measure=args.measure)
     if output is not None:
         write_text(output, json.dumps(report, indent=2))
-    if report["mode"] == "layerwise":
-        _print_layerwise_plan(console, report, args)
-        return
-    budget = report["budget_bytes"]
-    table = Table(title=f"plan: {report['dataset']}, {report['num_micro_batches']} micro-batches "
-                        f"({report['partitioner']}), sizes in MiB")
+    _print_plan(console, report, args)
+
+
+def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> None:
+    """The plan as one table, a row per piece (a micro-batch, or chunk ``i`` of every layer), whatever the plan's
+    kind, and a line of what was searched and estimated for the whole step."""
+    budget, rows = report["budget_bytes"], report["pieces"]
+    table = Table(title=f"plan: {report['dataset']}, {report['summary']} ({report['partitioner']}), sizes in MiB")
     shown = _nonzero_components(report)
+    measured = any("measured_peak_bytes" in row for row in rows)
     columns = ["#", "outputs", "src nodes/layer", "edges/layer", *(_COMPONENTS[name] for name in shown),
                "params+opt", "other", "est. peak", "budget"]
-    if args.measure:
+    if measured:
         columns += ["measured", "error"]
     for column in columns:
         table.add_column(column, justify="right")
-    for row in report["micro_batches"]:
-        sizes = [str(row["micro_batch"]), str(row["outputs"]),
+    for row in rows:
+        sizes = [str(row["piece"]), str(row["outputs"]),
                  " / ".join(str(layer["src_nodes"]) for layer in row["layers"]),
                  " / ".join(str(layer["edges"]) for layer in row["layers"])]
         if "estimate" in row:
@@ -227,16 +230,20 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
         else:
             memory = ["-"] * (len(shown) + 4)
         cells = sizes + memory
-        if args.measure:
-            cells += [_mib(row["measured_peak_bytes"]), f"{row['error']:+.1%}" if "error" in row else "-"]
+        if measured:
+            cells += [_mib(row["measured_peak_bytes"]) if "measured_peak_bytes" in row else "-",
+                      f"{row['error']:+.1%}" if "error" in row else "-"]
         table.add_row(*cells)
     Console(width=max(console.width, 160)).print(table)
     redundancy = " / ".join(f"{r:.3f}" for r in report["redundancy_per_layer"])
-    budget_text = _budget_text(report)
-    full = report["full_batch"]["estimate_peak_bytes"]
-    full_text = f"{_mib(full)} MiB" if full else "not computed (fixed K)"
-    console.print(f"budget {budget_text}; full batch estimate {full_text}; "
-                  f"K = {report['num_micro_batches']} (tried {[t['k'] for t in report['tried']]}); "
+    full, peak = report["full_batch"]["estimate_peak_bytes"], report["estimate_peak_bytes"]
+    step = (f"; measured {_mib(report['measured_peak_bytes'])} MiB"
+            f"{' (' + format(report['error'], '+.1%') + ')' if 'error' in report else ''}"
+            if "measured_peak_bytes" in report else "")
+    console.print(f"budget {_budget_text(report)}; full batch estimate "
+                  f"{_mib(full) + ' MiB' if full else 'not computed'}; estimated peak "
+                  f"{_mib(peak) + ' MiB' if peak else '-'}{step}; estimated work {report['work']:,}; "
+                  f"K = {report['num_pieces']} (tried {[t['k'] for t in report['tried']]}); "
                   f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s"
                   f"{_written(args.output)}", highlight=False, soft_wrap=True)
 
@@ -247,8 +254,8 @@ _COMPONENTS = {"input_features": "features", "hidden_outputs": "hidden", "dropou
 
 
 def _nonzero_components(report: dict) -> list[str]:
-    """The :data:`_COMPONENTS` some micro-batch's estimate holds (a model without dropout has no dropout column)."""
-    rows = [row["estimate"]["at_peak"] for row in report["micro_batches"] if "estimate" in row]
+    """The :data:`_COMPONENTS` some piece's estimate holds (a model without dropout has no dropout column)."""
+    rows = [row["estimate"]["at_peak"] for row in report["pieces"] if "estimate" in row]
     return [name for name in _COMPONENTS if any(at_peak[name] for at_peak in rows)]
 
 
@@ -273,26 +280,6 @@ def _budget_text(report: dict) -> str:
     return (f"{_mib(terms['step_bytes'])} MiB per step = {source} − allocator margin "
             f"{_mib(terms['allocator_margin'])} MiB ({allocator}) − feature store {_mib(terms['feature_store_bytes'])} "
             f"MiB (node cache, staged macro-batch); {resident}")
-
-
-def _print_layerwise_plan(console: Console, report: dict, args: argparse.Namespace) -> None:
-    table = Table(title=f"plan: {report['dataset']}, layer by layer in {report['chunks_per_layer']} chunks per layer "
-                        f"({report['partitioner']})")
-    for column in ("layer", "src / dst / edges", "chunks", "largest chunk src / dst / edges", "redundancy"):
-        table.add_column(column, justify="right")
-    for index, (layer, pieces) in enumerate(zip(report["full_batch"]["layers"], report["layers"])):
-        largest = max(pieces, key=lambda piece: piece["src"])
-        table.add_row(str(index), f"{layer['src_nodes']} / {layer['dst_nodes']} / {layer['edges']}", str(len(pieces)),
-                      f"{largest['src']} / {largest['dst']} / {largest['edges']}",
-                      f"{report['redundancy_per_layer'][index]:.3f}")
-    Console(width=max(console.width, 120)).print(table)
-    peak = report["estimate_peak_bytes"]
-    measured = (f"; measured {_mib(report['measured_peak_bytes'])} MiB ({report['error']:+.1%})"
-                if "error" in report else "")
-    console.print(f"budget {_budget_text(report)}; "
-                  f"estimated peak {_mib(peak) + ' MiB' if peak else '-'}{measured}; estimated work {report['work']:,}; "
-                  f"tried {[t['k'] for t in report['tried']]}; planning took {report['planning_seconds']:.3f} s"
-                  f"{_written(args.output)}", highlight=False, soft_wrap=True)
 
 
 def _validate(args: argparse.Namespace, console: Console) -> None:

@@ -37,7 +37,8 @@ from estimator.tape import GRAD, HID, OVER, Replay, StepTape
 
 
 class ProjectedTerms(Protocol):
-    """The memory terms of a projected layer (built beside the layer: ``execution.layerwise.projected_terms``)."""
+    """The memory terms of a projected layer (built beside the layer:
+    ``betty_trainer.models.capabilities.projected_terms``; a :class:`~estimator.spec.ModelSpec` carries them)."""
 
     width: int  # z's width (columns)
     reads_dst_input: bool  # propagate also reads the chunk's dst input rows (SAGE mean's self term)
@@ -95,7 +96,7 @@ def estimate_layerwise(layers: Sequence[LayerCounts], chunks: Sequence[Sequence[
         chunks: per layer, the counts of each chunk's one-layer sub-block (``partition.chunks``).
         model: the model (:class:`ModelSpec` with ``layer_terms``).
         projections: per layer, the :class:`ProjectedTerms` of a layer the executor projects once per pass
-            (``execution.layerwise.projected_layers``), else ``None``; default: none is.
+            (``ModelSpec.projections``), else ``None``; default: none is.
         host_outputs: the hidden layers' outputs ``h_l`` are kept in host memory (``LayerChunks.host_outputs``):
             not counted on the device; a chunk's rows of ``h_{l−1}`` are copied to the device (as gathered
             rows are anyway) and a projected layer's row blocks too (device-resident, they are views).

@@ -55,6 +55,11 @@ class ModelSpec:
         layer_terms: ``(tape, index, counts, h, h_grad, consume_input) -> (out, backward)``: one layer's
             forward (dropout, the layer, ReLU) as memory terms (``LayerStack.layer_memory_terms``), for
             the layer-wise estimate (:mod:`estimator.layerwise`). Not compared.
+        projections: per layer, the :class:`~estimator.layerwise.ProjectedTerms` of a layer that layer-wise
+            execution projects once per pass, else ``None`` (``betty_trainer.models.capabilities.projected_terms``);
+            ``None``: no layer is. Not compared.
+        layer_work: ``(spec, LayerSize) -> Work``: one layer's multiply-adds per pass, written beside the
+            layer's code (:func:`estimator.work.step_work`). Not compared.
 
     Raises:
         ValueError: for an unknown optimizer, fewer than 2 widths, parameter counts
@@ -76,6 +81,8 @@ class ModelSpec:
     device_workspace: int = 0
     forward_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     layer_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    projections: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
+    layer_work: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from partition.partitioners import OutputSplitter
+from partition.search import BudgetError
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
 
@@ -119,3 +121,130 @@ def chunk_layers(blocks: Sequence[BlockStructure], k: int, partitioner: str = "m
                 pieces.append(Chunk(group.long(), piece.num_src, piece.indptr))
         layers.append(pieces)
     return LayerChunks(layers, time.perf_counter() - started)
+
+
+class ChunkEstimate(Protocol):
+    """What the chunk search asks of an estimate of one batch run layer by layer (the estimator's
+    ``LayerwiseEstimate``)."""
+
+    def peak(self, chunks: Sequence[Sequence[Chunk]], host_outputs: bool) -> int:
+        """Peak bytes of the step in ``chunks`` (per layer), ``h_l`` on the device or in host memory."""
+        ...
+
+    def floor(self, largest: Sequence[LayerSlice], host_outputs: bool) -> int:
+        """Bytes below which no chunking goes, from each layer's one-node chunk of its largest dst node."""
+        ...
+
+
+@dataclass
+class ChunkSearch:
+    """What :func:`search_chunks` chose, and what it tried.
+
+    Attributes:
+        chunks: the chosen :class:`LayerChunks` (``host_outputs`` set when ``h_l`` must live in host memory).
+        partitioner: what split them (the one asked, or ``range`` for one dst node per chunk).
+        peak: their estimated peak, bytes (0 without an estimate).
+        tried: ``(chunks per layer, estimated peak)`` for every chunking evaluated, in order.
+        seconds: wall time of the search.
+    """
+
+    chunks: LayerChunks
+    partitioner: str
+    peak: int
+    tried: list[tuple[int, int]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def largest_chunks(blocks: Sequence[BlockStructure]) -> list[LayerSlice]:
+    """Per block, the one-node chunk of its dst node of largest in-degree (the first such), whose in-edges no
+    chunking splits: what a layer-wise floor is estimated from."""
+    return [slice_layers([block], (block.indptr[1:] - block.indptr[:-1]).argmax().reshape(1))[0] for block in blocks]
+
+
+def chunk_floor(blocks: Sequence[BlockStructure], estimate: ChunkEstimate, host_memory: bool) -> int:
+    """Bytes below which no number of chunks per layer runs ``blocks`` layer by layer (``estimate.floor`` of
+    :func:`largest_chunks`); with ``host_memory`` (a GPU, whose hidden layers' outputs may live in host memory) the
+    lower of ``h_l`` on the device and in host memory."""
+    largest = largest_chunks(blocks)
+    kept = (False, True) if host_memory and len(blocks) > 1 else (False,)
+    return min(estimate.floor(largest, host) for host in kept)
+
+
+def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | None, *, budget: int | None = None,
+                  k: int = 1, min_k: int = 1, partitioner: str = "metis", seed: int = 0,
+                  host_memory: bool = False) -> ChunkSearch:
+    """``max(k, min_k)`` chunks per layer, or under ``budget`` the fewest that fit: doubling from ``min_k`` to the
+    first K that fits, then bisecting below it.
+
+    A budget below :func:`chunk_floor` is refused before any chunking. Above it the doubling goes on (the peak
+    falls unevenly as the chunk boundaries move around the hub nodes, whose chunks hold the most src rows) until
+    doubling the request gives the partitioner's split no more chunks (REG and METIS stop short of one node per
+    chunk) or every dst node would be its own chunk; then one dst node per chunk (``range`` at the largest layer's
+    dst count, whose estimate is the floor plus 8 bytes per chunk past each layer's first) is tried, so a budget at
+    least that is never refused. A K fits with the hidden layers' outputs ``h_l`` on the device or, when those do
+    not fit and ``host_memory`` (a GPU: on the CPU host memory is the device's own), with ``h_l`` in host memory
+    (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device).
+
+    Args:
+        blocks: the batch's blocks, input layer first.
+        estimate: the batch's layer-wise estimate; ``None`` without one (then only ``k`` is possible).
+        budget: bytes a step may use; ``None`` for ``k``.
+        k: chunks per layer without a budget.
+        min_k: never fewer (re-planning after an out-of-memory error).
+        partitioner, seed: as :func:`chunk_layers`'s.
+        host_memory: ``h_l`` may be kept in host memory.
+
+    Raises:
+        BudgetError: no chunking fits ``budget``, or a budget without an estimate (with the numbers).
+    """
+    started, tried = time.perf_counter(), []
+    most = max(block.num_dst for block in blocks)
+
+    def attempt(parts: int, method: str) -> tuple[LayerChunks, int]:
+        chunks = chunk_layers(blocks, parts, method, seed)
+        peak = estimate.peak(chunks.layers, False) if estimate is not None else 0
+        if budget is not None and peak > budget and host_memory and len(blocks) > 1:
+            on_host = estimate.peak(chunks.layers, True)
+            if on_host <= budget:
+                chunks.host_outputs, peak = True, on_host
+            else:  # neither fits: the lower peak is what more chunks can still improve on (the floor check)
+                peak = min(peak, on_host)
+        tried.append((chunks.k, peak))
+        return chunks, peak
+
+    if budget is None:
+        chosen, peak = attempt(max(min_k, k), partitioner)
+        return ChunkSearch(chosen, partitioner, peak, tried, time.perf_counter() - started)
+    if estimate is None:
+        raise BudgetError("a layer-wise plan under a budget needs a built-in model's estimate")
+    floor = chunk_floor(blocks, estimate, host_memory)
+    if floor > budget:
+        raise BudgetError(
+            f"memory budget {budget} bytes is impossible layer by layer: at any number of chunks per "
+            f"layer a step needs at least {floor} bytes (the model state, the batch's structure, the whole "
+            "layers a backward holds at once and the in-edges of the node of largest in-degree); raise the budget")
+    below, parts = max(min_k, 1) - 1, max(min_k, 1)
+    chosen, peak = attempt(parts, partitioner)
+    saturated = False  # the last doubling of the request gave no more chunks
+    while peak > budget:
+        if parts >= most or saturated:  # no more, smaller chunks from this partitioner
+            partitioner, below, parts = "range", most, most
+            chosen, peak = attempt(most, partitioner)  # one dst node per chunk
+            if peak > budget:
+                least_k, least = min(tried, key=lambda entry: entry[1])
+                raise BudgetError(
+                    f"memory budget {budget} bytes is impossible layer by layer: the least any chunking "
+                    f"tried needs is {least} bytes ({least_k} chunks per layer), above the floor of {floor} "
+                    "bytes that no chunking goes below; raise the budget")
+            break
+        below, parts, made = parts, min(2 * parts, most), chosen.k
+        chosen, peak = attempt(parts, partitioner)
+        saturated = chosen.k <= made
+    while parts - below > 1:
+        middle = (below + parts) // 2
+        candidate, middle_peak = attempt(middle, partitioner)
+        if middle_peak <= budget:
+            chosen, peak, parts = candidate, middle_peak, middle
+        else:
+            below = middle
+    return ChunkSearch(chosen, partitioner, peak, tried, time.perf_counter() - started)

@@ -56,8 +56,8 @@ def test_quickstart_trains_and_writes_a_run_directory(tmp_path):
     assert saved["optim"]["epochs"] == 2 and saved["name"] == "quickstart"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     plan = json.loads((run / "plan.json").read_text())
-    assert plan["num_micro_batches"] == 4 and len(plan["micro_batches"]) == 4
-    assert sum(row["outputs"] for row in plan["micro_batches"]) == plan["full_batch"]["outputs"]
+    assert plan["num_pieces"] == 4 and len(plan["pieces"]) == 4
+    assert sum(row["outputs"] for row in plan["pieces"]) == plan["full_batch"]["outputs"]
     assert load_checkpoint(run)["epoch"] == 1
 
 

@@ -23,7 +23,8 @@ from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling import LaborSampler, NeighborSampler, SampleKey
 from betty_trainer.sampling.cooperative import CooperativeSampler
 from betty_trainer.training.trainer import init_model
-from estimator.cooperative import EXCHANGE, estimate_cooperative_share
+from estimator.cooperative import EXCHANGE
+from estimator.peaks import PeakEstimator
 
 CPU = torch.device("cpu")
 FANOUTS, KEY = [10, 10], SampleKey(7, 1, 3)
@@ -190,8 +191,9 @@ def _estimate_worker(rank, world, data_dir, arch, sampler_kind, out):
         sampler = CooperativeSampler(make_sampler(graph, sampler_kind), vertex_owners(graph, world, "metis"))
         seeds = global_seeds(graph, 256)
         batch, shares = sampler.sample(seeds, KEY), list(sampler.rounds(seeds, KEY, 2))
-        plan = CooperativePlan(batch, shares, rank, world,
-                               lambda share, accumulate: estimate_cooperative_share(*share.counts(), spec, accumulate))
+        estimator = PeakEstimator(spec)
+        plan = CooperativePlan(batch, shares, rank, world, lambda share, accumulate: estimator.cooperative_share(
+            share.blocks, share.exchange_counts(), accumulate))
         estimates = plan.estimates
         measured = plan.measure(model, config.optim.make_optimizer(model.parameters()),
                                 HostFeatureStore(graph.x, pin=False), graph.y, CPU)

@@ -73,7 +73,7 @@ def test_estimate_matches_max_memory_allocated(name, k, request):
     report = planner.report(plan, measured)
     assert report["memory_terms"]["device_workspace"] > 0, "cuBLAS keeps a workspace on every GPU"
     errors = []
-    for row, peak in zip(report["micro_batches"], measured):
+    for row, peak in zip(report["pieces"], measured):
         estimate, own = row["estimate"]["peak_bytes"], peak - others
         assert row["estimate"]["at_peak"]["device_workspace"] == report["memory_terms"]["device_workspace"]
         errors.append((estimate - own) / own)
@@ -95,7 +95,7 @@ def test_a_real_out_of_memory_error_is_recovered_exactly(tmp_path):
     for k in (1, 8):
         planner = make_planner(load_config(None, overrides + [f"micro_batch.num_micro_batches={k}"]), graph, None, CUDA,
                                HostFeatureStore(graph.x, pin=True))
-        peaks[k] = max(row["estimate"]["peak_bytes"] for row in planner.report(planner.plan(batch))["micro_batches"])
+        peaks[k] = max(row["estimate"]["peak_bytes"] for row in planner.report(planner.plan(batch))["pieces"])
     assert peaks[8] < 0.6 * peaks[1], peaks
     _others_bytes()
     base = torch.cuda.memory_reserved(CUDA) - device_workspace(CUDA)
@@ -105,7 +105,7 @@ def test_a_real_out_of_memory_error_is_recovered_exactly(tmp_path):
         train(config, run_dir=tmp_path / "recovered")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
-    k = json.loads((tmp_path / "recovered" / "plan.json").read_text())["num_micro_batches"]
+    k = json.loads((tmp_path / "recovered" / "plan.json").read_text())["num_pieces"]
     assert k > 1, "the step ran out of memory with K = 1 and was re-planned"
     print(f"real out-of-memory error with K = 1 under a cap of {cap / 2**20:.1f} MiB: recovered with K = {k}")
     train(load_config(None, overrides + [f"micro_batch.num_micro_batches={k}"]), run_dir=tmp_path / "planned")

@@ -218,7 +218,7 @@ def test_plan_hides_components_the_model_lacks_and_writes_plan_json_only_with_ou
     assert list(tmp_path.iterdir()) == []  # no plan.json left in the working directory
     assert "dropout" not in shown  # NodeDropout's masks hold no bytes at the peak: an all-zero column
     assert header("--output", "mine.json") == shown and [p.name for p in tmp_path.iterdir()] == ["mine.json"]
-    rows = [row["estimate"]["at_peak"] for row in json.loads((tmp_path / "mine.json").read_text())["micro_batches"]]
+    rows = [row["estimate"]["at_peak"] for row in json.loads((tmp_path / "mine.json").read_text())["pieces"]]
     for name, column in {"input_features": "features", "hidden_outputs": "hidden", "dropout_masks": "dropout",
                          "aggregator_intermediates": "aggr.", "gradients": "grads"}.items():
         assert (column in shown) == any(at_peak[name] for at_peak in rows), column

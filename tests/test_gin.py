@@ -9,9 +9,9 @@ import torch
 
 from betty_trainer import Batch, plan_micro_batches, sample_batch
 from betty_trainer.datasets import make_sbm
-from betty_trainer.memory.work import MASK_COST, step_work
 from betty_trainer.models import set_dropout_key
-from betty_trainer.models.gin import GIN, GINConv
+from betty_trainer.models.gin import GIN, GINConv, gin_work
+from estimator.work import MASK_COST, step_work
 from tests.test_estimator import DEFAULT_TOLERANCE, estimate_and_measure, weighted
 from tests.test_exactness import assert_same_gradients, gradients
 from tests.test_layerwise import assert_layerwise_estimate, assert_same, full_batch_gradients, layerwise_gradients
@@ -96,7 +96,7 @@ def test_gin_work_counts_its_two_maps_and_the_sum(a, b, linear, aggregate):
     input layer's input takes no gradient), a layer-wise step once more."""
     from types import SimpleNamespace
 
-    spec = SimpleNamespace(arch="gin", aggregator="mean", widths=[a, b], heads=1)
+    spec = SimpleNamespace(arch="gin", aggregator="mean", widths=[a, b], heads=1, layer_work=gin_work)
     piece = SimpleNamespace(num_src=10, num_dst=4, indptr=torch.tensor([0, 5, 10, 15, 20]))
     gather = 10 * a * MASK_COST
     assert step_work(spec, [[piece]], layerwise=False) == 2 * (linear + aggregate) + gather

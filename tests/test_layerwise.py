@@ -10,20 +10,17 @@ import torch
 
 from betty_trainer import GCN, GraphSAGE, accumulate_gradients, load_config, sample_batch
 from betty_trainer.data.feature_store import HostFeatureStore
-from betty_trainer.execution.layerwise import (
-    LayerwisePlan,
-    layerwise_backward,
-    measure_layerwise_step,
-    projected_terms,
-)
+from betty_trainer.execution.layerwise import LayerwisePlan, layerwise_backward, measure_layerwise_step
 from betty_trainer.memory.planner import Planner
 from betty_trainer.memory.spec import spec_of
 from betty_trainer.models import set_dropout_key
+from betty_trainer.models.capabilities import affine_layers, projected_terms
 from betty_trainer.models.gat import GAT
 from betty_trainer.models.stack import runs_layer_by_layer
 from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
-from partition.chunks import chunk_layers
+from estimator.peaks import PeakEstimator
+from partition.chunks import chunk_floor, chunk_layers
 from tests.test_estimator import DEFAULT_TOLERANCE  # the micro-batch estimator's bound (0.1%)
 
 CPU = torch.device("cpu")
@@ -34,6 +31,18 @@ BOUND = 1e-5
 # DEFAULT_TOLERANCE, the micro-batch estimator's bound, holds layer-wise too: measured on the CPU, the layer-wise
 # estimate equals the peak to the byte for every built-in model but SAGE-pool at 4 and 16 chunks, 12 bytes under
 # (2e-7 relative)
+
+
+def layerwise_peak(planner: Planner, batch, chunks, host_outputs: bool | None = None) -> int:
+    """The planner's estimate of ``batch`` run layer by layer in ``chunks`` (``h_l`` where ``chunks`` says, unless
+    ``host_outputs`` is given)."""
+    host = chunks.host_outputs if host_outputs is None else host_outputs
+    return planner.estimator.layerwise(batch.blocks).peak(chunks.layers, host)
+
+
+def layerwise_floor(planner: Planner, batch) -> int:
+    """The floor the planner's chunk search refuses a budget below."""
+    return chunk_floor(batch.blocks, planner.estimator.layerwise(batch.blocks), planner.device.type != "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -213,12 +222,12 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
     model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     batch = sample_batch(cora, cora.train_idx, [None, None])
-    full = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
-    whole = full.layerwise_peak(batch, chunk_layers(batch.blocks, 1))
+    full = Planner(config.micro_batch, PeakEstimator(spec_of(model, config, CPU)), CPU)
+    whole = layerwise_peak(full, batch, chunk_layers(batch.blocks, 1))
     budget = int(whole * fraction)
     planner = Planner(load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise",
                                                    f"micro_batch.budget={budget}"]).micro_batch,
-                                spec_of(model, config, CPU), CPU)
+                                PeakEstimator(spec_of(model, config, CPU)), CPU)
     plan = planner.plan(batch)
     assert plan.method == "layerwise" and plan.estimate <= budget
     assert (plan.pieces == 1) == (fraction == 1.0)
@@ -241,7 +250,7 @@ def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
     for mode in ("micro_batches", "layerwise", "auto"):
         section = load_config(None, ["model.hidden=64", f"micro_batch.mode={mode}",
                                      "micro_batch.num_micro_batches=8"]).micro_batch
-        plans[mode] = Planner(section, spec, CPU).plan(batch)
+        plans[mode] = Planner(section, PeakEstimator(spec), CPU).plan(batch)
     assert plans["auto"].method == min(("micro_batches", "layerwise"), key=lambda m: plans[m].work)
     assert plans["layerwise"].work < plans["micro_batches"].work  # every node an output: Betty's redundancy dominates
 
@@ -260,7 +269,7 @@ def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_
         train(config)
         results[name] = load_checkpoint(tmp_path / name)["model"]
     report = (tmp_path / "layerwise" / "plan.json").read_text()
-    assert '"mode": "layerwise"' in report and '"chunks_per_layer": 4' in report
+    assert '"mode": "layerwise"' in report and '"num_pieces": 4' in report
     for key, value in results["full"].items():
         # the per-step bound (BOUND) compounded through 3 epochs of Adam, whose update divides by √v: a parameter
         # with a tiny second moment amplifies round-off, as tests/test_planner.py's trained comparison allows
@@ -307,11 +316,11 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
     model = GraphSAGE(graph.num_features, 256, graph.num_classes, 2, "mean", 0.5)
     spec = spec_of(model, config, CPU)
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
-    probe = Planner(config.micro_batch, spec, CPU)
+    probe = Planner(config.micro_batch, PeakEstimator(spec), CPU)
     peaks = {}
     for k in (1, 2):
         chunks = chunk_layers(batch.blocks, k, config.micro_batch.partitioner, 0)
-        peaks[k] = probe.layerwise_peak(batch, chunks, False), probe.layerwise_peak(batch, chunks, True)
+        peaks[k] = layerwise_peak(probe, batch, chunks, False), layerwise_peak(probe, batch, chunks, True)
         estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
                                                                 for layer in chunks.layers], spec,
                                       projected_terms(model), host_outputs=True)
@@ -320,31 +329,31 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
     assert host_1 > device_2 and host_1 > host_2  # so that neither budget below fits at K = 1
     for budget, host in ((device_2, False), (host_2, True)):
         section = config.micro_batch.model_copy(update={"budget": budget, "safety_margin": 0})  # no allocator margin
-        plan = Planner(section, spec, torch.device("cuda")).plan(batch)
+        plan = Planner(section, PeakEstimator(spec), torch.device("cuda")).plan(batch)
         assert plan.pieces == 2 and plan.host_outputs == host and plan.chunks.host_outputs == host
         assert plan.estimate == (host_2 if host else device_2) <= budget
         # on the CPU host memory is the device's: h_l never moves there, and the plan fits without it
-        plan = Planner(section, spec, CPU).plan(batch)
-        assert not plan.host_outputs and plan.estimate == probe.layerwise_peak(batch, plan.chunks, False) <= budget
+        plan = Planner(section, PeakEstimator(spec), CPU).plan(batch)
+        assert not plan.host_outputs and plan.estimate == layerwise_peak(probe, batch, plan.chunks, False) <= budget
 
 
 def test_an_impossible_layerwise_budget_is_refused_at_the_floor_without_chunking(cora, monkeypatch):
     """Below the floor (model state, structure, the whole layers a backward holds, the largest node's in-edges) no
     chunk count fits: the planner says so, naming the budget and the floor, before partitioning anything."""
     from betty_trainer.errors import PlanningError
-    from betty_trainer.memory import planner as planner_module
+    from partition import chunks as chunks_module
 
     config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", "micro_batch.budget=4000000"])
     model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
-    planner = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
+    planner = Planner(config.micro_batch, PeakEstimator(spec_of(model, config, CPU)), CPU)
     batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
-    floor = planner.layerwise_floor(batch)
+    floor = layerwise_floor(planner, batch)
     assert floor > 4000000
 
     def no_chunking(*args, **kwargs):
         raise AssertionError("the floor check comes before any chunking")
 
-    monkeypatch.setattr(planner_module, "chunk_layers", no_chunking)
+    monkeypatch.setattr(chunks_module, "chunk_layers", no_chunking)
     with pytest.raises(PlanningError, match=f"budget 4000000 bytes is impossible layer by layer: at any number of "
                                             f"chunks per layer a step needs at least {floor} bytes"):
         planner.plan(batch)
@@ -362,12 +371,12 @@ def test_the_layerwise_floor_is_below_the_estimate_of_every_chunking(cora, cora6
     most = max(block.num_dst for block in batch.blocks)
     for model in (make(arch, graph), make(arch, cora64, hidden=256)):
         config = load_config(None, [f"model.arch={arch.split('-')[0]}"])
-        planner = Planner(config.micro_batch, spec_of(model, config, CPU), CPU)
-        floor = planner.layerwise_floor(batch)
-        peaks = [planner.layerwise_peak(batch, chunk_layers(batch.blocks, k, partitioner, 0))
+        planner = Planner(config.micro_batch, PeakEstimator(spec_of(model, config, CPU)), CPU)
+        floor = layerwise_floor(planner, batch)
+        peaks = [layerwise_peak(planner, batch, chunk_layers(batch.blocks, k, partitioner, 0))
                  for k in (1, 4, 32, most) for partitioner in ("reg", "metis")]
         assert floor <= min(peaks), f"{arch}: floor {floor} above {min(peaks)}"
-        singletons = planner.layerwise_peak(batch, chunk_layers(batch.blocks, most, "range", 0))
+        singletons = layerwise_peak(planner, batch, chunk_layers(batch.blocks, most, "range", 0))
         assert singletons - floor == sum(8 * (block.num_dst - 1) for block in batch.blocks)
 
 
@@ -393,7 +402,6 @@ def test_a_sage_subclass_that_changes_propagate_is_not_taken_as_affine(cora):
     does not inherit it, keeps z for its backward, and gets the full batch's gradient."""
     from torch import nn
 
-    from betty_trainer.execution.layerwise import affine_layers
     from betty_trainer.models.sage import SAGEConv
 
     class GainSAGE(SAGEConv):
@@ -424,10 +432,10 @@ def test_a_budget_one_node_chunks_meet_is_never_refused(cora64):
     model = GraphSAGE(cora64.num_features, 256, cora64.num_classes, 2, "pool", 0.5)
     spec = spec_of(model, config, CPU)
     batch = sample_batch(cora64, torch.arange(cora64.num_nodes), [None, None])
-    floor = Planner(config.micro_batch, spec, CPU).layerwise_floor(batch)
+    floor = layerwise_floor(Planner(config.micro_batch, PeakEstimator(spec), CPU), batch)
     budget = floor + sum(8 * (block.num_dst - 1) for block in batch.blocks)
     section = config.micro_batch.model_copy(update={"budget": budget})
-    plan = Planner(section, spec, CPU).plan(batch)
+    plan = Planner(section, PeakEstimator(spec), CPU).plan(batch)
     assert plan.estimate <= budget
     assert min(peak for _, peak in plan.tried[:-1]) > budget  # no REG chunking fitted
     assert plan.partitioner == "range" and plan.pieces == cora64.num_nodes

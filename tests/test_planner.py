@@ -19,6 +19,7 @@ from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.training.checkpoint import load_checkpoint
 from betty_trainer.training.trainer import train
+from estimator.peaks import PeakEstimator
 from partition import make_split
 from tests.conftest import REPO
 
@@ -45,13 +46,13 @@ def test_planned_micro_batches_fit_the_budget_with_the_smallest_k(setting, fract
     graph, config, batch, model, optimizer, full_peak = setting
     budget = int(full_peak * fraction)
     overrides = OVERRIDES + [f"micro_batch.budget={budget}"]
-    planner = Planner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
+    planner = Planner(load_config(None, overrides).micro_batch, PeakEstimator(model_spec(config, graph)), torch.device("cpu"))
     plan = planner.plan(batch)
     for index, micro_batch in enumerate(plan.micro_batches):  # as training runs them: later ones hold the gradients
         measured = measure_training_step(model, optimizer, micro_batch, HostFeatureStore(graph.x, pin=False), graph.y,
                                          "cpu", accumulate=index > 0)
         assert measured.peak_bytes <= budget, (plan.pieces, measured.peak_bytes, budget)
-    estimate = lambda structures, accumulate: planner.estimate(structures, accumulate).peak_bytes
+    estimate = lambda structures, accumulate: planner.estimator.peak(structures, accumulate)
     brute_force = next(k for k in range(1, plan.pieces + 1)
                        if max(make_split(batch.blocks, estimate, k=k, seed=0).estimates) <= budget)
     assert plan.pieces == brute_force
@@ -63,7 +64,7 @@ def test_planned_micro_batches_fit_the_budget_with_the_smallest_k(setting, fract
 
 def test_balanced_weights_keep_the_largest_micro_batch_near_the_mean(setting):
     graph, config, batch, *_ = setting
-    planner = Planner(config.micro_batch, model_spec(config, graph), torch.device("cpu"))
+    planner = Planner(config.micro_batch, PeakEstimator(model_spec(config, graph)), torch.device("cpu"))
     plan = planner.plan(batch)
     dynamic = [e - planner.resident for e in plan.split.estimates]
     # METIS balances the output-cost weights only up to its imbalance factor, and the weights are the
@@ -76,16 +77,16 @@ def test_impossible_and_malformed_budgets_name_the_cause(setting, capsys, tmp_pa
     spec = model_spec(config, graph)
     tiny = load_config(None, OVERRIDES + ["micro_batch.budget=1000"]).micro_batch
     with pytest.raises(PlanningError, match="below what training holds"):
-        Planner(tiny, spec, torch.device("cpu")).plan(batch)
-    resident = Planner(tiny, spec, torch.device("cpu")).resident  # above it, but below one output's need
+        Planner(tiny, PeakEstimator(spec), torch.device("cpu")).plan(batch)
+    resident = Planner(tiny, PeakEstimator(spec), torch.device("cpu")).resident  # above it, but below one output's need
     small = load_config(None, OVERRIDES + [f"micro_batch.budget={resident + 1000}"]).micro_batch
     with pytest.raises(PlanningError, match=r"impossible: output node \d+ of the batch alone needs"):
-        Planner(small, spec, torch.device("cpu")).plan(batch)
+        Planner(small, PeakEstimator(spec), torch.device("cpu")).plan(batch)
     for bad, message in (("-5", "must be positive"), ("lots", "expected a size in bytes")):
         assert main(["plan", "--config", str(REPO / "configs/quickstart.yaml"), f"micro_batch.budget={bad}"]) == 2
         assert message in capsys.readouterr().err
     with pytest.raises(ConfigError, match="needs a CUDA device"):
-        Planner(load_config(None, ["micro_batch.budget=auto"]).micro_batch, spec, torch.device("cpu"))
+        Planner(load_config(None, ["micro_batch.budget=auto"]).micro_batch, PeakEstimator(spec), torch.device("cpu"))
     with_budget = load_config(None, OVERRIDES + ["micro_batch.budget=1GB"])
     with pytest.raises(ConfigError, match="custom model: calibrate it"):
         Planner(with_budget.micro_batch, None, torch.device("cpu"))
@@ -123,17 +124,17 @@ def test_plan_command_table_matches_plan_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert status == 0
     report = json.loads(output.read_text())
-    assert report["budget_bytes"] == 4 * 2**20 and report["num_micro_batches"] == len(report["micro_batches"])
+    assert report["budget_bytes"] == 4 * 2**20 and report["num_pieces"] == len(report["pieces"])
     terms = report["memory_terms"]  # on the CPU: no workspace, no allocator margin, the budget as given
     assert (terms["device_workspace"], terms["allocator_margin"], terms["step_bytes"]) == (0, 0, 4 * 2**20)
     assert "device_workspace 0.00 MiB" in printed and "allocator margin 0.00 MiB (cpu)" in printed
-    for row in report["micro_batches"]:
+    for row in report["pieces"]:
         assert row["measured_peak_bytes"] <= report["budget_bytes"]
         assert abs(row["error"]) <= 0.001  # SAGE-mean: the micro-batch estimator's bound (tests/test_estimator.py)
         line = next(line for line in printed.splitlines()
-                    if line.startswith("│") and line.split("│")[1].strip() == str(row["micro_batch"]))
+                    if line.startswith("│") and line.split("│")[1].strip() == str(row["piece"]))
         assert f"{row['estimate']['peak_bytes'] / 2**20:.2f}" in line and f"{row['measured_peak_bytes'] / 2**20:.2f}" in line
-    assert f"K = {report['num_micro_batches']}" in printed
+    assert f"K = {report['num_pieces']}" in printed
 
 
 def test_plan_reuse_returns_the_same_micro_batches_until_the_batch_changes(setting, monkeypatch):
@@ -144,13 +145,13 @@ def test_plan_reuse_returns_the_same_micro_batches_until_the_batch_changes(setti
     original = partitioners_module.build_reg
     monkeypatch.setattr(partitioners_module, "build_reg", lambda block, *a, **k: builds.append(1) or original(block, *a, **k))
     fixed = load_config(None, OVERRIDES + ["micro_batch.num_micro_batches=4"]).micro_batch
-    planner = Planner(fixed, model_spec(config, graph), torch.device("cpu"))
+    planner = Planner(fixed, PeakEstimator(model_spec(config, graph)), torch.device("cpu"))
     plan = planner.plan(batch)
     resampled = sample_batch(graph, graph.train_idx, [None, None])  # new tensors, same structure
     assert resampled.blocks[0].indices is not batch.blocks[0].indices
     assert planner.plan(resampled) is plan, "an identical batch gets the last plan back"
     assert (planner.plans_made, planner.plans_reused, len(builds)) == (1, 1, 1)
-    fresh = Planner(fixed, model_spec(config, graph), torch.device("cpu")).plan(resampled)
+    fresh = Planner(fixed, PeakEstimator(model_spec(config, graph)), torch.device("cpu")).plan(resampled)
     for one, two in zip(plan.micro_batches, fresh.micro_batches):  # what planning that batch from scratch gives
         for a, b in zip(one.blocks, two.blocks):
             assert torch.equal(a.src_nodes, b.src_nodes) and torch.equal(a.indptr, b.indptr)
@@ -180,12 +181,12 @@ def test_a_weighted_batch_is_planned_with_weighted_estimates(setting):
     weighted = Batch([dataclasses.replace(b, edge_weight=torch.rand(b.num_edges, generator=generator))
                       for b in batch.blocks])
     overrides = OVERRIDES + ["micro_batch.budget=1GB"]
-    planner = Planner(load_config(None, overrides).micro_batch, model_spec(config, graph), torch.device("cpu"))
+    planner = Planner(load_config(None, overrides).micro_batch, PeakEstimator(model_spec(config, graph)), torch.device("cpu"))
     plan = planner.plan(weighted)
     for index, micro_batch in enumerate(plan.micro_batches):
         assert micro_batch.blocks[0].edge_weight is not None
-        assert plan.split.estimates[index] == planner.estimate(micro_batch.blocks, accumulate=index > 0).peak_bytes
-    unweighted_estimate = Planner(load_config(None, overrides).micro_batch, model_spec(config, graph),
+        assert plan.split.estimates[index] == planner.estimator.peak(micro_batch.blocks, accumulate=index > 0)
+    unweighted_estimate = Planner(load_config(None, overrides).micro_batch, PeakEstimator(model_spec(config, graph)),
                                             torch.device("cpu")).plan(batch).split.estimates[0]
     assert plan.split.estimates[0] > unweighted_estimate  # the weights are bytes of their own
 
@@ -212,7 +213,7 @@ def test_auto_chooses_a_plan_that_fits_the_budget_measured(cora, cora_full_batch
     config, model, optimizer, batch, full_peak = cora_full_batch
     budget = int(full_peak * fraction)
     section = config.micro_batch.model_copy(update={"mode": "auto", "budget": budget})
-    plan = Planner(section, model_spec(config, cora), torch.device("cpu")).plan(batch)
+    plan = Planner(section, PeakEstimator(model_spec(config, cora)), torch.device("cpu")).plan(batch)
     set_dropout_key(model, 0, 0)
     assert plan.method in ("micro_batches", "layerwise") and plan.estimate <= budget
     measured = max(plan.measure(model, optimizer, HostFeatureStore(cora.x, pin=False), cora.y, torch.device("cpu")))
@@ -230,9 +231,10 @@ def test_step_work_counts_each_sage_aggregator_s_own_maps(aggregator, linear, ag
     it forward and backward (the input layer's input takes no gradient), a layer-wise step once more."""
     from types import SimpleNamespace
 
-    from betty_trainer.memory.work import MASK_COST, step_work
+    from betty_trainer.models.sage import sage_work
+    from estimator.work import MASK_COST, step_work
 
-    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1)
+    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1, layer_work=sage_work)
     piece = SimpleNamespace(num_src=10, num_dst=4, indptr=torch.tensor([0, 5, 10, 15, 20]))
     gather = 10 * 8 * MASK_COST
     assert step_work(spec, [[piece]], layerwise=False) == 2 * (linear + aggregate) + gather
@@ -247,9 +249,10 @@ def test_step_work_of_a_projected_sage_layer_projects_its_block_s_src_rows_once(
     dst input rows (8 wide)."""
     from types import SimpleNamespace
 
-    from betty_trainer.memory.work import MASK_COST, step_work
+    from betty_trainer.models.sage import sage_work
+    from estimator.work import MASK_COST, step_work
 
-    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1)
+    spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1, layer_work=sage_work)
     pieces = [SimpleNamespace(num_src=10, num_dst=2, indptr=torch.tensor([0, 5, 10]))] * 2
     linear, aggregate = (7 + self_rows) * 8 * 4, 20 * 4
     gather = (7 * 8 + 20 * 4 + self_rows * 8) * MASK_COST
@@ -262,7 +265,7 @@ def test_fewer_micro_batches_than_asked_are_reported_once(cora, caplog):
     batch = sample_batch(cora, cora.train_idx, [None, None])
     for partitioner in ("reg", "range"):
         section = config.micro_batch.model_copy(update={"partitioner": partitioner})
-        planner = Planner(section, model_spec(config, cora), torch.device("cpu"))
+        planner = Planner(section, PeakEstimator(model_spec(config, cora)), torch.device("cpu"))
         caplog.clear()
         with caplog.at_level("WARNING", logger="betty_trainer"):
             plan = planner.plan(batch)
@@ -283,7 +286,7 @@ def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, 
 
     graph, config, batch, *_ = setting
     section = load_config(None, OVERRIDES + [f"micro_batch.mode={mode}", "micro_batch.num_micro_batches=3"]).micro_batch
-    plan = Planner(section, model_spec(config, graph), torch.device("cpu")).plan(batch)
+    plan = Planner(section, PeakEstimator(model_spec(config, graph)), torch.device("cpu")).plan(batch)
     assert isinstance(plan, StepPlan) and plan.method == mode and plan.pieces == 3
     gradients = {}
     for name, run in {"plan": plan.run, "full batch": micro_batches_module.MicroBatchPlan(

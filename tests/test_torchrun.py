@@ -58,16 +58,27 @@ def single_run(tmp_path_factory) -> list[dict]:
     return metrics(run_dir)
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The quickstart on two gloo ranks under torchrun in each mode (kept for the tests that read a finished
+    distributed run): mode → (run directory, the job's stdout)."""
+    runs = {}
+    for mode in ("cooperative", "independent"):
+        run_dir = tmp_path_factory.mktemp(mode) / "run"
+        done = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *QUICK,
+                            f"distributed.mode={mode}", "distributed.ownership=random", f"train.run_dir={run_dir}"))
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[mode] = run_dir, done.stdout
+    return runs
+
+
 @pytest.mark.parametrize("mode", ["cooperative", "independent"])
-def test_torchrun_trains_like_one_process_and_rank_0_alone_writes(tmp_path, single_run, mode):
+def test_torchrun_trains_like_one_process_and_rank_0_alone_writes(two_rank_runs, single_run, mode):
     """Two gloo ranks under torchrun: with NS (randomness keyed per node) every epoch's loss and accuracies equal
     the single process's (same global batches, the gradient of the global mean loss); one metrics line per epoch
     (rank 0 alone writes), each with both ranks' counters; one console (rank 0's)."""
-    run_dir = tmp_path / "run"
-    done = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *QUICK,
-                        f"distributed.mode={mode}", "distributed.ownership=random", f"train.run_dir={run_dir}"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("final test accuracy") == 1
+    run_dir, stdout = two_rank_runs[mode]
+    assert stdout.count("final test accuracy") == 1
     lines = metrics(run_dir)
     assert [line["epoch"] for line in lines] == [0, 1, 2]
     for ours, reference in zip(lines, single_run):
@@ -85,11 +96,8 @@ def test_torchrun_trains_like_one_process_and_rank_0_alone_writes(tmp_path, sing
     assert "'world_size': 2" in identity.stdout
 
 
-def test_a_resume_with_another_number_of_processes_is_refused_and_evaluate_works_in_one(tmp_path):
-    run_dir = tmp_path / "run"
-    done = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *QUICK,
-                        "distributed.mode=cooperative", "distributed.ownership=random", f"train.run_dir={run_dir}"))
-    assert done.returncode == 0, done.stderr
+def test_a_resume_with_another_number_of_processes_is_refused_and_evaluate_works_in_one(two_rank_runs):
+    run_dir, _ = two_rank_runs["cooperative"]
     resumed = run(betty("train", "--resume", str(run_dir), "optim.epochs=4"))
     assert resumed.returncode == 2
     error = resumed.stderr.strip().splitlines()[-1]
@@ -198,21 +206,22 @@ def test_under_a_budget_the_ranks_agree_on_the_fewest_rounds_that_fit_every_shar
                        "micro_batch.num_micro_batches=1", f"train.run_dir={tmp_path / 'one'}"))
     assert one.returncode == 0, one.stderr
     ranks = json.loads((tmp_path / "one" / "plan.json").read_text())["ranks"]
-    largest = max(row["estimate"]["peak_bytes"] for rank in ranks for row in rank["rounds"])
-    assert all("exchange_buffers" in row["estimate"]["at_peak"] for rank in ranks for row in rank["rounds"])
+    largest = max(row["estimate"]["peak_bytes"] for rank in ranks for row in rank["pieces"])
+    assert all("exchange_buffers" in row["estimate"]["at_peak"] for rank in ranks for row in rank["pieces"])
     budget = int(0.9 * largest)
     fitted = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *common,
                           f"micro_batch.budget={budget}", f"train.run_dir={tmp_path / 'budget'}"))
     assert fitted.returncode == 0, fitted.stderr
     ranks = json.loads((tmp_path / "budget" / "plan.json").read_text())["ranks"]
-    assert len({rank["num_micro_batches"] for rank in ranks}) == 1 and ranks[0]["num_micro_batches"] > 1
+    assert len({rank["num_pieces"] for rank in ranks}) == 1 and ranks[0]["num_pieces"] > 1
     assert all(row["estimate"]["peak_bytes"] <= budget for rank in ranks for row in rank["rounds"])
 
 
-@pytest.mark.parametrize("mode", ["cooperative", "independent"])
-def test_global_batches_smaller_than_the_ranks_leave_a_rank_without_seeds_and_still_train(tmp_path, mode):
-    """One seed per global batch on two ranks: every step one rank has an empty share; it joins the collectives
-    with no gradient of its own, and the run equals one process's."""
+def test_global_batches_smaller_than_the_ranks_leave_a_rank_without_seeds_and_still_train(tmp_path):
+    """One seed per global batch on two independent ranks: every step one rank has no seeds; it joins the
+    collectives with no gradient of its own, and the run equals one process's (a cooperative rank that owns none of
+    a round's seeds: tests/test_cooperative.py, 5 seeds in 3 rounds on 4 ranks)."""
+    mode = "independent"
     single = [*QUICK, "optim.epochs=1", "sampling.batch_size=1", "dataset.synthetic.train_per_class=2"]
     reference = run(betty("train", *single, f"train.run_dir={tmp_path / 'single'}"))
     assert reference.returncode == 0, reference.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -10,6 +11,17 @@ from torch import Tensor
 
 from betty_trainer.errors import DatasetError
 
+
+@runtime_checkable
+class DGLGraphLike(Protocol):
+    """What :meth:`Graph.from_dgl` reads of a ``dgl.DGLGraph`` (without importing DGL): node data, edges and
+    the node count."""
+
+    ndata: Any
+
+    def edges(self, *args, **kwargs) -> Any: ...
+
+    def num_nodes(self, *args, **kwargs) -> int: ...
 
 @dataclass
 class Graph:
@@ -183,7 +195,7 @@ class Graph:
         Raises:
             DatasetError: ``g`` is not a homogeneous DGL graph, or lacks ``feat`` or ``label``.
         """
-        if not all(hasattr(g, attribute) for attribute in ("ndata", "edges", "num_nodes")):
+        if not isinstance(g, DGLGraphLike):
             raise DatasetError(f"from_dgl needs a dgl.DGLGraph, got {type(g).__name__}")
         if not getattr(g, "is_homogeneous", True):
             raise DatasetError(f"from_dgl needs a homogeneous graph, got node types {g.ntypes} and edge types "

@@ -11,7 +11,6 @@ from torch import Tensor
 from betty_trainer.data.block import Block
 from betty_trainer.distributed.exchange import Exchange
 from estimator.cooperative import ExchangeCounts
-from estimator.counts import LayerCounts, counts_of
 
 
 @dataclass
@@ -46,9 +45,8 @@ class CooperativeBatch:
         """``(b,)`` int64 ids of the global batch's seeds this rank owns and computes the logits of."""
         return self.blocks[-1].dst_nodes
 
-    def counts(self) -> tuple[list[LayerCounts], list[ExchangeCounts]]:
-        """The share's sizes for its memory estimate (:func:`estimator.cooperative.estimate_cooperative_share`):
-        each block's counts and each exchange's rows owned, served and requested."""
-        exchanges = [ExchangeCounts(exchange.owned.numel(), sum(exchange.recv_counts), sum(exchange.send_counts))
-                     for exchange in self.exchanges]
-        return counts_of(self.blocks), exchanges
+    def exchange_counts(self) -> list[ExchangeCounts]:
+        """Each exchange's rows owned, served and requested, for the share's memory estimate
+        (:meth:`estimator.peaks.PeakEstimator.cooperative_share`, with :attr:`blocks`)."""
+        return [ExchangeCounts(exchange.owned.numel(), sum(exchange.recv_counts), sum(exchange.send_counts))
+                for exchange in self.exchanges]

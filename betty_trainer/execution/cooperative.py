@@ -13,7 +13,7 @@ result is the gradient of the global batch's mean loss, as one process computing
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
@@ -27,7 +27,7 @@ from betty_trainer.distributed.exchange import collective, exchange_rows
 from betty_trainer.distributed.share import CooperativeBatch
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import measured_step_resident
-from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
+from betty_trainer.execution.plan import StepResult, estimated_row, layer_sizes, piece_row, plan_report
 from betty_trainer.models.stack import runs_layer_by_layer
 from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
@@ -129,6 +129,9 @@ class CooperativePlan:
             (:func:`estimator.cooperative.estimate_cooperative_share` of a built-in model), or ``None`` without one
             (a custom model).
         budget: the budget the rounds were planned against (bytes; ``None``: a fixed number of rounds).
+        tried: ``(rounds, largest estimate on this rank)`` of each count the planner tried, in order.
+        seconds: the planning time (sampling the rounds included).
+        feature_store_bytes: device bytes the feature store holds beside the step (taken off the budget).
     """
 
     batch: CooperativeBatch
@@ -137,6 +140,9 @@ class CooperativePlan:
     world_size: int
     itemise: Callable[[CooperativeBatch, bool], MemoryEstimate] | None = None
     budget: int | None = None
+    tried: list[tuple[int, int]] = field(default_factory=list)
+    seconds: float = 0.0
+    feature_store_bytes: int = 0
 
     @cached_property
     def estimates(self) -> list[MemoryEstimate] | None:
@@ -182,25 +188,20 @@ class CooperativePlan:
                 for index, share in enumerate(self.shares)]
 
     def report(self, measured: list[int] | None = None) -> dict:
-        rounds = []
+        """The report every plan writes (:func:`~betty_trainer.execution.plan.plan_report`): a row per round, with
+        each layer's exchange (``rows_received`` from other ranks, ``rows_served``: the distinct rows this rank
+        provides), and this rank's place (``rank``, ``world_size``, ``global_batch_outputs``)."""
+        rows = []
         for index, share in enumerate(self.shares):
             layers = layer_sizes(share)
             for sizes, exchange in zip(layers, share.exchanges):
-                sizes["rows_received"] = exchange.rows_received
-                sizes["rows_served"] = exchange.owned.numel()
-            row = {"round": index, "outputs": share.output_nodes.numel(), "layers": layers}
-            if self.estimates is not None:
-                estimate = self.estimates[index]
-                row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
-            if measured is not None:
-                row["measured_peak_bytes"] = measured[index]
-                if "estimate" in row:
-                    row["error"] = relative_error(row["estimate"]["peak_bytes"], measured[index])
-            rounds.append(row)
-        return {"mode": self.method, "rank": self.rank, "world_size": self.world_size, "work": self.work,
-                "num_micro_batches": self.pieces, "budget_bytes": self.budget,
-                "global_batch_outputs": self.batch.seeds.numel(), "redundancy_per_layer": self.redundancy(),
-                "rounds": rounds}
+                sizes.update(rows_received=exchange.rows_received, rows_served=exchange.owned.numel())
+            rows.append(estimated_row(piece_row(index, layers), self.estimates[index] if self.estimates else None,
+                                      measured[index] if measured is not None else None))
+        return plan_report(self, rows, budget=self.budget, partitioner="owned seeds in consecutive parts",
+                           tried=self.tried, seconds=self.seconds, feature_store_bytes=self.feature_store_bytes,
+                           measured_step=max(measured) if measured else None, rank=self.rank,
+                           world_size=self.world_size, global_batch_outputs=self.batch.seeds.numel())
 
 
 def measure_cooperative_step(model: nn.Module, optimizer: torch.optim.Optimizer, share: CooperativeBatch,

@@ -14,17 +14,18 @@ a time (:func:`partition.chunks.chunk_layers`):
   autograd on and backpropagates its rows of ``∂L/∂h_l``; the parameter gradients add into
   ``.grad`` and its input rows' gradients into ``∂L/∂h_{l−1}`` (not at layer 1). ``h_l`` is freed
   before its layer's backward (the recompute makes what it needs), ``∂L/∂h_l`` after it.
-- **Projected layers** (:func:`projected_layers`; GAT, and SAGE ``mean``/``gcn`` when they project
-  first): ``z = W·dropout(h_{l−1})`` is computed once per pass for all the layer's src rows (one row
-  block per chunk) and kept until the layer's backward; each chunk gathers its rows of ``z`` (and, for a
-  layer that ``reads_dst_input``, such as SAGE ``mean``'s self term, its dst nodes' input rows, whose
-  gradient it adds into ``∂L/∂h_{l−1}``). Backward sums ``∂L/∂z`` over the chunks, then recomputes the
-  projection block by block and backpropagates it.
-- **Affine layers** (:func:`affine_layers`; SAGE ``mean``/``gcn`` when they project first): the layer's output is
-  ``A·z`` (``A`` from the block alone) plus terms without ``z``, so no gradient reads ``z``'s values. Its ``z`` is
-  freed when its forward ends; in backward ``∂L/∂h_l`` first takes the stack's ReLU from the stored ``h_l``
-  (:func:`relu_backward_`; not at the output layer, which has no ReLU), and each chunk recomputes from zeros
-  in place of its rows of ``z``, without the ReLU.
+- **Projected layers** (GAT, and SAGE ``mean``/``gcn`` when they project first:
+  :func:`~betty_trainer.models.capabilities.projected_layers`): ``z = W·dropout(h_{l−1})`` is computed once per
+  pass for all the layer's src rows (one row block per chunk) and kept until the layer's backward; each chunk
+  gathers its rows of ``z`` (and, for a layer that ``reads_dst_input``, such as SAGE ``mean``'s self term, its dst
+  nodes' input rows, whose gradient it adds into ``∂L/∂h_{l−1}``). Backward sums ``∂L/∂z`` over the chunks, then
+  recomputes the projection block by block and backpropagates it.
+- **Affine layers** (SAGE ``mean``/``gcn`` when they project first:
+  :func:`~betty_trainer.models.capabilities.affine_layers`): the layer's output is ``A·z`` (``A`` from the block
+  alone) plus terms without ``z``, so no gradient reads ``z``'s values. Its ``z`` is freed when its forward ends;
+  in backward ``∂L/∂h_l`` first takes the stack's ReLU from the stored ``h_l`` (:func:`relu_backward_`; not at
+  the output layer, which has no ReLU), and each chunk recomputes from zeros in place of its rows of ``z``,
+  without the ReLU.
 - **Structure**: a chunk keeps its dst nodes and CSC pointer; its slice and sub-block are made when it
   runs and freed when it ends (:meth:`partition.chunks.Chunk.slice`).
 - **Where h_l lives**: on the device, or in host memory when the plan says so
@@ -49,13 +50,11 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import training_state
-from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
-from betty_trainer.models.dropout import dropout_terms, keyed_mask_terms
+from betty_trainer.execution.plan import StepResult, piece_row, plan_report
+from betty_trainer.models.capabilities import affine_layers, projected_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
-from estimator.counts import LayerCounts
 from estimator.layerwise import row_blocks
 from estimator.measure import MeasuredPeak, measure_peak
-from estimator.tape import StepTape
 from partition.chunks import Chunk, LayerChunks
 
 
@@ -121,27 +120,17 @@ class LayerwisePlan:
         return [measure_layerwise_step(model, optimizer, self, features, labels, device).peak_bytes]
 
     def report(self, measured: list[int] | None = None) -> dict:
-        report = {
-            "mode": self.method,
-            "chunks_per_layer": self.pieces,
-            "layer_outputs_on": "host" if self.host_outputs else "device",
-            "budget_bytes": self.budget,
-            "feature_store_bytes": self.feature_store_bytes,
-            "partitioner": self.partitioner,
-            "full_batch": {"outputs": self.batch.output_nodes.numel(), "layers": layer_sizes(self.batch)},
-            "estimate_peak_bytes": self.estimate,
-            "work": self.work,
-            "redundancy_per_layer": self.redundancy(),
-            "tried": [{"k": k, "largest_estimate_bytes": peak} for k, peak in self.tried],
-            "planning_seconds": self.seconds,
-            "layers": [[{"src": piece.num_src, "dst": piece.num_dst, "edges": int(piece.indptr[-1])} for piece in pieces]
-                       for pieces in self.chunks.layers],
-        }
-        if measured is not None:
-            report["measured_peak_bytes"] = measured[0]
-            if self.estimate:
-                report["error"] = relative_error(self.estimate, measured[0])
-        return report
+        """Rows: chunk ``i`` of every layer is piece ``i`` (a layer with fewer chunks has zeros there); the chunks
+        run in one step, estimated and measured whole (the report's ``estimate_peak_bytes``, ``measured_peak_bytes``)."""
+        empty = {"src_nodes": 0, "dst_nodes": 0, "edges": 0}
+        rows = [piece_row(index, [{"src_nodes": layer[index].num_src, "dst_nodes": layer[index].num_dst,
+                                   "edges": layer[index].num_edges} if index < len(layer) else empty
+                                  for layer in self.chunks.layers])
+                for index in range(self.pieces)]
+        return plan_report(self, rows, budget=self.budget, partitioner=self.partitioner, tried=self.tried,
+                           seconds=self.seconds, feature_store_bytes=self.feature_store_bytes,
+                           measured_step=measured[0] if measured is not None else None,
+                           layer_outputs_on="host" if self.host_outputs else "device")
 
 
 def layerwise_backward(
@@ -191,7 +180,7 @@ def layerwise_backward(
 @dataclass
 class _LayerPass:
     """One batch's layer-by-layer pass (:func:`layerwise_backward`): the model and blocks its chunk steps read,
-    per layer whether it is projected or affine (:func:`projected_layers`, :func:`affine_layers`), and ``dtype``,
+    per layer whether it is projected or affine (:mod:`betty_trainer.models.capabilities`), and ``dtype``,
     the parameters' (of ``z``, its zeros and ``∂L/∂z``)."""
 
     model: LayerStack
@@ -358,7 +347,7 @@ class _LayerPass:
         if grad:
             rows.requires_grad_()
         h_dst = None
-        if getattr(layer, "reads_dst_input", False):  # e.g. SAGE mean's W_self·h_d
+        if layer.reads_dst_input:  # e.g. SAGE mean's W_self·h_d
             dst_nodes = block.src_nodes[: block.num_dst]
             h_dst = self.layer_input(index, dst_nodes, chunk.dst, h_prev)
             if grad and index > 0:
@@ -383,36 +372,6 @@ def output_storage(rows: int, like: Tensor, host: bool) -> Tensor:
     return torch.empty(rows, like.shape[1], dtype=like.dtype, device="cpu", pin_memory=torch.cuda.is_available())
 
 
-def projected_layers(model: LayerStack) -> list[bool]:
-    """Per layer, whether layer-wise execution projects its src rows once per pass: the layer has
-    ``project(h)`` (row-wise, e.g. GAT's ``W·h``, ``(rows, projected_width)``) and ``propagate(block, z)``
-    with ``layer(block, h) == propagate(block, project(h))``, a ``projected_width`` that is not ``None``,
-    and ``project_terms`` and ``propagate_terms`` (its memory terms, as
-    :class:`~betty_trainer.models.gat.GATConv` and :class:`~betty_trainer.models.sage.SAGEConv` have them),
-    and the model applies its layers as the stack does. A layer whose ``reads_dst_input`` is true (SAGE
-    ``mean``'s self term) takes the dst nodes' input rows too: ``propagate(block, z, h_dst)`` with
-    ``layer(block, h) == propagate(block, project(h), block.dst_rows(h))``, and
-    ``propagate_terms(tape, counts, z, h_dst, h_dst_grad)``.
-    Such a layer's chunks gather rows of ``z`` instead of recomputing ``W·h`` for each chunk's src rows
-    (a src row read by several chunks is projected once, not once per chunk, in forward and in backward)."""
-    plain = type(model).apply_layer is LayerStack.apply_layer
-    return [plain and all(hasattr(layer, name) for name in ("project", "propagate", "project_terms", "propagate_terms"))
-            and getattr(layer, "projected_width", None) is not None for layer in model.layers]
-
-
-def affine_layers(model: LayerStack) -> list[bool]:
-    """Per layer, whether it is projected (:func:`projected_layers`) and its ``propagate_is_affine`` is true:
-    ``propagate`` is ``A·z`` plus terms without ``z``, ``A`` from the block alone (structure, edge weights) and
-    nothing learnable applied to ``A·z`` (SAGE ``mean``/``gcn``), so that no gradient reads ``z``'s values.
-    Layer-wise execution frees such a layer's ``z`` after its forward (not keeping it through the later layers
-    and the loss), recomputes its chunks in backward from zeros in place of ``z``'s rows, and, below the output
-    layer, applies the stack's ReLU backward to ``∂L/∂h_l`` from the stored ``h_l`` (:func:`relu_backward_`),
-    as ``h_l = ReLU(·)`` is positive exactly where its input is. A layer that sets the flag wrongly gets a
-    wrong gradient: it is a promise about its ``propagate``."""
-    return [projected and getattr(layer, "propagate_is_affine", False)
-            for projected, layer in zip(projected_layers(model), model.layers)]
-
-
 def relu_backward_(grad: Tensor, output: Tensor, parts: int) -> None:
     """``grad ⊙ 1{output > 0}`` in place, ``parts`` row blocks at a time (one boolean block of
     ``output``'s rows alive at once, made where ``output`` lives and copied to ``grad``'s device): ReLU's
@@ -424,83 +383,6 @@ def relu_backward_(grad: Tensor, output: Tensor, parts: int) -> None:
     """
     for begin, end in row_blocks(grad.shape[0], parts):
         grad[begin:end].masked_fill_((output[begin:end] <= 0).to(grad.device), 0)
-
-
-@dataclass(frozen=True)
-class ProjectedLayerTerms:
-    """:class:`estimator.layerwise.ProjectedTerms` of layer ``index`` of ``model``: what
-    :func:`layerwise_backward`'s projection and propagation allocate, from the layer's ``project_terms`` and
-    ``propagate_terms`` and the stack's node-keyed dropout and ReLU."""
-
-    model: LayerStack
-    index: int
-
-    @property
-    def width(self) -> int:
-        return self.model.layers[self.index].projected_width
-
-    @property
-    def reads_dst_input(self) -> bool:
-        return getattr(self.model.layers[self.index], "reads_dst_input", False)
-
-    @property
-    def affine(self) -> bool:  # the class exists only for projected layers
-        return getattr(self.model.layers[self.index], "propagate_is_affine", False)
-
-    def _dropped(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
-        """The stack's node-keyed dropout on ``rows`` input rows ``h``: ``(dropped, backward or None)``."""
-        width_in = self.model.widths[self.index]
-        if self.model.dropout.p == 0:
-            return h, None
-        if self.index == 0:  # the gathered rows, overwritten in place
-            keyed_mask_terms(tape, rows, width_in)
-            return h, None
-        return dropout_terms(tape, h, rows, width_in, h_grad)  # rows of h_{l−1}: into a new tensor
-
-    def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
-        hd, dropout_bwd = self._dropped(tape, rows, h, h_grad)
-        z, project_bwd = self.model.layers[self.index].project_terms(tape, rows, hd, h_grad)
-        if hd is not h:
-            tape.r.drop(hd)  # the dropout's output: only autograd keeps it
-
-        def backward() -> int | None:
-            grad = project_bwd(None, free_grad=False)  # z's gradient is a view of ∂L/∂z
-            return dropout_bwd(grad) if grad is not None and dropout_bwd is not None else grad
-
-        return z, backward
-
-    def propagate(self, tape: StepTape, c: LayerCounts, z: int, h_dst: int | None = None, h_grad: bool = False,
-                  relu: bool = True):
-        layer = self.model.layers[self.index]
-        dropout_bwd = None
-        if h_dst is None:
-            out, propagate_bwd = layer.propagate_terms(tape, c, z)
-        else:
-            hd, dropout_bwd = self._dropped(tape, c.num_dst, h_dst, h_grad)
-            out, propagate_bwd = layer.propagate_terms(tape, c, z, hd, h_grad)
-            if hd is not h_dst:
-                tape.r.drop(hd)  # the dropout's output: only autograd keeps it
-        relu_bwd = None
-        if relu and self.index < len(self.model.layers) - 1:
-            out, relu_bwd = tape.relu(out, c.num_dst, self.model.widths[self.index + 1])
-
-        def backward(grad: int) -> int | None:
-            grads = propagate_bwd(relu_bwd(grad) if relu_bwd is not None else grad)
-            if h_dst is None:
-                return grads
-            grad_z, grad_hd = grads  # the dst input rows' gradient stays in the chunk's scope (added into ∂L/∂h)
-            if grad_hd is not None and dropout_bwd is not None:
-                dropout_bwd(grad_hd)
-            return grad_z
-
-        return out, backward
-
-
-def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
-    """Per layer, the :class:`ProjectedLayerTerms` of a layer :func:`projected_layers` projects, else ``None``
-    (what :func:`estimator.layerwise.estimate_layerwise` takes as ``projections``)."""
-    return [ProjectedLayerTerms(model, index) if projected else None
-            for index, projected in enumerate(projected_layers(model))]
 
 
 def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, plan: LayerwisePlan,

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, require_store
 from betty_trainer.errors import TrainingError
-from betty_trainer.execution.plan import StepResult, layer_sizes, relative_error
+from betty_trainer.execution.plan import StepResult, estimated_row, layer_sizes, piece_row, plan_report
 from betty_trainer.models.stack import LayerStack
 from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
@@ -218,31 +218,15 @@ class MicroBatchPlan:
                 for index, micro_batch in enumerate(micro_batches)]
 
     def report(self, measured: list[int] | None = None) -> dict:
-        split, rows = self.split, []
-        for index, micro_batch in enumerate(self.micro_batches):
-            row = {"micro_batch": index, "outputs": micro_batch.output_nodes.numel(), "layers": layer_sizes(micro_batch)}
-            if self.itemise is not None:
-                estimate = self.itemise(micro_batch.blocks, index > 0)
-                row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
-            if measured is not None:
-                row["measured_peak_bytes"] = measured[index]
-                if "estimate" in row:
-                    row["error"] = relative_error(row["estimate"]["peak_bytes"], measured[index])
-            rows.append(row)
-        return {
-            "mode": self.method,
-            "work": self.work,
-            "num_micro_batches": split.k,
-            "budget_bytes": split.budget,
-            "feature_store_bytes": self.feature_store_bytes,
-            "partitioner": self.partitioner,
-            "full_batch": {"outputs": self.batch.output_nodes.numel(),
-                           "estimate_peak_bytes": split.full_batch_estimate or None, "layers": layer_sizes(self.batch)},
-            "redundancy_per_layer": self.redundancy(),
-            "tried": [{"k": k, "largest_estimate_bytes": largest} for k, largest in split.tried],
-            "planning_seconds": split.seconds,
-            "micro_batches": rows,
-        }
+        rows = [estimated_row(piece_row(index, layer_sizes(micro_batch)),
+                              self.itemise(micro_batch.blocks, index > 0) if self.itemise is not None else None,
+                              measured[index] if measured is not None else None)
+                for index, micro_batch in enumerate(self.micro_batches)]
+        split = self.split
+        return plan_report(self, rows, budget=split.budget, partitioner=self.partitioner, tried=split.tried,
+                           seconds=split.seconds, feature_store_bytes=self.feature_store_bytes,
+                           full_batch_estimate=split.full_batch_estimate or None,
+                           measured_step=max(measured) if measured else None)
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:

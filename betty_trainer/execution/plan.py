@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import FeatureStore
+from estimator.estimate import MemoryEstimate
 
 
 class StepResult(NamedTuple):
@@ -113,3 +114,61 @@ def relative_error(estimate: int, measured: int) -> float:
     """An estimate's error against the measured peak, ``(estimate − measured) / measured`` (bytes in, a signed
     fraction out: +0.05 is 5% over)."""
     return (estimate - measured) / measured
+
+
+def plan_report(plan: StepPlan, rows: list[dict], *, budget: int | None, partitioner: str,
+                tried: list[tuple[int, int]], seconds: float, feature_store_bytes: int,
+                full_batch_estimate: int | None = None, measured_step: int | None = None, **extra) -> dict:
+    """The report every kind of plan writes (``plan.json``; ``betty-train plan`` draws it as one table).
+
+    Args:
+        plan: the plan.
+        rows: one row per piece (:func:`piece_row`), each with, where the plan estimates or measures a piece on
+            its own, ``estimate`` (``peak_bytes`` and the components ``at_peak``), ``measured_peak_bytes`` and
+            ``error``.
+        budget, partitioner, tried, seconds, feature_store_bytes: what the search was given and did.
+        full_batch_estimate: the estimated peak of the unsplit batch, bytes, where the search made one.
+        measured_step: the measured peak of the whole step, bytes (the largest piece's, or the one layer-wise
+            step's).
+        extra: the kind's own keys (a layer-wise plan's ``layer_outputs_on``).
+    """
+    report = {
+        "mode": plan.method,
+        "summary": plan.summary,
+        "num_pieces": plan.pieces,
+        "budget_bytes": budget,
+        "feature_store_bytes": feature_store_bytes,
+        "partitioner": partitioner,
+        "full_batch": {"outputs": plan.batch.output_nodes.numel(), "estimate_peak_bytes": full_batch_estimate,
+                       "layers": layer_sizes(plan.batch)},
+        "estimate_peak_bytes": plan.estimate,
+        "work": plan.work,
+        "redundancy_per_layer": plan.redundancy(),
+        "tried": [{"k": k, "largest_estimate_bytes": peak} for k, peak in tried],
+        "planning_seconds": seconds,
+        **extra,
+        "pieces": rows,
+    }
+    if measured_step is not None:
+        report["measured_peak_bytes"] = measured_step
+        if plan.estimate:
+            report["error"] = relative_error(plan.estimate, measured_step)
+    return report
+
+
+def piece_row(index: int, layers: list[dict[str, int]]) -> dict:
+    """A report's row of piece ``index``: its outputs (dst nodes of its last layer) and its sizes per layer
+    (``src_nodes``, ``dst_nodes``, ``edges``, as :func:`layer_sizes` gives them)."""
+    return {"piece": index, "outputs": layers[-1]["dst_nodes"], "layers": layers}
+
+
+def estimated_row(row: dict, estimate: MemoryEstimate | None, measured: int | None) -> dict:
+    """``row`` (:func:`piece_row`) with the piece's own ``estimate`` (``peak_bytes`` and the components ``at_peak``)
+    and ``measured_peak_bytes``, and the estimate's ``error`` where both are there; ``None`` adds nothing."""
+    if estimate is not None:
+        row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
+    if measured is not None:
+        row["measured_peak_bytes"] = measured
+        if estimate is not None:
+            row["error"] = relative_error(estimate.peak_bytes, measured)
+    return row

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +70,15 @@ def synthetic_batches(graph: Graph, num_layers: int, scale: int = 1, seed: int =
         seeds = torch.randperm(graph.num_nodes, generator=generator)[: min(num_seeds * scale, cap)]
         batches.append(sample_batch(graph, seeds, fanouts, generator))
     return batches
+
+
+def synthetic_rounds(graph: Graph, num_layers: int) -> Iterator[list[Batch]]:
+    """The calibration's rounds of :func:`synthetic_batches`: ``scale`` 1, then :data:`GROWTH` times the last
+    (a round is drawn when the fit asks for larger micro-batches)."""
+    scale = 1
+    while True:
+        yield synthetic_batches(graph, num_layers, scale)
+        scale *= GROWTH
 
 
 def calibrate_model(
@@ -138,42 +147,44 @@ def _calibrate(model: nn.Module, graph: Graph, num_layers: int, optimizer_factor
     if not parameters:
         raise CalibrationError(f"cannot calibrate {name}: it has no parameters to train")
     optimizer = optimizer_factory(parameters)
-    batches = synthetic_batches(graph, num_layers)
+    rounds = synthetic_rounds(graph, num_layers)
+    batches = next(rounds)
+    _warm_up(trained, optimizer, batches[0], graph, device, name)
     features = HostFeatureStore(graph.x, pin=False)
-    _warm_up(trained, optimizer, batches[0], graph, features, device, name)
     # measured steps accumulate (a batch's later micro-batches, the costlier case): gradients are resident
     resident = storage_bytes(training_state(trained, optimizer)) + storage_bytes(trained.parameters())
-    samples, scale = [], 1
-    while True:
-        *fitted, holdout = batches
-        samples += [_measure(trained, optimizer, batch, graph, features, device, resident, name) for batch in fitted]
+    without_gradients = resident - storage_bytes(trained.parameters())
+    samples = []
+    while True:  # each round measures its micro-batches, then fits; too few above the floor grows the seeds
+        # every micro-batch as a later one of its batch (gradients resident), then the largest two both ways: a
+        # batch's first micro-batch has no gradients resident, and how much less it needs is measured on them
+        largest = sorted(batches, key=lambda b: b.input_nodes.numel())[-2:]
+        steps = [(batch, resident, True) for batch in batches] + [
+            step for batch in largest for step in ((batch, resident, True), (batch, without_gradients, False))]
+        measured = _measure(trained, optimizer, steps, graph, features, device, name)
+        pairs = measured[len(batches):]
+        saving = min(pairs[index][1] - pairs[index + 1][1] for index in range(0, len(pairs), 2))
+        measured = measured[:len(batches)]
+        samples += measured[:-1]  # the last is held out
         try:
             calibrated = fit(samples, resident)
             break
         except SamplesTooSmallError as error:
-            scale *= GROWTH
-            grown = synthetic_batches(graph, num_layers, scale)
+            grown = next(rounds)
             if [b.output_nodes.numel() for b in grown] == [b.output_nodes.numel() for b in batches]:
                 raise CalibrationError(f"cannot calibrate the memory of {name}: {error}; the synthetic micro-batches "
                                        "cannot grow further on this graph") from None
             batches = grown
         except FitError as error:
             raise CalibrationError(f"cannot calibrate the memory of {name}: {error}") from None
-    layers, measured = _measure(trained, optimizer, holdout, graph, features, device, resident, name)
+    layers, peak = measured[-1]
     predicted = calibrated.estimate(layers)
-    error = (predicted - measured) / measured
+    error = (predicted - peak) / peak
     if abs(error) > HOLDOUT_TOLERANCE:
         raise CalibrationError(
             f"cannot calibrate the memory of {name}: the fit misses a held-out micro-batch by {error:+.1%} "
-            f"(allowed ±{HOLDOUT_TOLERANCE:.0%}; estimated {predicted} bytes, measured {measured}); its peak "
+            f"(allowed ±{HOLDOUT_TOLERANCE:.0%}; estimated {predicted} bytes, measured {peak}); its peak "
             "does not follow the node and edge counts")
-    # a batch's first micro-batch has no gradients resident: measure how much less it needs on the largest samples
-    largest = sorted(fitted + [holdout], key=lambda b: b.input_nodes.numel())[-2:]
-    without_gradients = resident - storage_bytes(trained.parameters())
-    saving = min(_measure(trained, optimizer, batch, graph, features, device, resident, name)[1]
-                 - _measure(trained, optimizer, batch, graph, features, device, without_gradients, name,
-                            accumulate=False)[1]
-                 for batch in largest)
     return dataclasses.replace(calibrated, first_saving_bytes=max(0, saving))
 
 
@@ -182,10 +193,11 @@ def _describe(batch: Batch) -> str:
         f"{b.num_src}/{b.num_dst}/{b.num_edges}" for b in batch.blocks)
 
 
-def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, graph: Graph,
-             features: FeatureStore, device: torch.device, name: str) -> None:
-    """One unmeasured training step that creates the optimizer state and checks the logits' shape."""
-    x = features.gather(batch.input_nodes, device)
+def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, graph: Graph, device: torch.device,
+             name: str) -> None:
+    """One unmeasured training step that creates the optimizer state and checks the logits' shape (its input
+    rows indexed from ``graph.x``, before any feature store exists)."""
+    x = graph.x[batch.input_nodes].to(device)
     y = graph.y[batch.output_nodes].to(device)
     try:
         logits = model(batch.to(device).blocks, x)
@@ -205,17 +217,20 @@ def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, g
     optimizer.step()
 
 
-def _measure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, graph: Graph,
-             features: FeatureStore, device: torch.device, resident: int, name: str,
-             accumulate: bool = True) -> tuple[list[LayerCounts], int]:
-    """``(counts, peak bytes)`` of one measured step, with ``resident`` bytes live before it and the
-    block structure allocated in the step (on CPU it is already resident; counted here instead).
-    ``accumulate``: as a later micro-batch of a batch (gradients resident) or as the first."""
-    try:
-        measured = measure_training_step(model, optimizer, batch, features, graph.y, device, accumulate=accumulate)
-    except Exception as error:  # noqa: BLE001
-        raise CalibrationError(f"cannot calibrate {name}: a training step failed on {_describe(batch)} "
-                               f"({type(error).__name__}: {error})") from error
-    layers = counts_of(batch.blocks)
-    blocks = block_structure_bytes(layers) if device.type == "cpu" else 0
-    return layers, resident + blocks + measured.peak_bytes - measured.resident_bytes
+def _measure(model: nn.Module, optimizer: torch.optim.Optimizer, steps: list[tuple[Batch, int, bool]], graph: Graph,
+             features: FeatureStore, device: torch.device, name: str) -> list[tuple[list[LayerCounts], int]]:
+    """``(counts, peak bytes)`` of each measured step, in order: ``steps`` are ``(micro-batch, resident bytes,
+    accumulate)``, with ``resident`` bytes live before the step and the block structure allocated in the step (on
+    CPU it is already resident; counted here instead). ``accumulate``: as a later micro-batch of a batch
+    (gradients resident) or as the first."""
+    results = []
+    for batch, resident, accumulate in steps:
+        try:
+            measured = measure_training_step(model, optimizer, batch, features, graph.y, device, accumulate=accumulate)
+        except Exception as error:  # noqa: BLE001
+            raise CalibrationError(f"cannot calibrate {name}: a training step failed on {_describe(batch)} "
+                                   f"({type(error).__name__}: {error})") from error
+        layers = counts_of(batch.blocks)
+        blocks = block_structure_bytes(layers) if device.type == "cpu" else 0
+        results.append((layers, resident + blocks + measured.peak_bytes - measured.resident_bytes))
+    return results

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,7 +30,6 @@ from betty_trainer.execution.independent import IndependentPlan
 from betty_trainer.execution.plan import StepPlan
 from betty_trainer.memory.planner import Planner
 from betty_trainer.sampling.cooperative import CooperativeSampler
-from estimator.cooperative import estimate_cooperative_share
 from estimator.estimate import MemoryEstimate
 
 
@@ -63,12 +63,16 @@ class DistributedPlanner:
             raise TrainingError(f"rank {processes.rank} ran out of device memory in a cooperative step; raise "
                                 "micro_batch.num_micro_batches or lower micro_batch.budget (the ranks cannot re-plan "
                                 "one step together)")
-        budget = self.local.budget
+        budget, started, tried = self.local.budget, time.perf_counter(), []
         rounds = self.rounds if budget is None else 1
         while True:
             shares = [batch] if rounds == 1 else list(self.sampler.rounds(batch.seeds, batch.key, rounds))
-            plan = CooperativePlan(batch, shares, processes.rank, processes.world_size, self._itemise, budget)
-            if budget is None or self._all_fit(plan.estimates, budget):
+            plan = CooperativePlan(batch, shares, processes.rank, processes.world_size, self._itemise, budget, tried,
+                                   feature_store_bytes=self.local.feature_store_bytes)
+            if budget is not None:
+                tried.append((rounds, max(estimate.peak_bytes for estimate in plan.estimates)))
+            if budget is None or self._all_fit(tried[-1][1], budget):
+                plan.seconds = time.perf_counter() - started
                 return plan
             if rounds >= batch.seeds.numel():
                 raise PlanningError(f"memory budget {budget} bytes is impossible for a cooperative step: with one seed "
@@ -77,15 +81,15 @@ class DistributedPlanner:
 
     @property
     def _itemise(self) -> Callable[[CooperativeBatch, bool], MemoryEstimate] | None:
-        spec = self.local.spec
-        if spec is None:
+        estimator = self.local.estimator
+        if estimator is None or not estimator.closed_form:
             return None
-        return lambda share, accumulate: estimate_cooperative_share(*share.counts(), spec, accumulate)
+        return lambda share, accumulate: estimator.cooperative_share(share.blocks, share.exchange_counts(), accumulate)
 
-    def _all_fit(self, estimates: list, budget: int) -> bool:
-        """Whether every rank's rounds fit ``budget`` (a collective: each rank's answer, all-reduced), so every rank
-        doubles its rounds together and the collectives of the step match."""
-        misses = torch.tensor([int(max(estimate.peak_bytes for estimate in estimates) > budget)])
+    def _all_fit(self, largest: int, budget: int) -> bool:
+        """Whether every rank's rounds fit ``budget`` (``largest``: this rank's largest round estimate; a collective:
+        each rank's answer, all-reduced), so every rank doubles its rounds together and the collectives match."""
+        misses = torch.tensor([int(largest > budget)])
         with collective("the agreement on micro-batch rounds", self.processes.cpu_group):
             dist.all_reduce(misses, group=self.processes.cpu_group)
         return int(misses) == 0

@@ -1,5 +1,7 @@
 """The estimator's description of a built-in model (:class:`~estimator.spec.ModelSpec`), read off the model
-instance and the run's config: what the closed-form estimate (:mod:`estimator.estimate`) replays."""
+instance and the run's config: what the closed-form estimate (:mod:`estimator.estimate`) replays. The device's
+part (its BLAS workspaces) is measured here; the model describes the rest itself
+(:func:`~betty_trainer.models.capabilities.estimator_spec`)."""
 
 from __future__ import annotations
 
@@ -10,28 +12,29 @@ from betty_trainer.config import Config
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import PlanningError
 from betty_trainer.memory.device import device_workspace
-from betty_trainer.models import architecture_of, build_model
-from betty_trainer.rng import compiled_kernels
-from estimator.spec import ModelSpec, adam_uses_foreach
+from betty_trainer.models import ARCHITECTURES, architecture_of, build_model
+from betty_trainer.models.capabilities import estimator_spec
+from estimator.spec import ModelSpec
 
 
 def model_spec(config: Config, graph: Graph, device: torch.device | str = "cpu") -> ModelSpec:
     """The estimator's description of the built-in model ``config.model`` on ``graph`` (built on the meta
-    device, so no memory is used; see :func:`spec_of`)."""
+    device, so no memory is used; as :func:`spec_of` describes an instance, the built-in model's parameters
+    having the default dtype)."""
+    workspace = device_workspace(device, torch.get_default_dtype())
     with torch.device("meta"):
         model = build_model(config.model, graph)
-    return spec_of(model, config, device)
+    return estimator_spec(model, ARCHITECTURES[config.model.arch], optimizer=config.optim.optimizer,
+                          weight_decay=config.optim.weight_decay != 0, device=device, device_workspace=workspace)
 
 
 def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu") -> ModelSpec:
     """The estimator's description of a built-in model **instance** trained on ``device`` as
-    :func:`~betty_trainer.training.trainer.train` trains it: its kind, widths, aggregator, heads, dropout,
-    parameter tensors (in ``model.parameters()`` order) and buffers read off the instance; the optimizer
-    ``config.optim.make_optimizer`` builds (Adam, with ``config.optim.weight_decay``) on the foreach or
-    single-tensor path PyTorch picks for the device;
-    the kernels dropout and aggregation use there; the device's BLAS workspaces, measured once per process
-    (:func:`~betty_trainer.memory.device.device_workspace`; 0 on the CPU); and the model's own memory terms (each layer's
-    ``memory_terms`` beside its ``forward``), which the estimate replays.
+    :func:`~betty_trainer.training.trainer.train` trains it (:func:`~betty_trainer.models.capabilities.
+    estimator_spec`): what the instance declares (kind, widths, parameters, buffers, memory and work terms), the
+    optimizer ``config.optim.make_optimizer`` builds (``config.optim.optimizer``, with
+    ``config.optim.weight_decay``) and the device's BLAS workspaces, measured once per process
+    (:func:`~betty_trainer.memory.device.device_workspace`; 0 on the CPU).
 
     Raises:
         PlanningError: ``model`` is not a built-in model, an instance of a registered architecture's class
@@ -40,15 +43,6 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
     architecture = architecture_of(model)
     if architecture is None:
         raise PlanningError(f"{type(model).__name__} has no closed-form memory estimate; custom models are calibrated")
-    first = model.layers[0]
-    parameter = next(model.parameters())
-    return ModelSpec(
-        architecture.name, model.widths,
-        aggregator=getattr(first, "aggregator", "mean"), heads=getattr(first, "heads", 1), dropout=model.dropout.p,
-        dtype_bytes=parameter.element_size(), optimizer=config.optim.optimizer,
-        parameter_numels=tuple(tuple(p.numel() for p in layer.parameters()) for layer in model.layers),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        weight_decay=config.optim.weight_decay != 0, foreach=adam_uses_foreach(device),
-        compiled_kernels=compiled_kernels(device, parameter.dtype),
-        device_workspace=device_workspace(device, parameter.dtype), forward_terms=model.memory_terms,
-        layer_terms=model.layer_memory_terms)
+    workspace = device_workspace(device, next(model.parameters()).dtype)
+    return estimator_spec(model, architecture, optimizer=config.optim.optimizer,
+                          weight_decay=config.optim.weight_decay != 0, device=device, device_workspace=workspace)

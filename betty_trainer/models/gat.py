@@ -9,10 +9,11 @@ from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, attention_aggregate, edge_dst_terms, edge_softmax
-from betty_trainer.models.registry import Architecture, LayerSize, Work, register
+from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts
 from estimator.tape import AGG, GRAD, HID, OVER, StepTape
+from estimator.work import LayerSize, Work
 
 
 class GATConv(nn.Module):
@@ -75,6 +76,9 @@ class GATConv(nn.Module):
     def forward(self, block: Block, h_src: Tensor,
                 return_attention_weights: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
         return self.propagate(block, self.project(h_src), return_attention_weights)
+
+    reads_dst_input = False  # propagate reads z alone (a ProjectedLayer: betty_trainer.models.capabilities)
+    propagate_is_affine = False  # attention reads z's values: layer-wise keeps z for the backward
 
     @property
     def projected_width(self) -> int:

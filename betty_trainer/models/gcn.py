@@ -13,10 +13,11 @@ from betty_trainer.models.aggregate import (
     per_edge,
     per_edge_terms,
 )
-from betty_trainer.models.registry import Architecture, LayerSize, Work, register
+from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import INDEX_BYTES, LayerCounts
 from estimator.tape import AGG, HID, OVER, StepTape
+from estimator.work import LayerSize, Work
 
 
 class GCNConv(nn.Module):

@@ -8,10 +8,11 @@ from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import aggregate, aggregate_terms, linear_aggregate_backward
-from betty_trainer.models.registry import Architecture, LayerSize, Work, register
+from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import LayerCounts
 from estimator.tape import AGG, HID, StepTape
+from estimator.work import LayerSize, Work
 
 
 class GINConv(nn.Module):

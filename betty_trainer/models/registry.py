@@ -10,56 +10,7 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-
-@dataclass(frozen=True)
-class LayerSize:
-    """One layer's size in one training step, summed over the pieces that run it (every micro-batch's slice
-    of the layer, or a layer-wise plan's chunks): what a work function (:attr:`Architecture.work`) reads.
-
-    Attributes:
-        index: the layer (0 = input layer).
-        last: it is the output layer.
-        a: input width.
-        b: output width.
-        src: src rows (a row read by several pieces counts in each: the redundancy).
-        dst: dst rows.
-        edges: edges.
-        projected: layer-wise, the block's src rows the layer projects once per pass (GAT, SAGE
-            ``mean``/``gcn`` projecting first); ``None`` when each piece runs the whole layer.
-    """
-
-    index: int
-    last: bool
-    a: int
-    b: int
-    src: int
-    dst: int
-    edges: int
-    projected: int | None = None
-
-    def gathered(self, z_width: int, dst_input: bool = False) -> int:
-        """Input elements the pieces gather (each gathered element is also dropout-masked): the src rows at
-        width ``a``; a projected layer (``projected`` set): the projection's rows at width ``a``, each piece's
-        rows of ``z`` at ``z_width`` and, when the layer reads its dst nodes' input (``dst_input``, SAGE
-        ``mean``'s self term), each piece's dst rows at width ``a``."""
-        if self.projected is None:
-            return self.src * self.a
-        return self.projected * self.a + self.src * z_width + (self.dst * self.a if dst_input else 0)
-
-
-@dataclass(frozen=True)
-class Work:
-    """One layer's multiply-adds in one pass (:attr:`Architecture.work`'s result).
-
-    Attributes:
-        linear: the linear maps' multiply-adds.
-        aggregate: the neighbour aggregation's.
-        gathered: input elements gathered and dropout-masked (:meth:`LayerSize.gathered`).
-    """
-
-    linear: int
-    aggregate: int
-    gathered: int
+from estimator.work import LayerSize, Work
 
 
 @dataclass(frozen=True)
@@ -75,8 +26,9 @@ class Architecture:
             pydantic.Field(...))`` (SAGE's ``aggregator``, GAT's ``heads``); every architecture also has
             ``hidden``, ``num_layers`` and ``dropout``.
         work: ``(spec, LayerSize) -> Work``: one layer's multiply-adds per pass, which ``micro_batch.mode=auto``
-            compares (``betty_trainer.memory.work.step_work``), written beside the layer's forward and
-            memory terms. ``spec`` is the model's ``estimator.spec.ModelSpec`` (its aggregator, heads).
+            compares (:func:`estimator.work.step_work`, through ``ModelSpec.layer_work``), written beside the
+            layer's forward and memory terms. ``spec`` is the model's ``estimator.spec.ModelSpec`` (its aggregator,
+            heads).
     """
 
     name: str

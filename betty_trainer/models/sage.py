@@ -27,10 +27,11 @@ from betty_trainer.models.aggregate import (
     weight_totals_terms,
 )
 from betty_trainer.models.lstm import LSTM
-from betty_trainer.models.registry import Architecture, LayerSize, Work, register
+from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import LayerCounts
 from estimator.tape import AGG, GRAD, HID, StepTape
+from estimator.work import LayerSize, Work
 
 AGGREGATORS = ("mean", "gcn", "pool", "lstm")
 _LINEAR = ("mean", "gcn")  # aggregators that commute with W_neigh

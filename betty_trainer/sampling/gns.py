@@ -144,6 +144,7 @@ class GNSSampler(BlockSampler):
             raise ValueError(f"refresh_every must be at least 1; got {refresh_every}")
         if cache_probability not in ("auto", "degree", "random_walk"):
             raise ValueError(f"cache_probability must be auto, degree or random_walk; got {cache_probability!r}")
+        _use_numba(kernel, graph.indptr)  # an unusable kernel is refused with the other arguments
         self.graph = graph
         self.fanouts = [_check_fanout(f) for f in fanouts]
         self.cache_size = gns_cache_size(cache_fraction, graph.num_nodes)
@@ -157,7 +158,6 @@ class GNSSampler(BlockSampler):
                              "pass training_nodes (the seeds' pool) or cache_probability='degree'")
         self.cache_probability = cache_probability
         self.batches_per_epoch = batches_per_epoch
-        _use_numba(kernel, graph.indptr)
         self.kernel = kernel
         self._probability: Tensor | None = None
         self._cache: NodeCache | None = None

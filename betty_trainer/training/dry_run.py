@@ -6,7 +6,6 @@ from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError
-from betty_trainer.memory.device import configure_allocator
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
@@ -31,13 +30,12 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     Raises:
         BettyError: bad config or dataset, impossible budget.
     """
-    check_config(config)  # the checks train makes before loading data
+    check_config(config)  # the checks train makes before loading data, and its allocator setting
     if config.distributed.mode != "none":
         raise ConfigError(f"betty-train plan plans one process; distributed.mode={config.distributed.mode} writes "
                           "every rank's plan into plan.json of its run directory (set distributed.mode=none to plan a "
                           "single process)")
     device = resolve_device(config.train.device)
-    configure_allocator(device)  # as train does, before anything initialises CUDA
     graph = load_dataset(config.dataset)
     check_model_size(config, graph, device)
     sampler = make_sampler(config, graph)

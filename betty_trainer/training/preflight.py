@@ -20,7 +20,8 @@ from betty_trainer.config import Config
 from betty_trainer.datasets import DATASETS, require_labels
 from betty_trainer.errors import ConfigError
 from betty_trainer.memory.budget import resolve_budget
-from betty_trainer.memory.spec import model_spec
+from betty_trainer.memory.device import configure_allocator
+from betty_trainer.models import build_model
 from betty_trainer.sampling.schedule import check_macro_batch_budget
 from betty_trainer.training.distributed import check_cooperative
 from betty_trainer.training.rundir import check_run_dir_path, holds_checkpoint, holds_run, refuse_foreign_files
@@ -58,9 +59,10 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
         config: the run's config.
         dataset: check ``config.dataset`` (``False`` when the caller passes its own graph).
         run_dir: the run directory to check (default ``config.train.run_dir`` when set).
-        strict_device: a CUDA device this machine lacks is an error (``train``); ``False`` reports it
-            instead (``validate``: a config may be checked on a laptop and run on a GPU node), and the
-            budget is then checked only as far as the config goes.
+        strict_device: a CUDA device this machine lacks is an error (``train``, ``plan``), and the device's
+            allocator is configured for the run (:func:`~betty_trainer.memory.device.configure_allocator`, whose
+            setting the budget's margin reads); ``False`` reports it instead (``validate``: a config may be checked
+            on a laptop and run on a GPU node), and the budget is then checked only as far as the config goes.
 
     Returns:
         What was checked, e.g. ``["dataset name", "device (cpu)", "synthetic split sizes", "budget", ...]``.
@@ -70,6 +72,7 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
             ``run_dir``) holds files betty-train did not write.
     """
     checked = []
+    run_directory = _check_run_dir(config, run_dir)  # checked first, listed in its place
     if dataset:
         if config.dataset.name not in DATASETS:
             raise ConfigError(f"unknown dataset {config.dataset.name!r} (dataset.name); known: {', '.join(DATASETS)}")
@@ -77,6 +80,8 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
         checked.append("dataset name")
     try:
         device = resolve_device(config.train.device)
+        if strict_device:  # the run's allocator, set before the budget's margin reads it and before CUDA initialises
+            configure_allocator(device)
         checked.append(f"device ({device})")
     except ConfigError as error:
         if strict_device:
@@ -97,18 +102,8 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
             resolve_budget(config.micro_batch, device)
         check_macro_batch_budget(config)
         checked.append("budget")
-    path = run_dir if run_dir is not None else config.train.run_dir
-    if path is not None:
-        check_run_dir_path(Path(path))
-        if run_dir is None:  # validate checks what a new run needs
-            refuse_foreign_files(Path(path))
-        if run_dir is None and holds_run(Path(path)):  # validate: train decides with --resume or --overwrite
-            go_on = ("continues it with --resume, " if holds_checkpoint(Path(path))
-                     else "cannot resume it (no last.pt yet), ")
-            checked.append(f"run directory ({path} holds a run: train {go_on}replaces it with --overwrite, and "
-                           "refuses it otherwise)")
-        else:
-            checked.append("run directory")
+    if run_directory is not None:
+        checked.append(run_directory)
     if config.distributed.mode == "cooperative":
         check_cooperative(config)
         checked.append("cooperative mode")
@@ -118,6 +113,22 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
                               "(or set train.tensorboard=false)")
         checked.append("tensorboard")
     return checked
+
+
+def _check_run_dir(config: Config, run_dir: Path | None) -> str | None:
+    """:func:`check_config`'s run directory check: what was checked, or ``None`` without a run directory."""
+    path = run_dir if run_dir is not None else config.train.run_dir
+    if path is None:
+        return None
+    check_run_dir_path(Path(path))
+    if run_dir is None:  # validate checks what a new run needs
+        refuse_foreign_files(Path(path))
+    if run_dir is None and holds_run(Path(path)):  # validate: train decides with --resume or --overwrite
+        go_on = ("continues it with --resume, " if holds_checkpoint(Path(path))
+                 else "cannot resume it (no last.pt yet), ")
+        return (f"run directory ({path} holds a run: train {go_on}replaces it with --overwrite, and "
+                "refuses it otherwise)")
+    return "run directory"
 
 
 def check_model_size(config: Config, graph, device: torch.device) -> int:
@@ -135,10 +146,11 @@ def check_model_size(config: Config, graph, device: torch.device) -> int:
     Raises:
         ConfigError: naming ``model.hidden`` / ``model.num_layers``, the bytes needed and the memory there.
     """
-    spec = model_spec(config, graph, device)
-    numel = sum(sum(layer) for layer in spec.parameter_numels)
-    needed = numel * spec.dtype_bytes * _STATE_COPIES
     available = _memory_bytes(device)
+    with torch.device("meta"):
+        model = build_model(config.model, graph)
+    numel = sum(p.numel() for layer in model.layers for p in layer.parameters())
+    needed = numel * next(model.parameters()).element_size() * _STATE_COPIES
     if available is not None and needed > available:
         raise ConfigError(
             f"model.hidden={config.model.hidden} with model.num_layers={config.model.num_layers} gives {numel:,} "

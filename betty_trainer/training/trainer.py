@@ -31,7 +31,6 @@ from betty_trainer.distributed.exchange import ExchangeTraffic
 from betty_trainer.distributed.group import Processes, leave
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.execution.plan import StepPlan, StepResult
-from betty_trainer.memory.device import configure_allocator
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.rng import derive_seed
@@ -190,7 +189,6 @@ def train(
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
     device = resolve_device(config.train.device)
-    configure_allocator(device)  # expandable segments unless the user chose, before anything initialises CUDA
     processes = join_run(config, device)  # None in one process; under torchrun rank 0 alone writes and prints
     directory, path, run = _open(config, model, graph, run_dir, resume, overwrite, device, processes)
     device, console = run.device, console if console is not None and directory is not None else Console(
@@ -317,10 +315,10 @@ def feature_store(config: Config, graph: Graph, device: torch.device, sampler: S
 
 def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path: Path, resume: bool,
              device: torch.device, processes: Processes | None = None) -> _Run:
-    """Load the checkpoint (on resume, verified before any data is read), the data and the model, build the
-    optimizer, sampler, feature store and planner, and plan the first batch (an impossible budget is refused
-    here). Writes nothing. In a distributed run (``processes``) the sampler and planner are this rank's, and the
-    ranks agree on the config and dataset first."""
+    """Load the checkpoint (on resume, verified before any data is read) and the data, build the sampler, feature
+    store and planner, plan the first batch (an impossible budget is refused here), then build the model and its
+    optimizer and restore them on resume. Writes nothing. In a distributed run (``processes``) the ranks agree on
+    the config and dataset first, and the sampler and planner are this rank's."""
     state = load_checkpoint(path) if resume else None
     if state is not None:
         _check_resumable(config, state, path)
@@ -344,10 +342,13 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
         sampler = distributed_sampler(config, graph, sampler, processes, traffic)
     host = HostFeatureStore(graph.x, pin=device.type == "cuda")
     features = feature_store(config, graph, device, sampler, host)
+    batch = first_batch(config, graph, sampler, state["epoch"] + 1 if state is not None else 0)
+    seed = plan_seed(config)
     with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
-        planner = make_planner(config, graph, model, device, features, plan_seed(config))
+        planner = make_planner(config, graph, model, device, features, seed)
     if processes is not None:
         planner = distributed_planner(config, planner, sampler, processes)
+    planner.plan(batch)  # the first batch's plan: an impossible budget is refused before the model is allocated
     model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
     optimizer = config.optim.make_optimizer(model.parameters())
     if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
@@ -363,7 +364,6 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
         run.identity["distributed"] = {"mode": config.distributed.mode, "world_size": processes.world_size}
     if state is not None:
         _restore(config, run, state, path)
-    planner.plan(first_batch(config, graph, sampler, run.start_epoch))
     return run
 
 

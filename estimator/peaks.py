@@ -1,0 +1,124 @@
+"""The estimate of a candidate plan, answered in one call: what the K search (``partition.make_split``) and the
+layer-wise chunk search (``partition.chunks.search_chunks``) ask of the estimator while they search.
+
+:class:`PeakEstimator` holds a model's description, the closed form's :class:`~estimator.spec.ModelSpec` or a
+custom model's :class:`~estimator.calibrate.CalibratedModel`, and answers a micro-batch's peak (itemised, for the
+closed form), the work the planner compares plans by and, for the closed form,
+:meth:`PeakEstimator.layerwise`: one batch's layer-wise chunkings (their peak and the floor below which no
+chunking goes). The searches hand it structures (blocks, layer slices, chunks); it counts them
+(:func:`~estimator.counts.counts_of`) and replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from estimator.calibrate import CalibratedModel
+from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
+from estimator.counts import LayerCounts, counts_of
+from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
+from estimator.layerwise import estimate_layerwise, layerwise_floor
+from estimator.spec import ModelSpec
+from estimator.work import step_work
+
+
+class PeakEstimator:
+    """Estimated peaks of one model's training steps, whatever the plan.
+
+    Args:
+        model: the closed form's :class:`~estimator.spec.ModelSpec` (a built-in model) or a custom model's
+            :class:`~estimator.calibrate.CalibratedModel` (micro-batches only: a fit of measured micro-batch
+            steps says nothing of layer-wise chunks).
+
+    Attributes:
+        spec: the :class:`ModelSpec`, or ``None`` for a calibrated model.
+        calibrated: the :class:`CalibratedModel`, or ``None`` for a built-in one.
+    """
+
+    def __init__(self, model: ModelSpec | CalibratedModel):
+        self.spec = model if isinstance(model, ModelSpec) else None
+        self.calibrated = model if isinstance(model, CalibratedModel) else None
+
+    @property
+    def closed_form(self) -> bool:
+        """Whether the estimate is the closed form (itemised, layer-wise, the work model): a built-in model."""
+        return self.spec is not None
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes every estimate holds resident by term (:func:`~estimator.estimate.model_state_bytes`); empty for a
+        calibrated model, whose fit measured them as one."""
+        return model_state_bytes(self.spec) if self.spec is not None else {}
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes live before any micro-batch (parameters, optimizer state, buffers, the device's workspaces)."""
+        if self.spec is not None:
+            return sum(model_state_bytes(self.spec).values())
+        return self.calibrated.resident_bytes
+
+    def itemised(self, structures: Sequence[Any], accumulate: bool = False,
+                 weighted: Sequence[bool] | None = None) -> MemoryEstimate:
+        """Itemised estimate of one micro-batch's training step (the closed form); ``accumulate``: an earlier
+        micro-batch of the batch ran before it; ``weighted``: per layer, whether the blocks carry edge weights
+        (read from the structures when ``None``; see :func:`~estimator.counts.counts_of`)."""
+        return estimate_micro_batch(counts_of(structures, weighted), self.spec, accumulate)
+
+    def peak(self, structures: Sequence[Any], accumulate: bool = False, weighted: Sequence[bool] | None = None) -> int:
+        """Estimated peak bytes of one micro-batch's training step: the closed form, or the calibrated fit (of
+        accumulating steps, less the measured saving of a batch's first micro-batch). Arguments as
+        :meth:`itemised`'s."""
+        if self.calibrated is not None:
+            return self.calibrated.estimate(counts_of(structures, weighted), accumulate)
+        return self.itemised(structures, accumulate, weighted).peak_bytes
+
+    def micro_batch_work(self, micro_batches: Sequence[Sequence[Any]]) -> float:
+        """The work of running ``micro_batches`` (per micro-batch, its slice of each layer), in multiply-adds
+        (:func:`~estimator.work.step_work`; closed form only)."""
+        return step_work(self.spec, [list(layer) for layer in zip(*micro_batches)], False)
+
+    def cooperative_share(self, structures: Sequence[Any], exchanges: Sequence[ExchangeCounts],
+                          accumulate: bool = False) -> MemoryEstimate:
+        """Itemised estimate of one rank's share of a cooperative step, one micro-batch round: its blocks'
+        ``structures`` with the ``exchanges`` before them (:func:`estimator.cooperative.estimate_cooperative_share`;
+        closed form only)."""
+        return estimate_cooperative_share(counts_of(structures), exchanges, self.spec, accumulate)
+
+    def layerwise(self, blocks: Sequence[Any]) -> LayerwiseEstimate:
+        """The estimates of ``blocks`` run layer by layer, whatever the chunking (closed form only)."""
+        return LayerwiseEstimate(self.spec, counts_of(blocks))
+
+
+class LayerwiseEstimate:
+    """The closed form of one batch run layer by layer (:mod:`estimator.layerwise`), for any chunking of it: its
+    layers counted once, however many chunkings a search estimates.
+
+    Args:
+        spec: the model (its ``layer_terms`` and ``projections``).
+        layers: the batch's :class:`LayerCounts`, input layer first.
+    """
+
+    def __init__(self, spec: ModelSpec, layers: Sequence[LayerCounts]):
+        self.spec, self.layers = spec, list(layers)
+
+    def _counts(self, structures: Sequence[Any], counts: LayerCounts) -> list[LayerCounts]:
+        return counts_of(structures, [counts.weighted] * len(structures))  # a chunk carries its block's weights
+
+    def peak(self, chunks: Sequence[Sequence[Any]], host_outputs: bool) -> int:
+        """Estimated peak bytes of the step in ``chunks`` (per layer, its chunks' structures) with the hidden
+        layers' outputs on the device, or in host memory (``host_outputs``)."""
+        pieces = [self._counts(layer, counts) for layer, counts in zip(chunks, self.layers)]
+        return estimate_layerwise(self.layers, pieces, self.spec, self.spec.projections, host_outputs).peak_bytes
+
+    def floor(self, largest: Sequence[Any], host_outputs: bool) -> int:
+        """Bytes below which no chunking goes (:func:`estimator.layerwise.layerwise_floor`), from ``largest``:
+        per layer, the one-node chunk of a dst node whose in-edges no chunking splits."""
+        pieces = [self._counts([piece], counts)[0] for piece, counts in zip(largest, self.layers)]
+        return layerwise_floor(self.layers, pieces, self.spec, self.spec.projections, host_outputs)
+
+    def work(self, chunks: Sequence[Sequence[Any]]) -> float:
+        """The work of the step in ``chunks``, in multiply-adds (:func:`~estimator.work.step_work`): a projected
+        layer projects its block's src rows once per pass."""
+        projections = self.spec.projections or [None] * len(self.layers)
+        rows = [counts.num_src if terms is not None else None for counts, terms in zip(self.layers, projections)]
+        return step_work(self.spec, chunks, True, rows)
