@@ -214,7 +214,7 @@ def test_under_a_budget_the_ranks_agree_on_the_fewest_rounds_that_fit_every_shar
     assert fitted.returncode == 0, fitted.stderr
     ranks = json.loads((tmp_path / "budget" / "plan.json").read_text())["ranks"]
     assert len({rank["num_pieces"] for rank in ranks}) == 1 and ranks[0]["num_pieces"] > 1
-    assert all(row["estimate"]["peak_bytes"] <= budget for rank in ranks for row in rank["rounds"])
+    assert all(row["estimate"]["peak_bytes"] <= budget for rank in ranks for row in rank["pieces"])
 
 
 def test_global_batches_smaller_than_the_ranks_leave_a_rank_without_seeds_and_still_train(tmp_path):

@@ -66,6 +66,24 @@ def check_cooperative(config: Config) -> None:
         raise ConfigError("distributed.mode=cooperative stages no macro-batches; set features.macro_batch=0")
 
 
+def this_rank(config: Config, graph: Graph, dataset_fingerprint: str, sampler: Sampler, planner: Planner,
+              processes: Processes | None) -> tuple[Sampler, Planner | DistributedPlanner, ExchangeTraffic]:
+    """The sampler and planner of this rank, after the ranks have agreed on the run (:func:`agree_on_run`), and
+    the counter of the bytes a cooperative sampler's exchanges send; ``sampler`` and ``planner`` themselves (and a
+    counter that stays at zero) in a single process. ``sampler``'s node cache is the wrapped one's (a feature store
+    built on ``sampler`` is this rank's).
+
+    Raises:
+        ConfigError: the ranks differ in config or dataset, or see :func:`distributed_sampler`.
+    """
+    traffic = ExchangeTraffic()
+    if processes is None:
+        return sampler, planner, traffic
+    agree_on_run(processes, config, dataset_fingerprint)
+    sampler = distributed_sampler(config, graph, sampler, processes, traffic)
+    return sampler, distributed_planner(config, planner, sampler, processes), traffic
+
+
 def distributed_sampler(config: Config, graph: Graph, sampler: Sampler, processes: Processes,
                         traffic: ExchangeTraffic) -> Sampler:
     """The sampler of this rank: ``sampler`` wrapped for ``distributed.mode``; a cooperative one counts the bytes

@@ -57,15 +57,7 @@ from betty_trainer.training.checkpoint import (
     save_checkpoint,
     split_refusal,
 )
-from betty_trainer.training.distributed import (
-    agree_on_run,
-    distributed_planner,
-    distributed_sampler,
-    finish_together,
-    join_run,
-    leader_value,
-    rank_metrics,
-)
+from betty_trainer.training.distributed import finish_together, join_run, leader_value, rank_metrics, this_rank
 from betty_trainer.training.evaluation import evaluate_splits
 from betty_trainer.training.output import EpochProgress, epoch_status, quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
@@ -234,7 +226,8 @@ def train(
                 if diverged:
                     raise TrainingError(f"epoch {epoch}: {diverged} after the optimizer step (training diverged); "
                                         f"try a lower optim.lr; {_last_good(path, epoch)}")
-                last = totals.metrics(epoch, run, time.perf_counter() - started, lr, _evaluate(config, run, epoch, device))
+                last = totals.metrics(epoch, run, features.stats.snapshot(), time.perf_counter() - started, lr,
+                                      _evaluate(config, run, epoch, device))  # the counters before evaluation's
                 diverging = _check_divergence(config, graph, last, path, diverging)
                 best = _end_epoch(directory, run, last, best, board)
                 progress.advance(epoch, epoch_status(last, best))
@@ -334,21 +327,14 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     builtin = model is None
     if builtin:
         check_model_size(config, graph, device)
-    dataset = dataset_identity(graph, split)
-    if processes is not None:
-        agree_on_run(processes, config, dataset["fingerprint"])
-    sampler, traffic = make_sampler(config, graph), ExchangeTraffic()
-    if processes is not None:
-        sampler = distributed_sampler(config, graph, sampler, processes, traffic)
+    dataset, sampler = dataset_identity(graph, split), make_sampler(config, graph)
     host = HostFeatureStore(graph.x, pin=device.type == "cuda")
     features = feature_store(config, graph, device, sampler, host)
-    batch = first_batch(config, graph, sampler, state["epoch"] + 1 if state is not None else 0)
-    seed = plan_seed(config)
     with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
-        planner = make_planner(config, graph, model, device, features, seed)
-    if processes is not None:
-        planner = distributed_planner(config, planner, sampler, processes)
-    planner.plan(batch)  # the first batch's plan: an impossible budget is refused before the model is allocated
+        planner = make_planner(config, graph, model, device, features, plan_seed(config))
+    sampler, planner, traffic = this_rank(config, graph, dataset["fingerprint"], sampler, planner, processes)
+    # the first batch's plan: an impossible budget is refused before the model is allocated
+    planner.plan(first_batch(config, graph, sampler, state["epoch"] + 1 if state is not None else 0))
     model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
     optimizer = config.optim.make_optimizer(model.parameters())
     if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
@@ -475,10 +461,12 @@ class _EpochTotals:
         self.pieces = max(self.pieces, plan.pieces)
         self.input_redundancy = max(self.input_redundancy, plan.redundancy()[0])
 
-    def metrics(self, epoch: int, run: _Run, seconds: float, lr: float, accuracy: dict[str, float]) -> EpochMetrics:
-        """The epoch's :class:`EpochMetrics`; in a distributed run the transfer counters are every rank's, summed,
-        and per rank under ``ranks`` (a collective)."""
-        gathered, trained = run.features.stats.snapshot() - self.gathered_before, run.graph.train_idx.numel()
+    def metrics(self, epoch: int, run: _Run, stats: TransferStats, seconds: float, lr: float,
+                accuracy: dict[str, float]) -> EpochMetrics:
+        """The epoch's :class:`EpochMetrics` from the training store's counters ``stats`` at the epoch's end; in a
+        distributed run the transfer counters are every rank's, summed, and per rank under ``ranks`` (a
+        collective)."""
+        gathered, trained = stats - self.gathered_before, run.graph.train_idx.numel()
         counters = {"host_to_device_bytes": gathered.host_to_device_bytes, "feature_hits": gathered.hits,
                     "feature_misses": gathered.misses, "cache_fill_bytes": gathered.cache_fill_bytes}
         if run.processes is not None:
