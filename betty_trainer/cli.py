@@ -205,10 +205,17 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
 
 
 def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> None:
-    """The plan as one table, a row per piece (a micro-batch, or chunk ``i`` of every layer), whatever the plan's
-    kind, and a line of what was searched and estimated for the whole step."""
+    """The plan as one table, a row per piece (a micro-batch, chunk ``i`` of every layer, or a cooperative round),
+    whatever the plan's kind, and a line of what was searched and estimated for the whole step; a distributed
+    run's plan as one such table per rank."""
+    for part in report.get("ranks") or [report]:
+        _print_piece_table(console, {**report, **part}, args)
+
+
+def _print_piece_table(console: Console, report: dict, args: argparse.Namespace) -> None:
     budget, rows = report["budget_bytes"], report["pieces"]
-    table = Table(title=f"plan: {report['dataset']}, {report['summary']} ({report['partitioner']}), sizes in MiB")
+    rank = f"rank {report['rank']}, " if "rank" in report and "rank" not in report["summary"] else ""
+    table = Table(title=f"plan: {report['dataset']}, {rank}{report['summary']} ({report['partitioner']}), sizes in MiB")
     shown = _nonzero_components(report)
     measured = any("measured_peak_bytes" in row for row in rows)
     columns = ["#", "outputs", "src nodes/layer", "edges/layer", *(_COMPONENTS[name] for name in shown),
@@ -234,7 +241,7 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
             cells += [_mib(row["measured_peak_bytes"]) if "measured_peak_bytes" in row else "-",
                       f"{row['error']:+.1%}" if "error" in row else "-"]
         table.add_row(*cells)
-    Console(width=max(console.width, 160)).print(table)
+    Console(width=max(console.width, 160), quiet=console.quiet).print(table)
     redundancy = " / ".join(f"{r:.3f}" for r in report["redundancy_per_layer"])
     full, peak = report["full_batch"]["estimate_peak_bytes"], report["estimate_peak_bytes"]
     step = (f"; measured {_mib(report['measured_peak_bytes'])} MiB"
@@ -249,7 +256,7 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
 
 
 _COMPONENTS = {"input_features": "features", "hidden_outputs": "hidden", "dropout_masks": "dropout",
-               "aggregator_intermediates": "aggr.", "gradients": "grads"}
+               "aggregator_intermediates": "aggr.", "gradients": "grads", "exchange_buffers": "exchange"}
 """The estimate's terms the plan table shows (``at_peak`` keys → column headers)."""
 
 
@@ -302,7 +309,7 @@ def _datasets(args: argparse.Namespace, console: Console) -> None:
         converted = "\n".join(f"{folder.name}: {size / 2**20:.0f} MiB" for folder, size in status.processed)
         kind = f"{status.kind}, structure only" if status.structure_only else status.kind
         table.add_row(status.name, kind, status.description, status.raw, converted or "-")
-    Console(width=max(console.width, 160)).print(table)
+    Console(width=max(console.width, 160), quiet=console.quiet).print(table)
     console.print("Files are read from --data-dir, else $BETTY_DATA_DIR, else the cache (downloaded when online).")
     console.print("Datasets marked structure only have no labels or splits: they serve the sampling benchmarks "
                   "(python benchmarks/sampling.py --graph NAME) and the Python API, not train or plan.",

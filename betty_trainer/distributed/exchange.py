@@ -140,16 +140,6 @@ def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | 
     return Exchange(order, send_counts, recv_counts, serve_index, owned, group, row_group, traffic)
 
 
-def _all_to_all(output: Tensor, input: Tensor, output_counts: list[int], input_counts: list[int],
-                group: dist.ProcessGroup | None) -> None:
-    """``all_to_all_single`` that has let go of ``input`` when it returns: the backend's work object, which holds
-    the tensors, is waited on and dropped here rather than whenever the backend lets it go, so the caller frees
-    the send buffer at a known point (the memory estimate counts on it)."""
-    work = dist.all_to_all_single(output, input, output_counts, input_counts, group=group, async_op=True)
-    work.wait()
-    del work
-
-
 def _row_bytes(rows: Tensor) -> int:
     return math.prod(rows.shape[1:]) * rows.element_size()
 
@@ -163,9 +153,9 @@ class _ExchangeRows(torch.autograd.Function):
         served = rows[exchange.serve_index.to(rows.device)].contiguous()
         received = rows.new_empty((sum(exchange.send_counts), *rows.shape[1:]))
         with collective("the all-to-all of rows", exchange.rows_group):
-            _all_to_all(received, served, exchange.send_counts, exchange.recv_counts, exchange.rows_group)
+            dist.all_to_all_single(received, served, exchange.send_counts, exchange.recv_counts,
+                                   group=exchange.rows_group)
         exchange.count(served.shape[0] - exchange.recv_counts[dist.get_rank(exchange.group)], _row_bytes(rows))
-        del served  # sent: freed before the rows are put in order (one buffer fewer at the input layer's peak)
         out = torch.empty_like(received)
         out[exchange.order.to(rows.device)] = received
         return out
@@ -176,9 +166,8 @@ class _ExchangeRows(torch.autograd.Function):
         sent = grad[exchange.order.to(grad.device)].contiguous()
         back = grad.new_empty((sum(exchange.recv_counts), *grad.shape[1:]))
         with collective("the all-to-all of row gradients", exchange.rows_group):
-            _all_to_all(back, sent, exchange.recv_counts, exchange.send_counts, exchange.rows_group)
+            dist.all_to_all_single(back, sent, exchange.recv_counts, exchange.send_counts, group=exchange.rows_group)
         exchange.count(sent.shape[0] - exchange.send_counts[dist.get_rank(exchange.group)], _row_bytes(grad))
-        del sent
         rows = grad.new_zeros((ctx.num_owned, *grad.shape[1:]))
         rows.index_add_(0, exchange.serve_index.to(grad.device), back)
         return rows, None

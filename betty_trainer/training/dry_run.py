@@ -5,10 +5,12 @@ from __future__ import annotations
 from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
-from betty_trainer.errors import ConfigError
+from betty_trainer.distributed.group import leave
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
+from betty_trainer.training.checkpoint import dataset_identity
+from betty_trainer.training.distributed import finish_together, join_run, this_rank
 from betty_trainer.training.output import quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.trainer import feature_store, init_model
@@ -23,6 +25,10 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     report gets each measured peak and ``error`` = (estimate − measured) / measured. The profiler's own stderr
     lines are hidden (:func:`~betty_trainer.training.output.quiet_native_stderr`).
 
+    Under ``torchrun`` with ``distributed.mode`` set, every rank plans its share of the first global batch (a
+    cooperative rank its rounds, with the exchanges' buffers in each estimate) and the report holds them all under
+    ``ranks``.
+
     Returns:
         The report dict (what ``plan.json`` holds: :meth:`~betty_trainer.memory.planner.Planner.report`), with the
         dataset, device and model.
@@ -31,25 +37,29 @@ def dry_run(config: Config, measure: bool = False) -> dict:
         BettyError: bad config or dataset, impossible budget.
     """
     check_config(config)  # the checks train makes before loading data, and its allocator setting
-    if config.distributed.mode != "none":
-        raise ConfigError(f"betty-train plan plans one process; distributed.mode={config.distributed.mode} writes "
-                          "every rank's plan into plan.json of its run directory (set distributed.mode=none to plan a "
-                          "single process)")
     device = resolve_device(config.train.device)
-    graph = load_dataset(config.dataset)
-    check_model_size(config, graph, device)
-    sampler = make_sampler(config, graph)
-    features = feature_store(config, graph, device, sampler)
-    planner = make_planner(config, graph, None, device, features, plan_seed(config))
-    plan = planner.plan(first_batch(config, graph, sampler))
-    measured = None
-    if measure:
-        model = init_model(config, graph).to(device)
-        set_dropout_key(model, config.seed, 0)
-        optimizer = config.optim.make_optimizer(model.parameters())
-        with quiet_native_stderr():
-            measured = plan.measure(model, optimizer, HostFeatureStore(graph.x, pin=device.type == "cuda"), graph.y,
-                                    device)
-    report = planner.report(plan, measured)
+    processes = join_run(config, device)  # under torchrun: every rank plans its share; rank 0 prints them all
+    try:
+        device = device if processes is None else processes.device
+        graph = load_dataset(config.dataset)
+        check_model_size(config, graph, device)
+        sampler = make_sampler(config, graph)
+        features = feature_store(config, graph, device, sampler)
+        planner = make_planner(config, graph, None, device, features, plan_seed(config))
+        sampler, planner, _ = this_rank(config, graph, dataset_identity(graph, config.dataset.split)["fingerprint"],
+                                        sampler, planner, processes)
+        plan = planner.plan(first_batch(config, graph, sampler))
+        measured = None
+        if measure:
+            model = init_model(config, graph).to(device)
+            set_dropout_key(model, config.seed, 0)
+            optimizer = config.optim.make_optimizer(model.parameters())
+            with quiet_native_stderr():
+                measured = plan.measure(model, optimizer, HostFeatureStore(graph.x, pin=device.type == "cuda"),
+                                        graph.y, device)
+        report = planner.report(plan, measured)
+        finish_together(processes)
+    finally:
+        leave()
     report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
     return report
