@@ -199,7 +199,7 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
         raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another "
                           "--output")
     report = dry_run(config, measure=args.measure)
-    if output is not None:
+    if output is not None and _rank() in (None, 0):  # under torchrun every rank holds the report; rank 0 writes it
         write_text(output, json.dumps(report, indent=2))
     _print_plan(console, report, args)
 

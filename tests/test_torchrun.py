@@ -205,7 +205,7 @@ def test_plan_under_torchrun_estimates_and_measures_every_ranks_rounds(tmp_path,
     ranks = json.loads(output.read_text())["ranks"]
     rows = [row for rank in ranks for row in rank["pieces"]]
     assert len(rows) == 4 and all(abs(row["error"]) <= 1e-3 for row in rows)
-    assert all(row["estimate"]["at_peak"]["exchange_buffers"] > 0 for row in rows)
+    assert any(row["estimate"]["at_peak"]["exchange_buffers"] > 0 for row in rows)  # the peak at an exchange
 
 
 
