@@ -13,6 +13,7 @@ sums them at the owner, so autograd runs through it.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -140,6 +141,29 @@ def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | 
     return Exchange(order, send_counts, recv_counts, serve_index, owned, group, row_group, traffic)
 
 
+RELEASE_WAIT_S = 1.0
+"""Longest a CPU exchange waits for gloo's worker thread to let go of its buffers (it does within microseconds)."""
+
+
+def _all_to_all(output: Tensor, input: Tensor, output_counts: list[int], input_counts: list[int],
+                group: dist.ProcessGroup | None) -> None:
+    """``all_to_all_single`` that returns, on the CPU, only once the backend has let go of ``output`` and ``input``.
+
+    gloo's worker thread holds both tensors until it drops its work item, a moment after the collective completes;
+    under load that moment can come after the caller has moved on, so a buffer the caller frees would die later
+    than the caller (and the memory estimate, ``estimator.cooperative``) says. Waiting for the tensors' reference
+    counts to fall back (at most :data:`RELEASE_WAIT_S`) makes every free happen where the code says. On CUDA, NCCL
+    keeps the tensors until its stream is done with them and the caching allocator orders the reuse: no wait.
+    """
+    held = (output._use_count(), input._use_count())  # private but stable API: the TensorImpl's reference count
+    dist.all_to_all_single(output, input, output_counts, input_counts, group=group)
+    if output.device.type != "cpu":
+        return
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while (output._use_count() > held[0] or input._use_count() > held[1]) and time.monotonic() < deadline:
+        time.sleep(0)  # yield to the worker thread
+
+
 def _row_bytes(rows: Tensor) -> int:
     return math.prod(rows.shape[1:]) * rows.element_size()
 
@@ -153,8 +177,7 @@ class _ExchangeRows(torch.autograd.Function):
         served = rows[exchange.serve_index.to(rows.device)].contiguous()
         received = rows.new_empty((sum(exchange.send_counts), *rows.shape[1:]))
         with collective("the all-to-all of rows", exchange.rows_group):
-            dist.all_to_all_single(received, served, exchange.send_counts, exchange.recv_counts,
-                                   group=exchange.rows_group)
+            _all_to_all(received, served, exchange.send_counts, exchange.recv_counts, exchange.rows_group)
         exchange.count(served.shape[0] - exchange.recv_counts[dist.get_rank(exchange.group)], _row_bytes(rows))
         out = torch.empty_like(received)
         out[exchange.order.to(rows.device)] = received
@@ -166,7 +189,7 @@ class _ExchangeRows(torch.autograd.Function):
         sent = grad[exchange.order.to(grad.device)].contiguous()
         back = grad.new_empty((sum(exchange.recv_counts), *grad.shape[1:]))
         with collective("the all-to-all of row gradients", exchange.rows_group):
-            dist.all_to_all_single(back, sent, exchange.recv_counts, exchange.send_counts, group=exchange.rows_group)
+            _all_to_all(back, sent, exchange.recv_counts, exchange.send_counts, exchange.rows_group)
         exchange.count(sent.shape[0] - exchange.send_counts[dist.get_rank(exchange.group)], _row_bytes(grad))
         rows = grad.new_zeros((ctx.num_owned, *grad.shape[1:]))
         rows.index_add_(0, exchange.serve_index.to(grad.device), back)
