@@ -214,7 +214,7 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
 
 def _print_piece_table(console: Console, report: dict, args: argparse.Namespace) -> None:
     budget, rows = report["budget_bytes"], report["pieces"]
-    rank = f"rank {report['rank']}, " if "rank" in report and "rank" not in report["summary"] else ""
+    rank = f"rank {report['rank']} of {report['world_size']}, " if "rank" in report else ""
     table = Table(title=f"plan: {report['dataset']}, {rank}{report['summary']} ({report['partitioner']}), sizes in MiB")
     shown = _nonzero_components(report)
     measured = any("measured_peak_bytes" in row for row in rows)

@@ -143,6 +143,7 @@ class CooperativePlan:
     tried: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
     feature_store_bytes: int = 0
+    method: ClassVar[str] = "cooperative"
 
     @cached_property
     def estimates(self) -> list[MemoryEstimate] | None:
@@ -150,7 +151,6 @@ class CooperativePlan:
         if self.itemise is None:
             return None
         return [self.itemise(share, index > 0) for index, share in enumerate(self.shares)]
-    method: ClassVar[str] = "cooperative"
 
     @property
     def pieces(self) -> int:
@@ -167,7 +167,7 @@ class CooperativePlan:
     @property
     def summary(self) -> str:
         rounds = f"{self.pieces} micro-batch round{'s' if self.pieces > 1 else ''}"
-        return f"rank {self.rank} of {self.world_size}: its share of the global batch in {rounds}"
+        return f"a share of the global batch in {rounds}"
 
     def redundancy(self) -> list[float]:
         whole = [max(block.num_src, 1) for block in self.batch.blocks]

@@ -93,9 +93,13 @@ class Planner:
         ``memory_terms``, every term of the budget (:meth:`BudgetTerms.report
         <betty_trainer.memory.budget.BudgetTerms.report>`) and what every estimate holds resident: ``parameters``,
         ``optimizer_state`` and ``device_workspace`` (bytes; 0 for a custom model, whose calibrated fit measured them)."""
+        return {**plan.report(measured), "memory_terms": self.memory_terms()}
+
+    def memory_terms(self) -> dict:
+        """``plan.json``'s ``memory_terms`` (see :meth:`report`), bytes by term."""
         resident = self.estimator.state_bytes() if self.estimator is not None else {}
         terms = {name: resident.get(name, 0) for name in ("parameters", "optimizer_state", "device_workspace")}
-        return {**plan.report(measured), "memory_terms": {**self.budget_terms.report(), **terms}}
+        return {**self.budget_terms.report(), **terms}
 
     def plan(self, batch: Batch, min_pieces: int = 1) -> StepPlan:
         """What to run for ``batch``: its micro-batches, or its layer-wise chunks (``micro_batch.mode``); at least
