@@ -239,6 +239,30 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
     assert measured.peak_bytes <= budget  # never an overrun
 
 
+def test_each_layer_runs_in_as_few_chunks_as_the_budget_lets_it(cora):
+    """Under a budget the input layer (1,433 features in) needs more chunks than the 64-wide layer after it: the
+    planner lowers each layer's count on its own, so the narrow layer runs in fewer chunks, and the step, run for
+    real, still fits (measured peak)."""
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise"])
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    budget = int(layerwise_peak(Planner(config.micro_batch, estimator, CPU), batch, chunk_layers(batch.blocks, 1)) * 0.5)
+    section = config.micro_batch.model_copy(update={"budget": budget})
+    plan = Planner(section, estimator, CPU).plan(batch)
+    counts = [len(layer) for layer in plan.chunks.layers]
+    uniform = plan.tried[-1][0] if plan.tried[-1][1] <= budget else min(k for k, peak in plan.tried if peak <= budget)
+    assert counts[0] == uniform and counts[1] < counts[0], (counts, plan.tried)
+    assert plan.estimate <= budget and plan.report()["chunks_per_layer"] == counts
+    assert plan.summary == f"layer by layer in {counts[0]}, {counts[1]} chunks per layer"
+    set_dropout_key(model, 0, 0)
+    features = HostFeatureStore(cora.x, pin=False)
+    measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)  # Adam's state exists from here on
+    measured = measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)
+    assert measured.peak_bytes == plan.estimate  # the estimate replays the step byte for byte on the CPU
+
+
 def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
     """On a dense full neighbourhood Betty's micro-batches recompute shared hidden nodes; auto must weigh
     that: it returns the candidate of least estimated work, and both candidates are reported."""
@@ -438,4 +462,5 @@ def test_a_budget_one_node_chunks_meet_is_never_refused(cora64):
     plan = Planner(section, PeakEstimator(spec), CPU).plan(batch)
     assert plan.estimate <= budget
     assert min(peak for _, peak in plan.tried[:-1]) > budget  # no REG chunking fitted
-    assert plan.partitioner == "range" and plan.pieces == cora64.num_nodes
+    assert plan.partitioner == "range" and plan.tried[-1][0] == cora64.num_nodes  # one node per chunk fitted
+    assert plan.pieces <= cora64.num_nodes  # then each layer as few range chunks as still fit

@@ -98,7 +98,9 @@ class LayerwisePlan:
 
     @property
     def summary(self) -> str:
-        return f"layer by layer in {self.pieces} chunk{'s' if self.pieces > 1 else ''} per layer"
+        counts = [len(layer) for layer in self.chunks.layers]
+        shown = str(counts[0]) if len(set(counts)) == 1 else ", ".join(map(str, counts))
+        return f"layer by layer in {shown} chunk{'s' if max(counts) > 1 else ''} per layer"
 
     @property
     def host_outputs(self) -> bool:
@@ -130,7 +132,8 @@ class LayerwisePlan:
         return plan_report(self, rows, budget=self.budget, partitioner=self.partitioner, tried=self.tried,
                            seconds=self.seconds, feature_store_bytes=self.feature_store_bytes,
                            measured_step=measured[0] if measured is not None else None,
-                           layer_outputs_on="host" if self.host_outputs else "device")
+                           layer_outputs_on="host" if self.host_outputs else "device",
+                           chunks_per_layer=[len(layer) for layer in self.chunks.layers])
 
 
 def layerwise_backward(
