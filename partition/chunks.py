@@ -171,7 +171,7 @@ def chunk_floor(blocks: Sequence[BlockStructure], estimate: ChunkEstimate, host_
 
 def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | None, *, budget: int | None = None,
                   k: int = 1, min_k: int = 1, partitioner: str = "metis", seed: int = 0,
-                  host_memory: bool = False) -> ChunkSearch:
+                  host_memory: bool = False, ceiling: int | None = None) -> ChunkSearch:
     """``max(k, min_k)`` chunks per layer, or under ``budget`` the fewest that fit: doubling from ``min_k`` to the
     first K that fits, then bisecting below it.
 
@@ -195,10 +195,24 @@ def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | No
         min_k: never fewer (re-planning after an out-of-memory error).
         partitioner, seed: as :func:`chunk_layers`'s.
         host_memory: ``h_l`` may be kept in host memory.
+        ceiling: under a budget above it, the search runs under it first, so that no chunking is chosen above it
+            where one below it exists: the whole batch's estimate in one micro-batch, which needs less work (one
+            layer-wise chunk per layer holds every layer's output and recomputes). Without a budget ``k`` stands.
 
     Raises:
         BudgetError: no chunking fits ``budget``, or a budget without an estimate (with the numbers).
     """
+    if ceiling is not None and estimate is not None and budget is not None and ceiling < budget:
+        try:
+            return _search_chunks(blocks, estimate, ceiling, k, min_k, partitioner, seed, host_memory)
+        except BudgetError:
+            pass  # no chunking goes below the ceiling: the budget's own search
+    return _search_chunks(blocks, estimate, budget, k, min_k, partitioner, seed, host_memory)
+
+
+def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | None, budget: int | None, k: int,
+                   min_k: int, partitioner: str, seed: int, host_memory: bool) -> ChunkSearch:
+    """:func:`search_chunks` under ``budget`` alone (no ceiling)."""
     started, tried = time.perf_counter(), []
     most = max(block.num_dst for block in blocks)
     made: dict[tuple[int, int, str], list[Chunk]] = {}  # (layer, parts, partitioner) → its chunks: each made once

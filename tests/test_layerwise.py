@@ -4,6 +4,7 @@ built-in model, dropout on, full neighbourhood and sampled, on Cora and Amazon C
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -230,7 +231,10 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
                                 PeakEstimator(spec_of(model, config, CPU)), CPU)
     plan = planner.plan(batch)
     assert plan.method == "layerwise" and plan.estimate <= budget
-    assert (plan.pieces == 1) == (fraction == 1.0)
+    # never a chunking above the whole batch in one micro-batch (one chunk per layer is, here): at 1.0 the budget
+    # holds one chunk per layer, but the plan is the chunking under the one-micro-batch estimate
+    assert plan.estimate <= PeakEstimator(spec_of(model, config, CPU)).peak(batch.blocks, weighted=[False, False])
+    assert plan.pieces > 1
 
     set_dropout_key(model, 0, 0)
     features = HostFeatureStore(cora.x, pin=False)
@@ -261,6 +265,24 @@ def test_each_layer_runs_in_as_few_chunks_as_the_budget_lets_it(cora):
     measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)  # Adam's state exists from here on
     measured = measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)
     assert measured.peak_bytes == plan.estimate  # the estimate replays the step byte for byte on the CPU
+
+
+def test_chunks_asked_above_the_whole_batch_s_estimate_are_said_once(cora, caplog):
+    """Without a budget the chunks asked for run as asked; one chunk per layer holds every layer's output, so on
+    Cora's full batch it is estimated above the whole batch in one micro-batch, and the planner says so once."""
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", "micro_batch.num_micro_batches=1"])
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    planner = Planner(config.micro_batch, estimator, CPU)
+    with caplog.at_level(logging.WARNING, logger="betty_trainer"):
+        plan = planner.plan(batch)
+        planner.plan(sample_batch(cora, cora.train_idx, [None, None]))
+    whole = estimator.peak(batch.blocks, weighted=[False, False])
+    assert plan.pieces == 1 and plan.estimate > whole
+    (said,) = [r.getMessage() for r in caplog.records if "above the whole batch" in r.getMessage()]
+    assert said.startswith(f"layer by layer in 1 chunks per layer (micro_batch.num_micro_batches) is estimated at "
+                           f"{plan.estimate / 2**20:.1f} MiB, above the whole batch in one micro-batch ({whole / 2**20:.1f}")
 
 
 def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):

@@ -86,7 +86,7 @@ class Planner:
         self.plans_reused = 0
         self._last: _LastPlan | None = None
         self._splitter: OutputSplitter | None = None
-        self._warned_fewer = False  # fewer micro-batches or chunks than asked: said once
+        self._warned_fewer = self._warned_above = False  # said once: fewer pieces than asked; chunks above K = 1
 
     def report(self, plan: StepPlan, measured: list[int] | None = None) -> dict:
         """``plan.json``'s content: ``plan``'s report (:meth:`~betty_trainer.execution.plan.StepPlan.report`) and
@@ -171,8 +171,17 @@ class Planner:
             return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.layers) if closed_form else float(split.work),
                                   config.partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
+        whole = estimator.peak(batch.blocks, weighted=[b.edge_weight is not None for b in batch.blocks]) \
+            if closed_form else None  # the whole batch in one micro-batch: less work, so no chunking above it
         search = search_chunks(batch.blocks, layerwise, budget=budget, k=config.num_micro_batches, min_k=min_pieces,
-                               partitioner=config.partitioner, seed=self.seed, host_memory=self.device.type != "cpu")
+                               partitioner=config.partitioner, seed=self.seed, host_memory=self.device.type != "cpu",
+                               ceiling=whole)
+        if budget is None and whole is not None and search.peak > whole and not self._warned_above:
+            self._warned_above = True  # said once per planner
+            logger.warning("layer by layer in %d chunks per layer (micro_batch.num_micro_batches) is estimated at %.1f "
+                           "MiB, above the whole batch in one micro-batch (%.1f MiB), which also needs less work; "
+                           "ask for more chunks per layer, or set micro_batch.mode=micro_batches or a budget",
+                           search.chunks.k, search.peak / 2**20, whole / 2**20)
         work = layerwise.work(search.chunks.layers) if layerwise is not None else float(search.chunks.work)
         return LayerwisePlan(batch, search.chunks, work, search.partitioner, search.peak, budget, search.tried,
                              search.seconds, self.feature_store_bytes)
