@@ -6,15 +6,15 @@ and before every layer an all-to-all turns the rows it owns into the rows its bl
 micro-batch estimate's (:func:`estimator.estimate.estimate_micro_batch`) with the model's layers replayed one at a
 time (``ModelSpec.layer_terms``) and, around each, what an exchange allocates:
 
-- forward: the rows served to the requesters (``served × w``), the rows received (``src × w``) and their copy in
-  the block's src order (``src × w``, the layer's input); the first two die when the exchange returns. The rows
-  the rank owns stay referenced until the layer has run.
-- backward: the gradient rows sent back (``src × w``), those received (``served × w``) and the owned rows'
-  gradient (``owned × w``), into which the received ones are summed.
+- forward: the rows served to the requesters (``served × w``) and the rows received (``src × w``); the served rows
+  die once sent, then the received ones are copied in the block's src order (``src × w``, the layer's input) and
+  die when the exchange returns. The rows the rank owns stay referenced until the layer has run.
+- backward: the gradient rows sent back (``src × w``) and those received (``served × w``); the sent ones die, then
+  the owned rows' gradient (``owned × w``) is made and the received ones are summed into it.
 
-The send buffer is not freed as soon as it is sent: gloo's worker thread lets go of it at a time the caller
-cannot know (measured: sometimes before the next allocation, sometimes after), so the peak would not be
-predictable; freed when the exchange returns, it is (exact to the byte in ``tests/test_cooperative.py``).
+A send buffer dies as soon as it is sent because the exchange returns from an all-to-all on the CPU only once
+gloo's worker thread has let go of its buffers (``betty_trainer.distributed.exchange``), so the free happens where
+the code says (exact to the byte in ``tests/test_cooperative.py``).
 
 The exchange's index tensors (int64: the send order, the serve index and the owned ids) are resident with the
 share's blocks.
@@ -88,8 +88,9 @@ def estimate_cooperative_share(layers: Sequence[LayerCounts], exchanges: Sequenc
         width = model.widths[index] * f
         served = replay.alloc(exchange.served * width, EXCHANGE)
         received = replay.alloc(exchange.requested * width, EXCHANGE)
+        replay.drop(served)
         rows = replay.alloc(exchange.requested * width, "input_features" if index == 0 else HID)
-        replay.drop(served, received)
+        replay.drop(received)
         out, layer_backward = model.layer_terms(step, index, counts, rows, index > 0, consume_input=index == 0)
         replay.drop(owned)  # the owned rows' variable is reassigned once the layer has run
         owned = out
@@ -108,8 +109,9 @@ def estimate_cooperative_share(layers: Sequence[LayerCounts], exchanges: Sequenc
             continue
         sent = replay.alloc(exchange.requested * width, EXCHANGE)
         back = replay.alloc(exchange.served * width, EXCHANGE)
+        replay.drop(sent)
         owned_grad = replay.alloc(exchange.owned * width, GRAD)
-        replay.drop(sent, back, grad)
+        replay.drop(back, grad)
         grad = owned_grad
     replay.drop(grad, labels, owned)  # the share's tensors die before the optimizer step
     replay.phase = "optimizer"

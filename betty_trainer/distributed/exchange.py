@@ -179,6 +179,7 @@ class _ExchangeRows(torch.autograd.Function):
         with collective("the all-to-all of rows", exchange.rows_group):
             _all_to_all(received, served, exchange.send_counts, exchange.recv_counts, exchange.rows_group)
         exchange.count(served.shape[0] - exchange.recv_counts[dist.get_rank(exchange.group)], _row_bytes(rows))
+        del served  # sent (and let go of by the backend: _all_to_all), before the output is made
         out = torch.empty_like(received)
         out[exchange.order.to(rows.device)] = received
         return out
@@ -191,6 +192,7 @@ class _ExchangeRows(torch.autograd.Function):
         with collective("the all-to-all of row gradients", exchange.rows_group):
             _all_to_all(back, sent, exchange.recv_counts, exchange.send_counts, exchange.rows_group)
         exchange.count(sent.shape[0] - exchange.send_counts[dist.get_rank(exchange.group)], _row_bytes(grad))
+        del sent  # as in forward
         rows = grad.new_zeros((ctx.num_owned, *grad.shape[1:]))
         rows.index_add_(0, exchange.serve_index.to(grad.device), back)
         return rows, None
