@@ -281,7 +281,9 @@ def test_fewer_micro_batches_than_asked_are_reported_once(cora, caplog):
 def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, mode):
     """Whatever the planner returns is used through the StepPlan interface alone: ``run`` gives the full batch's
     loss and gradient (dropout off: the same sums in another order), ``redundancy`` has one entry per layer,
-    ``report`` is JSON and names the method, ``measure`` gives a peak per measured unit."""
+    ``report`` is JSON and names the method and the host bytes the plan holds (its tensors, walked), ``measure``
+    gives a peak per measured unit."""
+
     from betty_trainer import StepPlan
 
     graph, config, batch, *_ = setting
@@ -302,6 +304,8 @@ def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, 
     assert len(plan.redundancy()) == len(batch.blocks) and min(plan.redundancy()) >= 1.0
     report = json.loads(json.dumps(plan.report()))
     assert report["mode"] == mode and report["redundancy_per_layer"] == plan.redundancy()
+    tensors = storage_bytes(held_tensors(plan, plan.batch), [t for block in batch.blocks for t in block.tensors()])
+    assert report["plan_host_bytes"] == plan.host_bytes == tensors > 0  # the groups, or the chunks' dst and pointers
     model = build_model(config.model, graph)
     measured = plan.measure(model, torch.optim.Adam(model.parameters()), HostFeatureStore(graph.x, pin=False),
                             graph.y, torch.device("cpu"))
