@@ -82,7 +82,7 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
     runners = {"K=1": lambda: accumulate_gradients(model, [batch], features, graph.y, CPU)}
     for k in ks:
         split = make_split(batch.blocks, k=k, partitioner="reg", seed=0)
-        micro_batches = MicroBatches(batch, split.layers)
+        micro_batches = MicroBatches(batch, split.groups)
         runners[f"betty K={k}"] = (lambda mb=micro_batches: accumulate_gradients(model, mb, features, graph.y, CPU))
     for k in chunk_counts:
         chunks = chunk_layers(batch.blocks, k, "metis", seed=0)

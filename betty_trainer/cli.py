@@ -251,7 +251,8 @@ def _print_piece_table(console: Console, report: dict, args: argparse.Namespace)
                   f"{_mib(full) + ' MiB' if full else 'not computed'}; estimated peak "
                   f"{_mib(peak) + ' MiB' if peak else '-'}{step}; estimated work {report['work']:,}; "
                   f"K = {report['num_pieces']} (tried {[t['k'] for t in report['tried']]}); "
-                  f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s"
+                  f"redundancy per layer {redundancy}; the plan holds {_mib(report['plan_host_bytes'])} MiB of host "
+                  f"memory; planning took {report['planning_seconds']:.3f} s"
                   f"{_written(args.output)}", highlight=False, soft_wrap=True)
 
 

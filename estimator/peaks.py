@@ -73,8 +73,8 @@ class PeakEstimator:
         return self.itemised(structures, accumulate, weighted).peak_bytes
 
     def micro_batch_work(self, micro_batches: Sequence[Sequence[Any]]) -> float:
-        """The work of running ``micro_batches`` (per micro-batch, its slice of each layer), in multiply-adds
-        (:func:`~estimator.work.step_work`; closed form only)."""
+        """The work of running ``micro_batches`` (per micro-batch, the sizes of its layers: ``num_src``, ``num_dst``,
+        ``num_edges``), in multiply-adds (:func:`~estimator.work.step_work`; closed form only)."""
         return step_work(self.spec, [list(layer) for layer in zip(*micro_batches)], False)
 
     def cooperative_share(self, structures: Sequence[Any], exchanges: Sequence[ExchangeCounts],

@@ -68,8 +68,9 @@ MASK_COST = 4  # multiply-adds one input element's gather and node-keyed dropout
 
 def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
               projected_rows: Sequence[int | None] = ()) -> float:
-    """Estimated multiply-adds of one training step over ``layers`` (per layer, the slices it runs: a layer-wise
-    plan's chunks, or every micro-batch's slice of that layer), which ``micro_batch.mode=auto`` compares.
+    """Estimated multiply-adds of one training step over ``layers`` (per layer, the pieces it runs: a layer-wise
+    plan's chunks, or every micro-batch's slice of that layer, or their sizes: anything with ``num_src``,
+    ``num_dst`` and ``num_edges``), which ``micro_batch.mode=auto`` compares.
 
     Per layer, from the rows and edges the slices hold (a row read by several slices counts in each: the
     redundancy), the architecture's own work function (``spec.layer_work``: its
@@ -91,7 +92,7 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
     for index, pieces in enumerate(layers):
         size = LayerSize(index, index == len(layers) - 1, spec.widths[index], spec.widths[index + 1],
                          src=sum(piece.num_src for piece in pieces), dst=sum(piece.num_dst for piece in pieces),
-                         edges=sum(int(piece.indptr[-1]) for piece in pieces),  # a slice or a chunk: its CSC pointer
+                         edges=sum(piece.num_edges for piece in pieces),
                          projected=projected_rows[index] if index < len(projected_rows) else None)
         layer = work(spec, size)
         backward_linear = 1 if index == 0 else 2

@@ -9,7 +9,7 @@ from partition.partitioners import PARTITIONERS, OutputSplitter, partition_outpu
 from partition.redundancy import redundancy
 from partition.reg import build_reg
 from partition.search import BudgetError, Split, make_split
-from partition.slicing import BlockStructure, LayerSlice, slice_layers
+from partition.slicing import BlockStructure, LayerSlice, SliceSize, slice_layers
 
 __all__ = [
     "PARTITIONERS",
@@ -17,6 +17,7 @@ __all__ = [
     "BudgetError",
     "LayerSlice",
     "OutputSplitter",
+    "SliceSize",
     "Split",
     "build_reg",
     "make_split",

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from partition.partitioners import OutputSplitter
 from partition.reg import output_adjacency
-from partition.slicing import BlockStructure, LayerSlice, slice_layers, whole_batch
+from partition.slicing import BlockStructure, SliceSize, slice_layers
 
 Estimate = Callable[[Sequence[BlockStructure], bool], int]  # (micro-batch, accumulating) → peak bytes
 
@@ -35,9 +35,15 @@ class BudgetError(ValueError):
 class Split:
     """K micro-batches of one batch and their estimated peaks.
 
+    A split keeps what makes a micro-batch, not the micro-batch: its output positions, and the sizes of its
+    layers (for the work, the redundancy and the report). A micro-batch's :class:`~partition.slicing.LayerSlice` s
+    (``O(its edges)``) are sliced again when it runs (:func:`~partition.slicing.slice_layers` of its group), so
+    the split holds ``8 · outputs`` bytes of tensors at any K, not every micro-batch's slices.
+
     Attributes:
-        groups: per micro-batch, sorted int64 positions among the batch's output nodes.
-        layers: per micro-batch, its :class:`LayerSlice` per layer (input layer first).
+        groups: per micro-batch, ``(m_k,)`` int64 sorted positions among the batch's output nodes (they
+            partition them).
+        sizes: per micro-batch, its :class:`~partition.slicing.SliceSize` per layer (input layer first).
         estimates: per micro-batch, estimated peak bytes.
         budget: the budget in bytes (``None``: K was given, not searched).
         full_batch_estimate: estimated peak of the unsplit batch, bytes.
@@ -50,7 +56,7 @@ class Split:
     """
 
     groups: list[Tensor]
-    layers: list[list[LayerSlice]]
+    sizes: list[list[SliceSize]]
     estimates: list[int]
     budget: int | None
     full_batch_estimate: int
@@ -68,7 +74,7 @@ class Split:
         (a forward, and a backward of about twice its cost, over every row and edge a micro-batch holds;
         rows shared by several micro-batches count once in each: the redundancy). Compared with
         :attr:`partition.chunks.LayerChunks.work` by ``micro_batch.mode=auto``."""
-        return 3 * sum(piece.num_src + int(piece.indptr[-1]) for layers in self.layers for piece in layers)
+        return 3 * sum(piece.num_src + piece.num_edges for layers in self.sizes for piece in layers)
 
 
 def output_costs(blocks: Sequence[BlockStructure]) -> np.ndarray:
@@ -168,32 +174,36 @@ def make_split(
     costs = functools.cache(lambda: output_costs(blocks))
     weights = functools.cache(lambda: integer_weights(costs()) if weighted else None)
     tried: list[tuple[int, int]] = []
-    splits: dict[int, tuple[list[Tensor], list[list[LayerSlice]], list[int]]] = {}
+    splits: dict[int, tuple[list[Tensor], list[list[SliceSize]], list[int]]] = {}
 
     stage_seconds = {"weights": 0.0, "partition": 0.0, "slicing": 0.0, "estimate": 0.0}
 
-    def timed(stage: str, fn: Callable[[], Any]) -> Any:
+    def timed(stage: str, fn: Callable[..., Any], *args: Any) -> Any:
         started = time.perf_counter()
-        result = fn()
+        result = fn(*args)
         stage_seconds[stage] += time.perf_counter() - started
         return result
 
-    def split(parts: int) -> tuple[list[Tensor], list[list[LayerSlice]], list[int]]:
-        if parts == 1:  # the whole batch: no partitioning, no relabelling
-            groups, layers = [torch.arange(num_outputs)], [whole_batch(blocks)]
+    def split(parts: int) -> tuple[list[Tensor], list[list[SliceSize]], list[int]]:
+        if parts == 1:  # the whole batch: no partitioning, no slicing; its estimate is the full batch's
+            groups, sizes = [torch.arange(num_outputs)], [[SliceSize.of(b) for b in blocks]]
+            estimates = [full] if estimate is not None else []
         else:
             vertex_weights = timed("weights", weights)
-            groups = timed("partition", lambda: splitter.split(parts, seed, vertex_weights))
-            layers = timed("slicing", lambda: [slice_layers(blocks, group) for group in groups])
-        estimates = timed("estimate", lambda: [estimate(layer, index > 0) for index, layer in enumerate(layers)]
-                          if estimate is not None else [])
+            groups = timed("partition", splitter.split, parts, seed, vertex_weights)
+            sizes, estimates = [], []
+            for index, group in enumerate(groups):  # one micro-batch's slices at a time, dropped once sized and estimated
+                layers = timed("slicing", slice_layers, blocks, group)
+                sizes.append([layer.size for layer in layers])
+                if estimate is not None:
+                    estimates.append(timed("estimate", estimate, layers, index > 0))
         tried.append((parts, max(estimates, default=0)))
-        splits[parts] = groups, layers, estimates
+        splits[parts] = groups, sizes, estimates
         return splits[parts]
 
     def done(parts: int) -> Split:
-        groups, layers, estimates = splits[parts]
-        return Split(groups, layers, estimates, budget, full, tried, time.perf_counter() - started, stage_seconds)
+        groups, sizes, estimates = splits[parts]
+        return Split(groups, sizes, estimates, budget, full, tried, time.perf_counter() - started, stage_seconds)
 
     if budget is None:
         split(min(max(k, min_k), num_outputs))

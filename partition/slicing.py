@@ -62,6 +62,36 @@ class LayerSlice:
     def num_src(self) -> int:
         return self.src_index.numel()
 
+    @property
+    def num_edges(self) -> int:
+        return self.indices.numel()
+
+    @property
+    def size(self) -> "SliceSize":
+        """The slice's sizes, without its tensors."""
+        return SliceSize(self.num_src, self.num_dst, self.num_edges)
+
+
+@dataclass(frozen=True)
+class SliceSize:
+    """The sizes of one layer of a micro-batch (a :class:`LayerSlice`'s, or a whole block's): what a plan keeps of a
+    micro-batch's layer between steps, its tensors being sliced again when the micro-batch runs.
+
+    Attributes:
+        num_src: src nodes (the dst nodes included).
+        num_dst: dst nodes.
+        num_edges: edges.
+    """
+
+    num_src: int
+    num_dst: int
+    num_edges: int
+
+    @classmethod
+    def of(cls, block: BlockStructure) -> "SliceSize":
+        """The sizes of a whole block."""
+        return cls(block.num_src, block.num_dst, block.indices.numel())
+
 
 def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list[LayerSlice]:
     """Slice the sub-batch that computes the chosen output nodes, output layer to input layer.
@@ -101,17 +131,6 @@ def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list
         dst = layer.src_index
     slices.reverse()
     return slices
-
-
-def whole_batch(blocks: Sequence[BlockStructure]) -> list[LayerSlice]:
-    """The slices of the whole batch (K = 1): every src node, dst node and edge of each block, in place.
-
-    Equals :func:`slice_layers` of all outputs for blocks whose src nodes beyond the dst nodes are all
-    touched by an edge (every sampled block), at the cost of two ``arange`` per block instead of a
-    relabelling.
-    """
-    return [LayerSlice(torch.arange(b.num_src, device=b.indptr.device), b.num_dst, b.indptr, b.indices,
-                       torch.arange(b.indices.numel(), device=b.indptr.device)) for b in blocks]
 
 
 def _slice_block(block: BlockStructure, dst: Tensor) -> LayerSlice:

@@ -8,10 +8,11 @@ import scipy.sparse as sp
 import torch
 
 from betty_trainer import Block, plan_micro_batches, sample_batch
+from betty_trainer.execution.micro_batches import MicroBatches
 from partition import PARTITIONERS, build_reg, make_split, partition_outputs, redundancy
 from partition.metis import metis_kway
 from partition.reg import drop_diagonal, hub_threshold
-from partition.slicing import slice_layers, whole_batch
+from partition.slicing import slice_layers
 from tests.test_sampling import global_edges
 
 
@@ -293,15 +294,18 @@ def test_linear_search_finds_the_smallest_k_where_fitting_is_not_monotone(cora):
 
 
 @pytest.mark.parametrize("fanouts", [[None, None], [5, 10]])
-def test_whole_batch_slices_equal_slicing_every_output(cora, fanouts):
-    """K = 1 skips the relabelling: its slices must be what slicing all outputs gives on sampled blocks."""
+def test_a_split_keeps_the_sizes_its_micro_batches_are_sliced_to(cora, fanouts):
+    """A split keeps each micro-batch's outputs and its layers' sizes, not its slices: slicing a group again gives
+    those sizes. At K = 1 the micro-batch is the batch itself, which is what slicing every output gives on sampled
+    blocks (every src node beyond the dst nodes is touched by an edge)."""
     batch = sample_batch(cora, cora.train_idx, fanouts, torch.Generator().manual_seed(0))
-    everything = slice_layers(batch.blocks, torch.arange(batch.output_nodes.numel()))
-    for whole, sliced in zip(whole_batch(batch.blocks), everything):
-        assert whole.num_dst == sliced.num_dst
-        for name in ("src_index", "indptr", "indices", "edge_ids"):
-            assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
-
+    for k in (1, 4):
+        split = make_split(batch.blocks, k=k, partitioner="reg")
+        assert len(split.groups) == len(split.sizes) == k
+        for group, sizes in zip(split.groups, split.sizes):
+            assert [layer.size for layer in slice_layers(batch.blocks, group)] == sizes
+    assert MicroBatches(batch, split.groups)[0] is not batch
+    assert MicroBatches(batch, make_split(batch.blocks, k=1).groups)[0] is batch
 
 
 def assert_same_slices(left, right):

@@ -235,7 +235,7 @@ def test_step_work_counts_each_sage_aggregator_s_own_maps(aggregator, linear, ag
     from estimator.work import MASK_COST, step_work
 
     spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1, layer_work=sage_work)
-    piece = SimpleNamespace(num_src=10, num_dst=4, indptr=torch.tensor([0, 5, 10, 15, 20]))
+    piece = SimpleNamespace(num_src=10, num_dst=4, num_edges=20)
     gather = 10 * 8 * MASK_COST
     assert step_work(spec, [[piece]], layerwise=False) == 2 * (linear + aggregate) + gather
     assert step_work(spec, [[piece]], layerwise=True) == 3 * (linear + aggregate) + 2 * gather
@@ -253,7 +253,7 @@ def test_step_work_of_a_projected_sage_layer_projects_its_block_s_src_rows_once(
     from estimator.work import MASK_COST, step_work
 
     spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1, layer_work=sage_work)
-    pieces = [SimpleNamespace(num_src=10, num_dst=2, indptr=torch.tensor([0, 5, 10]))] * 2
+    pieces = [SimpleNamespace(num_src=10, num_dst=2, num_edges=10)] * 2
     linear, aggregate = (7 + self_rows) * 8 * 4, 20 * 4
     gather = (7 * 8 + 20 * 4 + self_rows * 8) * MASK_COST
     assert step_work(spec, [pieces], layerwise=True, projected_rows=[7]) == 3 * (linear + aggregate) + 2 * gather
@@ -281,7 +281,9 @@ def test_fewer_micro_batches_than_asked_are_reported_once(cora, caplog):
 def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, mode):
     """Whatever the planner returns is used through the StepPlan interface alone: ``run`` gives the full batch's
     loss and gradient (dropout off: the same sums in another order), ``redundancy`` has one entry per layer,
-    ``report`` is JSON and names the method, ``measure`` gives a peak per measured unit."""
+    ``report`` is JSON and names the method and the host bytes the plan holds (its tensors, walked), ``measure``
+    gives a peak per measured unit."""
+
     from betty_trainer import StepPlan
 
     graph, config, batch, *_ = setting
@@ -302,6 +304,8 @@ def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, 
     assert len(plan.redundancy()) == len(batch.blocks) and min(plan.redundancy()) >= 1.0
     report = json.loads(json.dumps(plan.report()))
     assert report["mode"] == mode and report["redundancy_per_layer"] == plan.redundancy()
+    tensors = storage_bytes(held_tensors(plan, plan.batch), [t for block in batch.blocks for t in block.tensors()])
+    assert report["plan_host_bytes"] == plan.host_bytes == tensors > 0  # the groups, or the chunks' dst and pointers
     model = build_model(config.model, graph)
     measured = plan.measure(model, torch.optim.Adam(model.parameters()), HostFeatureStore(graph.x, pin=False),
                             graph.y, torch.device("cpu"))
@@ -313,3 +317,52 @@ def test_the_old_mode_name_betty_still_works_and_says_it_was_renamed(caplog):
         config = load_config(None, ["micro_batch.mode=betty"])
     assert config.micro_batch.mode == "micro_batches"
     assert "micro_batch.mode=betty is now called micro_batch.mode=micro_batches" in caplog.text
+
+
+def held_tensors(value, beside, seen=None) -> list[torch.Tensor]:
+    """Every tensor reachable from ``value`` through attributes, lists, tuples and dicts, except through ``beside``
+    (the plan's batch) and callables (an estimate the plan was handed is the estimator's, not the plan's)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or value is beside or callable(value) or isinstance(value, (str, int, float, bool)):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        children = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        children = list(value)
+    else:
+        children = list(getattr(value, "__dict__", {}).values())
+    return [t for child in children for t in held_tensors(child, beside, seen)]
+
+
+def storage_bytes(tensors, beside=()) -> int:
+    """Bytes of the distinct storages of ``tensors`` that ``beside``'s tensors do not hold."""
+    excluded = {t.untyped_storage().data_ptr() for t in beside}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(nbytes for pointer, nbytes in storages.items() if pointer not in excluded)
+
+
+@pytest.mark.parametrize("dataset", ["computers", "cornell5"])
+def test_a_betty_plan_at_k_16_holds_under_a_tenth_of_the_k_1_step(dataset, request):
+    """Issue 23's slices on demand: a micro-batch plan keeps its micro-batches' output positions, not their slices
+    (which held ``8·S + 12·E`` bytes per micro-batch and layer: +50 MiB at K = 16 on Amazon Computers), so the host
+    bytes it holds beside the batch are the same at every K and at K = 16 at most 10% of the K = 1 step's measured
+    peak; ``plan.json``'s ``plan_host_bytes`` is what the plan holds, counted here by walking it. The outputs are
+    every labelled node, the full neighbourhood of a 2-layer GraphSAGE (hidden 64)."""
+    graph = request.getfixturevalue(dataset)
+    batch = sample_batch(graph, torch.nonzero(graph.y >= 0).flatten(), [None, None])
+    held, plans = {}, {}
+    for k in (1, 16):
+        config = load_config(None, ["model.hidden=64", "model.num_layers=2", f"micro_batch.num_micro_batches={k}"])
+        plans[k] = plan = Planner(config.micro_batch, PeakEstimator(model_spec(config, graph)), torch.device("cpu")).plan(batch)
+        assert plan.pieces == k
+        held[k] = storage_bytes(held_tensors(plan, plan.batch), [t for block in batch.blocks for t in block.tensors()])
+        assert plan.report()["plan_host_bytes"] == plan.host_bytes == held[k]
+    assert held[16] == held[1] == 8 * batch.output_nodes.numel()
+    torch.manual_seed(0)
+    model = build_model(config.model, graph)
+    peak = max(plans[1].measure(model, torch.optim.Adam(model.parameters()), HostFeatureStore(graph.x, pin=False),
+                                graph.y, torch.device("cpu")))
+    assert held[16] <= 0.10 * peak, (held[16], peak)

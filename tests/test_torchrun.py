@@ -211,7 +211,8 @@ def test_plan_under_torchrun_estimates_and_measures_every_ranks_rounds(tmp_path,
 
 def test_under_a_budget_the_ranks_agree_on_the_fewest_rounds_that_fit_every_share(tmp_path):
     """``plan.json`` holds each rank's rounds with their estimates (exchange buffers included); under a budget below
-    one round's largest estimate every rank runs the same, larger number of rounds, each estimated within it."""
+    one round's largest estimate every rank runs the same, larger number of rounds, each estimated within it, and
+    holds their shares (``plan_host_bytes``; none for one round, which is the batch)."""
     common = [*QUICK, "optim.epochs=1", "distributed.mode=cooperative", "distributed.ownership=random"]
     one = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *common,
                        "micro_batch.num_micro_batches=1", f"train.run_dir={tmp_path / 'one'}"))
@@ -219,12 +220,14 @@ def test_under_a_budget_the_ranks_agree_on_the_fewest_rounds_that_fit_every_shar
     ranks = json.loads((tmp_path / "one" / "plan.json").read_text())["ranks"]
     largest = max(row["estimate"]["peak_bytes"] for rank in ranks for row in rank["pieces"])
     assert all("exchange_buffers" in row["estimate"]["at_peak"] for rank in ranks for row in rank["pieces"])
+    assert all(rank["plan_host_bytes"] == 0 for rank in ranks), "one round is the batch itself"
     budget = int(0.9 * largest)
     fitted = run(torchrun("--nproc-per-node", "2", "-m", "betty_trainer", "train", *common,
                           f"micro_batch.budget={budget}", f"train.run_dir={tmp_path / 'budget'}"))
     assert fitted.returncode == 0, fitted.stderr
     ranks = json.loads((tmp_path / "budget" / "plan.json").read_text())["ranks"]
     assert len({rank["num_pieces"] for rank in ranks}) == 1 and ranks[0]["num_pieces"] > 1
+    assert all(rank["plan_host_bytes"] > 0 for rank in ranks), "the rounds' shares are the plan's own"
     assert all(row["estimate"]["peak_bytes"] <= budget for rank in ranks for row in rank["pieces"])
 
 

@@ -55,6 +55,10 @@ class IndependentPlan:
         return self.local.work if self.local is not None else 0.0
 
     @property
+    def host_bytes(self) -> int:
+        return self.local.host_bytes if self.local is not None else 0
+
+    @property
     def summary(self) -> str:
         how = self.local.summary if self.local is not None else "nothing (no seeds)"
         return f"a share of the seeds as {how}"

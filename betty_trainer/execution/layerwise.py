@@ -50,7 +50,7 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import training_state
-from betty_trainer.execution.plan import StepResult, piece_row, plan_report
+from betty_trainer.execution.plan import StepResult, held_bytes, piece_row, plan_report
 from betty_trainer.models.capabilities import affine_layers, projected_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from estimator.layerwise import row_blocks
@@ -101,6 +101,11 @@ class LayerwisePlan:
         counts = [len(layer) for layer in self.chunks.layers]
         shown = str(counts[0]) if len(set(counts)) == 1 else ", ".join(map(str, counts))
         return f"layer by layer in {shown} chunk{'s' if max(counts) > 1 else ''} per layer"
+
+    @property
+    def host_bytes(self) -> int:
+        """The chunks' dst positions and CSC pointers (each chunk's slice is made when it runs)."""
+        return held_bytes(t for chunks in self.chunks.layers for chunk in chunks for t in (chunk.dst, chunk.indptr))
 
     @property
     def host_outputs(self) -> bool:

@@ -25,7 +25,7 @@ from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.execution.layerwise import LayerwisePlan
-from betty_trainer.execution.micro_batches import MicroBatchPlan
+from betty_trainer.execution.micro_batches import MicroBatches, MicroBatchPlan
 from betty_trainer.execution.plan import StepPlan
 from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.custom import calibrate_model
@@ -58,7 +58,8 @@ class Planner:
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
     ``src_nodes``, ``indptr``, ``indices`` and ``edge_weight`` compared with
     ``torch.equal``), planned with the same ``min_pieces``, gets the last plan back without
-    partitioning or slicing again; a full-neighbourhood full batch is such a batch every epoch.
+    partitioning again (a plan keeps each micro-batch's outputs and slices it when it runs); a
+    full-neighbourhood full batch is such a batch every epoch.
     With another ``min_pieces`` (re-planning after an out-of-memory error) the batch's REG is
     reused. ``plans_made`` and ``plans_reused`` count the two cases.
 
@@ -168,7 +169,7 @@ class Planner:
                 budget=budget, k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
                 resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
                 balance=config.balance, splitter=self._splitter)
-            return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.layers) if closed_form else float(split.work),
+            return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
                                   config.partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
         whole = estimator.peak(batch.blocks, weighted=[b.edge_weight is not None for b in batch.blocks]) \
@@ -226,7 +227,7 @@ def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, s
     """
     split = make_split(batch.blocks, k=min(num_micro_batches, batch.output_nodes.numel()),
                        partitioner=partitioner, seed=seed, balance=balance)
-    return [batch.restrict(layers) for layers in split.layers]
+    return list(MicroBatches(batch, split.groups))
 
 
 def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: torch.device,
