@@ -33,7 +33,10 @@ This module never imports ``betty_trainer``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -136,16 +139,22 @@ class Recorder:
 
     def __init__(self) -> None:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._scope = contextlib.ExitStack()
 
     def __enter__(self) -> Recorder:
         version = ".".join(torch.__version__.split(".")[:2])
         if version not in TESTED_TORCH:
             raise RecordingRefused(f"the recorder is tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}")
-        self.mode.__enter__()
+        self._scope.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # an address is never used
+        fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # logs the errors a refusal names anyway
+        self._scope.callback(fake_log.setLevel, fake_log.level)
+        fake_log.setLevel(logging.CRITICAL)
+        self._scope.enter_context(self.mode)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.mode.__exit__(*exc)
+        self._scope.close()
 
     def fake(self, tensor: Tensor) -> Tensor:
         """A fake tensor with ``tensor``'s shape, dtype, device and strides (no data)."""
