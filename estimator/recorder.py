@@ -25,8 +25,9 @@ and frees before returning (the profiler sees it; the recorder only operator out
 outside torch (``malloc`` in MKL or numba); CPU requests are not rounded (a CUDA caching allocator rounds to 512
 bytes: not modelled here).
 
-Private PyTorch API: ``torch._subclasses.fake_tensor.FakeTensorMode`` and ``torch.utils._python_dispatch``; the
-recorder is tested on the torch versions in :data:`TESTED_TORCH` and refuses others.
+Private PyTorch API: ``torch._subclasses.fake_tensor.FakeTensorMode``, ``torch.utils._python_dispatch`` and
+``torch._C._current_autograd_node``; the recorder is tested on the torch versions in :data:`TESTED_TORCH` and
+refuses others.
 
 This module never imports ``betty_trainer``.
 """
@@ -105,7 +106,8 @@ class _Recording(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(t), int(t): no data to read
-            where = self.reads_refused()
+            node = torch._C._current_autograd_node()  # the backward node running, if any
+            where = f"the backward of {node.name()}" if node is not None else self.reads_refused()
             if where is not None:
                 raise RecordingRefused(f"{where} reads a tensor's value (.item(), .tolist(), int(t), if t: ...), "
                                        "which a recording without data cannot follow")
@@ -174,7 +176,8 @@ class Recorder:
         """Run ``step()`` once on fake tensors and return what it allocated and freed.
 
         A read of a tensor's value returns ``True`` for a bool and ``1`` otherwise (a loss checked finite, an
-        optimizer's step count), unless ``reads_refused()`` names the code running (e.g. ``"the forward of M"``).
+        optimizer's step count), unless it happens in backward or ``reads_refused()`` names the code running
+        (e.g. ``"the forward of M"``).
 
         Raises:
             RecordingRefused: a refused read, a data-dependent output shape, an operator fake tensors do not

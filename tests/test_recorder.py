@@ -18,9 +18,11 @@ from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.execution import micro_batches as micro_batches_module
 from betty_trainer.execution.micro_batches import measure_training_step
+from betty_trainer.memory.planner import make_planner
 from betty_trainer.memory.recorded import record_model
 from betty_trainer.models.aggregate import mean_neighbours
 from betty_trainer.training import trainer as trainer_module
+from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts, counts_of
 from estimator.recorder import Recording, RecordingRefused, recording_sizes, solve
 
@@ -194,3 +196,38 @@ def test_train_records_a_custom_model_and_keeps_its_micro_batches_within_the_bud
                      caplog.text)
     assert len(measured) > 1, "half the full batch's peak needs several micro-batches"
     assert max(measured) <= budget, (measured, budget)
+
+
+class ReadsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float(grad.sum())
+
+
+class BackwardReader(NumbaMean):
+    def forward(self, blocks, x):
+        return ReadsInBackward.apply(self.linear(x[: blocks[1].num_dst]))
+
+
+def test_a_read_in_backward_is_refused_and_an_untested_torch_is_refused(cora, monkeypatch):
+    with pytest.raises(RecordingRefused, match=r"the backward of ReadsInBackwardBackward reads a tensor's value"):
+        record_model(BackwardReader(cora.num_features, 16, cora.num_classes), cora, 2, adam)
+    monkeypatch.setattr(torch, "__version__", "2.2.1")
+    with pytest.raises(RecordingRefused, match=r"the recorder is tested with torch 2\.13, not 2\.2\.1"):
+        record_model(GINStyle(cora.num_features, 16, cora.num_classes), cora, 2, adam)
+
+
+def test_the_planner_calibrates_a_model_the_recorder_refuses_and_says_why(cora, planetoid_dir, caplog):
+    config = load_config(None, ["dataset.name=cora", f"dataset.data_dir={planetoid_dir}", f"optim.lr={LR}",
+                                f"optim.weight_decay={WEIGHT_DECAY}", "train.device=cpu", "micro_batch.budget=100000000"])
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
+        planner = make_planner(config, cora, NumbaMean(cora.num_features, 16, cora.num_classes), torch.device("cpu"),
+                               HostFeatureStore(cora.x, pin=False))
+    assert isinstance(planner.estimator.calibrated, CalibratedModel)
+    assert re.search(r"the memory recorder refused NumbaMean \(the step failed on fake tensors .*\); calibrating it "
+                     r"instead\n.*calibrated the memory estimate of NumbaMean", caplog.text)
