@@ -142,6 +142,19 @@ def test_the_recorder_refuses_in_one_line_naming_why(cora, model_class, message)
     assert "\n" not in str(refused.value)
 
 
+def test_the_closed_form_gives_each_recorded_peak():
+    """Three allocations, ``4·S_0``, ``8·E_0`` and ``2·D_0 + 16`` bytes, the first freed before the third: the peak
+    is the first two together or the last two, whichever is larger, at every size recorded."""
+    sizes = recording_sizes(1)
+    ops = ("aten.mm.default", "aten.index_select.default", "aten.add.Tensor")
+    recordings = [Recording(ops, (4 * c.num_src, 8 * c.num_edges, 2 * c.num_dst + 16), (1, 2, -1, 3, -2, -3))
+                  for (c,) in sizes]
+    moments = solve(recordings, sizes)
+    assert moments.tolist() == [[0, 4, 0, 0], [0, 4, 0, 8], [16, 0, 2, 8]]
+    for (c,), recording in zip(sizes, recordings):
+        assert (moments @ np.array([1, c.num_src, c.num_dst, c.num_edges])).max() == recording.peak_bytes
+
+
 def test_solve_refuses_recordings_whose_allocations_differ():
     sizes = recording_sizes(1)
     same = [Recording(("aten.mm.default",), (4 * layers[0].num_src,), (1, -1)) for layers in sizes]
