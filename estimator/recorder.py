@@ -10,7 +10,7 @@ included) records its free, as ``torch.distributed._tools.mem_tracker.MemTracker
 allocations and frees in order gives the step's peak: the quantity :func:`estimator.measure.measure_peak` measures
 on the CPU (bytes requested from torch's CPU allocator, one request per storage).
 
-:func:`solve` turns recordings of one model at a few sizes into a :class:`RecordedModel`: each allocation's bytes
+:func:`solve` turns recordings of one model at a few sizes into a :class:`RecordedModel`'s moments: each allocation's bytes
 solved exactly as an integer linear function of the micro-batch's counts (no least squares: a recording more than
 the unknowns must agree to the byte), and the peak as the maximum, over the moments right after an allocation,
 of the bytes live then: a maximum of linear functions of the counts, evaluated per candidate micro-batch without
@@ -20,10 +20,11 @@ Exact where every allocation goes through PyTorch's dispatcher and its bytes are
 covered, and refused with a :class:`RecordingRefused` that names the cause in one line: data-dependent shapes
 (``unique``, ``nonzero``, boolean masks, ``repeat_interleave`` without ``output_size``), tensor values read by
 the model (``.item()``, ``.tolist()``, ``.numpy()`` for a numba kernel), and allocation sequences or sizes that
-change with the counts in another way. Not seen at all: scratch memory a CPU kernel allocates inside one operator
-and frees before returning (the profiler sees it; the recorder only operator outputs), and memory allocated
-outside torch (``malloc`` in MKL or numba); CPU requests are not rounded (a CUDA caching allocator rounds to 512
-bytes: not modelled here).
+change with the counts in another way, as far as the recorded sizes show: a branch on a size threshold larger
+than they are (e.g. work split into chunks past a million elements) is not caught. Not seen at all: scratch
+memory a CPU kernel allocates inside one operator and frees before returning (the profiler sees it; the recorder
+only operator outputs), and memory allocated outside torch (``malloc`` in MKL or numba); CPU requests are not
+rounded (a CUDA caching allocator rounds to 512 bytes: not modelled here).
 
 Private PyTorch API: ``torch._subclasses.fake_tensor.FakeTensorMode``, ``torch.utils._python_dispatch`` and
 ``torch._C._current_autograd_node``; the recorder is tested on the torch versions in :data:`TESTED_TORCH` and
