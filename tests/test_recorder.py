@@ -237,7 +237,7 @@ def test_a_read_in_backward_is_refused_and_an_untested_torch_is_refused(cora, mo
         record_model(BackwardReader(cora.num_features, 16, cora.num_classes), cora, 2, adam)
     monkeypatch.setattr(torch, "__version__", "2.2.1")
     with pytest.raises(RecordingRefused, match=r"the recorder is tested with torch 2\.13, not 2\.2\.1"):
-        record_model(GINStyle(cora.num_features, 16, cora.num_classes), cora, 2, adam)
+        record_model(GINStyle(cora.num_features, 3, cora.num_classes), cora, 2, adam)  # a width recorded nowhere else
 
 
 def test_the_planner_calibrates_a_model_the_recorder_refuses_and_says_why(cora, planetoid_dir, caplog):
@@ -250,3 +250,10 @@ def test_the_planner_calibrates_a_model_the_recorder_refuses_and_says_why(cora, 
     assert isinstance(planner.estimator.calibrated, CalibratedModel)
     assert re.search(r"the memory recorder refused NumbaMean \(the step failed on fake tensors .*\); calibrating it "
                      r"instead\n.*calibrated the memory estimate of NumbaMean", caplog.text)
+
+
+def test_a_model_is_recorded_once_per_class_widths_dtype_optimizer_and_device_type(cora):
+    first = record_model(GINStyle(cora.num_features, 16, cora.num_classes), cora, 2, adam)
+    assert record_model(GINStyle(cora.num_features, 16, cora.num_classes), cora, 2, adam) is first
+    assert record_model(GINStyle(cora.num_features, 32, cora.num_classes), cora, 2, adam) is not first
+    assert record_model(GINStyle(cora.num_features, 16, cora.num_classes), cora, 2, torch.optim.Adam) is not first

@@ -40,7 +40,9 @@ def record_model(
     optimizer_factory: OptimizerFactory = torch.optim.Adam,
     device: torch.device | str = "cpu",
 ) -> RecordedModel:
-    """The exact closed form of ``model``'s training step on ``graph`` with ``optimizer_factory``'s optimizer.
+    """The exact closed form of ``model``'s training step on ``graph`` with ``optimizer_factory``'s optimizer,
+    recorded once per process for each key of :func:`recording_key` (a later call with an equal key returns the
+    same :class:`~estimator.recorder.RecordedModel`).
 
     A fake copy of the model (:meth:`~estimator.recorder.Recorder.fake_module`: no real tensor is copied or
     allocated) takes one unrecorded step, so the optimizer's state exists as in training; then the step is
@@ -66,14 +68,39 @@ def record_model(
     device = torch.device(device)
     if device.type != "cpu":
         raise RecordingRefused(f"the recorder models the CPU allocator; {device} rounds and caches blocks")
+    parameters = list(model.parameters())
+    if not parameters:
+        raise RecordingRefused(f"{type(model).__name__} has no parameters to train")
+    key = recording_key(model, graph, num_layers, optimizer_factory(parameters), device)  # no state made yet
+    if key not in _RECORDED:
+        _RECORDED[key] = _record(model, graph, num_layers, optimizer_factory, device)
+    return _RECORDED[key]
+
+
+_RECORDED: dict[tuple, RecordedModel] = {}
+
+
+def recording_key(model: nn.Module, graph: Graph, num_layers: int, optimizer: torch.optim.Optimizer,
+                  device: torch.device) -> tuple:
+    """What a recorded step depends on: the model's class and ``repr`` (its modules with the widths and settings
+    they print, e.g. ``Dropout(p=0.5)``), every parameter's and buffer's name, shape, dtype and ``requires_grad``,
+    the features' width and dtype, the labels' dtype, the number of layers, the optimizer's class and settings
+    (``defaults``) and the device type. A model whose memory depends on an attribute its ``repr`` does not show
+    (a plain Python flag) should print it (``extra_repr``), or instances that differ in it share one recording."""
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                    for name, t in (*model.named_parameters(), *model.named_buffers()))
+    return (type(model), repr(model), tensors, tuple(graph.x.shape[1:]), graph.x.dtype, graph.y.dtype, num_layers,
+            type(optimizer), repr(sorted(optimizer.defaults.items())), device.type)
+
+
+def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: OptimizerFactory,
+            device: torch.device) -> RecordedModel:
+    """:func:`record_model`'s recording (see there), uncached."""
     name = type(model).__name__
     sizes = recording_sizes(num_layers)
     with torch.random.fork_rng(devices=[]), Recorder() as recorder:
         fake = recorder.fake_module(model)
-        parameters = list(fake.parameters())
-        if not parameters:
-            raise RecordingRefused(f"{name} has no parameters to train")
-        optimizer = optimizer_factory(parameters)
+        optimizer = optimizer_factory(list(fake.parameters()))
         features, labels = HostFeatureStore(recorder.fake(graph.x), pin=False), recorder.fake(graph.y)
         in_forward = []  # non-empty while the model's forward runs: a read of a tensor's value there is refused
         fake.register_forward_pre_hook(lambda *_: in_forward.append(True))
