@@ -182,8 +182,9 @@ class Recorder:
 
         Raises:
             RecordingRefused: a refused read, a data-dependent output shape, an operator fake tensors do not
-                support, or data asked of a fake tensor (``.numpy()``, ``data_ptr``: a kernel outside the
-                dispatcher); the message names the operator or the exception.
+                support, or any exception of the step (data asked of a fake tensor by ``.numpy()``: a kernel
+                outside the dispatcher; or a bug, which calibration then names); the message names the operator
+                or the exception.
         """
         recording = _Recording(reads_refused)
         try:
@@ -197,7 +198,7 @@ class Recorder:
             raise RecordingRefused(f"{error.func} reads tensor data") from None
         except UnsupportedOperatorException as error:
             raise RecordingRefused(f"{error.func} has no fake-tensor implementation") from None
-        except (RuntimeError, TypeError, NotImplementedError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever the step raises on fake tensors is named
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise RecordingRefused(f"the step failed on fake tensors ({type(error).__name__}: {first}); does it "
                                    "compute outside PyTorch's operators (.numpy(), a numba or C kernel)?") from None

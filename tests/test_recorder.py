@@ -16,6 +16,7 @@ from torch import nn
 from betty_trainer import plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
+from betty_trainer.errors import CalibrationError
 from betty_trainer.execution import micro_batches as micro_batches_module
 from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.planner import make_planner
@@ -250,6 +251,15 @@ def test_the_planner_calibrates_a_model_the_recorder_refuses_and_says_why(cora, 
     assert isinstance(planner.estimator.calibrated, CalibratedModel)
     assert re.search(r"the memory recorder refused NumbaMean \(the step failed on fake tensors .*\); calibrating it "
                      r"instead\n.*calibrated the memory estimate of NumbaMean", caplog.text)
+    with pytest.raises(CalibrationError, match=r"cannot calibrate NoSuchAttribute: its forward failed .*"
+                                               r"\(AttributeError: 'Block' object has no attribute 'num_features'\)"):
+        make_planner(config, cora, NoSuchAttribute(cora.num_features, 16, cora.num_classes), torch.device("cpu"),
+                     HostFeatureStore(cora.x, pin=False))  # a bug: the recorder refuses, calibration names it
+
+
+class NoSuchAttribute(GINStyle):
+    def forward(self, blocks, x):
+        return super().forward(blocks, x[:, : blocks[0].num_features])
 
 
 def test_a_model_is_recorded_once_per_class_widths_dtype_optimizer_and_device_type(cora):
