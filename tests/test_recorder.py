@@ -23,6 +23,7 @@ from betty_trainer.memory.planner import make_planner
 from betty_trainer.memory.recorded import record_model
 from betty_trainer.models.aggregate import mean_neighbours
 from betty_trainer.training import trainer as trainer_module
+from betty_trainer.training.dry_run import dry_run
 from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts, counts_of
 from estimator.recorder import RecordedModel, Recording, RecordingRefused, recording_sizes, solve
@@ -267,3 +268,17 @@ def test_a_model_is_recorded_once_per_class_widths_dtype_optimizer_and_device_ty
     assert record_model(GINStyle(cora.num_features, 16, cora.num_classes), cora, 2, adam) is first
     assert record_model(GINStyle(cora.num_features, 32, cora.num_classes), cora, 2, adam) is not first
     assert record_model(GINStyle(cora.num_features, 16, cora.num_classes), cora, 2, torch.optim.Adam) is not first
+
+
+def test_the_dry_run_plans_a_custom_model_with_its_recorded_estimate(cora, planetoid_dir):
+    """``betty-train plan``'s dry run with ``model=``: the plan's largest estimated micro-batch is the measured peak."""
+    config = load_config(None, ["dataset.name=cora", f"dataset.data_dir={planetoid_dir}", f"optim.lr={LR}",
+                                f"optim.weight_decay={WEIGHT_DECAY}", "train.device=cpu", "micro_batch.budget=20000000"])
+    torch.manual_seed(0)
+    model = GINStyle(cora.num_features, 64, cora.num_classes)
+    before = copy.deepcopy(model.state_dict())
+    report = dry_run(config, measure=True, model=model, graph=cora)
+    assert report["model"] == {"custom": "tests.test_recorder.GINStyle"} and report["num_pieces"] > 1
+    assert abs(report["estimate_peak_bytes"] - report["measured_peak_bytes"]) <= 0.01 * report["measured_peak_bytes"]
+    assert report["measured_peak_bytes"] <= 20_000_000
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
