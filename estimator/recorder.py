@@ -218,7 +218,7 @@ def counts_vector(layers: Sequence[LayerCounts]) -> tuple[int, ...]:
     return (1, layers[0].num_src, *(n for c in layers for n in (c.num_dst, c.num_edges)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: numpy arrays have no single truth value
 class RecordedModel:
     """A model's recorded step as a closed form: per moment that may be the peak, the bytes live then as integer
     coefficients of :func:`counts_vector` (see the module).
