@@ -23,8 +23,9 @@ the model (``.item()``, ``.tolist()``, ``.numpy()`` for a numba kernel), and all
 change with the counts in another way, as far as the recorded sizes show: a branch on a size threshold larger
 than they are (e.g. work split into chunks past a million elements) is not caught. Not seen at all: scratch
 memory a CPU kernel allocates inside one operator and frees before returning (the profiler sees it; the recorder
-only operator outputs), and memory allocated outside torch (``malloc`` in MKL or numba); CPU requests are not
-rounded (a CUDA caching allocator rounds to 512 bytes: not modelled here).
+only operator outputs), a storage an operator grows in place (``resize_`` of an ``out=`` tensor), and memory
+allocated outside torch (``malloc`` in MKL or numba); CPU requests are not rounded (a CUDA caching allocator
+rounds to 512 bytes: not modelled here).
 
 Private PyTorch API: ``torch._subclasses.fake_tensor.FakeTensorMode``, ``torch.utils._python_dispatch`` and
 ``torch._C._current_autograd_node``; the recorder is tested on the torch versions in :data:`TESTED_TORCH` and
