@@ -2,8 +2,8 @@
 layer-wise chunk search (``partition.chunks.search_chunks``) ask of the estimator while they search.
 
 :class:`PeakEstimator` holds a model's description, the closed form's :class:`~estimator.spec.ModelSpec` or a
-custom model's :class:`~estimator.calibrate.CalibratedModel`, and answers a micro-batch's peak (itemised, for the
-closed form), the work the planner compares plans by and, for the closed form,
+custom model's :class:`~estimator.recorder.RecordedModel` or :class:`~estimator.calibrate.CalibratedModel`, and
+answers a micro-batch's peak (itemised, for the closed form), the work the planner compares plans by and, for the closed form,
 :meth:`PeakEstimator.layerwise`: one batch's layer-wise chunkings (their peak and the floor below which no
 chunking goes). The searches hand it structures (blocks, layer slices, chunks); it counts them
 (:func:`~estimator.counts.counts_of`) and replays.
@@ -19,6 +19,7 @@ from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
 from estimator.counts import LayerCounts, counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
 from estimator.layerwise import estimate_layerwise, layerwise_floor
+from estimator.recorder import RecordedModel
 from estimator.spec import ModelSpec
 from estimator.work import step_work
 
@@ -28,17 +29,18 @@ class PeakEstimator:
 
     Args:
         model: the closed form's :class:`~estimator.spec.ModelSpec` (a built-in model) or a custom model's
-            :class:`~estimator.calibrate.CalibratedModel` (micro-batches only: a fit of measured micro-batch
-            steps says nothing of layer-wise chunks).
+            :class:`~estimator.recorder.RecordedModel` or :class:`~estimator.calibrate.CalibratedModel`
+            (micro-batches only: recorded or measured micro-batch steps say nothing of layer-wise chunks).
 
     Attributes:
-        spec: the :class:`ModelSpec`, or ``None`` for a calibrated model.
-        calibrated: the :class:`CalibratedModel`, or ``None`` for a built-in one.
+        spec: the :class:`ModelSpec`, or ``None`` for a custom model.
+        calibrated: the custom model's :class:`RecordedModel` or :class:`CalibratedModel`, or ``None`` for a
+            built-in one.
     """
 
-    def __init__(self, model: ModelSpec | CalibratedModel):
+    def __init__(self, model: ModelSpec | RecordedModel | CalibratedModel):
         self.spec = model if isinstance(model, ModelSpec) else None
-        self.calibrated = model if isinstance(model, CalibratedModel) else None
+        self.calibrated = None if isinstance(model, ModelSpec) else model
 
     @property
     def closed_form(self) -> bool:
@@ -47,7 +49,7 @@ class PeakEstimator:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes every estimate holds resident by term (:func:`~estimator.estimate.model_state_bytes`); empty for a
-        calibrated model, whose fit measured them as one."""
+        custom model, whose estimate counts them as one."""
         return model_state_bytes(self.spec) if self.spec is not None else {}
 
     @property
@@ -65,9 +67,9 @@ class PeakEstimator:
         return estimate_micro_batch(counts_of(structures, weighted), self.spec, accumulate)
 
     def peak(self, structures: Sequence[Any], accumulate: bool = False, weighted: Sequence[bool] | None = None) -> int:
-        """Estimated peak bytes of one micro-batch's training step: the closed form, or the calibrated fit (of
-        accumulating steps, less the measured saving of a batch's first micro-batch). Arguments as
-        :meth:`itemised`'s."""
+        """Estimated peak bytes of one micro-batch's training step: the closed form, the recorded one, or the
+        calibrated fit (of accumulating steps, less the measured saving of a batch's first micro-batch). Arguments
+        as :meth:`itemised`'s."""
         if self.calibrated is not None:
             return self.calibrated.estimate(counts_of(structures, weighted), accumulate)
         return self.itemised(structures, accumulate, weighted).peak_bytes

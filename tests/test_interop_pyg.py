@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from betty_trainer import GraphSAGE, sample_batch
+from betty_trainer.memory.recorded import record_model
 from betty_trainer.models.interop import PyGLayer, PyGModel
 from betty_trainer.models.stack import LayerStack, layer_widths
 from tests.interop_checks import (
@@ -25,6 +26,7 @@ from tests.interop_checks import (
     assert_micro_batches_equal_full_batch,
     assert_trains_with_the_trainer,
 )
+from tests.test_recorder import adam, assert_recorded_within_1_percent
 
 if importlib.util.find_spec("torch_geometric") is None:  # the test extra installs it: CI must run these tests
     message = "torch_geometric is not installed (pip install -e '.[test]' installs it)"
@@ -112,3 +114,12 @@ def test_pyg_layers_in_our_stack_keep_dropout_exact(cora, cora_batch):
 def test_a_pyg_model_trains_with_the_trainer(tmp_path):
     torch.manual_seed(0)
     assert_trains_with_the_trainer(PyGModel(NeighborSamplerSAGE(32, HIDDEN, 5)), tmp_path, epochs=3)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_recorder_estimates_a_pyg_model(cora, k):
+    """``PyGModel`` around ``torch_geometric.nn.SAGEConv``: PyG's ops go through PyTorch's dispatcher, so the
+    recorder records it (byte-exact on Cora at K = 1 and 4 with torch 2.13)."""
+    torch.manual_seed(0)
+    model = PyGModel(NeighborSamplerSAGE(cora.num_features, HIDDEN, cora.num_classes))
+    assert_recorded_within_1_percent(model, record_model(model, cora, 2, adam), cora, k)

@@ -85,7 +85,8 @@ class Block:
 
     def edge_dst(self) -> Tensor:
         """``(E,)`` int64 local dst position of every edge (CSC expanded)."""
-        return torch.repeat_interleave(torch.arange(self.num_dst, device=self.indptr.device), self.in_degrees())
+        return torch.repeat_interleave(torch.arange(self.num_dst, device=self.indptr.device), self.in_degrees(),
+                                       output_size=self.num_edges)
 
     def tensors(self) -> list[Tensor]:
         """The block's tensors: ``src_nodes``, ``indptr``, ``indices`` and, where it has them, ``edge_weight``."""

@@ -3,8 +3,8 @@ of each batch (Betty §4.4.3).
 
 ``Planner.plan(batch)`` returns what to run: ``K`` micro-batches or ``K`` chunks per layer from the config, or,
 with ``micro_batch.budget``, the fewest whose estimated peak fits the budget. The estimate is the closed form for a
-built-in model and a calibrated fit for a custom one (:func:`make_planner`). This module is the one home of plan
-composition: :func:`plan_micro_batches` (a fixed K, no estimate) and the planner both call
+built-in model and a recorded closed form, or a calibrated fit, for a custom one (:func:`make_planner`). This
+module is the one home of plan composition: :func:`plan_micro_batches` (a fixed K, no estimate) and the planner both call
 :func:`partition.make_split`, and only here does its ``BudgetError`` become the user-facing
 :class:`~betty_trainer.errors.PlanningError`.
 """
@@ -29,9 +29,11 @@ from betty_trainer.execution.micro_batches import MicroBatches, MicroBatchPlan
 from betty_trainer.execution.plan import StepPlan
 from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.custom import calibrate_model
+from betty_trainer.memory.recorded import record_model
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models.stack import runs_layer_by_layer
 from estimator.peaks import PeakEstimator
+from estimator.recorder import RecordingRefused
 from partition import BudgetError, OutputSplitter, make_split
 from partition.chunks import search_chunks
 
@@ -44,7 +46,8 @@ class Planner:
     Args:
         config: the ``micro_batch`` section.
         estimator: the :class:`~estimator.peaks.PeakEstimator` of the built-in model's closed form or of a custom
-            model's calibrated fit (see :func:`make_planner`), which the searches the planner calls are handed; or
+            model's recorded or calibrated estimate (see :func:`make_planner`), which the searches the planner calls
+            are handed; or
             ``None`` for an uncalibrated custom model, and without an estimate only a fixed ``K`` is possible.
         device: where training runs (for ``budget: auto``).
         feature_store_bytes: device bytes the feature store holds between steps (its node cache and a
@@ -235,14 +238,16 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     """The planner of a training run on ``graph`` whose input rows come from ``features``: the budget a step
     may use is ``micro_batch.budget`` less the store's ``max_device_bytes`` (its node cache and staged
     macro-batch; :class:`~betty_trainer.data.feature_store.FeatureStore`). The estimate is the closed form for the built-in model
-    (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is calibrated first,
-    once (:func:`~betty_trainer.memory.custom.calibrate_model` with the run's Adam settings and
-    ``config.model.num_layers`` layers), and the time it took is logged at INFO level. ``seed``: the
+    (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is recorded first, once
+    (:func:`~betty_trainer.memory.recorded.record_model`: exact), or where the recorder refuses it (the reason is
+    logged) calibrated (:func:`~betty_trainer.memory.custom.calibrate_model`), both with the run's optimizer and
+    ``config.model.num_layers`` layers; the time it took is logged at INFO level. ``seed``: the
     partitioner's (:func:`~betty_trainer.sampling.schedule.plan_seed`).
 
     Raises:
         ConfigError: see :class:`Planner`.
-        CalibrationError: the custom model cannot be calibrated (the message names the cause).
+        CalibrationError: the recorder refused the custom model and it cannot be calibrated (the message names
+            the cause).
     """
     mode, budget = config.micro_batch.mode, config.micro_batch.budget
     layer_by_layer = model is None or runs_layer_by_layer(model)
@@ -258,10 +263,17 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     if model is None:  # the closed form, for every kind of plan
         spec = model_spec(config, graph, device)
         estimator = PeakEstimator(spec)
-    elif budget is not None:  # a calibrated fit, which models micro-batches, not layer-wise chunks
-        started = time.perf_counter()
-        calibrated = calibrate_model(model, graph, config.model.num_layers, config.optim.make_optimizer, device)
-        logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
-                    type(model).__name__, time.perf_counter() - started, 100 * calibrated.max_relative_error)
-        estimator, layer_by_layer = PeakEstimator(calibrated), False
+    elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
+        started, name, args = time.perf_counter(), type(model).__name__, (model, graph, config.model.num_layers,
+                                                                          config.optim.make_optimizer, device)
+        try:
+            estimate = record_model(*args)
+            logger.info("recorded the memory estimate of %s in %.2f s (%d allocations per step)", name,
+                        time.perf_counter() - started, estimate.allocations)
+        except RecordingRefused as refusal:
+            logger.info("the memory recorder refused %s (%s); calibrating it instead", name, refusal)
+            estimate = calibrate_model(*args)
+            logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples "
+                        "%.1f%%)", name, time.perf_counter() - started, 100 * estimate.max_relative_error)
+        estimator, layer_by_layer = PeakEstimator(estimate), False
     return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
+from torch import nn
+
 from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
+from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
 from betty_trainer.distributed.group import leave
 from betty_trainer.memory.planner import make_planner
@@ -13,16 +18,21 @@ from betty_trainer.training.checkpoint import dataset_identity
 from betty_trainer.training.distributed import finish_together, join_run, this_rank
 from betty_trainer.training.output import quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
-from betty_trainer.training.trainer import feature_store, init_model
+from betty_trainer.training.trainer import feature_store, init_model, qualified_name
 
 
-def dry_run(config: Config, measure: bool = False) -> dict:
+def dry_run(config: Config, measure: bool = False, model: nn.Module | None = None, graph: Graph | None = None) -> dict:
     """Sample epoch 0's first batch exactly as :func:`~betty_trainer.training.trainer.train` does, plan it,
     and report it (:meth:`~betty_trainer.execution.plan.StepPlan.report`).
 
+    ``model``: a custom model, planned as ``train(config, model=model)`` plans it (its estimate recorded, or
+    calibrated where the recorder refuses it: :func:`~betty_trainer.memory.planner.make_planner`); default: the
+    built-in model of ``config.model``. ``graph``: the graph to plan on; default: ``config.dataset`` loaded.
+
     With ``measure``, the plan runs real training steps (:meth:`~betty_trainer.execution.plan.StepPlan.measure`)
-    on the run's model and a fresh Adam, stepped once first so its state is resident as in training, and the
-    report gets each measured peak and ``error`` = (estimate − measured) / measured. The profiler's own stderr
+    on the run's model (a deep copy of a custom ``model``, which is left as it was) and a fresh optimizer, stepped
+    once first so its state is resident as in training, and the report gets each measured peak and ``error`` =
+    (estimate − measured) / measured. The profiler's own stderr
     lines are hidden (:func:`~betty_trainer.training.output.quiet_native_stderr`).
 
     Under ``torchrun`` with ``distributed.mode`` set, every rank plans its share of the first global batch (a
@@ -41,25 +51,28 @@ def dry_run(config: Config, measure: bool = False) -> dict:
     processes = join_run(config, device)  # under torchrun: every rank plans its share; rank 0 prints them all
     try:
         device = device if processes is None else processes.device
-        graph = load_dataset(config.dataset)
-        check_model_size(config, graph, device)
+        graph = load_dataset(config.dataset) if graph is None else graph
+        if model is None:
+            check_model_size(config, graph, device)
         sampler = make_sampler(config, graph)
         features = feature_store(config, graph, device, sampler)
-        planner = make_planner(config, graph, None, device, features, plan_seed(config))
+        with quiet_native_stderr():  # calibrating a custom model profiles steps
+            planner = make_planner(config, graph, model, device, features, plan_seed(config))
         sampler, planner, _ = this_rank(config, graph, dataset_identity(graph, config.dataset.split)["fingerprint"],
                                         sampler, planner, processes)
         plan = planner.plan(first_batch(config, graph, sampler))
         measured = None
         if measure:
-            model = init_model(config, graph).to(device)
-            set_dropout_key(model, config.seed, 0)
-            optimizer = config.optim.make_optimizer(model.parameters())
+            measured_model = (init_model(config, graph) if model is None else copy.deepcopy(model)).to(device)
+            set_dropout_key(measured_model, config.seed, 0)
+            optimizer = config.optim.make_optimizer(measured_model.parameters())
             with quiet_native_stderr():
-                measured = plan.measure(model, optimizer, HostFeatureStore(graph.x, pin=device.type == "cuda"),
-                                        graph.y, device)
+                measured = plan.measure(measured_model, optimizer,
+                                        HostFeatureStore(graph.x, pin=device.type == "cuda"), graph.y, device)
         report = planner.report(plan, measured)
         finish_together(processes)
     finally:
         leave()
-    report.update(dataset=graph.name, device=str(device), model=config.model.model_dump())
+    report.update(dataset=graph.name, device=str(device),
+                  model=config.model.model_dump() if model is None else {"custom": qualified_name(model)})
     return report

@@ -342,7 +342,7 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
                        "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "
                        "+13% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
                        "unbiased under GNS (model.arch=sage)")
-    model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
+    model_id = config.model.model_dump(mode="json") if builtin else {"custom": qualified_name(model)}
     # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
     run = _Run(graph, model, optimizer, make_scheduler(config, optimizer), sampler, features, host, planner,
                identity(dataset, model_id, model.state_dict()), device, processes, traffic)
@@ -677,7 +677,8 @@ def _name_run(error: BaseException, path: Path) -> None:
         error.run_dir = path
 
 
-def _qualname(model: nn.Module) -> str:
+def qualified_name(model: nn.Module) -> str:
+    """``module.Class`` of a custom model: what a run's identity and a dry run's report name it by."""
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
