@@ -54,6 +54,11 @@ def int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+def float_list(text: str) -> list[float]:
+    """``"0.5,0"`` → ``[0.5, 0.0]`` (an argparse ``type``)."""
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
 def name_list(text: str) -> list[str]:
     """``"cora, citeseer"`` → ``["cora", "citeseer"]`` (an argparse ``type``)."""
     return [part.strip() for part in text.split(",") if part.strip()]

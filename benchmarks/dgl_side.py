@@ -86,7 +86,9 @@ class Side:
             entry["x"] = torch.from_numpy(arrays["x"])
             entry["y"] = torch.from_numpy(arrays["y"])
         self.graphs[name] = entry
-        return {"nodes": num_nodes, "edges": graph.num_edges()}
+        structure = [t for form in ("coo", "csr", "csc") for t in graph.adj_tensors(form) if isinstance(t, torch.Tensor)]
+        return {"nodes": num_nodes, "edges": graph.num_edges(), "formats": graph.formats()["created"],
+                "structure_bytes": sum(t.numel() * t.element_size() for t in structure)}
 
     def _model(self, name: str, hidden: int, seed: int, dropout: float = 0.5, num_layers: int = 2):
         entry = self.graphs[name]
