@@ -17,22 +17,15 @@ from betty_trainer import plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.errors import CalibrationError
-from betty_trainer.execution import micro_batches as micro_batches_module
 from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.memory.recorded import record_model
 from betty_trainer.models.aggregate import mean_neighbours
-from betty_trainer.training import trainer as trainer_module
 from betty_trainer.training.dry_run import dry_run
 from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts, counts_of
 from estimator.recorder import RecordedModel, Recording, RecordingRefused, recording_sizes, solve
-
-LR, WEIGHT_DECAY = 0.01, 5e-4
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=LR, weight_decay=WEIGHT_DECAY)
+from tests.test_calibration import LR, WEIGHT_DECAY, adam, train_under_half_its_peak
 
 
 def neighbour_sum(block, h):
@@ -199,35 +192,10 @@ def test_recording_sizes_solve_every_count():
 def test_train_records_a_custom_model_and_keeps_its_micro_batches_within_the_budget(cora, planetoid_dir, tmp_path,
                                                                                       monkeypatch, caplog):
     torch.manual_seed(0)
-    model = GINStyle(cora.num_features, 64, cora.num_classes)
-    probe = copy.deepcopy(model)
-    optimizer = adam(probe.parameters())
-    batch = sample_batch(cora, cora.train_idx, [None, None])
-    features = HostFeatureStore(cora.x, pin=False)
-    measure_training_step(probe, optimizer, batch, features, cora.y, "cpu")  # Adam state exists
-    budget = measure_training_step(probe, optimizer, batch, features, cora.y, "cpu").peak_bytes // 2
-
-    original, measured = micro_batches_module.accumulate_gradients, []
-
-    def measuring(model, micro_batches, features, labels, device):
-        replica = copy.deepcopy(model)
-        optimizer = adam(replica.parameters())
-        measure_training_step(replica, optimizer, micro_batches[0], features, labels, device)  # Adam state exists
-        total = sum(mb.output_nodes.numel() for mb in micro_batches)
-        measured.extend(measure_training_step(replica, optimizer, mb, features, labels, device, total,
-                                              accumulate=index > 0).peak_bytes
-                        for index, mb in enumerate(micro_batches))
-        return original(model, micro_batches, features, labels, device)
-
-    monkeypatch.setattr(micro_batches_module, "accumulate_gradients", measuring)
-    config = load_config(None, ["dataset.name=cora", f"dataset.data_dir={planetoid_dir}", "optim.epochs=1",
-                                f"optim.lr={LR}", f"optim.weight_decay={WEIGHT_DECAY}", "train.device=cpu",
-                                "train.progress=false", f"micro_batch.budget={budget}"])
-    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
-        trainer_module.train(config, model=model, graph=cora, run_dir=tmp_path)
+    measured, budget = train_under_half_its_peak(GINStyle(cora.num_features, 64, cora.num_classes), cora,
+                                                 planetoid_dir, tmp_path, monkeypatch, caplog)
     assert re.search(r"recorded the memory estimate of GINStyle in \d+\.\d\d s \(\d+ allocations per step\)",
                      caplog.text)
-    assert len(measured) > 1, "half the full batch's peak needs several micro-batches"
     assert max(measured) <= budget, (measured, budget)
 
 
