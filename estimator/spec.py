@@ -41,9 +41,8 @@ class ModelSpec:
         buffer_bytes: bytes of the model's non-parameter state (GCN's per-node degree normalisation).
         weight_decay: the optimizer adds weight decay to the gradients (a temporary per update).
         compiled_kernels: the compiled CPU kernels run (``betty_trainer.rng.compiled_kernels``): keyed
-            dropout and the aggregation (forward and backward, which scatters along the block's own CSR: no
-            ``Aᵀ`` is built) allocate nothing but their outputs; else both are tensor ops (GPU), with their
-            temporaries.
+            dropout allocates nothing but its output, and the aggregation's backward builds ``Aᵀ`` by a
+            counting sort into int32 arrays; else both are tensor ops (GPU), with their temporaries.
         foreach: Adam runs its multi-tensor (``foreach``) path, as PyTorch chooses by default on CUDA
             (:func:`adam_uses_foreach`); else its single-tensor path (the CPU default).
         device_workspace: bytes the device keeps allocated from the first training step on beyond the step's

@@ -65,9 +65,21 @@ def test_aggregate_equals_the_dense_product_and_its_gradient(monkeypatch, compil
     torch.testing.assert_close(h.grad.double(), h64.grad, **CLOSE)
 
 
+@pytest.mark.parametrize("with_values", [False, True])
+def test_compiled_transpose_equals_the_tensor_path(monkeypatch, with_values):
+    block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
+    values = torch.rand(block.num_edges) if with_values else None
+    compiled = aggregate._transpose(block, values, torch.float32)
+    monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
+    tensor_ops = aggregate._transpose(block, values, torch.float32)
+    assert (compiled[2] is None) == (tensor_ops[2] is None) == (not with_values)
+    for left, right in zip(compiled, tensor_ops):
+        assert left is None or torch.equal(left.to(right.dtype), right)
+
+
 def test_compiled_backward_gives_the_same_bits_on_any_thread_count():
-    """The backward scatter splits the columns among numba's threads, each column summing its edges in the
-    same order: one thread and two give the same gradient, bit for bit (width 40: two column blocks)."""
+    """Each src row of the backward sums its edges in one thread, in dst order: one thread and two give the
+    same gradient, bit for bit."""
     numba = pytest.importorskip("numba")
     block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
     generator = torch.Generator().manual_seed(2)

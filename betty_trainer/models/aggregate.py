@@ -22,10 +22,11 @@ class _SparseAggregate(torch.autograd.Function):
     block's ``(num_dst, num_src)`` adjacency holding ``values`` (one per edge, CSC order; ones when ``None``),
     as one sparse-dense matmul. Every scale is optional.
 
-    Nothing of size ``E × F`` is made, and no per-edge array for mean, sum or GCN weighting: a mean is the
+    Nothing of size ``E × F`` is made, and no per-edge float for mean, sum or GCN weighting: a mean is the
     unweighted sum with its rows scaled by ``1/deg`` afterwards. Forward is a CSR SpMM on the block's own CSC
     pointer (a block's CSC over dst is the CSR of ``A``); backward is ``diag(col_scale)·Aᵀ·diag(row_scale)·grad``
-    (:func:`_transposed_matmul`). Autograd keeps the given ``values``, ``row_scale``, ``col_scale`` and
+    on ``Aᵀ``'s CSR built for the call (:func:`_transposed_matmul`; on the CPU ``E + num_src + 1`` int32, plus
+    ``E`` floats with values). Autograd keeps the given ``values``, ``row_scale``, ``col_scale`` and
     ``self_scale`` (``E``, ``num_dst``, ``num_src`` and ``num_dst`` floats, the ones passed); the block is
     already resident.
     """
@@ -54,28 +55,48 @@ class _SparseAggregate(torch.autograd.Function):
 
 def _transposed_matmul(block: Block, grad: Tensor, values: Tensor | None, row_scale: Tensor | None,
                        col_scale: Tensor | None) -> Tensor:
-    """``diag(col_scale)·Aᵀ·diag(row_scale)·grad``: ``(num_dst, F)`` → ``(num_src, F)``, every src row summing
-    its edges in dst order. On the CPU (float32) a compiled kernel scatters each dst row's gradient along its
-    edges (no transpose is built; threads take disjoint column blocks, so the order, and the bits, do not depend
-    on the thread count); elsewhere :func:`_csr_matmul` on ``Aᵀ``'s CSR (:func:`_transpose`), the two scales
-    swapping sides."""
-    if compiled_kernels(grad.device, grad.dtype):
-        out = grad.new_empty(block.num_src, grad.shape[1])
-        _scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(values, grad.dtype),
-                        _numpy(row_scale, grad.dtype), _numpy(col_scale, grad.dtype), grad.contiguous().numpy(),
-                        out.numpy(), _column_step(grad.shape[1]))
-        return out
-    pointer, positions, transposed = _transpose(block, values)
+    """``diag(col_scale)·Aᵀ·diag(row_scale)·grad``: ``(num_dst, F)`` → ``(num_src, F)``, :func:`_csr_matmul` on
+    ``Aᵀ``'s CSR (:func:`_transpose`, built for this call and freed after it), the two scales swapping sides."""
+    pointer, positions, transposed = _transpose(block, values, grad.dtype)
     return _csr_matmul(pointer, positions, grad, transposed, col_scale, row_scale)
 
 
-def _transpose(block: Block, values: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """CSR of ``Aᵀ`` (``num_src × num_dst``) by a stable argsort of the src ids: int64 pointer, dst positions
-    and the values in that order (``None`` without values), each src row's edges in dst order."""
+def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    """CSR of ``Aᵀ`` (``num_src × num_dst``) for a product in ``dtype``: pointer, dst positions and the values
+    in that order (``None`` without values), each src row's edges in dst order. Where the compiled kernels run
+    (:func:`~betty_trainer.rng.compiled_kernels`) a counting sort writes int32 pointer and positions; elsewhere
+    a stable argsort of the src ids (int64)."""
+    device = block.indices.device
+    if compiled_kernels(device, dtype):
+        pointer = torch.empty(block.num_src + 1, dtype=torch.int32)
+        positions = torch.empty(block.num_edges, dtype=torch.int32)
+        transposed = None if values is None else torch.empty(block.num_edges, dtype=dtype)
+        _counting_transpose(block.indptr.numpy(), block.indices.numpy(), _numpy(values, dtype), pointer.numpy(),
+                            positions.numpy(), _numpy(transposed, dtype))
+        return pointer, positions, transposed
     order = torch.argsort(block.indices, stable=True)
-    pointer = torch.zeros(block.num_src + 1, dtype=torch.int64, device=block.indices.device)
+    pointer = torch.zeros(block.num_src + 1, dtype=torch.int64, device=device)
     torch.cumsum(torch.bincount(block.indices, minlength=block.num_src), 0, out=pointer[1:])
     return pointer, block.edge_dst()[order], None if values is None else values[order]
+
+
+@jit
+def _counting_transpose(indptr, indices, values, pointer, positions, transposed):  # pragma: no cover - compiled
+    pointer[:] = 0
+    for e in range(indices.shape[0]):  # row sizes, then their prefix sums: pointer[s] = start of row s
+        pointer[indices[e] + 1] += 1
+    for s in range(1, pointer.shape[0]):
+        pointer[s] += pointer[s - 1]
+    for d in range(indptr.shape[0] - 1):  # edges in dst order; pointer[s] serves as row s's cursor
+        for e in range(indptr[d], indptr[d + 1]):
+            slot = pointer[indices[e]]
+            positions[slot] = d
+            if values is not None:  # pruned when compiled without values
+                transposed[slot] = values[e]
+            pointer[indices[e]] = slot + 1
+    for s in range(pointer.shape[0] - 2, 0, -1):  # each cursor ended at the next row's start: shift back
+        pointer[s] = pointer[s - 1]
+    pointer[0] = 0
 
 
 def _numpy(tensor: Tensor | None, dtype: torch.dtype):
@@ -87,11 +108,12 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor |
                 row_scale: Tensor | None = None, col_scale: Tensor | None = None) -> Tensor:
     """``diag(row_scale)·M·diag(col_scale)·dense`` for the CSR matrix ``M`` = ``(indptr, indices, values)``
     (ones without ``values``) of shape ``(len(indptr) − 1, len(dense))``; each scale is optional. On the CPU
-    (float32) a compiled kernel sums each row's edges in order, rows in parallel, and scales the sum: the result
-    is the only tensor allocated. Elsewhere the sparse library's product (``addmm`` with ``beta=0`` ignores its
-    zero input) on int32 copies of the pointer and of int64 indices (the int32 CSR that cuSPARSE and MKL take;
-    a block's own indices are int32 already), with an ``(E,)`` coefficient tensor (``values·col_scale[indices]``,
-    or ones) unless ``values`` serve as they are, then the rows scaled in place."""
+    (float32) a compiled kernel sums each row's edges in order, four at a time (one pass over the row's sum per
+    four src rows), rows in parallel, and scales the sum: the result is the only tensor allocated. Elsewhere the
+    sparse library's product (``addmm`` with ``beta=0`` ignores its zero input) on int32 copies of the pointer
+    and of int64 indices (the int32 CSR that cuSPARSE and MKL take; a block's own indices are int32 already),
+    with an ``(E,)`` coefficient tensor (``values·col_scale[indices]``, or ones) unless ``values`` serve as they
+    are, then the rows scaled in place."""
     rows = indptr.shape[0] - 1
     if compiled_kernels(dense.device, dense.dtype):
         out = dense.new_empty(rows, dense.shape[1])
@@ -156,64 +178,6 @@ def _coefficient(values, col_scale, indices, edge):  # pragma: no cover - compil
     if col_scale is not None:
         coefficient = coefficient * col_scale[indices[edge]]
     return coefficient
-
-
-SCATTER_COLUMNS = 16
-"""The narrowest column block a thread of the compiled backward scatters (64 bytes of float32: a cache line)."""
-
-
-def _column_step(width: int) -> int:
-    """The column block of each thread of :func:`_scatter_kernel`: ``width`` shared among numba's threads, in
-    multiples of :data:`SCATTER_COLUMNS` (one block, the whole width, on one thread)."""
-    share = -(-width // numba.get_num_threads())
-    return max(SCATTER_COLUMNS, -(-share // SCATTER_COLUMNS) * SCATTER_COLUMNS)
-
-
-@jit(parallel=True)
-def _scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step):  # pragma: no cover - compiled
-    width = grad.shape[1]
-    for block in numba.prange(-(-width // step)):
-        _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, block * step,
-                         min(width, block * step + step))
-
-
-@jit
-def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, last):  # pragma: no cover
-    """Columns ``[first, last)`` of :func:`_scatter_kernel`: every dst row's (scaled) gradient added to its
-    edges' src rows, in edge order, then the src rows scaled."""
-    out[:, first:last] = 0.0
-    scaled = np.empty(last - first, dtype=grad.dtype)
-    for d in range(indptr.shape[0] - 1):
-        row = grad[d, first:last]
-        if row_scale is None:
-            scaled[:] = row
-        else:
-            scale = row_scale[d]
-            for f in range(last - first):
-                scaled[f] = row[f] * scale
-        e, end = indptr[d], indptr[d + 1]
-        while e + 3 < end:  # four edges at a time: one pass over the scaled row per four src rows
-            a, b = out[indices[e], first:last], out[indices[e + 1], first:last]
-            c, g = out[indices[e + 2], first:last], out[indices[e + 3], first:last]
-            va, vb = _coefficient(values, None, indices, e), _coefficient(values, None, indices, e + 1)
-            vc, vg = _coefficient(values, None, indices, e + 2), _coefficient(values, None, indices, e + 3)
-            for f in range(last - first):
-                a[f] += va * scaled[f]
-                b[f] += vb * scaled[f]
-                c[f] += vc * scaled[f]
-                g[f] += vg * scaled[f]
-            e += 4
-        while e < end:
-            a, va = out[indices[e], first:last], _coefficient(values, None, indices, e)
-            for f in range(last - first):
-                a[f] += va * scaled[f]
-            e += 1
-    if col_scale is not None:
-        for s in range(out.shape[0]):
-            target = out[s, first:last]
-            scale = col_scale[s]
-            for f in range(last - first):
-                target[f] *= scale
 
 
 def aggregate(block: Block, h_src: Tensor, values: Tensor | None = None, self_scale: Tensor | None = None,
@@ -567,9 +531,11 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, se
     def backward(grad: int) -> int:
         e, s = c.num_edges, c.num_src
         saved = (row_scale, col_scale, self_scale)
-        if tape.compiled_kernels:  # the scatter kernel allocates the gradient only
-            grad_src = r.alloc(s * width * tape.f, GRAD)
-            r.drop(grad, *saved)
+        if tape.compiled_kernels:  # the counting sort writes int32 pointer and positions: no copies
+            transposed = [r.alloc((s + 1) * 4, OVER), r.alloc(e * 4, OVER)]
+            transposed += [r.alloc(e * tape.f, OVER)] if c.weighted else []
+            grad_src = csr_matmul_terms(tape, s, c, width, GRAD, False)
+            r.drop(*transposed, grad, *saved)
             return grad_src
         order = r.alloc(e * INDEX_BYTES, OVER)  # argsort(indices, stable): keys, order, iota
         sorting = [r.alloc(e * INDEX_BYTES, OVER) for _ in range(2)]
