@@ -36,7 +36,8 @@ WEIGHTINGS = {"sum": (False, False, False), "values": (True, False, False), "mea
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled-cpu-kernel", "tensor-ops"])
 @pytest.mark.parametrize("with_self", [False, True])
 @pytest.mark.parametrize("weighting", list(WEIGHTINGS))
-def test_aggregate_equals_the_dense_product_and_its_gradient(monkeypatch, compiled, with_self, weighting):
+@pytest.mark.parametrize("width", [6, aggregate.SCATTER_MAX_WIDTH + 8], ids=["scatter", "transpose"])
+def test_aggregate_equals_the_dense_product_and_its_gradient(monkeypatch, compiled, with_self, weighting, width):
     if not compiled:
         monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
     block = random_block()
@@ -46,9 +47,9 @@ def test_aggregate_equals_the_dense_product_and_its_gradient(monkeypatch, compil
     row_scale = torch.rand(block.num_dst, generator=generator) if with_rows else None
     col_scale = torch.rand(block.num_src, generator=generator) if with_cols else None
     scale = torch.rand(block.num_dst, generator=generator) if with_self else None
-    h = torch.randn(block.num_src, 6, generator=generator, requires_grad=True)
+    h = torch.randn(block.num_src, width, generator=generator, requires_grad=True)
     out = aggregate.aggregate(block, h, values, scale, row_scale=row_scale, col_scale=col_scale)
-    weights = torch.randn(block.num_dst, 6, generator=generator)
+    weights = torch.randn(block.num_dst, width, generator=generator)
     (out * weights).sum().backward()
 
     h64 = h.detach().double().requires_grad_(True)
@@ -77,14 +78,16 @@ def test_compiled_transpose_equals_the_tensor_path(monkeypatch, with_values):
         assert left is None or torch.equal(left.to(right.dtype), right)
 
 
-def test_compiled_backward_gives_the_same_bits_on_any_thread_count():
-    """Each src row of the backward sums its edges in one thread, in dst order: one thread and two give the
-    same gradient, bit for bit."""
+@pytest.mark.parametrize("width", [40, aggregate.SCATTER_MAX_WIDTH + 8], ids=["scatter", "transpose"])
+def test_compiled_backward_gives_the_same_bits_on_any_thread_count(width):
+    """Each src row's gradient sums its edges in dst order whatever the threads: the scatter splits the columns
+    among them (width 40: two column blocks on two threads), the gather on ``Aᵀ`` the rows. One thread and two
+    give the same gradient, bit for bit."""
     numba = pytest.importorskip("numba")
     block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
     generator = torch.Generator().manual_seed(2)
-    h = torch.randn(block.num_src, 40, generator=generator, requires_grad=True)
-    grad = torch.randn(block.num_dst, 40, generator=generator)
+    h = torch.randn(block.num_src, width, generator=generator, requires_grad=True)
+    grad = torch.randn(block.num_dst, width, generator=generator)
     threads = numba.get_num_threads()
     gradients = []
     try:

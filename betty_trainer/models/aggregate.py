@@ -25,8 +25,9 @@ class _SparseAggregate(torch.autograd.Function):
     Nothing of size ``E × F`` is made, and no per-edge float for mean, sum or GCN weighting: a mean is the
     unweighted sum with its rows scaled by ``1/deg`` afterwards. Forward is a CSR SpMM on the block's own CSC
     pointer (a block's CSC over dst is the CSR of ``A``); backward is ``diag(col_scale)·Aᵀ·diag(row_scale)·grad``
-    on ``Aᵀ``'s CSR built for the call (:func:`_transposed_matmul`; on the CPU ``E + num_src + 1`` int32, plus
-    ``E`` floats with values). Autograd keeps the given ``values``, ``row_scale``, ``col_scale`` and
+    (:func:`_transposed_matmul`: on the CPU a scatter along the block's own CSR up to
+    :data:`SCATTER_MAX_WIDTH` columns, else a gather on ``Aᵀ``'s CSR built for the call, ``E + num_src + 1``
+    int32, plus ``E`` floats with values). Autograd keeps the given ``values``, ``row_scale``, ``col_scale`` and
     ``self_scale`` (``E``, ``num_dst``, ``num_src`` and ``num_dst`` floats, the ones passed); the block is
     already resident.
     """
@@ -55,8 +56,17 @@ class _SparseAggregate(torch.autograd.Function):
 
 def _transposed_matmul(block: Block, grad: Tensor, values: Tensor | None, row_scale: Tensor | None,
                        col_scale: Tensor | None) -> Tensor:
-    """``diag(col_scale)·Aᵀ·diag(row_scale)·grad``: ``(num_dst, F)`` → ``(num_src, F)``, :func:`_csr_matmul` on
-    ``Aᵀ``'s CSR (:func:`_transpose`, built for this call and freed after it), the two scales swapping sides."""
+    """``diag(col_scale)·Aᵀ·diag(row_scale)·grad``: ``(num_dst, F)`` → ``(num_src, F)``, every src row summing its
+    edges in dst order. On the CPU (float32) up to :data:`SCATTER_MAX_WIDTH` columns a compiled kernel scatters
+    each dst row's gradient along its edges, building nothing (threads take disjoint column blocks, so the bits do
+    not depend on their number); otherwise :func:`_csr_matmul` on ``Aᵀ``'s CSR (:func:`_transpose`, built for
+    this call and freed after it), the two scales swapping sides."""
+    if compiled_kernels(grad.device, grad.dtype) and grad.shape[1] <= SCATTER_MAX_WIDTH:
+        out = grad.new_empty(block.num_src, grad.shape[1])
+        _scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(values, grad.dtype),
+                        _numpy(row_scale, grad.dtype), _numpy(col_scale, grad.dtype), grad.contiguous().numpy(),
+                        out.numpy(), _column_step(grad.shape[1]))
+        return out
     pointer, positions, transposed = _transpose(block, values, grad.dtype)
     return _csr_matmul(pointer, positions, grad, transposed, col_scale, row_scale)
 
@@ -178,6 +188,70 @@ def _coefficient(values, col_scale, indices, edge):  # pragma: no cover - compil
     if col_scale is not None:
         coefficient = coefficient * col_scale[indices[edge]]
     return coefficient
+
+
+SCATTER_MAX_WIDTH = 128
+"""The widest gradient the compiled backward scatters along the block's own CSR (:func:`_scatter_kernel`); a wider
+one is gathered on ``Aᵀ``'s CSR, built for the call. Measured one thread each (``benchmarks/aggregation.py``):
+at width 64 the scatter takes 0.8× the transpose and gather on Amazon Computers and the same on a 30k-node SBM;
+at 256, 1.0–1.3× (the scatter's read-modify-write of every edge's src row costs more than a transpose then)."""
+
+SCATTER_COLUMNS = 16
+"""The narrowest column block a thread of the compiled backward scatters (64 bytes of float32: a cache line)."""
+
+
+def _column_step(width: int) -> int:
+    """The column block of each thread of :func:`_scatter_kernel`: ``width`` shared among numba's threads, in
+    multiples of :data:`SCATTER_COLUMNS` (one block, the whole width, on one thread)."""
+    share = -(-width // numba.get_num_threads())
+    return max(SCATTER_COLUMNS, -(-share // SCATTER_COLUMNS) * SCATTER_COLUMNS)
+
+
+@jit(parallel=True)
+def _scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step):  # pragma: no cover - compiled
+    width = grad.shape[1]
+    for block in numba.prange(-(-width // step)):
+        _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, block * step,
+                         min(width, block * step + step))
+
+
+@jit
+def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, last):  # pragma: no cover
+    """Columns ``[first, last)`` of :func:`_scatter_kernel`: every dst row's (scaled) gradient added to its
+    edges' src rows, in edge order, then the src rows scaled."""
+    out[:, first:last] = 0.0
+    scaled = np.empty(last - first, dtype=grad.dtype)
+    for d in range(indptr.shape[0] - 1):
+        row = grad[d, first:last]
+        if row_scale is None:
+            scaled[:] = row
+        else:
+            scale = row_scale[d]
+            for f in range(last - first):
+                scaled[f] = row[f] * scale
+        e, end = indptr[d], indptr[d + 1]
+        while e + 3 < end:  # four edges at a time: one pass over the scaled row per four src rows
+            a, b = out[indices[e], first:last], out[indices[e + 1], first:last]
+            c, g = out[indices[e + 2], first:last], out[indices[e + 3], first:last]
+            va, vb = _coefficient(values, None, indices, e), _coefficient(values, None, indices, e + 1)
+            vc, vg = _coefficient(values, None, indices, e + 2), _coefficient(values, None, indices, e + 3)
+            for f in range(last - first):
+                a[f] += va * scaled[f]
+                b[f] += vb * scaled[f]
+                c[f] += vc * scaled[f]
+                g[f] += vg * scaled[f]
+            e += 4
+        while e < end:
+            a, va = out[indices[e], first:last], _coefficient(values, None, indices, e)
+            for f in range(last - first):
+                a[f] += va * scaled[f]
+            e += 1
+    if col_scale is not None:
+        for s in range(out.shape[0]):
+            target = out[s, first:last]
+            scale = col_scale[s]
+            for f in range(last - first):
+                target[f] *= scale
 
 
 def aggregate(block: Block, h_src: Tensor, values: Tensor | None = None, self_scale: Tensor | None = None,
@@ -531,6 +605,10 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, se
     def backward(grad: int) -> int:
         e, s = c.num_edges, c.num_src
         saved = (row_scale, col_scale, self_scale)
+        if tape.compiled_kernels and width <= SCATTER_MAX_WIDTH:  # the scatter makes the gradient only
+            grad_src = r.alloc(s * width * tape.f, GRAD)
+            r.drop(grad, *saved)
+            return grad_src
         if tape.compiled_kernels:  # the counting sort writes int32 pointer and positions: no copies
             transposed = [r.alloc((s + 1) * 4, OVER), r.alloc(e * 4, OVER)]
             transposed += [r.alloc(e * tape.f, OVER)] if c.weighted else []
