@@ -62,7 +62,7 @@ def _transposed_matmul(block: Block, grad: Tensor, values: Tensor | None, row_sc
     not depend on their number); otherwise :func:`_csr_matmul` on ``Aᵀ``'s CSR (:func:`_transpose`, built for
     this call and freed after it), the two scales swapping sides."""
     if compiled_kernels(grad.device, grad.dtype) and grad.shape[1] <= SCATTER_MAX_WIDTH:
-        out = grad.new_empty(block.num_src, grad.shape[1])
+        out = grad.new_zeros(block.num_src, grad.shape[1])
         _scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(values, grad.dtype),
                         _numpy(row_scale, grad.dtype), _numpy(col_scale, grad.dtype), grad.contiguous().numpy(),
                         out.numpy(), _column_step(grad.shape[1]))
@@ -218,8 +218,7 @@ def _scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, st
 @jit
 def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, last):  # pragma: no cover
     """Columns ``[first, last)`` of :func:`_scatter_kernel`: every dst row's (scaled) gradient added to its
-    edges' src rows, in edge order, then the src rows scaled."""
-    out[:, first:last] = 0.0
+    edges' src rows (``out``, zeros), in edge order, then the src rows scaled."""
     scaled = np.empty(last - first, dtype=grad.dtype)
     for d in range(indptr.shape[0] - 1):
         row = grad[d, first:last]
