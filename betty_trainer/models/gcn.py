@@ -9,9 +9,8 @@ from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import (
     aggregate,
     aggregate_terms,
+    edge_weight,
     linear_aggregate_backward,
-    per_edge,
-    per_edge_terms,
 )
 from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
@@ -60,12 +59,11 @@ class GCNConv(nn.Module):
         h = self.linear(h_src) if project_first else h_src
         norm = inv_sqrt_degree.to(h.dtype)
         dst_norm = norm[: block.num_dst]
-        if block.edge_weight is not None:
-            values = norm.index_select(0, block.indices).mul_(per_edge(block, dst_norm))  # 1/sqrt(d̃_s·d̃_d) per edge
-            values.mul_(block.edge_weight)
-        else:  # times d/k for a row that kept k of its d in-edges
-            values = norm.index_select(0, block.indices).mul_(per_edge(block, sampled_row_scale(block, dst_norm)))
-        out = aggregate(block, h, values, self_scale=dst_norm * dst_norm)
+        # 1/sqrt(d̃_s·d̃_d) per edge as a src and a dst scale; a weighted block's weights are the values, an
+        # unweighted block's rows are scaled by d/k for a row that kept k of its d in-edges
+        row_scale = dst_norm if block.edge_weight is not None else sampled_row_scale(block, dst_norm)
+        out = aggregate(block, h, edge_weight(block, h.dtype), self_scale=dst_norm * dst_norm, row_scale=row_scale,
+                        col_scale=norm)
         return (out if project_first else self.linear(out)) + self.bias
 
     def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
@@ -79,16 +77,13 @@ class GCNConv(nn.Module):
         project_first, w, record = tape.aggregation_width(a, b, hd_grad)
         norm = r.alloc(s * f, AGG)  # inv_sqrt_degree[src_nodes]
         h, lin_in_bwd = tape.linear(hd, s, a, b, hd_grad, AGG) if project_first else (hd, None)
-        values = r.alloc(c.num_edges * f, AGG)  # norm.index_select(indices) (no int64 copy of the int32 indices, as
-        # norm[indices] would make), times the dst norm per edge in place
-        row_scale = None if c.weighted else sampled_row_scale_terms(tape, c)
-        r.drop(per_edge_terms(tape, c), row_scale)
+        row_scale = norm if c.weighted else sampled_row_scale_terms(tape, c)  # weighted: dst_norm, a view of norm
         scale = r.alloc(d * f, AGG)  # dst norm²
-        out, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
+        out, agg_bwd = aggregate_terms(tape, c, w, record, scale, row_scale, norm)
         r.drop(scale)
         lin_out, lin_out_bwd = (None, None) if project_first else tape.linear(out, d, a, b, True)
         result = r.alloc(d * b * f, HID)  # + bias
-        r.drop(out, lin_out, values, norm)
+        r.drop(out, lin_out, None if c.weighted else row_scale, norm)
         if project_first:
             r.drop(h)
 

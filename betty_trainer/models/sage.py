@@ -14,14 +14,13 @@ from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import (
     aggregate,
     aggregate_terms,
+    edge_weight,
     lstm_neighbours,
     lstm_neighbours_terms,
     max_neighbours,
     mean_neighbours,
-    mean_values_terms,
+    mean_scale_terms,
     per_dst_scale_terms,
-    per_edge,
-    per_edge_terms,
     segment_max_terms,
     weight_totals,
     weight_totals_terms,
@@ -154,10 +153,7 @@ class SAGEConv(nn.Module):
         if self.aggregator == "gcn":  # 1 / (|N(d)| + 1); weighted: 1 / (Σ w + 1), Σ w estimating |N(d)|
             degree = block.in_degrees().to(h_src.dtype) if block.edge_weight is None else weight_totals(block, h_src.dtype)
             scale = degree.add_(1).reciprocal_()
-            values = per_edge(block, scale)
-            if block.edge_weight is not None:
-                values.mul_(block.edge_weight)
-            return aggregate(block, h_src, values, self_scale=scale)
+            return aggregate(block, h_src, edge_weight(block, h_src.dtype), self_scale=scale, row_scale=scale)
         if self.aggregator == "pool":
             return max_neighbours(block, F.relu(self.fc_pool(h_src)))
         return lstm_neighbours(block, h_src, self.lstm)
@@ -221,15 +217,15 @@ class SAGEConv(nn.Module):
         return result, backward
 
     def _neighbour_terms(self, tape: StepTape, c: LayerCounts, width: int, record: bool):
-        """:meth:`aggregate` of ``mean``/``gcn`` on ``width`` columns: its per-edge values (and ``gcn``'s
-        per-dst scale), freed once aggregated. Returns ``(neighbourhood vector, backward)``."""
+        """:meth:`aggregate` of ``mean``/``gcn`` on ``width`` columns: its per-dst scale (``gcn``: also the self
+        term's), kept for backward. Returns ``(neighbourhood vector, backward)``."""
         if self.aggregator == "mean":
-            values, scale = mean_values_terms(tape, c), None
-        else:  # gcn: 1/(deg + 1) (weighted: 1/(Σ w + 1)) per dst node, spread over its edges (times the weights)
-            scale = weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
-            values = per_edge_terms(tape, c)
-        neigh, agg_bwd = aggregate_terms(tape, c, width, record, values, scale)
-        tape.r.drop(values, scale)
+            row_scale, self_scale = mean_scale_terms(tape, c), None
+        else:  # gcn: 1/(deg + 1) (weighted: 1/(Σ w + 1)) per dst node, on its sum and on its own row
+            row_scale = weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
+            self_scale = row_scale
+        neigh, agg_bwd = aggregate_terms(tape, c, width, record, self_scale, row_scale)
+        tape.r.drop(row_scale)
         return neigh, agg_bwd
 
     def _self_bias_terms(self, tape: StepTape, c: LayerCounts, out: int, hd: int | None, hd_grad: bool):
