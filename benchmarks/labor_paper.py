@@ -177,8 +177,8 @@ def print_kappa_tables(sizes: list[tuple[str, int]], results: list[tuple[float, 
 
 def kappa_accuracy(args) -> None:
     """Test accuracy (of the model chosen on validation) per graph and κ, mean ± std over ``--runs`` seeds:
-    ``configs/cora-labor.yaml`` on ``--accuracy-graphs`` with LABOR-0, 3 layers of fanout ``--fanout``, batches of
-    ``--accuracy-batch-size``, one micro-batch, ``--accuracy-epochs`` epochs, on the CPU."""
+    ``configs/cora-labor.yaml`` on ``--accuracy-graphs`` with LABOR-0, ``--accuracy-layers`` layers of fanout
+    ``--fanout``, batches of ``--accuracy-batch-size``, one micro-batch, ``--accuracy-epochs`` epochs, on the CPU."""
     from rich.console import Console
 
     from betty_trainer import load_config, train
@@ -195,7 +195,8 @@ def kappa_accuracy(args) -> None:
                 started = time.perf_counter()
                 for run in range(args.runs):
                     overrides = [f"name=labor-paper-{name}", f"dataset.name={name}", f"seed={run}",
-                                 "model.num_layers=3", f"sampling.fanouts=[{args.fanout},{args.fanout},{args.fanout}]",
+                                 f"model.num_layers={args.accuracy_layers}",
+                                 f"sampling.fanouts=[{','.join([str(args.fanout)] * args.accuracy_layers)}]",
                                  f"sampling.batch_size={args.accuracy_batch_size}",
                                  "sampling.labor.importance_iterations=0",
                                  f"sampling.labor.batch_dependency={'inf' if kappa == math.inf else kappa}",
@@ -238,6 +239,7 @@ def main(argv=None) -> None:
     parser.add_argument("--accuracy-config", default="configs/cora-labor.yaml")
     parser.add_argument("--accuracy-epochs", type=int, default=8)
     parser.add_argument("--accuracy-batch-size", type=int, default=512)
+    parser.add_argument("--accuracy-layers", type=int, default=3)
     parser.add_argument("--runs", type=int, default=3, help="--kappa-accuracy's seeds per κ")
     args = parser.parse_args(argv)
     if args.dgl_side:
