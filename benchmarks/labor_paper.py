@@ -87,7 +87,7 @@ def fig3(args) -> None:
             decreasing = all(a > b for a, b in zip(series, series[1:]))
             print(f"  {label}: {'monotone decrease' if decreasing else 'NOT monotone'} over the batch sizes")
         print(f"\n{name} ({graph.num_nodes:,} nodes), E[|S³|]/|S⁰|, mean ± std over {args.reps} seed batches:\n")
-        print(markdown_table(["batch size |S⁰|", *samplers, "NS > LABOR-0 > LABOR-*"], [c for _, c in rows]) + "\n",
+        print(markdown_table(["batch size (seeds)", *samplers, "NS > LABOR-0 > LABOR-*"], [c for _, c in rows]) + "\n",
               flush=True)
 
 
