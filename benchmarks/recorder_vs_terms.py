@@ -3,8 +3,8 @@ item 3's evidence; CPU).
 
 For each built-in model the script first tries :func:`betty_trainer.memory.recorded.record_model` as it is and
 prints why the recorder refuses it. Then it records the model again with its CPU kernels seen by the recorder:
-the numba kernels of ``betty_trainer.models.aggregate`` (the CSR product, the counting-sort transpose,
-``per_edge``; not the segment max) are wrapped, for this script only, as ``torch.library`` custom ops whose fake implementation
+the numba kernels of ``betty_trainer.models.aggregate`` (the CSR product and the transposed product; not the
+segment max) are wrapped, for this script only, as ``torch.library`` custom ops whose fake implementation
 allocates what the kernel's Python wrapper allocates (the kernels write into those tensors and allocate nothing
 through torch). On Cora's full training batch split into K REG micro-batches (Adam warmed by one step, later
 micro-batches accumulating), every micro-batch is estimated by the recorder (``recorded``), by the hand-written
@@ -36,7 +36,7 @@ from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402
 from betty_trainer.execution.micro_batches import measure_training_step  # noqa: E402
 from betty_trainer.memory.recorded import record_model  # noqa: E402
 from betty_trainer.memory.spec import spec_of  # noqa: E402
-from betty_trainer.models import aggregate, build_model, gcn, sage  # noqa: E402
+from betty_trainer.models import aggregate, build_model  # noqa: E402
 from estimator.counts import counts_of  # noqa: E402
 from estimator.estimate import estimate_micro_batch  # noqa: E402
 from estimator.recorder import RecordingRefused  # noqa: E402
@@ -44,48 +44,40 @@ from estimator.recorder import RecordingRefused  # noqa: E402
 MODELS = {"sage-mean": ["model.arch=sage", "model.aggregator=mean"], "sage-gcn": ["model.arch=sage", "model.aggregator=gcn"],
           "gcn": ["model.arch=gcn"], "gin": ["model.arch=gin"], "sage-pool": ["model.arch=sage", "model.aggregator=pool"],
           "gat": ["model.arch=gat"]}
-KERNELS = (aggregate._csr_matmul, aggregate._transpose, aggregate.per_edge)  # the wrappers of the numba kernels
+KERNELS = (aggregate._csr_matmul, aggregate._transposed_matmul)  # the wrappers of the numba kernels
 
 
 @torch.library.custom_op("betty_recorder_probe::csr_matmul", mutates_args=())
-def _csr_matmul(indptr: Tensor, indices: Tensor, values: Tensor, num_rows: int, dense: Tensor) -> Tensor:
-    return KERNELS[0](indptr, indices, values, num_rows, dense)
+def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor | None = None,
+                row_scale: Tensor | None = None, col_scale: Tensor | None = None) -> Tensor:
+    return KERNELS[0](indptr, indices, dense, values, row_scale, col_scale)
 
 
 @_csr_matmul.register_fake
-def _(indptr, indices, values, num_rows, dense):
-    return dense.new_empty(num_rows, dense.shape[1])
+def _(indptr, indices, dense, values=None, row_scale=None, col_scale=None):
+    return dense.new_empty(indptr.shape[0] - 1, dense.shape[1])
 
 
-@torch.library.custom_op("betty_recorder_probe::transpose", mutates_args=())
-def _transpose(indptr: Tensor, indices: Tensor, values: Tensor, num_src: int) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.custom_op("betty_recorder_probe::transposed_matmul", mutates_args=())
+def _transposed_matmul(indptr: Tensor, indices: Tensor, num_src: int, grad: Tensor, values: Tensor | None,
+                       row_scale: Tensor | None, col_scale: Tensor | None) -> Tensor:
     block = types.SimpleNamespace(indptr=indptr, indices=indices, num_src=num_src, num_edges=indices.numel())
-    return KERNELS[1](block, values)
+    return KERNELS[1](block, grad, values, row_scale, col_scale)
 
 
-@_transpose.register_fake
-def _(indptr, indices, values, num_src):
-    return (values.new_empty(num_src + 1, dtype=torch.int32), values.new_empty(indices.numel(), dtype=torch.int32),
-            torch.empty_like(values))
-
-
-@torch.library.custom_op("betty_recorder_probe::per_edge", mutates_args=())
-def _per_edge(indptr: Tensor, per_dst: Tensor, num_edges: int) -> Tensor:
-    return KERNELS[2](types.SimpleNamespace(indptr=indptr, num_edges=num_edges), per_dst)
-
-
-@_per_edge.register_fake
-def _(indptr, per_dst, num_edges):
-    return per_dst.new_empty(num_edges)
+@_transposed_matmul.register_fake
+def _(indptr, indices, num_src, grad, values, row_scale, col_scale):
+    return grad.new_empty(num_src, grad.shape[1])  # the scatter's output (widths up to SCATTER_MAX_WIDTH)
 
 
 def kernels_as_operators() -> None:
     """Route the kernel wrappers through the custom ops above, where the models call them (for the rest of the
-    process). The segment max (``sage-pool``) calls its kernels on ``.numpy()`` arrays directly: not routed."""
+    process). The segment max (``sage-pool``) calls its kernels on ``.numpy()`` arrays directly: not routed. Above
+    ``aggregate.SCATTER_MAX_WIDTH`` columns the backward builds ``Aᵀ`` inside the operator, which the recorder does
+    not see: keep ``--hidden`` at most that."""
     aggregate._csr_matmul = _csr_matmul
-    aggregate._transpose = lambda block, values: _transpose(block.indptr, block.indices, values, block.num_src)
-    for module in (aggregate, gcn, sage):
-        module.per_edge = lambda block, per_dst: _per_edge(block.indptr, per_dst, block.num_edges)
+    aggregate._transposed_matmul = lambda block, grad, values, row_scale, col_scale: _transposed_matmul(
+        block.indptr, block.indices, block.num_src, grad, values, row_scale, col_scale)
 
 
 def compare(graph, name: str, hidden: int, ks: list[int], seed: int) -> list[list[str]]:
