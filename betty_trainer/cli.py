@@ -230,8 +230,8 @@ def _print_piece_table(console: Console, report: dict, args: argparse.Namespace)
                  " / ".join(str(layer["edges"]) for layer in row["layers"])]
         if "estimate" in row:
             at_peak, peak = row["estimate"]["at_peak"], row["estimate"]["peak_bytes"]
-            state = at_peak["parameters"] + at_peak["optimizer_state"]
-            other = peak - state - sum(at_peak[name] for name in _COMPONENTS)
+            state = at_peak.get("parameters", 0) + at_peak.get("optimizer_state", 0)
+            other = peak - state - sum(at_peak.get(name, 0) for name in _COMPONENTS)
             memory = [*(_mib(at_peak[name]) for name in shown), _mib(state), _mib(other), _mib(peak),
                       f"{peak / budget:.0%}" if budget else "-"]
         else:
@@ -264,7 +264,7 @@ _COMPONENTS = {"input_features": "features", "hidden_outputs": "hidden", "dropou
 def _nonzero_components(report: dict) -> list[str]:
     """The :data:`_COMPONENTS` some piece's estimate holds (a model without dropout has no dropout column)."""
     rows = [row["estimate"]["at_peak"] for row in report["pieces"] if "estimate" in row]
-    return [name for name in _COMPONENTS if any(at_peak[name] for at_peak in rows)]
+    return [name for name in _COMPONENTS if any(at_peak.get(name, 0) for at_peak in rows)]
 
 
 def _written(output: Path | None) -> str:

@@ -261,4 +261,7 @@ def test_the_dry_run_plans_a_custom_model_with_its_recorded_estimate(cora, plane
     assert report["model"] == {"custom": "tests.test_recorder.GINStyle"} and report["num_pieces"] > 1
     assert abs(report["estimate_peak_bytes"] - report["measured_peak_bytes"]) <= 0.01 * report["measured_peak_bytes"]
     assert report["measured_peak_bytes"] <= 20_000_000
+    for row in report["pieces"]:  # each micro-batch's own recorded estimate, against its measured peak
+        assert row["estimate"]["peak_bytes"] == row["measured_peak_bytes"] and row["error"] == 0, row
+    assert max(row["estimate"]["peak_bytes"] for row in report["pieces"]) == report["estimate_peak_bytes"]
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())

@@ -232,11 +232,16 @@ class MicroBatchPlan:
                 for index, micro_batch in enumerate(micro_batches)]
 
     def report(self, measured: list[int] | None = None) -> dict:
-        rows = [estimated_row(piece_row(index, layer_sizes(micro_batch)),
-                              self.itemise(micro_batch.blocks, index > 0) if self.itemise is not None else None,
+        split = self.split  # its estimates: each micro-batch's peak as the search had it (a custom model's too)
+
+        def estimate(index: int, micro_batch: Batch) -> MemoryEstimate | int | None:
+            if self.itemise is not None:
+                return self.itemise(micro_batch.blocks, index > 0)
+            return split.estimates[index] if split.estimates else None
+
+        rows = [estimated_row(piece_row(index, layer_sizes(micro_batch)), estimate(index, micro_batch),
                               measured[index] if measured is not None else None)
                 for index, micro_batch in enumerate(self.micro_batches)]
-        split = self.split
         return plan_report(self, rows, budget=split.budget, partitioner=self.partitioner, tried=split.tried,
                            seconds=split.seconds, feature_store_bytes=self.feature_store_bytes,
                            full_batch_estimate=split.full_batch_estimate or None,

@@ -178,13 +178,15 @@ def piece_row(index: int, layers: list[dict[str, int]]) -> dict:
     return {"piece": index, "outputs": layers[-1]["dst_nodes"], "layers": layers}
 
 
-def estimated_row(row: dict, estimate: MemoryEstimate | None, measured: int | None) -> dict:
-    """``row`` (:func:`piece_row`) with the piece's own ``estimate`` (``peak_bytes`` and the components ``at_peak``)
-    and ``measured_peak_bytes``, and the estimate's ``error`` where both are there; ``None`` adds nothing."""
+def estimated_row(row: dict, estimate: MemoryEstimate | int | None, measured: int | None) -> dict:
+    """``row`` (:func:`piece_row`) with the piece's own ``estimate`` (``peak_bytes`` and the components ``at_peak``;
+    a custom model's recorded or calibrated estimate is a number of bytes, its ``at_peak`` empty) and
+    ``measured_peak_bytes``, and the estimate's ``error`` where both are there; ``None`` adds nothing."""
     if estimate is not None:
-        row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
+        peak, at_peak = (estimate, {}) if isinstance(estimate, int) else (estimate.peak_bytes, estimate.at_peak)
+        row["estimate"] = {"peak_bytes": peak, "at_peak": at_peak}
     if measured is not None:
         row["measured_peak_bytes"] = measured
         if estimate is not None:
-            row["error"] = relative_error(estimate.peak_bytes, measured)
+            row["error"] = relative_error(row["estimate"]["peak_bytes"], measured)
     return row
