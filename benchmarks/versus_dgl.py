@@ -17,8 +17,9 @@ Sections (``--sections``):
     The measured peak of one full-batch step, full neighbourhood: ours at each K of
     ``--ks`` (the largest peak over the K micro-batches, each measured as training runs
     it: ``betty_trainer.execution.micro_batches.measure_training_step``, later micro-batches accumulating)
-    vs DGL's ``SAGEConv`` on the whole graph (``dgl.graph``). Both sides measure with
-    ``estimator.measure.measure_peak`` (DGL side: the same file loaded by path): the peak
+    vs DGL's ``SAGEConv`` on the whole graph (``dgl.graph``, COO, CSR and CSC made at load) and on a fresh
+    ``dgl.Block`` holding only the CSC ours holds (the "DGL block" column: DGL makes its CSR inside the step).
+    Both sides measure with ``estimator.measure.measure_peak`` (DGL side: the same file loaded by path): the peak
     of live bytes replayed from ``torch.profiler``'s allocation records, after one warm-up
     step so Adam's moments exist; resident = parameters, Adam state and graph structure
     (betty: the micro-batch's blocks; DGL: the graph's CSC tensors). The feature matrix
@@ -32,8 +33,8 @@ Sections (``--sections``):
     computes every node and takes the loss on those).
 ``time``
     Step time, full batch, full neighbourhood, for ``--epochs`` epochs (interleaved):
-    ours K = 1, DGL, ours K = ``--time-k``. Ours is what ``betty_trainer.train`` does per
-    batch: ``sample_batch`` (full neighbourhood), ``Planner.plan`` (REG + METIS +
+    ours K = 1, DGL on the graph, DGL on a CSC-only block (as in ``memory``), ours K = ``--time-k``. Ours
+    is what ``betty_trainer.train`` does per batch: ``sample_batch`` (full neighbourhood), ``Planner.plan`` (REG + METIS +
     slicing; K = 1 skips the partitioner), the plan's ``run``, ``optimizer.step``.
     Printed: the first epoch and the median of the later ones (steady state: a planner
     that reuses the plan of an unchanged batch shows it there), the ratios ours/DGL and
@@ -221,9 +222,11 @@ def memory_section(graphs, dgl, args, folders, results) -> None:
         graph = graphs[name]
         outputs = outputs_of(graph, args.outputs)
         for hidden, dropout in itertools.product(args.hidden, args.dropout):
-            theirs = dgl("full_memory", name=name, hidden=hidden, seed=args.seed,
-                         outputs=folders.get(("outputs", name)), dropout=dropout)["peak_bytes"]
-            print(f"  memory {name} hidden {hidden} dropout {dropout}: DGL full graph: {theirs / MIB:.1f} MiB", flush=True)
+            theirs, blocks = (dgl("full_memory", name=name, hidden=hidden, seed=args.seed,
+                                  outputs=folders.get(("outputs", name)), dropout=dropout, blocks=on_blocks)["peak_bytes"]
+                              for on_blocks in (False, True))
+            print(f"  memory {name} hidden {hidden} dropout {dropout}: DGL full graph: {theirs / MIB:.1f} MiB, on a "
+                  f"CSC-only block {blocks / MIB:.1f} MiB", flush=True)
             ours = {}
             for k in args.ks:
                 ours[k] = Ours(graph, hidden, k, args.seed, dropout=dropout).peak(outputs)
@@ -237,17 +240,17 @@ def memory_section(graphs, dgl, args, folders, results) -> None:
                 print(f"  memory {name} hidden {hidden}: ours layer-wise {k} chunks: {layerwise[k][0] / MIB:.1f} MiB",
                       flush=True)
             k1 = ours.get(1, (None,))[0]
-            row = [name, hidden, dropout, f"{theirs / MIB:.1f}"]
+            row = [name, hidden, dropout, f"{theirs / MIB:.1f}", f"{blocks / MIB:.1f}"]
             for k, (peak, used) in [*ours.items(), *layerwise.items()]:
                 row.append(f"{peak / MIB:.1f} ({fmt_ratio(peak, theirs)})" + ("" if used == k else f" K={used}"))
             row.append(fmt_ratio(ours[max(args.ks)][0], k1) if k1 else "-")
             rows.append(row)
             results.append({"section": "memory", "graph": name, "hidden": hidden, "dropout": dropout,
-                            "dgl_peak_bytes": theirs,
+                            "dgl_peak_bytes": theirs, "dgl_block_peak_bytes": blocks,
                             "ours_peak_bytes": {k: v[0] for k, v in ours.items()},
                             "ours_layerwise_peak_bytes": {k: v[0] for k, v in layerwise.items()}})
     print_table(f"Measured peak of one full-batch step, MiB (ours/DGL in brackets), outputs={args.outputs}",
-                ["graph", "hidden", "dropout", "DGL full graph"] + [f"ours K={k}" for k in args.ks]
+                ["graph", "hidden", "dropout", "DGL full graph", "DGL block"] + [f"ours K={k}" for k in args.ks]
                 + [f"ours layer-wise {k}" for k in args.layerwise_ks] + [f"K={max(args.ks)}/K=1"], rows)
 
 
@@ -260,12 +263,13 @@ def time_section(graphs, dgl, args, folders, results) -> None:
         for hidden, dropout in itertools.product(args.hidden, args.dropout):
             one = Ours(graph, hidden, 1, args.seed, dropout=dropout)
             many = Ours(graph, hidden, k, args.seed, dropout=dropout)
-            runs = {"k1": [], "dgl": [], "kk": []}
-            for epoch in range(args.epochs):  # interleaved: ours K=1, DGL, ours K
+            runs = {"k1": [], "dgl": [], "dglb": [], "kk": []}
+            for epoch in range(args.epochs):  # interleaved: ours K=1, DGL on the graph, DGL on a block, ours K
                 runs["k1"].append(one.step(outputs, [None, None], epoch, epoch))
-                runs["dgl"].append(dgl("full_step", name=name, hidden=hidden, seed=args.seed,
-                                       outputs=folders.get(("outputs", name)), key=f"full-{name}-{hidden}-{dropout}",
-                                       dropout=dropout))
+                for kind, on_blocks in (("dgl", False), ("dglb", True)):
+                    runs[kind].append(dgl("full_step", name=name, hidden=hidden, seed=args.seed,
+                                          outputs=folders.get(("outputs", name)), dropout=dropout, blocks=on_blocks,
+                                          key=f"full-{name}-{hidden}-{dropout}-{kind}"))
                 runs["kk"].append(many.step(outputs, [None, None], epoch, epoch))
                 release()
                 print(f"  time {name} hidden {hidden} dropout {dropout} epoch {epoch}: ours K=1 {runs['k1'][-1]['total']:.3f} s, "
@@ -274,18 +278,21 @@ def time_section(graphs, dgl, args, folders, results) -> None:
             for phase, picked in (("first", slice(0, 1)), ("steady", slice(1, None))):
                 k1 = median([r["total"] for r in runs["k1"][picked]])
                 theirs = median([r["seconds"] for r in runs["dgl"][picked]])
+                block = median([r["seconds"] for r in runs["dglb"][picked]])
                 kk = median([r["total"] for r in runs["kk"][picked]])
                 plan = median([r["plan"] for r in runs["kk"][picked]])
                 sample = median([r["sample"] for r in runs["kk"][picked]])
                 parts = "/".join(f"{median([r[p] for r in runs['k1'][picked]]):.2f}" for p in ("sample", "plan", "compute"))
-                rows.append([name, hidden, dropout, phase, f"{k1:.3f}", parts, f"{theirs:.3f}", fmt_ratio(k1, theirs), f"{kk:.3f}",
-                             fmt_ratio(kk, k1), f"{plan:.3f}", f"{100 * plan / kk:.0f}%", f"{sample:.3f}"])
+                rows.append([name, hidden, dropout, phase, f"{k1:.3f}", parts, f"{theirs:.3f}", fmt_ratio(k1, theirs),
+                             f"{block:.3f}", fmt_ratio(k1, block), f"{kk:.3f}", fmt_ratio(kk, k1), f"{plan:.3f}",
+                             f"{100 * plan / kk:.0f}%", f"{sample:.3f}"])
                 results.append({"section": "time", "graph": name, "hidden": hidden, "dropout": dropout, "phase": phase,
                                 "ours_k1_s": k1,
-                                "dgl_s": theirs, "ours_k_s": kk, "k": k, "plan_s": plan, "sample_s": sample})
+                                "dgl_s": theirs, "dgl_block_s": block, "ours_k_s": kk, "k": k, "plan_s": plan, "sample_s": sample})
     print_table(f"Full-batch step time, seconds (first epoch; steady = median of epochs 1..{args.epochs - 1}), "
                 f"outputs={args.outputs}",
-                ["graph", "hidden", "dropout", "epochs", "ours K=1", "K=1 sample/plan/compute", "DGL", "K=1/DGL", f"ours K={k}",
+                ["graph", "hidden", "dropout", "epochs", "ours K=1", "K=1 sample/plan/compute", "DGL", "K=1/DGL", "DGL block",
+                 "K=1/DGL block", f"ours K={k}",
                  f"K={k}/K=1", f"plan K={k}", "plan share", f"sample K={k}"], rows)
 
 
