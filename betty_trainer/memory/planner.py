@@ -32,8 +32,9 @@ from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.recorded import record_model
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models.stack import runs_layer_by_layer
+from estimator.calibrate import CalibratedModel
 from estimator.peaks import PeakEstimator
-from estimator.recorder import RecordingRefused
+from estimator.recorder import RecordedModel, RecordingRefused
 from partition import BudgetError, OutputSplitter, make_split
 from partition.chunks import search_chunks
 
@@ -175,8 +176,9 @@ class Planner:
             return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
                                   config.partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
-        whole = estimator.peak(batch.blocks, weighted=[b.edge_weight is not None for b in batch.blocks]) \
-            if closed_form else None  # the whole batch in one micro-batch: less work, so no chunking above it
+        # the whole batch in one micro-batch: less work, so no chunking above it
+        whole = (estimator.peak(batch.blocks, weighted=[b.edge_weight is not None for b in batch.blocks])
+                 if closed_form else None)
         search = search_chunks(batch.blocks, layerwise, budget=budget, k=config.num_micro_batches, min_k=min_pieces,
                                partitioner=config.partitioner, seed=self.seed, host_memory=self.device.type != "cpu",
                                ceiling=whole)
@@ -261,19 +263,30 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
     estimator = None  # a fixed K needs no estimate
     if model is None:  # the closed form, for every kind of plan
-        spec = model_spec(config, graph, device)
-        estimator = PeakEstimator(spec)
+        estimator = PeakEstimator(model_spec(config, graph, device))
     elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
-        started, name, args = time.perf_counter(), type(model).__name__, (model, graph, config.model.num_layers,
-                                                                          config.optim.make_optimizer, device)
-        try:
-            estimate = record_model(*args)
-            logger.info("recorded the memory estimate of %s in %.2f s (%d allocations per step)", name,
-                        time.perf_counter() - started, estimate.allocations)
-        except RecordingRefused as refusal:
-            logger.info("the memory recorder refused %s (%s); calibrating it instead", name, refusal)
-            estimate = calibrate_model(*args)
-            logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples "
-                        "%.1f%%)", name, time.perf_counter() - started, 100 * estimate.max_relative_error)
-        estimator, layer_by_layer = PeakEstimator(estimate), False
+        estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False
     return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer)
+
+
+def _custom_estimate(config: Config, graph: Graph, model: nn.Module,
+                     device: torch.device) -> RecordedModel | CalibratedModel:
+    """:func:`make_planner`'s estimate of a custom model: recorded, or where the recorder refuses it (the reason
+    logged) calibrated, with the time it took logged at INFO level.
+
+    Raises:
+        CalibrationError: see :func:`make_planner`.
+    """
+    started, name = time.perf_counter(), type(model).__name__
+    args = (model, graph, config.model.num_layers, config.optim.make_optimizer, device)
+    try:
+        estimate = record_model(*args)
+        logger.info("recorded the memory estimate of %s in %.2f s (%d allocations per step)", name,
+                    time.perf_counter() - started, estimate.allocations)
+        return estimate
+    except RecordingRefused as refusal:
+        logger.info("the memory recorder refused %s (%s); calibrating it instead", name, refusal)
+    calibrated = calibrate_model(*args)
+    logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
+                name, time.perf_counter() - started, 100 * calibrated.max_relative_error)
+    return calibrated
