@@ -202,20 +202,22 @@ def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | No
     Raises:
         BudgetError: no chunking fits ``budget``, or a budget without an estimate (with the numbers).
     """
+    made: dict[tuple[int, int, str], list[Chunk]] = {}  # (layer, parts, partitioner) → its chunks: each made once
     if ceiling is not None and estimate is not None and budget is not None and ceiling < budget:
         try:
-            return _search_chunks(blocks, estimate, ceiling, k, min_k, partitioner, seed, host_memory)
+            return _search_chunks(blocks, estimate, ceiling, k, min_k, partitioner, seed, host_memory, made)
         except BudgetError:
-            pass  # no chunking goes below the ceiling: the budget's own search
-    return _search_chunks(blocks, estimate, budget, k, min_k, partitioner, seed, host_memory)
+            pass  # no chunking goes below the ceiling: the budget's own search, with the chunks made so far
+    return _search_chunks(blocks, estimate, budget, k, min_k, partitioner, seed, host_memory, made)
 
 
 def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | None, budget: int | None, k: int,
-                   min_k: int, partitioner: str, seed: int, host_memory: bool) -> ChunkSearch:
-    """:func:`search_chunks` under ``budget`` alone (no ceiling)."""
+                   min_k: int, partitioner: str, seed: int, host_memory: bool,
+                   made: dict[tuple[int, int, str], list[Chunk]]) -> ChunkSearch:
+    """:func:`search_chunks` under ``budget`` alone (no ceiling); ``made`` holds each layer's chunks by count and
+    partitioner, filled as they are made (shared with an earlier search of the same blocks)."""
     started, tried = time.perf_counter(), []
     most = max(block.num_dst for block in blocks)
-    made: dict[tuple[int, int, str], list[Chunk]] = {}  # (layer, parts, partitioner) → its chunks: each made once
 
     def chunked(index: int, parts: int, method: str) -> list[Chunk]:
         if (index, parts, method) not in made:
@@ -291,10 +293,13 @@ def _fewer_per_layer(chosen: LayerChunks, peak: int, chunked: Callable[[int, int
     def fits(index: int, parts: int) -> int | None:
         candidate = chunked(index, parts)
         trial = estimate.peak(layers[:index] + [candidate] + layers[index + 1:], chosen.host_outputs)
-        return trial if trial <= budget else None
+        if trial > budget:
+            return None
+        fitting[parts] = trial
+        return trial
 
     for index in range(len(layers)):
-        current = len(layers[index])
+        current, fitting = len(layers[index]), {}  # fitting: this layer's counts that fit → the step's peak
         below, parts = 0, 1
         while parts < current and fits(index, parts) is None:
             below, parts = parts, min(2 * parts, current)
@@ -305,6 +310,5 @@ def _fewer_per_layer(chosen: LayerChunks, peak: int, chunked: Callable[[int, int
             else:
                 parts = middle
         if parts < current:
-            layers[index] = chunked(index, parts)
-            peak = estimate.peak(layers, chosen.host_outputs)
+            layers[index], peak = chunked(index, parts), fitting[parts]
     return peak
