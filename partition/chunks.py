@@ -110,8 +110,16 @@ def chunk_layers(blocks: Sequence[BlockStructure], k: int | Sequence[int], parti
 
 
 def chunk_block(block: BlockStructure, k: int, partitioner: str = "metis", seed: int = 0) -> list[Chunk]:
-    """One block's dst nodes in ``min(k, num_dst)`` chunks (:func:`chunk_layers` of one layer); a partitioner may
-    give fewer (empty parts are dropped)."""
+    """One block's dst nodes in ``min(k, num_dst)`` chunks (:func:`chunk_layers` of one layer), each sliced once
+    for its shape (:func:`partition.slicing.slice_layers`).
+
+    Returns:
+        The :class:`Chunk` s, each with ``(d,)`` int64 dst positions and its ``(d + 1,)`` int64 CSC pointer; a
+        partitioner may give fewer than asked (empty parts are dropped).
+
+    Raises:
+        ValueError: an unknown ``partitioner`` (:class:`~partition.partitioners.OutputSplitter`).
+    """
     parts = min(k, block.num_dst)
     groups = [torch.arange(block.num_dst)] if parts <= 1 else OutputSplitter(block, partitioner).split(parts, seed)
     pieces = []
