@@ -106,6 +106,38 @@ def test_a_resume_with_another_number_of_processes_is_refused_and_evaluate_works
     assert evaluated.returncode == 0 and "test" in evaluated.stdout, evaluated.stderr
 
 
+_HOLDERS_OF_THE_GROUP = """
+import gc, sys
+import betty_trainer.distributed.group as group
+import betty_trainer.training.distributed as distributed
+from betty_trainer.cli import main
+made = []
+def join(*args, **kwargs):
+    processes = group.join(*args, **kwargs)
+    made.append(processes.group)
+    return processes
+distributed.join = join
+status = main(sys.argv[1:])
+gc.collect()
+print("holders", sys.getrefcount(made[0]) - 2, "dynamo" in " ".join(sys.modules))
+sys.exit(status)
+"""
+
+
+def test_a_finished_run_leaves_nothing_holding_its_process_group(tmp_path):
+    """Once ``train`` returns, nothing but the caller holds the process group's Python object, so gloo tears it
+    down then, not at interpreter finalisation (where a rank could abort after its run had finished, SIGABRT).
+    torch imports ``torch.distributed.nn.functional`` lazily (through ``torch._dynamo``), and its functions'
+    default ``group`` arguments held the group when that import came after the group was made. A fresh
+    interpreter, so that no earlier test imported it first; a world of one process runs the same code."""
+    done = run([sys.executable, "-c", _HOLDERS_OF_THE_GROUP, "train", *QUICK, "optim.epochs=1",
+                "distributed.mode=cooperative", f"train.run_dir={tmp_path / 'run'}"])
+    assert done.returncode == 0, done.stderr
+    holders, dynamo = done.stdout.strip().splitlines()[-1].split()[1:]
+    assert dynamo == "True", "torch._dynamo was not imported: the lazy import this test guards against did not happen"
+    assert holders == "0", done.stdout
+
+
 def test_processes_with_different_configs_are_refused_before_training(tmp_path):
     """Two processes started as torchrun would (its environment variables), one with another learning rate: both
     stop before anything is written, with one line naming what differs and the ranks."""
