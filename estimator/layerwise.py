@@ -56,6 +56,16 @@ class ProjectedTerms(Protocol):
         dropout overwrites; else rows of ``h_{l−1}``, requiring grad with ``h_grad``): ``(output, backward)``,
         ``backward(grad)`` returning ``z``'s gradient (``h_dst``'s stays in the chunk's scope)."""
 
+    def propagate_rows(self, tape: StepTape, rows: int, h_dst: int | None = None) -> int:
+        """An affine layer's chunk of ``rows`` dst rows run off the whole block without autograd (where the
+        compiled CPU kernels run): the dst input rows' dropout, the layer's rest on ``z`` read in place, and the
+        stack's ReLU. Returns the output's handle."""
+
+    def propagate_rows_backward(self, tape: StepTape, rows: int, grad: int, h_dst: int | None = None,
+                                h_grad: bool = False) -> None:
+        """That chunk's backward from ``grad`` (the caller's): the part reading ``h_dst`` by autograd; ``z``'s
+        gradient is added in place, allocating nothing."""
+
 
 def row_blocks(num_rows: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ``[begin, end)`` row ranges covering ``num_rows`` rows, sizes within one
@@ -257,10 +267,32 @@ class _LayerwiseReplay:
             replay.drop(grad_z)
         return grad_in
 
+    def runs_rows(self, index: int) -> bool:
+        """Whether layer ``index``'s chunks run off the whole block: an affine projected layer where the compiled
+        CPU kernels run (no slice, no sub-block, no gathered rows of ``z``)."""
+        projection = self.projections[index]
+        return projection is not None and projection.affine and self.tape.compiled_kernels
+
+    def dst_inputs(self, index: int, c: LayerCounts) -> int | None:
+        """An affine layer's chunk run off the whole block: its dst nodes' int64 ids and input rows, when the layer
+        reads them (``None`` otherwise)."""
+        if not self.projections[index].reads_dst_input:
+            return None
+        self.replay.alloc(c.num_dst * INDEX_BYTES, "block_structure")
+        return self.replay.alloc(c.num_dst * self.model.widths[index] * self.model.dtype_bytes,
+                                 "input_features" if index == 0 else HID)
+
     def chunk_backward(self, index: int, c: LayerCounts) -> None:
-        """One chunk of layer ``index`` recomputed with autograd and backpropagated from its rows of ``∂L/∂h_l``."""
+        """One chunk of layer ``index`` recomputed with autograd and backpropagated from its rows of ``∂L/∂h_l``
+        (an affine layer's run off the whole block: only the part reading its dst input rows is recomputed)."""
         replay = self.replay
         mark = replay.mark()
+        if self.runs_rows(index):
+            h_dst = self.dst_inputs(index, c)
+            grad = replay.alloc(c.num_dst * self.model.widths[index + 1] * self.model.dtype_bytes, GRAD)
+            self.projections[index].propagate_rows_backward(self.tape, c.num_dst, grad, h_dst, index > 0)
+            replay.release_since(mark)
+            return
         if self.projections[index] is not None:
             out, backward = self.propagated(index, c, grad=True)
         else:
@@ -305,6 +337,8 @@ class _LayerwiseReplay:
         backward; and its dst input rows, when the layer reads them), the layer's rest (without the stack's ReLU
         in an affine layer's backward: ``∂L/∂h_l`` has it applied already)."""
         replay, terms, f = self.replay, self.projections[index], self.model.dtype_bytes
+        if not grad and self.runs_rows(index):
+            return terms.propagate_rows(self.tape, c.num_dst, self.dst_inputs(index, c)), None
         chunk_slice(replay, self.layers[index], c)
         rows = replay.alloc(c.num_src * terms.width * f, HID)
         relu = not (grad and terms.affine)

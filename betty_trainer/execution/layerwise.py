@@ -53,6 +53,7 @@ from betty_trainer.execution.micro_batches import training_state
 from betty_trainer.execution.plan import StepResult, held_bytes, piece_row, plan_report
 from betty_trainer.models.capabilities import affine_layers, projected_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
+from betty_trainer.rng import compiled_kernels
 from estimator.layerwise import row_blocks
 from estimator.measure import MeasuredPeak, measure_peak
 from partition.chunks import Chunk, LayerChunks
@@ -204,6 +205,12 @@ class _LayerPass:
     def last(self) -> int:
         return len(self.blocks) - 1
 
+    def runs_rows(self, index: int) -> bool:
+        """Whether layer ``index``'s chunks run off the whole block (an affine layer where the compiled CPU kernels
+        run: :class:`~betty_trainer.models.capabilities.AffineLayer`), without slices or gathered rows of ``z``."""
+        return self.affine[index] and compiled_kernels(self.device, self.dtype)
+
+
     def forward(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
         """Layers 1 … L without autograd: each layer's output ``h_l`` (the last one the logits), and each
         projected, non-affine layer's ``z`` (``None`` for the others), which its backward reads."""
@@ -215,7 +222,10 @@ class _LayerPass:
                 z_all = self.project(index, h_prev) if self.projects[index] else None
                 out = None
                 for chunk in pieces:
-                    h = self.chunk_step(index, chunk, h_prev, z_all, grad=False)[0]  # its input rows die here
+                    if self.runs_rows(index):
+                        h = self.rows_forward(index, chunk, h_prev, z_all)
+                    else:
+                        h = self.chunk_step(index, chunk, h_prev, z_all, grad=False)[0]  # its input rows die here
                     if out is None:
                         host = self.chunks.host_outputs and index < self.last
                         out = output_storage(self.blocks[index].num_dst, h, host=host)
@@ -275,6 +285,10 @@ class _LayerPass:
         """Layer ``index``'s chunks, each recomputed with autograd and backpropagated from its rows of
         ``grad_out``: parameter gradients into ``.grad``, the input rows' gradients into ``grad_rows``
         (``∂L/∂z`` for a projected layer, else ``∂L/∂h_{l−1}``) and the dst input rows' into ``grad_in``."""
+        if self.runs_rows(index):
+            for chunk in self.chunks.layers[index]:
+                self.rows_backward(index, chunk, grad_out, h_prev, grad_rows, grad_in)
+            return
         for chunk in self.chunks.layers[index]:
             h, rows, src_index, h_dst, block = self.chunk_step(index, chunk, h_prev, z_all, grad=True)
             h.backward(grad_out[chunk.dst.to(self.device)])
@@ -283,6 +297,37 @@ class _LayerPass:
             if h_dst is not None and grad_in is not None:
                 grad_in.index_add_(0, chunk.dst.to(self.device), h_dst.grad)
             del h, rows, src_index, h_dst, block
+
+    def rows_forward(self, index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor) -> Tensor:
+        """An affine layer's chunk without autograd, off the whole block (:meth:`runs_rows`): its dst nodes' ids
+        and input rows (with the stack's dropout) when the layer reads them, ``propagate_rows`` on ``z_all``, and
+        the stack's ReLU below the output layer. Returns the chunk's output rows."""
+        layer, block = self.model.layers[index], self.blocks[index]
+        h_dst = None
+        if layer.reads_dst_input:
+            dst_nodes = block.src_nodes[chunk.dst]
+            h_dst = self.model.dropout(self.layer_input(index, dst_nodes, chunk.dst, h_prev), dst_nodes, index,
+                                       index == 0)
+        h = layer.propagate_rows(block, chunk.dst, z_all, h_dst)
+        return F.relu(h) if index < self.last else h
+
+    def rows_backward(self, index: int, chunk: Chunk, grad_out: Tensor, h_prev: Tensor | None, grad_z: Tensor,
+                      grad_in: Tensor | None) -> None:
+        """An affine layer's chunk backward off the whole block (:meth:`runs_rows`) from its rows of ``grad_out``
+        (the stack's ReLU applied already): ``propagate_rows_backward`` adds ``∂L/∂z`` into ``grad_z`` without
+        recomputing the aggregation, and the dst input rows' gradient is added into ``grad_in``."""
+        layer, block = self.model.layers[index], self.blocks[index]
+        h_dst = dst_nodes = None
+        if layer.reads_dst_input:
+            dst_nodes = block.src_nodes[chunk.dst]
+            h_dst = self.layer_input(index, dst_nodes, chunk.dst, h_prev)
+            if index > 0:
+                h_dst.requires_grad_()
+        grad = grad_out[chunk.dst]
+        layer.propagate_rows_backward(block, chunk.dst, grad, grad_z, None if h_dst is None else
+                                      self.model.dropout(h_dst, dst_nodes, index, index == 0))
+        if h_dst is not None and grad_in is not None:
+            grad_in.index_add_(0, chunk.dst, h_dst.grad)
 
     def layer_input(self, index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
         """Rows of the layer's input for ``nodes`` (global ids) at ``positions`` among the block's src nodes:

@@ -149,33 +149,41 @@ def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  
     width = dense.shape[1]
     for row in numba.prange(indptr.shape[0] - 1):
         acc = out[row]
-        acc[:] = 0.0
-        e, end = indptr[row], indptr[row + 1]
-        while e + 3 < end:  # four edges at a time: one pass over the row's sum per four src rows
-            a, b, c, d = dense[indices[e]], dense[indices[e + 1]], dense[indices[e + 2]], dense[indices[e + 3]]
-            if values is None and col_scale is None:  # branches on None are pruned when compiled
-                for f in range(width):
-                    acc[f] += (a[f] + b[f]) + (c[f] + d[f])
-            else:
-                ca, cb = _coefficient(values, col_scale, indices, e), _coefficient(values, col_scale, indices, e + 1)
-                cc, cd = _coefficient(values, col_scale, indices, e + 2), _coefficient(values, col_scale, indices, e + 3)
-                for f in range(width):
-                    acc[f] += (ca * a[f] + cb * b[f]) + (cc * c[f] + cd * d[f])
-            e += 4
-        while e < end:
-            a = dense[indices[e]]
-            if values is None and col_scale is None:
-                for f in range(width):
-                    acc[f] += a[f]
-            else:
-                ca = _coefficient(values, col_scale, indices, e)
-                for f in range(width):
-                    acc[f] += ca * a[f]
-            e += 1
+        _row_sum(indptr, indices, values, col_scale, dense, row, acc)
         if row_scale is not None:
             scale = row_scale[row]
             for f in range(width):
                 acc[f] *= scale
+
+
+@jit(inline="always")
+def _row_sum(indptr, indices, values, col_scale, dense, row, acc):  # pragma: no cover - compiled
+    """``acc = Σ_{e in row} coefficient_e · dense[indices[e]]`` over CSR row ``row``, in edge order, four edges at
+    a time (one pass over ``acc`` per four src rows)."""
+    width = dense.shape[1]
+    acc[:] = 0.0
+    e, end = indptr[row], indptr[row + 1]
+    while e + 3 < end:
+        a, b, c, d = dense[indices[e]], dense[indices[e + 1]], dense[indices[e + 2]], dense[indices[e + 3]]
+        if values is None and col_scale is None:  # branches on None are pruned when compiled
+            for f in range(width):
+                acc[f] += (a[f] + b[f]) + (c[f] + d[f])
+        else:
+            ca, cb = _coefficient(values, col_scale, indices, e), _coefficient(values, col_scale, indices, e + 1)
+            cc, cd = _coefficient(values, col_scale, indices, e + 2), _coefficient(values, col_scale, indices, e + 3)
+            for f in range(width):
+                acc[f] += (ca * a[f] + cb * b[f]) + (cc * c[f] + cd * d[f])
+        e += 4
+    while e < end:
+        a = dense[indices[e]]
+        if values is None and col_scale is None:
+            for f in range(width):
+                acc[f] += a[f]
+        else:
+            ca = _coefficient(values, col_scale, indices, e)
+            for f in range(width):
+                acc[f] += ca * a[f]
+        e += 1
 
 
 @jit
@@ -228,29 +236,136 @@ def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, f
             scale = row_scale[d]
             for f in range(last - first):
                 scaled[f] = row[f] * scale
-        e, end = indptr[d], indptr[d + 1]
-        while e + 3 < end:  # four edges at a time: one pass over the scaled row per four src rows
-            a, b = out[indices[e], first:last], out[indices[e + 1], first:last]
-            c, g = out[indices[e + 2], first:last], out[indices[e + 3], first:last]
-            va, vb = _coefficient(values, None, indices, e), _coefficient(values, None, indices, e + 1)
-            vc, vg = _coefficient(values, None, indices, e + 2), _coefficient(values, None, indices, e + 3)
-            for f in range(last - first):
-                a[f] += va * scaled[f]
-                b[f] += vb * scaled[f]
-                c[f] += vc * scaled[f]
-                g[f] += vg * scaled[f]
-            e += 4
-        while e < end:
-            a, va = out[indices[e], first:last], _coefficient(values, None, indices, e)
-            for f in range(last - first):
-                a[f] += va * scaled[f]
-            e += 1
+        _scatter_row(indptr, indices, values, d, scaled, out, first, last)
     if col_scale is not None:
         for s in range(out.shape[0]):
             target = out[s, first:last]
             scale = col_scale[s]
             for f in range(last - first):
                 target[f] *= scale
+
+
+@jit(inline="always")
+def _scatter_row(indptr, indices, values, d, scaled, out, first, last):  # pragma: no cover - compiled
+    """``out[indices[e], first:last] += value_e · scaled`` along CSR row ``d``'s edges, in edge order, four at a
+    time (one pass over ``scaled`` per four src rows)."""
+    e, end = indptr[d], indptr[d + 1]
+    while e + 3 < end:
+        a, b = out[indices[e], first:last], out[indices[e + 1], first:last]
+        c, g = out[indices[e + 2], first:last], out[indices[e + 3], first:last]
+        va, vb = _coefficient(values, None, indices, e), _coefficient(values, None, indices, e + 1)
+        vc, vg = _coefficient(values, None, indices, e + 2), _coefficient(values, None, indices, e + 3)
+        for f in range(last - first):
+            a[f] += va * scaled[f]
+            b[f] += vb * scaled[f]
+            c[f] += vc * scaled[f]
+            g[f] += vg * scaled[f]
+        e += 4
+    while e < end:
+        a, va = out[indices[e], first:last], _coefficient(values, None, indices, e)
+        for f in range(last - first):
+            a[f] += va * scaled[f]
+        e += 1
+
+
+def aggregate_rows(block: Block, rows: Tensor, z: Tensor, self_loop: bool) -> Tensor:
+    """Rows ``rows`` of SAGE's mean (``self_loop=False``: ``mean_{s→d} z_s``, weighted by the block's edge
+    weights) or GCN-style mean (``self_loop``: ``(z_d + Σ w_e z_s) / (Σ w_e + 1)``) aggregation, read off the
+    whole block, without autograd: the affine layers' chunk step in layer-wise execution
+    (``betty_trainer.execution.layerwise``). Each row sums the block's own CSR row, reading ``z`` at the block's
+    src positions, so no chunk slice, sub-block or gathered rows of ``z`` are made; its scale (``1/deg``, or
+    ``1/Σ w_e``; plus one with the self loop; 0 for a row without in-edges) is computed in the kernel. The rows'
+    sums equal :func:`mean_neighbours`' (and ``SAGEConv``'s ``gcn``) on the same rows, edge for edge.
+
+    Args:
+        block: the layer's block (CSC over its dst nodes; float32 edge weights or none).
+        rows: ``(R,)`` int64 dst positions.
+        z: ``(num_src, F)`` float32 rows of the block's src nodes, on the CPU.
+        self_loop: add each dst node's own row of ``z`` (dst positions are src positions) and count it.
+
+    Returns:
+        ``(R, F)`` float32, the only tensor allocated.
+
+    Raises:
+        ValueError: where the compiled kernels do not run (:func:`~betty_trainer.rng.compiled_kernels`).
+    """
+    _require_compiled(z)
+    out = z.new_empty(rows.shape[0], z.shape[1])
+    _rows_gather_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, z.dtype),
+                        rows.numpy(), self_loop, z.detach().contiguous().numpy(), out.numpy())
+    return out
+
+
+def aggregate_rows_transpose_(block: Block, rows: Tensor, grad: Tensor, out: Tensor, self_loop: bool) -> None:
+    """Add the transpose of :func:`aggregate_rows` applied to ``grad`` into ``out`` (``∂L/∂z``), in place:
+    every row's scaled gradient along its in-edges to their src rows (and, with ``self_loop``, to its own),
+    building nothing (threads take disjoint column blocks, so the bits do not depend on their number).
+
+    Args:
+        block, rows, self_loop: as :func:`aggregate_rows`'s.
+        grad: ``(R, F)`` float32 gradient of the rows' output.
+        out: ``(num_src, F)`` float32 sink, contiguous, on the CPU.
+
+    Raises:
+        ValueError: where the compiled kernels do not run.
+    """
+    _require_compiled(grad)
+    _rows_scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, grad.dtype),
+                         rows.numpy(), self_loop, grad.contiguous().numpy(), out.numpy(),
+                         _column_step(grad.shape[1]))
+
+
+def _require_compiled(tensor: Tensor) -> None:
+    if not compiled_kernels(tensor.device, tensor.dtype):
+        raise ValueError(f"aggregating rows in place runs the compiled CPU kernels: float32 on the CPU with numba, "
+                         f"not {tensor.dtype} on {tensor.device}")
+
+
+@jit(inline="always")
+def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
+    """Row ``row``'s factor in :func:`aggregate_rows`: ``1 / (deg + self_loop)`` (``Σ w_e`` for ``deg`` with
+    values), 0 for a row whose total is 0."""
+    total = np.float32(indptr[row + 1] - indptr[row])
+    if values is not None:
+        total = np.float32(0.0)
+        for e in range(indptr[row], indptr[row + 1]):
+            total += values[e]
+    if self_loop:
+        total += np.float32(1.0)
+    return np.float32(1.0) / total if total != 0 else np.float32(0.0)
+
+
+@jit(parallel=True)
+def _rows_gather_kernel(indptr, indices, values, rows, self_loop, dense, out):  # pragma: no cover - compiled
+    width = dense.shape[1]
+    for i in numba.prange(rows.shape[0]):
+        row, acc = rows[i], out[i]
+        _row_sum(indptr, indices, values, None, dense, row, acc)
+        scale = _rows_scale(indptr, values, row, self_loop)
+        for f in range(width):
+            acc[f] *= scale
+        if self_loop:
+            own = dense[row]
+            for f in range(width):
+                acc[f] += own[f] * scale
+
+
+@jit(parallel=True)
+def _rows_scatter_kernel(indptr, indices, values, rows, self_loop, grad, out, step):  # pragma: no cover - compiled
+    width = grad.shape[1]
+    for block in numba.prange(-(-width // step)):
+        first, last = block * step, min(width, block * step + step)
+        scaled = np.empty(last - first, dtype=grad.dtype)
+        for i in range(rows.shape[0]):
+            row = rows[i]
+            scale = _rows_scale(indptr, values, row, self_loop)
+            for f in range(last - first):
+                scaled[f] = grad[i, first + f] * scale
+            _scatter_row(indptr, indices, values, row, scaled, out, first, last)
+            if self_loop:
+                own = out[row, first:last]
+                for f in range(last - first):
+                    own[f] += scaled[f]
 
 
 def aggregate(block: Block, h_src: Tensor, values: Tensor | None = None, self_scale: Tensor | None = None,

@@ -88,6 +88,26 @@ class ProjectedLayer(Protocol):
         ...
 
 
+class AffineLayer(ProjectedLayer, Protocol):
+    """A :class:`ProjectedLayer` whose ``propagate_is_affine`` is true also runs a chunk's dst rows off the whole
+    block (layer-wise execution, where the compiled CPU kernels run: no chunk slice, no gathered rows of ``z``).
+
+    ``propagate_rows(block, rows, z, *args)`` is ``propagate``'s rows ``rows`` without autograd, ``z`` the whole
+    projection; ``propagate_rows_backward(block, rows, grad, grad_z, *args)`` takes the rows' output gradient,
+    backpropagates the part reading the dst input rows by autograd and adds ``z``'s gradient into ``grad_z`` by the
+    aggregation's transpose, reading no value of ``z``; ``propagate_rows_terms`` and
+    ``propagate_rows_backward_terms`` are what they allocate (``models.sage.SAGEConv`` documents the forms).
+    """
+
+    def propagate_rows(self, block: Block, rows: Tensor, z: Tensor, *args) -> Tensor: ...
+
+    def propagate_rows_backward(self, block: Block, rows: Tensor, grad: Tensor, grad_z: Tensor, *args) -> None: ...
+
+    def propagate_rows_terms(self, tape: StepTape, rows: int, *args) -> int: ...
+
+    def propagate_rows_backward_terms(self, tape: StepTape, rows: int, grad: int, *args) -> tuple: ...
+
+
 def projected_layers(model: LayerStack) -> list[bool]:
     """Per layer, whether layer-wise execution projects its src rows once per pass: the layer is a
     :class:`ProjectedLayer` whose ``projected_width`` is not ``None``, and the model applies its layers as the
@@ -175,6 +195,33 @@ class ProjectedLayerTerms:
             return grad_z
 
         return out, backward
+
+
+    def propagate_rows(self, tape: StepTape, rows: int, h_dst: int | None = None) -> int:
+        """An affine layer's chunk of ``rows`` dst rows without autograd (``propagate_rows``): the dst input rows'
+        dropout, the layer's ``propagate_rows_terms`` and the stack's ReLU. Returns the output's handle."""
+        layer = self.model.layers[self.index]
+        hd = self._dropped(tape, rows, h_dst, False)[0] if h_dst is not None else None
+        out = layer.propagate_rows_terms(tape, rows, hd)
+        if hd is not h_dst:
+            tape.r.drop(hd)  # the dropout's output
+        if self.index < len(self.model.layers) - 1:
+            out = tape.relu(out, rows, self.model.widths[self.index + 1])[0]
+        return out
+
+    def propagate_rows_backward(self, tape: StepTape, rows: int, grad: int, h_dst: int | None = None,
+                                h_grad: bool = False) -> None:
+        """An affine layer's chunk backward (``propagate_rows_backward``) from ``grad``, the caller's: the dst input
+        rows' dropout, the layer's ``propagate_rows_backward_terms`` and the dropout's backward (the dst input
+        rows' gradient stays in the chunk's scope, added into ``∂L/∂h``)."""
+        layer = self.model.layers[self.index]
+        hd, dropout_bwd = self._dropped(tape, rows, h_dst, h_grad) if h_dst is not None else (None, None)
+        grad_hd, held = layer.propagate_rows_backward_terms(tape, rows, grad, hd, h_grad)
+        if grad_hd is not None and dropout_bwd is not None:
+            dropout_bwd(grad_hd)
+        tape.r.drop(held)
+        if hd is not h_dst:
+            tape.r.drop(hd)
 
 
 def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:

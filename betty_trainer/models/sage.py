@@ -13,6 +13,8 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import (
     aggregate,
+    aggregate_rows,
+    aggregate_rows_transpose_,
     aggregate_terms,
     edge_weight,
     lstm_neighbours,
@@ -146,6 +148,26 @@ class SAGEConv(nn.Module):
             out = out + self.fc_self(h_dst)
         return out + self.bias
 
+    def propagate_rows(self, block: Block, rows: Tensor, z: Tensor, h_dst: Tensor | None = None) -> Tensor:
+        """:meth:`propagate` of the dst rows ``rows`` of ``block`` (an affine layer's chunk in layer-wise
+        execution), without autograd: ``z`` is the whole ``(num_src, F_out)`` projection, read at the block's src
+        positions (:func:`~betty_trainer.models.aggregate.aggregate_rows`; the compiled CPU kernels), and
+        ``h_dst`` the rows' ``(R, F_in)`` input rows (``mean``) → ``(R, F_out)``."""
+        out = aggregate_rows(block, rows, z, self_loop=self.aggregator == "gcn")
+        if self.fc_self is not None:
+            out = out + self.fc_self(h_dst)
+        return out + self.bias
+
+    def propagate_rows_backward(self, block: Block, rows: Tensor, grad: Tensor, grad_z: Tensor,
+                                h_dst: Tensor | None = None) -> None:
+        """The backward of :meth:`propagate_rows` from the rows' output gradient ``grad`` ``(R, F_out)``: the
+        bias's and ``fc_self``'s gradients into ``.grad`` and ``h_dst``'s (when it requires grad) by autograd on
+        the part that reads ``h_dst``, and ``z``'s added into ``grad_z`` ``(num_src, F_out)`` by the aggregation's
+        transpose, which reads no value of ``z`` (the layer is affine in ``z``: :attr:`propagate_is_affine`)."""
+        dst_part = self.bias.expand(rows.shape[0], -1) if self.fc_self is None else self.fc_self(h_dst) + self.bias
+        dst_part.backward(grad)
+        aggregate_rows_transpose_(block, rows, grad, grad_z, self_loop=self.aggregator == "gcn")
+
     def aggregate(self, block: Block, h_src: Tensor) -> Tensor:
         """The neighbourhood vector of every dst node (before ``W_neigh``): ``(num_src, F)`` → ``(num_dst, F)``."""
         if self.aggregator == "mean":
@@ -215,6 +237,28 @@ class SAGEConv(nn.Module):
             return grad_z if hd_dst is None else (grad_z, grad_dst)
 
         return result, backward
+
+    def propagate_rows_terms(self, tape: StepTape, rows: int, hd_dst: int | None = None) -> int:
+        """What :meth:`propagate_rows` allocates on ``rows`` rows (no autograd): the aggregation's output, then
+        ``mean``'s self term and the bias (:meth:`_self_bias_terms`). Returns the output's handle."""
+        out = tape.r.alloc(rows * self.out_feats * tape.f, AGG)
+        return self._self_bias_terms(tape, LayerCounts(rows, rows, 0), out, hd_dst, False)[0]
+
+    def propagate_rows_backward_terms(self, tape: StepTape, rows: int, grad: int, hd_dst: int | None = None,
+                                      hd_grad: bool = False) -> tuple[int | None, int | None]:
+        """What :meth:`propagate_rows_backward` allocates on ``rows`` rows from ``grad`` (the caller's): the part
+        reading ``h_dst`` (``mean``: ``fc_self(h_dst) + bias``; ``gcn``: a view of the bias) and its backward;
+        the transpose allocates nothing. Returns the handles of ``h_dst``'s gradient (or ``None``) and of that
+        part's output (or ``None``), which lives until the call returns."""
+        r, f, b = tape.r, tape.f, self.out_feats
+        self_bwd, result = None, None
+        if self.fc_self is not None:
+            self_out, self_bwd = tape.linear(hd_dst, rows, self.in_feats, b, hd_grad)
+            result = r.alloc(rows * b * f, HID)  # + bias
+            r.drop(self_out)
+        tape.param_grad(b)  # bias
+        tape.settle()
+        return (self_bwd(grad, free_grad=False) if self_bwd is not None else None), result
 
     def _neighbour_terms(self, tape: StepTape, c: LayerCounts, width: int, record: bool):
         """:meth:`aggregate` of ``mean``/``gcn`` on ``width`` columns: its per-dst scale (``gcn``: also the self
