@@ -222,3 +222,41 @@ def test_weighted_gat_attends_as_if_each_edge_were_repeated_its_weight_times():
     torch.testing.assert_close(gradients[0], gradients[1], rtol=1e-12, atol=1e-12)
     unweighted = Block(src_nodes, num_dst, as_long(indptr), as_long(indices))
     assert not torch.allclose(layer(unweighted, h), outputs[0])  # the weights change the attention
+
+
+@pytest.mark.parametrize("self_loop", [False, True], ids=["mean", "gcn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rows_off_the_whole_block_equal_the_aggregation_and_its_transpose(self_loop, weighted):
+    """``aggregate_rows`` (an affine layer's chunk in layer-wise execution) on a subset of dst rows equals those
+    rows of the whole-block mean (or GCN-style mean with the self loop) against a float64 dense reference, a
+    row without in-edges included; ``aggregate_rows_transpose_`` adds the gradient of exactly those rows into
+    a sink that already holds something, and leaves rows no edge reaches as they were."""
+    pytest.importorskip("numba")
+    block = random_block(num_dst=60, num_src=90, max_degree=12, seed=5)
+    generator = torch.Generator().manual_seed(3)
+    if weighted:
+        block.edge_weight = torch.rand(block.num_edges, generator=generator) + 0.1
+    values = block.edge_weight if weighted else torch.ones(block.num_edges)
+    matrix = dense(block, values)
+    if self_loop:
+        matrix[torch.arange(block.num_dst), torch.arange(block.num_dst)] += 1
+    totals = matrix.sum(1, keepdim=True)
+    matrix = torch.where(totals > 0, matrix / totals, matrix)
+    rows = torch.randperm(block.num_dst, generator=generator)[:25]
+    assert (block.in_degrees()[rows] == 0).any()  # a row without in-edges: 0 (mean) or its own row (gcn)
+    z = torch.randn(block.num_src, 20, generator=generator)
+    out = aggregate.aggregate_rows(block, rows, z, self_loop)
+    torch.testing.assert_close(out.double(), matrix[rows] @ z.double(), **CLOSE)
+    grad = torch.randn(rows.numel(), 20, generator=generator)
+    sink = torch.randn(block.num_src, 20, generator=generator)
+    before = sink.clone()
+    aggregate.aggregate_rows_transpose_(block, rows, grad, sink, self_loop)
+    torch.testing.assert_close((sink - before).double(), matrix[rows].T @ grad.double(), **CLOSE)
+    reached = (matrix[rows] != 0).any(0)
+    assert torch.equal(sink[~reached], before[~reached])
+
+
+def test_rows_off_the_whole_block_refuse_where_the_compiled_kernels_do_not_run():
+    block = random_block()
+    with pytest.raises(ValueError, match="compiled CPU kernels"):
+        aggregate.aggregate_rows(block, torch.arange(3), torch.randn(block.num_src, 4, dtype=torch.float64), False)
