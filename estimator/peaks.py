@@ -18,7 +18,7 @@ from estimator.calibrate import CalibratedModel
 from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
 from estimator.counts import LayerCounts, counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
-from estimator.layerwise import estimate_layerwise, layerwise_floor
+from estimator.layerwise import estimate_layerwise, layerwise_floor, runs_off_whole_block
 from estimator.recorder import RecordedModel
 from estimator.spec import ModelSpec
 from estimator.work import step_work
@@ -118,9 +118,17 @@ class LayerwiseEstimate:
         pieces = [self._counts([piece], counts)[0] for piece, counts in zip(largest, self.layers)]
         return layerwise_floor(self.layers, pieces, self.spec, self.spec.projections, host_outputs)
 
+    @property
+    def ranged(self) -> list[bool]:
+        """Per layer, whether its chunks' dst sets do not matter, only their number
+        (:func:`~estimator.layerwise.runs_off_whole_block`): a chunk search splits such a layer by ``range``."""
+        return runs_off_whole_block(self.spec, self.spec.projections)
+
     def work(self, chunks: Sequence[Sequence[Any]]) -> float:
         """The work of the step in ``chunks``, in multiply-adds (:func:`~estimator.work.step_work`): a projected
-        layer projects its block's src rows once per pass."""
+        layer projects its block's src rows once per pass, and a layer run off the whole block reads each edge and
+        row of its block once per pass, whatever its chunks."""
         projections = self.spec.projections or [None] * len(self.layers)
         rows = [counts.num_src if terms is not None else None for counts, terms in zip(self.layers, projections)]
-        return step_work(self.spec, chunks, True, rows)
+        pieces = [[counts] if ranged else layer for layer, counts, ranged in zip(chunks, self.layers, self.ranged)]
+        return step_work(self.spec, pieces, True, rows)

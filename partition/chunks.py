@@ -142,6 +142,12 @@ class ChunkEstimate(Protocol):
         """Bytes below which no chunking goes, from each layer's one-node chunk of its largest dst node."""
         ...
 
+    @property
+    def ranged(self) -> Sequence[bool]:
+        """Per layer, whether only the number of its chunks matters (the step runs it in as many contiguous dst
+        row blocks): the search splits such a layer by ``range``, never by a graph partitioner."""
+        ...
+
 
 @dataclass
 class ChunkSearch:
@@ -227,7 +233,10 @@ def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | N
     started, tried = time.perf_counter(), []
     most = max(block.num_dst for block in blocks)
 
+    ranged = estimate.ranged if estimate is not None else [False] * len(blocks)
+
     def chunked(index: int, parts: int, method: str) -> list[Chunk]:
+        method = "range" if ranged[index] else method  # only the count matters: no partitioner's work for nothing
         if (index, parts, method) not in made:
             made[index, parts, method] = chunk_block(blocks[index], parts, method, seed)
         return made[index, parts, method]

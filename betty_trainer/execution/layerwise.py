@@ -24,8 +24,12 @@ a time (:func:`partition.chunks.chunk_layers`):
   :func:`~betty_trainer.models.capabilities.affine_layers`): the layer's output is ``A·z`` (``A`` from the block
   alone) plus terms without ``z``, so no gradient reads ``z``'s values. Its ``z`` is freed when its forward ends;
   in backward ``∂L/∂h_l`` first takes the stack's ReLU from the stored ``h_l`` (:func:`relu_backward_`; not at
-  the output layer, which has no ReLU), and each chunk recomputes from zeros in place of its rows of ``z``,
-  without the ReLU.
+  the output layer, which has no ReLU). Where the compiled CPU kernels run, such a layer runs off the whole block
+  in as many contiguous dst row blocks as it has chunks (:meth:`_LayerPass.pieces`; the chunks' dst sets do not
+  matter, so the planner splits it by ``range``): forward sums each row's CSR row of the block reading ``z`` in
+  place, backward adds ``Aᵀ·∂L/∂h_l`` into ``∂L/∂z`` and recomputes only the part reading the dst input rows, whose
+  rows of ``h_{l−1}``, ``∂L/∂h_l`` and ``h_l`` are views (``SAGEConv.propagate_rows``). Elsewhere each chunk
+  recomputes from zeros in place of its rows of ``z``, without the ReLU.
 - **Structure**: a chunk keeps its dst nodes and CSC pointer; its slice and sub-block are made when it
   runs and freed when it ends (:meth:`partition.chunks.Chunk.slice`).
 - **Where h_l lives**: on the device, or in host memory when the plan says so
@@ -218,18 +222,19 @@ class _LayerPass:
         projected: list[Tensor | None] = []
         h_prev = None
         with torch.no_grad():
-            for index, pieces in enumerate(self.chunks.layers):
+            for index in range(len(self.blocks)):
                 z_all = self.project(index, h_prev) if self.projects[index] else None
                 out = None
-                for chunk in pieces:
-                    if self.runs_rows(index):
-                        h = self.rows_forward(index, chunk, h_prev, z_all)
+                for piece in self.pieces(index):
+                    if isinstance(piece, Chunk):
+                        h = self.chunk_step(index, piece, h_prev, z_all, grad=False)[0]  # its input rows die here
+                        rows = piece.dst
                     else:
-                        h = self.chunk_step(index, chunk, h_prev, z_all, grad=False)[0]  # its input rows die here
+                        h, rows = self.rows_forward(index, *piece, h_prev, z_all), slice(*piece)
                     if out is None:
                         host = self.chunks.host_outputs and index < self.last
                         out = output_storage(self.blocks[index].num_dst, h, host=host)
-                    out[chunk.dst.to(out.device)] = h.to(out.device)
+                    out[rows if isinstance(rows, slice) else rows.to(out.device)] = h.to(out.device)
                     del h
                 stored.append(out)
                 projected.append(None if self.affine[index] else z_all)  # an affine layer's backward does not read z
@@ -286,8 +291,8 @@ class _LayerPass:
         ``grad_out``: parameter gradients into ``.grad``, the input rows' gradients into ``grad_rows``
         (``∂L/∂z`` for a projected layer, else ``∂L/∂h_{l−1}``) and the dst input rows' into ``grad_in``."""
         if self.runs_rows(index):
-            for chunk in self.chunks.layers[index]:
-                self.rows_backward(index, chunk, grad_out, h_prev, grad_rows, grad_in)
+            for begin, end in self.pieces(index):
+                self.rows_backward(index, begin, end, grad_out, h_prev, grad_rows, grad_in)
             return
         for chunk in self.chunks.layers[index]:
             h, rows, src_index, h_dst, block = self.chunk_step(index, chunk, h_prev, z_all, grad=True)
@@ -298,36 +303,43 @@ class _LayerPass:
                 grad_in.index_add_(0, chunk.dst.to(self.device), h_dst.grad)
             del h, rows, src_index, h_dst, block
 
-    def rows_forward(self, index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor) -> Tensor:
-        """An affine layer's chunk without autograd, off the whole block (:meth:`runs_rows`): its dst nodes' ids
-        and input rows (with the stack's dropout) when the layer reads them, ``propagate_rows`` on ``z_all``, and
-        the stack's ReLU below the output layer. Returns the chunk's output rows."""
+    def pieces(self, index: int) -> list[Chunk] | list[tuple[int, int]]:
+        """What layer ``index`` runs a piece at a time: its chunks, or, for a layer that runs off the whole block
+        (:meth:`runs_rows`), as many contiguous dst row blocks (:func:`~estimator.layerwise.row_blocks`), whose
+        rows of ``h_{l−1}``, ``∂L/∂h_l`` and ``h_l`` are views."""
+        chunks = self.chunks.layers[index]
+        return row_blocks(self.blocks[index].num_dst, len(chunks)) if self.runs_rows(index) else chunks
+
+    def rows_forward(self, index: int, begin: int, end: int, h_prev: Tensor | None, z_all: Tensor) -> Tensor:
+        """An affine layer's dst rows ``[begin, end)`` without autograd, off the whole block (:meth:`runs_rows`):
+        their input rows (with the stack's dropout) when the layer reads them, ``propagate_rows`` on ``z_all``,
+        and the stack's ReLU below the output layer. Returns the rows' output."""
         layer, block = self.model.layers[index], self.blocks[index]
         h_dst = None
         if layer.reads_dst_input:
-            dst_nodes = block.src_nodes[chunk.dst]
-            h_dst = self.model.dropout(self.layer_input(index, dst_nodes, chunk.dst, h_prev), dst_nodes, index,
-                                       index == 0)
-        h = layer.propagate_rows(block, chunk.dst, z_all, h_dst)
+            dst_nodes = block.src_nodes[begin:end]
+            h_dst = self.model.dropout(self.layer_input(index, dst_nodes, slice(begin, end), h_prev), dst_nodes,
+                                       index, index == 0)
+        h = layer.propagate_rows(block, begin, end, z_all, h_dst)
         return F.relu(h) if index < self.last else h
 
-    def rows_backward(self, index: int, chunk: Chunk, grad_out: Tensor, h_prev: Tensor | None, grad_z: Tensor,
-                      grad_in: Tensor | None) -> None:
-        """An affine layer's chunk backward off the whole block (:meth:`runs_rows`) from its rows of ``grad_out``
-        (the stack's ReLU applied already): ``propagate_rows_backward`` adds ``∂L/∂z`` into ``grad_z`` without
-        recomputing the aggregation, and the dst input rows' gradient is added into ``grad_in``."""
+    def rows_backward(self, index: int, begin: int, end: int, grad_out: Tensor, h_prev: Tensor | None,
+                      grad_z: Tensor, grad_in: Tensor | None) -> None:
+        """An affine layer's dst rows ``[begin, end)`` backpropagated off the whole block (:meth:`runs_rows`) from
+        their rows of ``grad_out`` (the stack's ReLU applied already): ``propagate_rows_backward`` adds ``∂L/∂z``
+        into ``grad_z`` without recomputing the aggregation, and the rows' input gradient is added into
+        ``grad_in``."""
         layer, block = self.model.layers[index], self.blocks[index]
         h_dst = dst_nodes = None
         if layer.reads_dst_input:
-            dst_nodes = block.src_nodes[chunk.dst]
-            h_dst = self.layer_input(index, dst_nodes, chunk.dst, h_prev)
+            dst_nodes = block.src_nodes[begin:end]
+            h_dst = self.layer_input(index, dst_nodes, slice(begin, end), h_prev)
             if index > 0:
-                h_dst.requires_grad_()
-        grad = grad_out[chunk.dst]
-        layer.propagate_rows_backward(block, chunk.dst, grad, grad_z, None if h_dst is None else
+                h_dst.requires_grad_()  # a view of h_{l−1}: its gradient is a tensor of its own
+        layer.propagate_rows_backward(block, begin, grad_out[begin:end], grad_z, None if h_dst is None else
                                       self.model.dropout(h_dst, dst_nodes, index, index == 0))
         if h_dst is not None and grad_in is not None:
-            grad_in.index_add_(0, chunk.dst, h_dst.grad)
+            grad_in[begin:end] += h_dst.grad
 
     def layer_input(self, index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
         """Rows of the layer's input for ``nodes`` (global ids) at ``positions`` among the block's src nodes:

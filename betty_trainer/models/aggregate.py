@@ -268,10 +268,10 @@ def _scatter_row(indptr, indices, values, d, scaled, out, first, last):  # pragm
         e += 1
 
 
-def aggregate_rows(block: Block, rows: Tensor, z: Tensor, self_loop: bool) -> Tensor:
-    """Rows ``rows`` of SAGE's mean (``self_loop=False``: ``mean_{s→d} z_s``, weighted by the block's edge
+def aggregate_rows(block: Block, begin: int, end: int, z: Tensor, self_loop: bool) -> Tensor:
+    """Dst rows ``[begin, end)`` of SAGE's mean (``self_loop=False``: ``mean_{s→d} z_s``, weighted by the block's edge
     weights) or GCN-style mean (``self_loop``: ``(z_d + Σ w_e z_s) / (Σ w_e + 1)``) aggregation, read off the
-    whole block, without autograd: the affine layers' chunk step in layer-wise execution
+    whole block, without autograd: an affine layer's row block in layer-wise execution
     (``betty_trainer.execution.layerwise``). Each row sums the block's own CSR row, reading ``z`` at the block's
     src positions, so no chunk slice, sub-block or gathered rows of ``z`` are made; its scale (``1/deg``, or
     ``1/Σ w_e``; plus one with the self loop; 0 for a row without in-edges) is computed in the kernel. The rows'
@@ -279,7 +279,7 @@ def aggregate_rows(block: Block, rows: Tensor, z: Tensor, self_loop: bool) -> Te
 
     Args:
         block: the layer's block (CSC over its dst nodes; float32 edge weights or none).
-        rows: ``(R,)`` int64 dst positions.
+        begin, end: the rows, ``R = end − begin`` dst positions.
         z: ``(num_src, F)`` float32 rows of the block's src nodes, on the CPU.
         self_loop: add each dst node's own row of ``z`` (dst positions are src positions) and count it.
 
@@ -290,19 +290,20 @@ def aggregate_rows(block: Block, rows: Tensor, z: Tensor, self_loop: bool) -> Te
         ValueError: where the compiled kernels do not run (:func:`~betty_trainer.rng.compiled_kernels`).
     """
     _require_compiled(z)
-    out = z.new_empty(rows.shape[0], z.shape[1])
-    _rows_gather_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, z.dtype),
-                        rows.numpy(), self_loop, z.detach().contiguous().numpy(), out.numpy())
+    out = z.new_empty(end - begin, z.shape[1])
+    _rows_gather_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, z.dtype), begin,
+                        self_loop, z.detach().contiguous().numpy(), out.numpy())
     return out
 
 
-def aggregate_rows_transpose_(block: Block, rows: Tensor, grad: Tensor, out: Tensor, self_loop: bool) -> None:
+def aggregate_rows_transpose_(block: Block, begin: int, grad: Tensor, out: Tensor, self_loop: bool) -> None:
     """Add the transpose of :func:`aggregate_rows` applied to ``grad`` into ``out`` (``∂L/∂z``), in place:
     every row's scaled gradient along its in-edges to their src rows (and, with ``self_loop``, to its own),
     building nothing (threads take disjoint column blocks, so the bits do not depend on their number).
 
     Args:
-        block, rows, self_loop: as :func:`aggregate_rows`'s.
+        block, self_loop: as :func:`aggregate_rows`'s.
+        begin: the first row; ``grad``'s rows are rows ``[begin, begin + R)``.
         grad: ``(R, F)`` float32 gradient of the rows' output.
         out: ``(num_src, F)`` float32 sink, contiguous, on the CPU.
 
@@ -310,9 +311,8 @@ def aggregate_rows_transpose_(block: Block, rows: Tensor, grad: Tensor, out: Ten
         ValueError: where the compiled kernels do not run.
     """
     _require_compiled(grad)
-    _rows_scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, grad.dtype),
-                         rows.numpy(), self_loop, grad.contiguous().numpy(), out.numpy(),
-                         _column_step(grad.shape[1]))
+    _rows_scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, grad.dtype), begin,
+                         self_loop, grad.contiguous().numpy(), out.numpy(), _column_step(grad.shape[1]))
 
 
 def _require_compiled(tensor: Tensor) -> None:
@@ -336,10 +336,10 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
 
 
 @jit(parallel=True)
-def _rows_gather_kernel(indptr, indices, values, rows, self_loop, dense, out):  # pragma: no cover - compiled
+def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
     width = dense.shape[1]
-    for i in numba.prange(rows.shape[0]):
-        row, acc = rows[i], out[i]
+    for i in numba.prange(out.shape[0]):
+        row, acc = begin + i, out[i]
         _row_sum(indptr, indices, values, None, dense, row, acc)
         scale = _rows_scale(indptr, values, row, self_loop)
         for f in range(width):
@@ -351,13 +351,13 @@ def _rows_gather_kernel(indptr, indices, values, rows, self_loop, dense, out):  
 
 
 @jit(parallel=True)
-def _rows_scatter_kernel(indptr, indices, values, rows, self_loop, grad, out, step):  # pragma: no cover - compiled
+def _rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step):  # pragma: no cover - compiled
     width = grad.shape[1]
     for block in numba.prange(-(-width // step)):
         first, last = block * step, min(width, block * step + step)
         scaled = np.empty(last - first, dtype=grad.dtype)
-        for i in range(rows.shape[0]):
-            row = rows[i]
+        for i in range(grad.shape[0]):
+            row = begin + i
             scale = _rows_scale(indptr, values, row, self_loop)
             for f in range(last - first):
                 scaled[f] = grad[i, first + f] * scale

@@ -198,10 +198,11 @@ class ProjectedLayerTerms:
 
 
     def propagate_rows(self, tape: StepTape, rows: int, h_dst: int | None = None) -> int:
-        """An affine layer's chunk of ``rows`` dst rows without autograd (``propagate_rows``): the dst input rows'
-        dropout, the layer's ``propagate_rows_terms`` and the stack's ReLU. Returns the output's handle."""
+        """An affine layer's block of ``rows`` dst rows without autograd (``propagate_rows``): the dst input rows'
+        dropout (``h_dst``: their gathered features at the input layer, ``None`` for a view of ``h_{l−1}``) when
+        the layer reads them, the layer's ``propagate_rows_terms`` and the stack's ReLU. Returns the output."""
         layer = self.model.layers[self.index]
-        hd = self._dropped(tape, rows, h_dst, False)[0] if h_dst is not None else None
+        hd = self._dropped(tape, rows, h_dst, False)[0] if self.reads_dst_input else None
         out = layer.propagate_rows_terms(tape, rows, hd)
         if hd is not h_dst:
             tape.r.drop(hd)  # the dropout's output
@@ -209,13 +210,13 @@ class ProjectedLayerTerms:
             out = tape.relu(out, rows, self.model.widths[self.index + 1])[0]
         return out
 
-    def propagate_rows_backward(self, tape: StepTape, rows: int, grad: int, h_dst: int | None = None,
+    def propagate_rows_backward(self, tape: StepTape, rows: int, grad: int | None, h_dst: int | None = None,
                                 h_grad: bool = False) -> None:
-        """An affine layer's chunk backward (``propagate_rows_backward``) from ``grad``, the caller's: the dst input
-        rows' dropout, the layer's ``propagate_rows_backward_terms`` and the dropout's backward (the dst input
-        rows' gradient stays in the chunk's scope, added into ``∂L/∂h``)."""
+        """That block's backward (``propagate_rows_backward``) from ``grad``, the caller's (``None`` for a view):
+        the dst input rows' dropout, the layer's ``propagate_rows_backward_terms`` and the dropout's backward (the
+        dst input rows' gradient stays in the caller's scope, added into ``∂L/∂h``)."""
         layer = self.model.layers[self.index]
-        hd, dropout_bwd = self._dropped(tape, rows, h_dst, h_grad) if h_dst is not None else (None, None)
+        hd, dropout_bwd = self._dropped(tape, rows, h_dst, h_grad) if self.reads_dst_input else (None, None)
         grad_hd, held = layer.propagate_rows_backward_terms(tape, rows, grad, hd, h_grad)
         if grad_hd is not None and dropout_bwd is not None:
             dropout_bwd(grad_hd)

@@ -148,25 +148,26 @@ class SAGEConv(nn.Module):
             out = out + self.fc_self(h_dst)
         return out + self.bias
 
-    def propagate_rows(self, block: Block, rows: Tensor, z: Tensor, h_dst: Tensor | None = None) -> Tensor:
-        """:meth:`propagate` of the dst rows ``rows`` of ``block`` (an affine layer's chunk in layer-wise
-        execution), without autograd: ``z`` is the whole ``(num_src, F_out)`` projection, read at the block's src
-        positions (:func:`~betty_trainer.models.aggregate.aggregate_rows`; the compiled CPU kernels), and
-        ``h_dst`` the rows' ``(R, F_in)`` input rows (``mean``) → ``(R, F_out)``."""
-        out = aggregate_rows(block, rows, z, self_loop=self.aggregator == "gcn")
+    def propagate_rows(self, block: Block, begin: int, end: int, z: Tensor, h_dst: Tensor | None = None) -> Tensor:
+        """:meth:`propagate` of the dst rows ``[begin, end)`` of ``block`` (an affine layer's row block in
+        layer-wise execution), without autograd: ``z`` is the whole ``(num_src, F_out)`` projection, read at the
+        block's src positions (:func:`~betty_trainer.models.aggregate.aggregate_rows`; the compiled CPU kernels),
+        and ``h_dst`` the rows' ``(R, F_in)`` input rows (``mean``) → ``(R, F_out)``."""
+        out = aggregate_rows(block, begin, end, z, self_loop=self.aggregator == "gcn")
         if self.fc_self is not None:
             out = out + self.fc_self(h_dst)
         return out + self.bias
 
-    def propagate_rows_backward(self, block: Block, rows: Tensor, grad: Tensor, grad_z: Tensor,
+    def propagate_rows_backward(self, block: Block, begin: int, grad: Tensor, grad_z: Tensor,
                                 h_dst: Tensor | None = None) -> None:
-        """The backward of :meth:`propagate_rows` from the rows' output gradient ``grad`` ``(R, F_out)``: the
-        bias's and ``fc_self``'s gradients into ``.grad`` and ``h_dst``'s (when it requires grad) by autograd on
-        the part that reads ``h_dst``, and ``z``'s added into ``grad_z`` ``(num_src, F_out)`` by the aggregation's
-        transpose, which reads no value of ``z`` (the layer is affine in ``z``: :attr:`propagate_is_affine`)."""
-        dst_part = self.bias.expand(rows.shape[0], -1) if self.fc_self is None else self.fc_self(h_dst) + self.bias
+        """The backward of :meth:`propagate_rows` from the rows' output gradient ``grad`` ``(R, F_out)`` (rows
+        ``[begin, begin + R)``): the bias's and ``fc_self``'s gradients into ``.grad`` and ``h_dst``'s (when it
+        requires grad) by autograd on the part that reads ``h_dst``, and ``z``'s added into ``grad_z``
+        ``(num_src, F_out)`` by the aggregation's transpose, which reads no value of ``z`` (the layer is affine in
+        ``z``: :attr:`propagate_is_affine`)."""
+        dst_part = self.bias.expand(grad.shape[0], -1) if self.fc_self is None else self.fc_self(h_dst) + self.bias
         dst_part.backward(grad)
-        aggregate_rows_transpose_(block, rows, grad, grad_z, self_loop=self.aggregator == "gcn")
+        aggregate_rows_transpose_(block, begin, grad, grad_z, self_loop=self.aggregator == "gcn")
 
     def aggregate(self, block: Block, h_src: Tensor) -> Tensor:
         """The neighbourhood vector of every dst node (before ``W_neigh``): ``(num_src, F)`` → ``(num_dst, F)``."""
