@@ -44,8 +44,6 @@ from common import int_list, markdown_table, name_list
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder
 
 WEIGHTINGS = ("mean", "gcn", "sum", "weighted")
-SBM = {"sbm-30k": {"num_nodes": 30_000, "num_features": 128, "avg_degree": 10.0}}
-"""``benchmarks/versus_dgl.py``'s low-locality graph: a 30k-node stochastic block model."""
 
 
 def timed(run, repeat: int) -> list[float]:
@@ -142,9 +140,7 @@ class OurSide:
 def export(name: str, hidden: int, folder: Path) -> None:
     """The block's arrays for both sides: CSC structure, ``h`` and the output gradient (seeded normals), one
     weight per edge (uniform in [0.5, 1.5)) and GCN's scales ``(deg + 1)^-1/2``."""
-    from betty_trainer.datasets import make_sbm
-
-    graph = make_sbm(**SBM[name]) if name in SBM else common.load_graph(name)
+    graph = common.load_graph(name)
     generator = torch.Generator().manual_seed(0)
     n = graph.num_nodes
     norm = (graph.in_degrees().float() + 1).rsqrt()

@@ -54,7 +54,7 @@ from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.block import Batch  # noqa: E402
 from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
-from betty_trainer.datasets import DATASETS, make_sbm  # noqa: E402
+from betty_trainer.datasets import DATASETS  # noqa: E402
 from betty_trainer.errors import BettyError  # noqa: E402
 from betty_trainer.execution.micro_batches import measure_training_step  # noqa: E402
 from betty_trainer.memory.spec import model_spec  # noqa: E402
@@ -74,16 +74,9 @@ MODELS: dict[str, list[str]] = {
     "gcn": ["model.arch=gcn"],
     "gat": ["model.arch=gat"],
 }
-SYNTHETIC = {"synthetic-100k": dict(num_nodes=100_000, num_features=64, avg_degree=10, train_per_class=200,
-                                    num_val=1000, num_test=1000)}
 
 DEFAULTS = dict(datasets=["cora", "citeseer", "synthetic-100k"], layers=[2, 3], hidden=[64, 256], ks=[1, 4, 8])
 QUICK = dict(datasets=["cora"], layers=[2], hidden=[64], ks=[1, 4])
-
-
-def load_graph(name: str, data_dir: Path | None) -> Graph:
-    """A registered dataset (:func:`common.load_graph`), or one of :data:`SYNTHETIC`."""
-    return make_sbm(**SYNTHETIC[name]) if name in SYNTHETIC else common.load_graph(name, data_dir)
 
 
 def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[Batch], seed: int,
@@ -171,7 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="folder of the datasets' raw files (default: each one's folder in ../shared/datasets)")
     parser.add_argument("--datasets", type=name_list, default=None,
                         help=f"e.g. cora,citeseer (default {','.join(DEFAULTS['datasets'])}); "
-                             f"synthetic: {', '.join(SYNTHETIC)}")
+                             f"synthetic: {', '.join(common.SBM)}")
     parser.add_argument("--models", type=name_list, default=list(MODELS), help=f"from {','.join(MODELS)}")
     parser.add_argument("--layers", type=int_list, default=None, help="numbers of layers (default 2,3)")
     parser.add_argument("--hidden", type=int_list, default=None, help="hidden widths (default 64,256)")
@@ -193,9 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    unknown = [d for d in args.datasets if d not in DATASETS and d not in SYNTHETIC]
+    unknown = [d for d in args.datasets if d not in DATASETS and d not in common.SBM]
     if unknown:
-        parser.error(f"unknown dataset(s) {', '.join(unknown)}; known: {', '.join([*DATASETS, *SYNTHETIC])}")
+        parser.error(f"unknown dataset(s) {', '.join(unknown)}; known: {', '.join([*DATASETS, *common.SBM])}")
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
@@ -266,7 +259,7 @@ def main(argv=None) -> None:
     total_start = time.perf_counter()
     for name in args.datasets:
         try:
-            graph = load_graph(name, args.data_dir)
+            graph = common.load_graph(name, args.data_dir)
         except BettyError as error:
             raise SystemExit(f"error: {error}") from None
         rows, batches = dataset_rows(name, graph, args)

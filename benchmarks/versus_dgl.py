@@ -87,7 +87,6 @@ from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # noqa: E402  (this fold
 from betty_trainer import HostFeatureStore, NeighborSampler, SampleKey, sample_batch  # noqa: E402
 from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
-from betty_trainer.datasets import make_sbm  # noqa: E402
 from betty_trainer.memory.planner import make_planner  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.rng import derive_seed  # noqa: E402
@@ -101,14 +100,9 @@ TWITTER = "ego-twitter"
 
 # --- data ----------------------------------------------------------------------------------------------------
 
-SBM = {"sbm-30k": {"num_nodes": 30_000, "num_features": 128, "avg_degree": 10.0}}
-"""Low-locality graphs by name: a stochastic block model (5 classes, 70% of edges inside a class, the rest uniform),
-whose neighbourhoods share few nodes, unlike the co-purchase graphs the defaults were tuned on."""
-
-
 def load_graph(name: str, args: argparse.Namespace) -> Graph:
-    """One of :data:`SBM`, or a registered dataset (``ego-twitter``: structure only, for the sampling section)."""
-    return make_sbm(**SBM[name]) if name in SBM else common.load_graph(name, args.data_dir)
+    """One of ``common.SBM``, or a registered dataset (``ego-twitter``: structure only, for the sampling section)."""
+    return common.load_graph(name, args.data_dir)
 
 
 def export(graph: Graph, folder: Path, features: bool) -> None:
