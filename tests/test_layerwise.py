@@ -486,3 +486,40 @@ def test_a_budget_one_node_chunks_meet_is_never_refused(cora64):
     assert min(peak for _, peak in plan.tried[:-1]) > budget  # no REG chunking fitted
     assert plan.partitioner == "range" and plan.tried[-1][0] == cora64.num_nodes  # one node per chunk fitted
     assert plan.pieces <= cora64.num_nodes  # then each layer as few range chunks as still fit
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "gcn"])
+def test_an_affine_layer_runs_off_the_whole_block_in_row_blocks_split_by_range(cora, aggregator, monkeypatch):
+    """SAGE mean/gcn projecting first (affine in z) run each layer in contiguous dst row blocks off the whole block
+    where the compiled kernels run: the plan under a budget splits them by ``range`` (no partitioner's work; only
+    the count matters), the step makes no chunk slice, its estimate is its measured peak, and its gradient is the
+    full batch's. GAT (not affine) still slices its chunks."""
+    from partition.chunks import Chunk
+
+    pytest.importorskip("numba")
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", f"model.aggregator={aggregator}"])
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, aggregator, 0.5)
+    assert affine_layers(model) == [True, True]
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    assert estimator.layerwise(batch.blocks).ranged == [True, True]
+    budget = int(layerwise_peak(Planner(config.micro_batch, estimator, CPU), batch, chunk_layers(batch.blocks, 1)) * 0.4)
+    plan = Planner(config.micro_batch.model_copy(update={"budget": budget}), estimator, CPU).plan(batch)
+    assert plan.pieces > 1
+    for layer in plan.chunks.layers:  # contiguous ranges covering the layer's dst rows in order
+        assert torch.equal(torch.cat([chunk.dst for chunk in layer]), torch.arange(sum(c.num_dst for c in layer)))
+
+    def no_slice(self, block):
+        raise AssertionError("an affine layer's chunk was sliced")
+
+    monkeypatch.setattr(Chunk, "slice", no_slice)
+    features = HostFeatureStore(cora.x, pin=False)
+    set_dropout_key(model, 0, 0)
+    measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)  # Adam's state exists from here on
+    assert measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU).peak_bytes == plan.estimate <= budget
+    set_dropout_key(model, seed=3, step=11)
+    assert_same(full_batch_gradients(model, batch, cora), layerwise_gradients(model, batch, cora, 5))
+    gat = make("gat", cora)
+    with pytest.raises(AssertionError, match="was sliced"):
+        layerwise_gradients(gat, batch, cora, 2)
