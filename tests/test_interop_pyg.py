@@ -14,9 +14,8 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
 
+from benchmarks.custom_models import NeighborSamplerSAGE
 from betty_trainer import GraphSAGE, sample_batch
 from betty_trainer.memory.recorded import record_model
 from betty_trainer.models.interop import PyGLayer, PyGModel
@@ -38,21 +37,6 @@ with warnings.catch_warnings():  # PyG's import calls torch.jit.script, which cu
     from torch_geometric.nn import SAGEConv
 
 HIDDEN = 32
-
-
-class NeighborSamplerSAGE(nn.Module):
-    """GraphSAGE written as PyG's Reddit / ogbn-products examples write it for ``NeighborSampler``."""
-
-    def __init__(self, in_feats: int, hidden: int, classes: int):
-        super().__init__()
-        self.convs = nn.ModuleList([SAGEConv(in_feats, hidden), SAGEConv(hidden, classes)])
-
-    def forward(self, x, adjs):
-        for i, (edge_index, _, size) in enumerate(adjs):
-            x = self.convs[i]((x, x[: size[1]]), edge_index)
-            if i != len(self.convs) - 1:
-                x = F.relu(x)
-        return x
 
 
 def pyg_stack(in_feats: int, classes: int, dropout: float) -> LayerStack:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.custom_models import GINStyle, JumpingKnowledge, TwoHeadGAT
 from betty_trainer import plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
@@ -28,49 +29,7 @@ from estimator.recorder import RecordedModel, Recording, RecordingRefused, recor
 from tests.test_calibration import LR, WEIGHT_DECAY, adam, train_under_half_its_peak
 
 
-def neighbour_sum(block, h):
-    """``(num_dst, F)`` sum of the in-neighbours' rows of ``h``, from torch ops only."""
-    return h.new_zeros(block.num_dst, h.shape[1]).index_add_(0, block.edge_dst(), h.index_select(0, block.indices))
-
-
-class GINStyle(nn.Module):
-    """GIN (Xu et al. 2019): per layer an MLP of ``(1 + ε)·h_v + Σ_u h_u``, ReLU between layers."""
-
-    def __init__(self, in_feats: int, hidden: int, num_classes: int):
-        super().__init__()
-        widths = [in_feats, hidden, num_classes]
-        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(a, hidden), nn.ReLU(), nn.Linear(hidden, b))
-                                  for a, b in zip(widths, widths[1:]))
-        self.eps = nn.Parameter(torch.zeros(len(self.mlps)))
-
-    def forward(self, blocks, x):
-        h = x
-        for index, (block, mlp) in enumerate(zip(blocks, self.mlps)):
-            h = mlp((1 + self.eps[index]) * h[: block.num_dst] + neighbour_sum(block, h))
-            h = torch.relu(h) if index < len(blocks) - 1 else h
-        return h
-
-
-class JumpingKnowledge(nn.Module):
-    """JK-Net (Xu et al. 2018) with concatenation: mean-aggregation layers with dropout, and the classifier reads
-    the input and every layer's output of the output nodes, concatenated."""
-
-    def __init__(self, in_feats: int, hidden: int, num_classes: int):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(in_feats, hidden), nn.Linear(hidden, hidden)])
-        self.dropout = nn.Dropout(0.5)
-        self.classify = nn.Linear(in_feats + 2 * hidden, num_classes)
-
-    def forward(self, blocks, x):
-        outputs, h = [x], x
-        for block, layer in zip(blocks, self.layers):
-            mean = neighbour_sum(block, h) / block.in_degrees().clamp(min=1).unsqueeze(1)
-            h = torch.relu(layer(self.dropout(mean)))
-            outputs = [output[: block.num_dst] for output in outputs] + [h]
-        return self.classify(torch.cat(outputs, dim=1))
-
-
-@pytest.fixture(scope="module", params=[GINStyle, JumpingKnowledge])
+@pytest.fixture(scope="module", params=[GINStyle, JumpingKnowledge, TwoHeadGAT])
 def recorded(request, cora):
     torch.manual_seed(0)
     model = request.param(cora.num_features, 64, cora.num_classes)
@@ -103,11 +62,12 @@ def assert_recorded_within_1_percent(model: nn.Module, result: RecordedModel, gr
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_recorded_estimate_within_1_percent_of_measured_peak(cora, recorded, k):
-    """On Cora's full training batch (both models are byte-exact on torch 2.13)."""
+    """On Cora's full training batch: GIN, JK-Net and a two-head GAT with edge features (PyG's ``GATConv``), each
+    byte-exact on torch 2.13."""
     assert_recorded_within_1_percent(*recorded, cora, k)
 
 
-@pytest.mark.parametrize("model_class", [GINStyle, JumpingKnowledge])
+@pytest.mark.parametrize("model_class", [GINStyle, JumpingKnowledge, TwoHeadGAT])
 def test_recorded_estimate_within_1_percent_on_amazon_computers(computers, model_class):
     """Fanouts 10, 25 (Amazon Computers' full neighbourhood of its outputs is most of the graph), K = 1 and 4."""
     torch.manual_seed(0)
@@ -258,7 +218,7 @@ def test_the_dry_run_plans_a_custom_model_with_its_recorded_estimate(cora, plane
     model = GINStyle(cora.num_features, 64, cora.num_classes)
     before = copy.deepcopy(model.state_dict())
     report = dry_run(config, measure=True, model=model, graph=cora)
-    assert report["model"] == {"custom": "tests.test_recorder.GINStyle"} and report["num_pieces"] > 1
+    assert report["model"] == {"custom": "benchmarks.custom_models.GINStyle"} and report["num_pieces"] > 1
     assert abs(report["estimate_peak_bytes"] - report["measured_peak_bytes"]) <= 0.01 * report["measured_peak_bytes"]
     assert report["measured_peak_bytes"] <= 20_000_000
     for row in report["pieces"]:  # each micro-batch's own recorded estimate, against its measured peak
