@@ -42,17 +42,21 @@ class LayerCounts:
 
 
 def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None) -> list[LayerCounts]:
-    """:class:`LayerCounts` of each block or layer slice (anything with ``indptr`` and ``num_src``).
+    """:class:`LayerCounts` of each block or layer slice (anything with ``indptr`` and ``num_src``), or of each
+    layer's sizes already counted (anything with ``num_src``, ``num_dst``, ``num_edges`` and a
+    ``degree_histogram`` that is not ``None``: :func:`partition.slicing.count_layers`'s sizes).
 
     Args:
-        structures: blocks, :class:`~partition.slicing.LayerSlice` s or :class:`~partition.chunks.Chunk` s,
-            input layer first.
+        structures: blocks, :class:`~partition.slicing.LayerSlice` s, :class:`~partition.chunks.Chunk` s or
+            counted :class:`~partition.slicing.SliceSize` s, input layer first.
         weighted: per layer, whether the block carries edge weights; ``None`` reads each structure's
             ``edge_weight`` (a layer slice has none: pass the parent batch's answer).
     """
     if weighted is None:
         weighted = [getattr(s, "edge_weight", None) is not None for s in structures]
-    return [LayerCounts.from_csc(s.indptr, s.num_src, w) for s, w in zip(structures, weighted)]
+    return [LayerCounts(s.num_src, s.num_dst, s.num_edges, s.degree_histogram, w)
+            if getattr(s, "degree_histogram", None) is not None else LayerCounts.from_csc(s.indptr, s.num_src, w)
+            for s, w in zip(structures, weighted)]
 
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:

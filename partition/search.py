@@ -22,7 +22,7 @@ from torch import Tensor
 
 from partition.partitioners import OutputSplitter
 from partition.reg import output_adjacency
-from partition.slicing import BlockStructure, SliceSize, slice_layers
+from partition.slicing import BlockStructure, SliceSize, count_layers
 
 Estimate = Callable[[Sequence[BlockStructure], bool], int]  # (micro-batch, accumulating) → peak bytes
 
@@ -51,8 +51,8 @@ class Split:
         seconds: wall time of planning.
         stage_seconds: wall seconds of planning by stage, summed over every K tried: ``"weights"`` (the
             METIS vertex weights, :func:`output_costs`), ``"partition"`` (splitting the outputs: METIS,
-            and building the REG when the splitter had not built it yet), ``"slicing"`` (the micro-batches'
-            layer slices), ``"estimate"``.
+            and building the REG when the splitter had not built it yet), ``"counting"`` (the micro-batches'
+            layer sizes, :func:`~partition.slicing.count_layers`), ``"estimate"``.
     """
 
     groups: list[Tensor]
@@ -176,7 +176,7 @@ def make_split(
     tried: list[tuple[int, int]] = []
     splits: dict[int, tuple[list[Tensor], list[list[SliceSize]], list[int]]] = {}
 
-    stage_seconds = {"weights": 0.0, "partition": 0.0, "slicing": 0.0, "estimate": 0.0}
+    stage_seconds = {"weights": 0.0, "partition": 0.0, "counting": 0.0, "estimate": 0.0}
 
     def timed(stage: str, fn: Callable[..., Any], *args: Any) -> Any:
         started = time.perf_counter()
@@ -191,12 +191,9 @@ def make_split(
         else:
             vertex_weights = timed("weights", weights)
             groups = timed("partition", splitter.split, parts, seed, vertex_weights)
-            sizes, estimates = [], []
-            for index, group in enumerate(groups):  # one micro-batch's slices at a time, dropped once sized and estimated
-                layers = timed("slicing", slice_layers, blocks, group)
-                sizes.append([layer.size for layer in layers])
-                if estimate is not None:
-                    estimates.append(timed("estimate", estimate, layers, index > 0))
+            sizes = timed("counting", count_layers, blocks, groups)  # every micro-batch's sizes, none sliced
+            estimates = [timed("estimate", estimate, layers, index > 0)
+                         for index, layers in enumerate(sizes)] if estimate is not None else []
         tried.append((parts, max(estimates, default=0)))
         splits[parts] = groups, sizes, estimates
         return splits[parts]
@@ -221,7 +218,7 @@ def make_split(
             f"({_mib(resident)}: parameters, optimizer state, model buffers)"
         )
     hungriest = int(np.argmax(costs()))
-    alone = estimate(slice_layers(blocks, torch.tensor([hungriest])), True)
+    alone = estimate(count_layers(blocks, [torch.tensor([hungriest])])[0], True)
     if alone > budget:
         raise BudgetError(
             f"memory budget {_mib(budget)} is impossible: output node {hungriest} of the batch alone needs "

@@ -81,11 +81,15 @@ class SliceSize:
         num_src: src nodes (the dst nodes included).
         num_dst: dst nodes.
         num_edges: edges.
+        degree_histogram: ``((L, B), …)``: ``B`` dst nodes have in-degree ``L`` (L ≥ 1), ascending in ``L`` (what
+            the memory estimate needs besides the counts: Betty Eq. 5's buckets); ``None`` where not counted
+            (:func:`count_layers` counts it).
     """
 
     num_src: int
     num_dst: int
     num_edges: int
+    degree_histogram: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def of(cls, block: BlockStructure) -> "SliceSize":
@@ -131,6 +135,54 @@ def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list
         dst = layer.src_index
     slices.reverse()
     return slices
+
+
+def count_layers(blocks: Sequence[BlockStructure], groups: Sequence[Tensor]) -> list[list[SliceSize]]:
+    """The sizes of every group's micro-batch, as :func:`slice_layers` would slice it, without slicing.
+
+    Equal, layer by layer, to ``slice_layers(blocks, group)``'s counts (src, dst and edge counts and the dst
+    in-degree histogram), for all groups in one compiled pass per block (:func:`_count_kernel`): a node's
+    membership in the groups is a bit set (``⌈K / 64⌉`` uint64 words), each src node gets the union of its
+    readers' sets, and per group the counts are sums over the nodes whose set holds it. Work
+    ``O(W·E + K·S)`` per block for ``W`` words, ``E`` edges and ``S`` src nodes, against
+    ``O(redundancy · E)`` and ``K`` slices' allocations for slicing each group; the K search counts every
+    candidate split this way (Betty §4.4.3) and slices a micro-batch only when it runs.
+
+    Args:
+        blocks: the batch's blocks, input layer first, chaining as in :func:`slice_layers`.
+        groups: per micro-batch, ``(m_k,)`` int64 distinct positions among the output block's dst nodes.
+
+    Returns:
+        Per group, one :class:`SliceSize` per block (input layer first) with its ``degree_histogram``.
+
+    Raises:
+        ValueError: if the blocks do not chain or a group is out of range.
+    """
+    for lower, upper in itertools.pairwise(blocks):
+        if lower.num_dst != upper.num_src:
+            raise ValueError(f"blocks do not chain: {lower.num_dst} dst nodes feed {upper.num_src} src nodes")
+    k, words = len(groups), max(1, -(-len(groups) // 64))
+    member = np.zeros((blocks[-1].num_dst, words), dtype=np.uint64)  # bit g of a node: it is in group g's layer
+    for g, group in enumerate(groups):
+        positions = group.cpu().numpy()
+        if positions.size and (positions.min() < 0 or positions.max() >= blocks[-1].num_dst):
+            raise ValueError(f"group {g} out of range [0, {blocks[-1].num_dst})")
+        member[positions, g // 64] |= np.uint64(1 << (g % 64))
+    layers: list[list[SliceSize]] = []
+    for block in reversed(blocks):
+        indptr, indices = block.indptr.cpu().numpy(), block.indices.cpu().numpy()
+        degrees = np.diff(indptr)
+        distinct = np.unique(degrees[degrees > 0])
+        rank = np.searchsorted(distinct, degrees)  # read only where the degree is positive
+        num_src, num_dst, num_edges = (np.zeros(k, dtype=np.int64) for _ in range(3))
+        histogram = np.zeros((k, distinct.size), dtype=np.int64)
+        member = _count_kernel(indptr, indices, block.num_src, member, k, rank, num_src, num_dst, num_edges,
+                               histogram)
+        layers.append([SliceSize(int(num_src[g]), int(num_dst[g]), int(num_edges[g]),
+                                 tuple(zip(distinct[row > 0].tolist(), row[row > 0].tolist())))
+                       for g, row in enumerate(histogram)])
+    layers.reverse()
+    return [list(group_layers) for group_layers in zip(*layers)]
 
 
 def _slice_block(block: BlockStructure, dst: Tensor) -> LayerSlice:
@@ -244,6 +296,43 @@ def _fill_kernel(indptr, indices, dst, label, edge_ids, local, src_index):  # pr
             edge_ids[position] = edge
             local[position] = label[indices[edge]]
             position += 1
+
+
+@_jit
+def _count_kernel(indptr, indices, num_src, member, k, rank, num_src_out, num_dst_out, num_edges_out,
+                  histogram):  # pragma: no cover - compiled
+    """One block of :func:`count_layers`: from the dst nodes' group bit sets ``member`` (``(num_dst, W)`` uint64),
+    adds each group's dst, edge and src counts and dst in-degree histogram (``rank``: each dst node's column in
+    ``histogram``) to the outputs; returns the src nodes' bit sets (``(num_src, W)``; the dst nodes, the first
+    ``num_dst`` src positions, keep their own)."""
+    n, words = member.shape
+    src = np.zeros((num_src, words), dtype=np.uint64)
+    src[:n] = member
+    one = np.uint64(1)
+    for v in range(n):
+        degree = indptr[v + 1] - indptr[v]
+        for word in range(words):
+            bits = member[v, word]
+            if bits == 0:
+                continue
+            for edge in range(indptr[v], indptr[v + 1]):
+                src[indices[edge], word] |= bits
+            for bit in range(min(64, k - 64 * word)):
+                if (bits >> np.uint64(bit)) & one:
+                    group = 64 * word + bit
+                    num_dst_out[group] += 1
+                    num_edges_out[group] += degree
+                    if degree > 0:
+                        histogram[group, rank[v]] += 1
+    for u in range(num_src):
+        for word in range(words):
+            bits = src[u, word]
+            if bits == 0:
+                continue
+            for bit in range(min(64, k - 64 * word)):
+                if (bits >> np.uint64(bit)) & one:
+                    num_src_out[64 * word + bit] += 1
+    return src
 
 
 def gather_rows(indptr: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
