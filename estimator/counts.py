@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
+import numpy as np
 from torch import Tensor
 
 INDEX_BYTES = 8  # int64 node ids and CSC pointers
@@ -34,10 +34,16 @@ class LayerCounts:
 
     @classmethod
     def from_csc(cls, indptr: Tensor, num_src: int, weighted: bool = False) -> "LayerCounts":
-        """Counts of a block from its ``(num_dst + 1,)`` int64 CSC pointer and src count."""
-        degrees = indptr[1:] - indptr[:-1]
-        values, counts = torch.unique(degrees[degrees > 0], return_counts=True)
-        return cls(num_src, indptr.numel() - 1, int(indptr[-1]), tuple(zip(values.tolist(), counts.tolist())),
+        """Counts of a block from its ``(num_dst + 1,)`` int64 CSC pointer (on any device) and src count.
+
+        The histogram is a ``numpy.bincount`` of the degrees on the CPU (``O(num_dst + max degree)``): on 60k
+        degrees, one thread, 0.1 ms against ``torch.unique``'s 2 ms alone, and ~0.1 s per call that
+        ``torch.unique`` took between training steps (profiled planning of a 100k-node SBM's sampled batches),
+        more than counting all the batch's micro-batches (:func:`partition.slicing.count_layers`)."""
+        degrees = np.diff(indptr.cpu().numpy())
+        counts = np.bincount(degrees)
+        values = np.flatnonzero(counts[1:]) + 1
+        return cls(num_src, indptr.numel() - 1, int(indptr[-1]), tuple(zip(values.tolist(), counts[values].tolist())),
                    weighted)
 
 
