@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from partition.partitioners import OutputSplitter
+from partition.partitioners import OutputSplitter, Splitter
 from partition.reg import output_adjacency
 from partition.slicing import BlockStructure, SliceSize, count_layers
 
@@ -51,7 +51,8 @@ class Split:
         seconds: wall time of planning.
         stage_seconds: wall seconds of planning by stage, summed over every K tried: ``"weights"`` (the
             METIS vertex weights, :func:`output_costs`), ``"partition"`` (splitting the outputs: METIS,
-            and building the REG when the splitter had not built it yet), ``"counting"`` (the micro-batches'
+            and building the REG when the splitter had not built it yet; for a graph splitter, the look-up, and
+            the graph's METIS for a K the run had not partitioned yet), ``"counting"`` (the micro-batches'
             layer sizes, :func:`~partition.slicing.count_layers`), ``"estimate"``.
     """
 
@@ -115,7 +116,7 @@ def make_split(
     partitioner: str = "reg",
     seed: int = 0,
     balance: bool = True,
-    splitter: OutputSplitter | None = None,
+    splitter: Splitter | None = None,
     search: str = "linear",
 ) -> Split:
     """Split a batch into micro-batches: K given, or the smallest K that fits ``budget``.
@@ -145,12 +146,14 @@ def make_split(
         resident_bytes: bytes every micro-batch's estimate includes before its own data
             (parameters, optimizer state, buffers).
         min_k: never fewer micro-batches (used to re-plan after an out-of-memory error).
-        partitioner: a name in :data:`partition.PARTITIONERS`.
+        partitioner: a name in :data:`partition.PARTITIONERS`, or ``"graph"`` with a
+            :class:`~partition.partitioners.GraphSplitter` (the run's graph partition).
         seed: partitioner seed.
         balance: weight METIS vertices by :func:`output_costs`.
-        splitter: an :class:`~partition.partitioners.OutputSplitter` of ``blocks[-1]`` (or of a
-            block with the same structure) with method ``partitioner`` to reuse (its REG
-            already built); default: a new one.
+        splitter: a :class:`~partition.partitioners.Splitter` of ``blocks[-1]``'s outputs with method
+            ``partitioner``: an :class:`~partition.partitioners.OutputSplitter` of ``blocks[-1]`` (or of a
+            block with the same structure) to reuse (its REG already built), or a
+            :class:`~partition.partitioners.GraphSplitter`; default: a new ``OutputSplitter``.
         search: ``"linear"`` (the smallest K, exactly) or ``"gallop"`` (galloping then
             bisection; the smallest K when fitting is monotone in K).
 
@@ -235,7 +238,7 @@ def make_split(
 
 
 def _check_split_arguments(blocks: Sequence[BlockStructure], estimate: Estimate | None, budget: int | None,
-                           k: int | None, splitter: OutputSplitter | None, partitioner: str, search: str) -> None:
+                           k: int | None, splitter: Splitter | None, partitioner: str, search: str) -> None:
     """:func:`make_split`'s argument checks (its ``ValueError`` s)."""
     if (budget is None) == (k is None):
         raise ValueError("give exactly one of budget and k")
@@ -243,7 +246,7 @@ def _check_split_arguments(blocks: Sequence[BlockStructure], estimate: Estimate 
         raise ValueError("planning for a budget needs an estimate")
     if search not in ("linear", "gallop"):
         raise ValueError(f"unknown search {search!r}; choose 'linear' or 'gallop'")
-    if splitter is not None and (splitter.block.num_dst != blocks[-1].num_dst or splitter.method != partitioner):
+    if splitter is not None and (splitter.num_outputs != blocks[-1].num_dst or splitter.method != partitioner):
         raise ValueError("splitter was made for another output block or partitioner")
 
 

@@ -11,7 +11,7 @@ from betty_trainer import Block, plan_micro_batches, sample_batch
 from betty_trainer.datasets import make_sbm
 from betty_trainer.execution.micro_batches import MicroBatches
 from estimator.counts import LayerCounts
-from partition import PARTITIONERS, build_reg, make_split, partition_outputs, redundancy
+from partition import PARTITIONERS, GraphPartition, build_reg, make_split, partition_outputs, redundancy
 from partition.metis import metis_kway
 from partition.reg import drop_diagonal, hub_threshold
 from partition.slicing import count_layers, slice_layers
@@ -371,3 +371,28 @@ def test_compiled_slicing_equals_tensor_slicing(cora, fanouts):
         compiled = slice_with(slice_block_compiled, batch.blocks, group)
         assert_same_slices(compiled, slice_with(slice_block_tensors, batch.blocks, group))
         assert_same_slices(compiled, slice_layers(batch.blocks, group))
+
+
+def test_a_graph_partition_is_made_once_per_k_and_splits_any_batch_by_its_nodes_parts(cora):
+    """The run's graph partition: METIS once per (K, seed), each part table kept; a batch's outputs are grouped by
+    their nodes' parts (a partition of the outputs), the training nodes balanced across parts; the K search takes
+    it as its splitter, and refuses it for another batch's outputs."""
+    balanced = torch.zeros(cora.num_nodes, dtype=torch.bool)
+    balanced[cora.train_idx] = True
+    graph = GraphPartition(cora.indptr, cora.indices, balanced)
+    assert (graph.graph != graph.graph.T).nnz == 0 and graph.graph.diagonal().sum() == 0
+    parts = graph.parts(4, seed=1)
+    assert parts is graph.parts(4, seed=1) and parts.shape == (cora.num_nodes,)
+    per_part = np.bincount(parts[cora.train_idx.numpy()], minlength=4)
+    assert per_part.max() <= 1.1 * cora.train_idx.numel() / 4, per_part  # METIS's imbalance tolerance, ~3%
+    batch = sample_batch(cora, cora.train_idx, [5, 10], torch.Generator().manual_seed(0))
+    groups = graph.splitter(batch.output_nodes).split(4, seed=1)
+    assert torch.equal(torch.sort(torch.cat(groups)).values, torch.arange(batch.output_nodes.numel()))
+    for group in groups:
+        assert len(set(parts[batch.output_nodes[group].numpy()].tolist())) == 1
+    split = make_split(batch.blocks, k=4, partitioner="graph", seed=1, splitter=graph.splitter(batch.output_nodes))
+    assert [g.tolist() for g in split.groups] == [g.tolist() for g in groups]
+    with pytest.raises(ValueError, match="another output block"):
+        make_split(batch.blocks, k=4, partitioner="graph", splitter=graph.splitter(batch.output_nodes[:-1]))
+    with pytest.raises(ValueError, match="cannot split"):
+        graph.splitter(batch.output_nodes).split(batch.output_nodes.numel() + 1)
