@@ -171,12 +171,12 @@ def count_layers(blocks: Sequence[BlockStructure], groups: Sequence[Tensor]) -> 
     layers: list[list[SliceSize]] = []
     for block in reversed(blocks):
         indptr, indices = block.indptr.cpu().numpy(), block.indices.cpu().numpy()
-        degrees = np.diff(indptr)
-        distinct = np.unique(degrees[degrees > 0])
-        rank = np.searchsorted(distinct, degrees)  # read only where the degree is positive
+        present = np.bincount(np.diff(indptr)) > 0  # the in-degrees that occur
+        present[:1] = False
+        distinct, column = np.flatnonzero(present), np.cumsum(present) - 1  # column: a degree's histogram column
         num_src, num_dst, num_edges = (np.zeros(k, dtype=np.int64) for _ in range(3))
         histogram = np.zeros((k, distinct.size), dtype=np.int64)
-        member = _count_kernel(indptr, indices, block.num_src, member, k, rank, num_src, num_dst, num_edges,
+        member = _count_kernel(indptr, indices, block.num_src, member, column, num_src, num_dst, num_edges,
                                histogram)
         layers.append([SliceSize(int(num_src[g]), int(num_dst[g]), int(num_edges[g]),
                                  tuple(zip(distinct[row > 0].tolist(), row[row > 0].tolist())))
@@ -298,17 +298,25 @@ def _fill_kernel(indptr, indices, dst, label, edge_ids, local, src_index):  # pr
             position += 1
 
 
+_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
+#: bit index of a power of two ``p`` at ``(p · _DE_BRUIJN mod 2⁶⁴) >> 58`` (a de Bruijn sequence: each 6-bit window
+#: occurs once), so a set bit's index is one multiplication and one look-up
+_BIT_INDEX = np.zeros(64, dtype=np.int64)
+_BIT_INDEX[[((1 << bit) * 0x03F79D71B4CB0A89 % 2**64) >> 58 for bit in range(64)]] = np.arange(64)
+
+
 @_jit
-def _count_kernel(indptr, indices, num_src, member, k, rank, num_src_out, num_dst_out, num_edges_out,
+def _count_kernel(indptr, indices, num_src, member, column, num_src_out, num_dst_out, num_edges_out,
                   histogram):  # pragma: no cover - compiled
     """One block of :func:`count_layers`: from the dst nodes' group bit sets ``member`` (``(num_dst, W)`` uint64),
-    adds each group's dst, edge and src counts and dst in-degree histogram (``rank``: each dst node's column in
+    adds each group's dst, edge and src counts and dst in-degree histogram (``column``: a degree's column in
     ``histogram``) to the outputs; returns the src nodes' bit sets (``(num_src, W)``; the dst nodes, the first
-    ``num_dst`` src positions, keep their own)."""
+    ``num_dst`` src positions, keep their own). A node's groups are visited by their set bits only (lowest
+    first, :data:`_BIT_INDEX`), so its cost is the number of groups that hold it, not K."""
     n, words = member.shape
     src = np.zeros((num_src, words), dtype=np.uint64)
     src[:n] = member
-    one = np.uint64(1)
+    one, shift = np.uint64(1), np.uint64(58)
     for v in range(n):
         degree = indptr[v + 1] - indptr[v]
         for word in range(words):
@@ -317,21 +325,21 @@ def _count_kernel(indptr, indices, num_src, member, k, rank, num_src_out, num_ds
                 continue
             for edge in range(indptr[v], indptr[v + 1]):
                 src[indices[edge], word] |= bits
-            for bit in range(min(64, k - 64 * word)):
-                if (bits >> np.uint64(bit)) & one:
-                    group = 64 * word + bit
-                    num_dst_out[group] += 1
-                    num_edges_out[group] += degree
-                    if degree > 0:
-                        histogram[group, rank[v]] += 1
+            while bits:
+                lowest = bits & (~bits + one)
+                group = 64 * word + _BIT_INDEX[(lowest * _DE_BRUIJN) >> shift]
+                num_dst_out[group] += 1
+                num_edges_out[group] += degree
+                if degree > 0:
+                    histogram[group, column[degree]] += 1
+                bits ^= lowest
     for u in range(num_src):
         for word in range(words):
             bits = src[u, word]
-            if bits == 0:
-                continue
-            for bit in range(min(64, k - 64 * word)):
-                if (bits >> np.uint64(bit)) & one:
-                    num_src_out[64 * word + bit] += 1
+            while bits:
+                lowest = bits & (~bits + one)
+                num_src_out[64 * word + _BIT_INDEX[(lowest * _DE_BRUIJN) >> shift]] += 1
+                bits ^= lowest
     return src
 
 
