@@ -384,7 +384,8 @@ def two_copies(graph) -> GraphPartition:
 
 def test_sampled_batches_are_split_by_the_graph_partition_with_exact_estimates(setting):
     """micro_batch.assignment=graph without a budget: every sampled batch is split by its outputs' parts in the
-    graph's K-way partition (one METIS for the run); the estimates are those of the micro-batches as they run."""
+    graph's K-way partition (one METIS for the run); the plan's estimate, made when asked, is the largest of the
+    micro-batches as they run."""
     graph, config, *_ = setting
     by_graph = load_config(None, OVERRIDES + ["micro_batch.assignment=graph", "micro_batch.num_micro_batches=4"])
     partition = graph_partition(by_graph, graph)
@@ -397,15 +398,16 @@ def test_sampled_batches_are_split_by_the_graph_partition_with_exact_estimates(s
         parts = partition.parts(4, planner.seed)[batch.output_nodes.numpy()]
         assert sorted(sorted(group.tolist()) for group in plan.split.groups) == \
             sorted(np.flatnonzero(parts == p).tolist() for p in range(4))
-        assert plan.split.estimates == [estimator.peak(micro_batch.blocks, index > 0)
-                                        for index, micro_batch in enumerate(plan.micro_batches)]
+        assert not plan.split.estimates  # nothing estimated per batch without a budget, until asked
+        assert plan.estimate == max(estimator.peak(micro_batch.blocks, index > 0)
+                                    for index, micro_batch in enumerate(plan.micro_batches))
     assert planner.plans_made == 2 and planner.fallbacks == 0
 
 
 def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_back_where_it_misses(setting):
     """Under a budget the run's first batch is planned per batch (REG), and its K is the graph's: a later batch
-    whose graph split fits is split by the graph; one whose graph split misses is planned per batch instead
-    (within the budget), counted in ``fallbacks``."""
+    whose graph split fits is split by the graph (its estimates those of its micro-batches as they run); one
+    whose graph split misses is planned per batch instead (within the budget), counted in ``fallbacks``."""
     graph, config, *_ = setting
     estimator = PeakEstimator(model_spec(config, graph))
     first, second = (sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(s)) for s in (0, 1))
@@ -416,7 +418,10 @@ def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_
     assert estimator.peak(first.blocks) > budget  # so the first batch needs K = 2
     section = load_config(None, OVERRIDES + [f"micro_batch.budget={budget}"]).micro_batch
     planner = Planner(section, estimator, torch.device("cpu"), graph_partition=partition)
-    assert [(plan.partitioner, plan.pieces) for plan in map(planner.plan, (first, second))] == [("reg", 2), ("graph", 2)]
+    plans = [planner.plan(first), planner.plan(second)]
+    assert [(plan.partitioner, plan.pieces) for plan in plans] == [("reg", 2), ("graph", 2)]
+    assert plans[1].split.estimates == [estimator.peak(micro_batch.blocks, index > 0)  # exact for the graph's split
+                                        for index, micro_batch in enumerate(plans[1].micro_batches)]
     assert planner.fallbacks == 0
 
     misses = Planner(section, estimator, torch.device("cpu"), graph_partition=two_copies(graph))

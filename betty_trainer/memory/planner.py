@@ -64,8 +64,10 @@ class Planner:
             ``graph``: :func:`make_planner`), or ``None`` to partition each batch's outputs.
 
     Assignment by the graph: with a ``graph_partition``, a batch's micro-batches are its outputs grouped by their
-    nodes' parts in the graph's K-way partition (made once per K for the run), counted and estimated; no REG and
-    no METIS per batch. Without a budget K is ``num_micro_batches``. Under a budget the first batch is planned
+    nodes' parts in the graph's K-way partition (made once per K for the run) and counted; no REG and no METIS
+    per batch. Without a budget K is ``num_micro_batches`` and nothing is estimated per batch (the plan
+    estimates its micro-batches when asked: :attr:`MicroBatchPlan.estimate
+    <betty_trainer.execution.micro_batches.MicroBatchPlan.estimate>`). Under a budget the first batch is planned
     per batch (the K search on its REG) and its K is the graph's; each later batch tries the graph's K, and
     where its largest estimate misses the budget the batch is planned per batch instead and the graph's K grows
     by one for the batches after it (``fallbacks`` counts those batches). Any assignment of the outputs gives
@@ -222,8 +224,10 @@ class Planner:
             return None
         k = self.config.num_micro_batches if self.budget is None else self._graph_k
         k = min(max(k, min_pieces), batch.output_nodes.numel())
-        split = make_split(batch.blocks, estimate, k=k, resident_bytes=self.resident, partitioner=GraphPartition.method,
-                           seed=self.seed, splitter=self.graph_partition.splitter(batch.output_nodes))
+        # without a budget nothing is decided by the estimates: the plan estimates its micro-batches when asked
+        split = make_split(batch.blocks, estimate if self.budget is not None else None, k=k,
+                           resident_bytes=self.resident, partitioner=GraphPartition.method, seed=self.seed,
+                           splitter=self.graph_partition.splitter(batch.output_nodes))
         if self.budget is None or max(split.estimates) <= self.budget:
             return split
         self.fallbacks += 1
