@@ -144,8 +144,10 @@ def groups_of(parts: np.ndarray, k: int) -> list[Tensor]:
     ``int64`` positions, in part order."""
     # numpy's serial sort: torch's multi-threaded one can stall when other processes hold the cores (230k
     # outputs, 2 shared cores, load ~5: medians 0.010 s and 0.009 s, worst of 7 runs 0.24 s and 0.04 s;
-    # it took 0.42 s in one profiled plan)
-    order = torch.from_numpy(np.argsort(parts, kind="stable").astype(np.int64, copy=False))
+    # it took 0.42 s in one profiled plan). As int16 (any k up to 32767) numpy's stable sort is a radix
+    # sort: 0.04 ms against 0.18 ms as int64 for 8192 outputs in 8 parts.
+    keys = parts.astype(np.int16) if k <= np.iinfo(np.int16).max else parts
+    order = torch.from_numpy(np.argsort(keys, kind="stable").astype(np.int64, copy=False))
     counts = np.bincount(parts, minlength=k)
     return [group for group in torch.split(order, counts.tolist()) if group.numel()]
 

@@ -311,8 +311,9 @@ def _count_kernel(indptr, indices, num_src, member, column, num_src_out, num_dst
     """One block of :func:`count_layers`: from the dst nodes' group bit sets ``member`` (``(num_dst, W)`` uint64),
     adds each group's dst, edge and src counts and dst in-degree histogram (``column``: a degree's column in
     ``histogram``) to the outputs; returns the src nodes' bit sets (``(num_src, W)``; the dst nodes, the first
-    ``num_dst`` src positions, keep their own). A node's groups are visited by their set bits only (lowest
-    first, :data:`_BIT_INDEX`), so its cost is the number of groups that hold it, not K."""
+    ``num_dst`` src positions, keep their own). A dst node's groups are visited by their set bits only (lowest
+    first, :data:`_BIT_INDEX`), so its cost is the number of groups that hold it, not K; the src nodes are
+    counted by the values of their bit sets' bytes (``⌈K / 8⌉`` increments per node)."""
     n, words = member.shape
     src = np.zeros((num_src, words), dtype=np.uint64)
     src[:n] = member
@@ -333,13 +334,18 @@ def _count_kernel(indptr, indices, num_src, member, column, num_src_out, num_dst
                 if degree > 0:
                     histogram[group, column[degree]] += 1
                 bits ^= lowest
+    # src counts by byte: how many src nodes hold each value of each byte of the bit sets, then per group the
+    # values with its bit (one increment per node and byte instead of one per group holding it)
+    k = num_src_out.shape[0]
+    num_bytes = (k + 7) // 8
+    by_byte = np.zeros((num_bytes, 256), dtype=np.int64)
     for u in range(num_src):
-        for word in range(words):
-            bits = src[u, word]
-            while bits:
-                lowest = bits & (~bits + one)
-                num_src_out[64 * word + _BIT_INDEX[(lowest * _DE_BRUIJN) >> shift]] += 1
-                bits ^= lowest
+        for byte in range(num_bytes):
+            by_byte[byte, (src[u, byte // 8] >> np.uint64(8 * (byte % 8))) & np.uint64(255)] += 1
+    for group in range(k):
+        for value in range(256):
+            if (value >> (group % 8)) & 1:
+                num_src_out[group] += by_byte[group // 8, value]
     return src
 
 
