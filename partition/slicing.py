@@ -161,26 +161,22 @@ def count_layers(blocks: Sequence[BlockStructure], groups: Sequence[Tensor]) -> 
     for lower, upper in itertools.pairwise(blocks):
         if lower.num_dst != upper.num_src:
             raise ValueError(f"blocks do not chain: {lower.num_dst} dst nodes feed {upper.num_src} src nodes")
-    k, words = len(groups), max(1, -(-len(groups) // 64))
-    member = np.zeros((blocks[-1].num_dst, words), dtype=np.uint64)  # bit g of a node: it is in group g's layer
-    for g, group in enumerate(groups):
-        positions = group.cpu().numpy()
-        if positions.size and (positions.min() < 0 or positions.max() >= blocks[-1].num_dst):
-            raise ValueError(f"group {g} out of range [0, {blocks[-1].num_dst})")
-        member[positions, g // 64] |= np.uint64(1 << (g % 64))
+    k, num_outputs = len(groups), blocks[-1].num_dst
+    positions = torch.cat([group.long().cpu() for group in groups]).numpy() if k else np.zeros(0, dtype=np.int64)
+    if positions.size and (positions.min() < 0 or positions.max() >= num_outputs):
+        raise ValueError(f"a group is out of range [0, {num_outputs})")
+    sizes = np.array([group.numel() for group in groups], dtype=np.int64)
+    member = _group_bits(num_outputs, k, positions, sizes)  # bit g of a node: it is in group g's layer
     layers: list[list[SliceSize]] = []
     for block in reversed(blocks):
-        indptr, indices = block.indptr.cpu().numpy(), block.indices.cpu().numpy()
-        present = np.bincount(np.diff(indptr)) > 0  # the in-degrees that occur
-        present[:1] = False
-        distinct, column = np.flatnonzero(present), np.cumsum(present) - 1  # column: a degree's histogram column
-        num_src, num_dst, num_edges = (np.zeros(k, dtype=np.int64) for _ in range(3))
-        histogram = np.zeros((k, distinct.size), dtype=np.int64)
-        member = _count_kernel(indptr, indices, block.num_src, member, column, num_src, num_dst, num_edges,
-                               histogram)
-        layers.append([SliceSize(int(num_src[g]), int(num_dst[g]), int(num_edges[g]),
-                                 tuple(zip(distinct[row > 0].tolist(), row[row > 0].tolist())))
-                       for g, row in enumerate(histogram)])
+        member, num_src, num_dst, num_edges, distinct, histogram = _count_kernel(
+            block.indptr.cpu().numpy(), block.indices.cpu().numpy(), block.num_src, member, k)
+        group_of, columns = np.nonzero(histogram)  # row-major: each group's degrees ascending
+        degrees, counts = distinct[columns].tolist(), histogram[group_of, columns].tolist()
+        bounds = np.searchsorted(group_of, np.arange(k + 1)).tolist()
+        layers.append([SliceSize(src, dst, edges, tuple(zip(degrees[start:end], counts[start:end])))
+                       for src, dst, edges, start, end in zip(num_src.tolist(), num_dst.tolist(), num_edges.tolist(),
+                                                              bounds[:-1], bounds[1:])])
     layers.reverse()
     return [list(group_layers) for group_layers in zip(*layers)]
 
@@ -306,15 +302,37 @@ _BIT_INDEX[[((1 << bit) * 0x03F79D71B4CB0A89 % 2**64) >> 58 for bit in range(64)
 
 
 @_jit
-def _count_kernel(indptr, indices, num_src, member, column, num_src_out, num_dst_out, num_edges_out,
-                  histogram):  # pragma: no cover - compiled
+def _group_bits(num_outputs, k, positions, sizes):  # pragma: no cover - compiled
+    """``(num_outputs, ⌈k / 64⌉)`` uint64 bit sets: bit ``g`` of output ``p`` set where group ``g`` holds it
+    (``positions``: the groups' positions one after another, ``sizes[g]`` of them for group ``g``)."""
+    member = np.zeros((num_outputs, max(1, (k + 63) // 64)), dtype=np.uint64)
+    start = 0
+    for group in range(k):
+        bit = np.uint64(1) << np.uint64(group % 64)
+        for position in positions[start:start + sizes[group]]:
+            member[position, group // 64] |= bit
+        start += sizes[group]
+    return member
+
+
+@_jit
+def _count_kernel(indptr, indices, num_src, member, k):  # pragma: no cover - compiled
     """One block of :func:`count_layers`: from the dst nodes' group bit sets ``member`` (``(num_dst, W)`` uint64),
-    adds each group's dst, edge and src counts and dst in-degree histogram (``column``: a degree's column in
-    ``histogram``) to the outputs; returns the src nodes' bit sets (``(num_src, W)``; the dst nodes, the first
-    ``num_dst`` src positions, keep their own). A dst node's groups are visited by their set bits only (lowest
-    first, :data:`_BIT_INDEX`), so its cost is the number of groups that hold it, not K; the src nodes are
-    counted by the values of their bit sets' bytes (``⌈K / 8⌉`` increments per node)."""
+    the src nodes' bit sets (``(num_src, W)``; the dst nodes, the first ``num_dst`` src positions, keep their
+    own) and per group its src, dst and edge counts (``(k,)`` int64 each), the in-degrees that occur
+    (``(D,)`` int64, ascending) and its dst nodes' histogram over them (``(k, D)`` int64). A dst node's groups
+    are visited by their set bits only (lowest first, :data:`_BIT_INDEX`), so its cost is the number of groups
+    that hold it, not K; the src nodes are counted by the values of their bit sets' bytes (``⌈K / 8⌉``
+    increments per node)."""
     n, words = member.shape
+    column = np.zeros(1 + max(0, np.max(indptr[1:] - indptr[:-1])) if n else 1, dtype=np.int64)
+    for v in range(n):  # column[d] = 1 where some dst node has in-degree d ≥ 1, then the histogram's columns
+        column[indptr[v + 1] - indptr[v]] = 1
+    column[0] = 0
+    distinct = np.flatnonzero(column)
+    column = np.cumsum(column) - 1
+    num_src_out, num_dst_out, num_edges_out = np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64)
+    histogram = np.zeros((k, distinct.size), dtype=np.int64)
     src = np.zeros((num_src, words), dtype=np.uint64)
     src[:n] = member
     one, shift = np.uint64(1), np.uint64(58)
@@ -336,7 +354,6 @@ def _count_kernel(indptr, indices, num_src, member, column, num_src_out, num_dst
                 bits ^= lowest
     # src counts by byte: how many src nodes hold each value of each byte of the bit sets, then per group the
     # values with its bit (one increment per node and byte instead of one per group holding it)
-    k = num_src_out.shape[0]
     num_bytes = (k + 7) // 8
     by_byte = np.zeros((num_bytes, 256), dtype=np.int64)
     for u in range(num_src):
@@ -346,7 +363,7 @@ def _count_kernel(indptr, indices, num_src, member, column, num_src_out, num_dst
         for value in range(256):
             if (value >> (group % 8)) & 1:
                 num_src_out[group] += by_byte[group // 8, value]
-    return src
+    return src, num_src_out, num_dst_out, num_edges_out, distinct, histogram
 
 
 def gather_rows(indptr: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
