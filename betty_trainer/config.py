@@ -348,7 +348,7 @@ class MicroBatchConfig(_Section):
         "auto", description="how a batch's outputs go to micro-batches: batch (the partitioner cuts each batch); "
                             "graph (METIS cuts the whole graph once per K for the run, and each output takes its "
                             "node's part; under a budget a batch whose plan misses it is planned per batch, and "
-                            "the next batches try one micro-batch more); auto: graph for sampled batches (a "
+                            "the next batches try more micro-batches); auto: graph for sampled batches (a "
                             "mini-batch or sampled fanouts) with a METIS-based partitioner (reg, reg_unweighted, "
                             "metis), batch otherwise")
     mode: Literal["micro_batches", "layerwise", "auto"] = Field(

@@ -46,7 +46,8 @@ class Split:
         sizes: per micro-batch, its :class:`~partition.slicing.SliceSize` per layer (input layer first).
         estimates: per micro-batch, estimated peak bytes.
         budget: the budget in bytes (``None``: K was given, not searched).
-        full_batch_estimate: estimated peak of the unsplit batch, bytes.
+        full_batch_estimate: estimated peak of the unsplit batch, bytes; 0 where it was not estimated (no
+            estimate, or a given K above 1).
         tried: ``(K, largest estimate)`` for every K evaluated, in order.
         seconds: wall time of planning.
         stage_seconds: wall seconds of planning by stage, summed over every K tried: ``"weights"`` (the
@@ -141,6 +142,7 @@ def make_split(
         estimate: ``(micro-batch block structures, accumulating)`` → estimated peak bytes,
             with ``accumulating`` true for every micro-batch after the first; may be ``None``
             with ``k`` (then ``estimates`` are empty and ``full_batch_estimate`` is 0).
+            With a given ``k > 1`` the unsplit batch is not estimated (``full_batch_estimate`` is 0).
         budget: bytes; ``None`` to use ``k``.
         k: number of micro-batches when there is no budget.
         resident_bytes: bytes every micro-batch's estimate includes before its own data
@@ -171,7 +173,9 @@ def make_split(
     if splitter is None:
         splitter = OutputSplitter(blocks[-1], partitioner)
     num_outputs = blocks[-1].num_dst
-    full = estimate(blocks, False) if estimate is not None else 0
+    # the unsplit batch's estimate: what the search starts from, K = 1's estimate; not made for a batch split into a
+    # given K > 1
+    full = functools.cache(lambda: estimate(blocks, False) if estimate is not None else 0)
     weighted = balance and partitioner in ("reg", "reg_unweighted", "metis")
     # METIS vertex weights, and (with a budget) which output is the hungriest; made when first needed
     costs = functools.cache(lambda: output_costs(blocks))
@@ -190,7 +194,7 @@ def make_split(
     def split(parts: int) -> tuple[list[Tensor], list[list[SliceSize]], list[int]]:
         if parts == 1:  # the whole batch: no partitioning, no slicing; its estimate is the full batch's
             groups, sizes = [torch.arange(num_outputs)], [[SliceSize.of(b) for b in blocks]]
-            estimates = [full] if estimate is not None else []
+            estimates = [full()] if estimate is not None else []
         else:
             vertex_weights = timed("weights", weights)
             groups = timed("partition", splitter.split, parts, seed, vertex_weights)
@@ -203,7 +207,8 @@ def make_split(
 
     def done(parts: int) -> Split:
         groups, sizes, estimates = splits[parts]
-        return Split(groups, sizes, estimates, budget, full, tried, time.perf_counter() - started, stage_seconds)
+        full_batch = full() if budget is not None or parts == 1 else 0
+        return Split(groups, sizes, estimates, budget, full_batch, tried, time.perf_counter() - started, stage_seconds)
 
     if budget is None:
         split(min(max(k, min_k), num_outputs))
@@ -212,7 +217,7 @@ def make_split(
     if budget <= 0:
         raise BudgetError(f"memory budget must be positive, got {budget} bytes")
     resident = resident_bytes
-    if full <= budget and min_k <= 1:
+    if full() <= budget and min_k <= 1:
         split(1)
         return done(1)
     if budget <= resident:
@@ -227,7 +232,7 @@ def make_split(
             f"memory budget {_mib(budget)} is impossible: output node {hungriest} of the batch alone needs "
             f"{_mib(alone)} (its receptive field); raise the budget or use smaller fanouts"
         )
-    start = min(max(min_k, 2, math.ceil((full - resident) / (budget - resident))), num_outputs)
+    start = min(max(min_k, 2, math.ceil((full() - resident) / (budget - resident))), num_outputs)
     parts = _first_fitting_k(lambda parts: max(split(parts)[2]) <= budget, start, num_outputs, search == "gallop")
     if parts is None:
         raise BudgetError(

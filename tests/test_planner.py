@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from betty_trainer.training.checkpoint import load_checkpoint
 from betty_trainer.training.trainer import train
 from estimator.peaks import PeakEstimator
 from partition import GraphPartition, make_split
+from partition.slicing import count_layers
 from tests.conftest import REPO
 
 GRAPH = {"num_nodes": 2000, "num_features": 200, "avg_degree": 8, "train_per_class": 40, "num_val": 100, "num_test": 100}
@@ -424,11 +426,20 @@ def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_
                                         for index, micro_batch in enumerate(plans[1].micro_batches)]
     assert planner.fallbacks == 0
 
-    misses = Planner(section, estimator, torch.device("cpu"), graph_partition=two_copies(graph))
-    assert misses.plan(first).pieces == 2
-    assert len(misses.graph_partition.splitter(second.output_nodes).split(2)) == 1  # the premise: one copy per part
+    tighter = max(make_split(first.blocks, estimate, k=4).estimates)
+    misses = Planner(load_config(None, OVERRIDES + [f"micro_batch.budget={tighter}"]).micro_batch, estimator,
+                     torch.device("cpu"), graph_partition=two_copies(graph))
+    assert misses.plan(first).pieces == misses.graph_k == 4
+    assert len(misses.graph_partition.splitter(second.output_nodes).split(4)) == 2  # the premise: 2 parts per copy
     plan = misses.plan(second)
-    assert plan.partitioner == "reg" and max(plan.split.estimates) <= budget and misses.fallbacks == 1
+    assert plan.partitioner == "reg" and max(plan.split.estimates) <= tighter and misses.fallbacks == 1
+    # the next batches try the K that the missed split's largest estimate asks for, K · (largest − resident) /
+    # (budget − resident) with K = 4 (its micro-batches, halves of the batch, are about twice too large), or the
+    # fallback's K if more
+    halves = count_layers(second.blocks, misses.graph_partition.splitter(second.output_nodes).split(4))
+    resident, missed = estimator.resident_bytes, max(estimator.peak(sizes, index > 0) for index, sizes in enumerate(halves))
+    asked = math.ceil(4 * (missed - resident) / (tighter - resident))
+    assert misses.graph_k == max(asked, plan.pieces) and asked > 5
 
 
 def test_assignment_auto_uses_the_graph_partition_for_sampled_batches_with_a_metis_partitioner(setting):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -69,8 +70,11 @@ class Planner:
     estimates its micro-batches when asked: :attr:`MicroBatchPlan.estimate
     <betty_trainer.execution.micro_batches.MicroBatchPlan.estimate>`). Under a budget the first batch is planned
     per batch (the K search on its REG) and its K is the graph's; each later batch tries the graph's K, and
-    where its largest estimate misses the budget the batch is planned per batch instead and the graph's K grows
-    by one for the batches after it (``fallbacks`` counts those batches). Any assignment of the outputs gives
+    where its largest estimate misses the budget the batch is planned per batch instead (``fallbacks`` counts
+    those batches) and the graph's K grows for the batches after it: to the larger of that batch's K and
+    ``⌈K · (largest − resident) / (budget − resident)⌉`` (a micro-batch's own bytes shrink about as 1/K), at
+    least by one. It never shrinks during a run; ``graph_k`` is the K the next batch tries (``None`` before the
+    first batch, and without a budget). Any assignment of the outputs gives
     the full batch's gradient (Betty §4.2.3); the estimate counts the micro-batches the assignment makes.
 
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
@@ -106,7 +110,7 @@ class Planner:
         self.plans_reused = 0
         self.graph_partition = graph_partition
         self.fallbacks = 0
-        self._graph_k: int | None = None  # under a budget, the K a batch's graph assignment tries
+        self.graph_k: int | None = None
         self._last: _LastPlan | None = None
         self._splitter: OutputSplitter | None = None
         self._warned_fewer = self._warned_above = False  # said once: fewer pieces than asked; chunks above K = 1
@@ -194,8 +198,8 @@ class Planner:
                     k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
                     resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
                     balance=config.balance, splitter=self._splitter), config.partitioner
-                if self.graph_partition is not None and self._graph_k is None:
-                    self._graph_k = split.k
+                if self.graph_partition is not None and budget is not None:  # the graph tries no fewer next time
+                    self.graph_k = max(self.graph_k or 0, split.k)
             return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
                                   partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
@@ -219,10 +223,10 @@ class Planner:
     def _graph_split(self, batch: Batch, estimate: Estimate | None, min_pieces: int) -> Split | None:
         """``batch``'s outputs split by the run's graph partition (see the class docstring), or ``None``: no graph
         partition; under a budget, no K yet (the run's first batch) or a split whose largest estimate misses the
-        budget (counted in ``fallbacks``; the graph's K grows by one for the next batches)."""
-        if self.graph_partition is None or (self.budget is not None and self._graph_k is None):
+        budget (counted in ``fallbacks``; the graph's K grows for the next batches)."""
+        if self.graph_partition is None or (self.budget is not None and self.graph_k is None):
             return None
-        k = self.config.num_micro_batches if self.budget is None else self._graph_k
+        k = self.config.num_micro_batches if self.budget is None else self.graph_k
         k = min(max(k, min_pieces), batch.output_nodes.numel())
         # without a budget nothing is decided by the estimates: the plan estimates its micro-batches when asked
         split = make_split(batch.blocks, estimate if self.budget is not None else None, k=k,
@@ -230,8 +234,10 @@ class Planner:
                            splitter=self.graph_partition.splitter(batch.output_nodes))
         if self.budget is None or max(split.estimates) <= self.budget:
             return split
+        # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings the
+        # largest under the budget, at least one more
         self.fallbacks += 1
-        self._graph_k = k + 1
+        self.graph_k = max(k + 1, math.ceil(k * (max(split.estimates) - self.resident) / (self.budget - self.resident)))
         return None
 
 
