@@ -453,3 +453,16 @@ def test_assignment_auto_uses_the_graph_partition_for_sampled_batches_with_a_met
                       ("sampling.fanouts=5,10", "micro_batch.partitioner=range"): False,
                       ("sampling.fanouts=5,10", "micro_batch.assignment=batch"): False,
                       ("micro_batch.assignment=graph",): True}
+
+
+def test_a_graph_split_with_parts_empty_of_the_batch_s_outputs_says_so(setting, caplog):
+    """The graph's parts are the whole graph's: a batch may have no output in some, and then runs fewer micro-batches
+    than asked, which the planner says once, naming the graph."""
+    graph, config, *_ = setting
+    section = load_config(None, OVERRIDES + ["micro_batch.num_micro_batches=2"]).micro_batch
+    planner = Planner(section, PeakEstimator(model_spec(config, graph)), torch.device("cpu"), graph_partition=two_copies(graph))
+    with caplog.at_level("WARNING", logger="betty_trainer"):
+        plan = planner.plan(sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(0)))
+    said = [r.getMessage() for r in caplog.records if "asks for 2 micro-batches" in r.getMessage()]
+    assert plan.partitioner == "graph" and plan.pieces == 1
+    assert len(said) == 1 and "graph made 1 (no output of the batch is in some of the graph's parts)" in said[0]

@@ -165,9 +165,11 @@ class Planner:
                                   (max(b.num_dst for b in batch.blocks), "chunks per layer", "dst nodes in its largest layer"))
             logger.warning("micro_batch.num_micro_batches asks for %d %s; %s%s made %d%s, so %d run", asked, what,
                            f"the batch has {limit} {nodes}, at most one per piece; " if asked > limit else "",
-                           self.config.partitioner, short.pieces,
-                           f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"
-                           if short.pieces < min(asked, limit) else "", short.pieces)
+                           short.partitioner, short.pieces,
+                           ("" if short.pieces >= min(asked, limit) else
+                            " (no output of the batch is in some of the graph's parts)" if short.partitioner == "graph" else
+                            f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"),
+                           short.pieces)
         plan = min(candidates, key=lambda candidate: candidate.work)
         self.plans_made += 1
         self._last = _LastPlan(min_pieces, self._splitter, plan)
