@@ -74,8 +74,8 @@ class Planner:
     those batches) and the graph's K grows for the batches after it: to the larger of that batch's K and
     ``⌈K · (largest − resident) / (budget − resident)⌉`` (a micro-batch's own bytes shrink about as 1/K), at
     least by one. It never shrinks during a run; ``graph_k`` is the K the next batch tries (``None`` before the
-    first batch, and without a budget). Any assignment of the outputs gives
-    the full batch's gradient (Betty §4.2.3); the estimate counts the micro-batches the assignment makes.
+    first batch, and without a budget). Any assignment of the outputs gives the full batch's gradient (Betty
+    §4.2.3); the estimate counts the micro-batches the assignment makes.
 
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
     ``src_nodes``, ``indptr``, ``indices`` and ``edge_weight`` compared with
@@ -220,7 +220,6 @@ class Planner:
         work = layerwise.work(search.chunks.layers) if layerwise is not None else float(search.chunks.work)
         return LayerwisePlan(batch, search.chunks, work, search.partitioner, search.peak, budget, search.tried,
                              search.seconds, self.feature_store_bytes)
-
 
     def _graph_split(self, batch: Batch, estimate: Estimate | None, min_pieces: int) -> Split | None:
         """``batch``'s outputs split by the run's graph partition (see the class docstring), or ``None``: no graph
