@@ -144,8 +144,9 @@ def count_layers(blocks: Sequence[BlockStructure], groups: Sequence[Tensor]) -> 
     in-degree histogram), for all groups in one compiled pass per block (:func:`_count_kernel`): a node's
     membership in the groups is a bit set (``⌈K / 64⌉`` uint64 words), each src node gets the union of its
     readers' sets, and per group the counts are sums over the nodes whose set holds it. Work
-    ``O(W·E + K·S)`` per block for ``W`` words, ``E`` edges and ``S`` src nodes, against
-    ``O(redundancy · E)`` and ``K`` slices' allocations for slicing each group; the K search counts every
+    ``O(W·E + M + S·⌈K / 8⌉ + 256·K)`` per block for ``W`` words, ``E`` edges, ``M`` memberships of dst nodes
+    in groups and ``S`` src nodes, against ``O(redundancy · E)`` and ``K`` slices' allocations for slicing each
+    group (0.6 ms against ~3 ms for a 1024-output SBM batch at K = 8, fanouts 10,25); the K search counts every
     candidate split this way (Betty §4.4.3) and slices a micro-batch only when it runs.
 
     Args:
