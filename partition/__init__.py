@@ -5,7 +5,7 @@ This package works on block *structure* (any object with ``indptr``, ``indices``
 imports the trainer.
 """
 
-from partition.partitioners import PARTITIONERS, OutputSplitter, partition_outputs
+from partition.partitioners import PARTITIONERS, GraphPartition, OutputSplitter, partition_outputs
 from partition.redundancy import redundancy
 from partition.reg import build_reg
 from partition.search import BudgetError, Split, make_split
@@ -15,6 +15,7 @@ __all__ = [
     "PARTITIONERS",
     "BlockStructure",
     "BudgetError",
+    "GraphPartition",
     "LayerSlice",
     "OutputSplitter",
     "SliceSize",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar, overload
 
 import torch
@@ -196,9 +197,16 @@ class MicroBatchPlan:
     def pieces(self) -> int:
         return self.split.k
 
-    @property
+    @cached_property
     def estimate(self) -> int | None:
-        return max(self.split.estimates, default=0) or None
+        """The largest micro-batch's estimated peak, bytes: the search's (:attr:`partition.Split.estimates`), or,
+        for a split made without estimates (sampled batches assigned by the graph without a budget:
+        :class:`~betty_trainer.memory.planner.Planner`), the closed form of each micro-batch sliced when asked
+        (``None`` without a closed form)."""
+        if self.split.estimates or self.itemise is None:
+            return max(self.split.estimates, default=0) or None
+        return max(self.itemise(micro_batch.blocks, index > 0).peak_bytes
+                   for index, micro_batch in enumerate(self.micro_batches))
 
     @property
     def summary(self) -> str:
@@ -244,7 +252,8 @@ class MicroBatchPlan:
                 for index, micro_batch in enumerate(self.micro_batches)]
         return plan_report(self, rows, budget=split.budget, partitioner=self.partitioner, tried=split.tried,
                            seconds=split.seconds, feature_store_bytes=self.feature_store_bytes,
-                           full_batch_estimate=split.full_batch_estimate or None,
+                           full_batch_estimate=split.full_batch_estimate or (
+                               self.itemise(self.batch.blocks, False).peak_bytes if self.itemise is not None else None),
                            measured_step=max(measured) if measured else None)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -35,8 +36,10 @@ from betty_trainer.models.stack import runs_layer_by_layer
 from estimator.calibrate import CalibratedModel
 from estimator.peaks import PeakEstimator
 from estimator.recorder import RecordedModel, RecordingRefused
-from partition import BudgetError, OutputSplitter, make_split
+from partition import BudgetError, GraphPartition, OutputSplitter, Split, make_split
 from partition.chunks import search_chunks
+from partition.partitioners import GRAPHS
+from partition.search import Estimate
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,21 @@ class Planner:
         seed: the partitioner's seed (:func:`~betty_trainer.sampling.schedule.plan_seed`).
         layerwise_allowed: layer-wise plans may be made (``False`` for a custom model that cannot run layer by
             layer, or whose calibrated fit models micro-batches only); else ``mode`` is ``micro_batches``.
+        graph_partition: the run's :class:`~partition.GraphPartition` (``micro_batch.assignment`` resolved to
+            ``graph``: :func:`make_planner`), or ``None`` to partition each batch's outputs.
+
+    Assignment by the graph: with a ``graph_partition``, a batch's micro-batches are its outputs grouped by their
+    nodes' parts in the graph's K-way partition (made once per K for the run) and counted; no REG and no METIS
+    per batch. Without a budget K is ``num_micro_batches`` and nothing is estimated per batch (the plan
+    estimates its micro-batches when asked: :attr:`MicroBatchPlan.estimate
+    <betty_trainer.execution.micro_batches.MicroBatchPlan.estimate>`). Under a budget the first batch is planned
+    per batch (the K search on its REG) and its K is the graph's; each later batch tries the graph's K, and
+    where its largest estimate misses the budget the batch is planned per batch instead (``fallbacks`` counts
+    those batches) and the graph's K grows for the batches after it: to the larger of that batch's K and
+    ``⌈K · (largest − resident) / (budget − resident)⌉`` (a micro-batch's own bytes shrink about as 1/K), at
+    least by one. It never shrinks during a run; ``graph_k`` is the K the next batch tries (``None`` before the
+    first batch, and without a budget). Any assignment of the outputs gives the full batch's gradient (Betty
+    §4.2.3); the estimate counts the micro-batches the assignment makes.
 
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
     ``src_nodes``, ``indptr``, ``indices`` and ``edge_weight`` compared with
@@ -73,7 +91,8 @@ class Planner:
     """
 
     def __init__(self, config: MicroBatchConfig, estimator: PeakEstimator | None, device: torch.device,
-                 feature_store_bytes: int = 0, seed: int = 0, layerwise_allowed: bool = True):
+                 feature_store_bytes: int = 0, seed: int = 0, layerwise_allowed: bool = True,
+                 graph_partition: GraphPartition | None = None):
         self.config = config
         self.seed = seed
         self.feature_store_bytes = feature_store_bytes
@@ -89,6 +108,9 @@ class Planner:
         self.resident = estimator.resident_bytes if estimator is not None else 0
         self.plans_made = 0
         self.plans_reused = 0
+        self.graph_partition = graph_partition
+        self.fallbacks = 0
+        self.graph_k: int | None = None
         self._last: _LastPlan | None = None
         self._splitter: OutputSplitter | None = None
         self._warned_fewer = self._warned_above = False  # said once: fewer pieces than asked; chunks above K = 1
@@ -143,9 +165,11 @@ class Planner:
                                   (max(b.num_dst for b in batch.blocks), "chunks per layer", "dst nodes in its largest layer"))
             logger.warning("micro_batch.num_micro_batches asks for %d %s; %s%s made %d%s, so %d run", asked, what,
                            f"the batch has {limit} {nodes}, at most one per piece; " if asked > limit else "",
-                           self.config.partitioner, short.pieces,
-                           f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"
-                           if short.pieces < min(asked, limit) else "", short.pieces)
+                           short.partitioner, short.pieces,
+                           ("" if short.pieces >= min(asked, limit) else
+                            " (no output of the batch is in some of the graph's parts)" if short.partitioner == "graph" else
+                            f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"),
+                           short.pieces)
         plan = min(candidates, key=lambda candidate: candidate.work)
         self.plans_made += 1
         self._last = _LastPlan(min_pieces, self._splitter, plan)
@@ -166,15 +190,20 @@ class Planner:
         closed_form = estimator is not None and estimator.closed_form
         if kind == "micro_batches":
             weighted = [block.edge_weight is not None for block in batch.blocks]  # the slices planned carry none
-            if self._splitter is None:
-                self._splitter = OutputSplitter(batch.blocks[-1], config.partitioner)
-            split = make_split(
-                batch.blocks, functools.partial(estimator.peak, weighted=weighted) if estimator is not None else None,
-                budget=budget, k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
-                resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
-                balance=config.balance, splitter=self._splitter)
+            estimate = functools.partial(estimator.peak, weighted=weighted) if estimator is not None else None
+            split, partitioner = self._graph_split(batch, estimate, min_pieces), GraphPartition.method
+            if split is None:
+                if self._splitter is None:
+                    self._splitter = OutputSplitter(batch.blocks[-1], config.partitioner)
+                split, partitioner = make_split(
+                    batch.blocks, estimate, budget=budget,
+                    k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
+                    resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
+                    balance=config.balance, splitter=self._splitter), config.partitioner
+                if self.graph_partition is not None and budget is not None:  # the graph tries no fewer next time
+                    self.graph_k = max(self.graph_k or 0, split.k)
             return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
-                                  config.partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
+                                  partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
         # the whole batch in one micro-batch: less work, so no chunking above it
         whole = (estimator.peak(batch.blocks, weighted=[b.edge_weight is not None for b in batch.blocks])
@@ -191,6 +220,26 @@ class Planner:
         work = layerwise.work(search.chunks.layers) if layerwise is not None else float(search.chunks.work)
         return LayerwisePlan(batch, search.chunks, work, search.partitioner, search.peak, budget, search.tried,
                              search.seconds, self.feature_store_bytes)
+
+    def _graph_split(self, batch: Batch, estimate: Estimate | None, min_pieces: int) -> Split | None:
+        """``batch``'s outputs split by the run's graph partition (see the class docstring), or ``None``: no graph
+        partition; under a budget, no K yet (the run's first batch) or a split whose largest estimate misses the
+        budget (counted in ``fallbacks``; the graph's K grows for the next batches)."""
+        if self.graph_partition is None or (self.budget is not None and self.graph_k is None):
+            return None
+        k = self.config.num_micro_batches if self.budget is None else self.graph_k
+        k = min(max(k, min_pieces), batch.output_nodes.numel())
+        # without a budget nothing is decided by the estimates: the plan estimates its micro-batches when asked
+        split = make_split(batch.blocks, estimate if self.budget is not None else None, k=k,
+                           resident_bytes=self.resident, partitioner=GraphPartition.method, seed=self.seed,
+                           splitter=self.graph_partition.splitter(batch.output_nodes))
+        if self.budget is None or max(split.estimates) <= self.budget:
+            return split
+        # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings the
+        # largest under the budget, at least one more
+        self.fallbacks += 1
+        self.graph_k = max(k + 1, math.ceil(k * (max(split.estimates) - self.resident) / (self.budget - self.resident)))
+        return None
 
 
 @dataclass
@@ -266,7 +315,23 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         estimator = PeakEstimator(model_spec(config, graph, device))
     elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
         estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False
-    return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer)
+    return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer,
+                   graph_partition(config, graph))
+
+
+def graph_partition(config: Config, graph: Graph) -> GraphPartition | None:
+    """The run's :class:`~partition.GraphPartition` of ``graph``, balancing its training nodes, where
+    ``micro_batch.assignment`` is ``graph``, or ``auto`` with a METIS-based ``micro_batch.partitioner`` for sampled
+    batches (``sampling.batch_size`` below the training nodes, or a fanout that samples); else ``None``. Nothing
+    is partitioned until a batch asks."""
+    section, sampling = config.micro_batch, config.sampling
+    sampled = ((sampling.batch_size is not None and sampling.batch_size < graph.train_idx.numel())
+               or any(fanout != -1 for fanout in sampling.fanouts or []))
+    if section.assignment == "batch" or (section.assignment == "auto" and not (sampled and section.partitioner in GRAPHS)):
+        return None
+    balanced = torch.zeros(graph.num_nodes, dtype=torch.bool)
+    balanced[graph.train_idx] = True
+    return GraphPartition(graph.indptr, graph.indices, balanced)
 
 
 def _custom_estimate(config: Config, graph: Graph, model: nn.Module,
