@@ -37,11 +37,13 @@ SBM = {
     "sbm-30k-d40": dict(num_nodes=30_000, num_features=128, avg_degree=40.0),
     "synthetic-100k": dict(num_nodes=100_000, num_features=64, avg_degree=10, train_per_class=200, num_val=1000,
                            num_test=1000),
+    "sbm-100k": dict(num_nodes=100_000, num_features=64, avg_degree=10, train_per_class=20, num_val=100,
+                     num_test=100),
 }
 """Generated graphs by name (``betty_trainer.datasets.make_sbm``'s arguments): stochastic block models (5 classes,
 70% of edges inside a class, the rest uniform), whose neighbourhoods share few nodes, unlike the co-purchase graphs
 the defaults were tuned on. ``sbm-30k`` is the DGL comparisons' graph, ``sbm-30k-d40`` the layer-wise one (degree
-40), ``synthetic-100k`` the estimator's."""
+40), ``synthetic-100k`` the estimator's, ``sbm-100k`` sampled planning's (most nodes outside the training set)."""
 
 
 def load_graph(name: str, data_dir: Path | None = None, datasets: Path = SHARED_DATASETS):

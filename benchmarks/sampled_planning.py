@@ -48,7 +48,6 @@ from common import int_list, load_graph, markdown_table, name_list  # noqa: E402
 
 from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402
-from betty_trainer.datasets import make_sbm  # noqa: E402
 from betty_trainer.memory.planner import Planner  # noqa: E402
 from betty_trainer.memory.spec import model_spec  # noqa: E402
 from betty_trainer.models import build_model  # noqa: E402
@@ -56,8 +55,6 @@ from betty_trainer.sampling import sample_batch  # noqa: E402
 from estimator.peaks import PeakEstimator  # noqa: E402
 from partition import GraphPartition  # noqa: E402
 
-SBM = {"sbm-100k": dict(num_nodes=100_000, num_features=64, avg_degree=10, train_per_class=20, num_val=100,
-                        num_test=100)}
 ARMS = ("batch", "graph")
 
 
@@ -144,7 +141,7 @@ def main() -> None:
 
     results, lines = {"config": {**vars(args), "json": None}, "graphs": {}}, []
     for name in args.graphs:
-        graph = make_sbm(**SBM[name]) if name in SBM else load_graph(name)
+        graph = load_graph(name)
         results["graphs"][name] = rows = [measure(graph, size, args) for size in args.batch_sizes]
         for row in rows:
             per = row["arms"]
