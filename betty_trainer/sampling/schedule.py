@@ -42,12 +42,16 @@ def make_sampler(config: Config, graph: Graph) -> Sampler:
       batch dependency;
     * ``gns``: :class:`GNSSampler` with ``sampling.gns``'s cache.
 
+    With ``features.aggregation_cache`` the sampler samples layers 1 … L − 1 only (``fanouts[1:]``): layer 0 reads
+    the cache's rows of their input nodes (BatchGNN §3).
+
     LABOR's batch groups and GNS's cache refreshes run across epochs: the samplers are told how
     many batches an epoch has.
     """
     sampling = config.sampling
-    layers = config.model.num_layers
-    fanouts = sampling.fanouts or [None] * layers
+    cached = config.features.aggregation_cache is not False  # layer 0 reads the aggregation cache: no block for it
+    layers = config.model.num_layers - cached
+    fanouts = (sampling.fanouts or [None] * config.model.num_layers)[cached:]
     if sampling.sampler == "full":
         return NeighborSampler(graph, [None] * layers)
     if sampling.sampler == "ns":

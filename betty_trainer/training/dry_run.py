@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
 
 from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
+from betty_trainer.datasets.aggregation import aggregation_dir
 from betty_trainer.distributed.group import leave
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
+from betty_trainer.training.aggregation import aggregation_kind, check_cached_model, input_features
 from betty_trainer.training.checkpoint import dataset_identity
 from betty_trainer.training.distributed import finish_together, join_run, this_rank
 from betty_trainer.training.output import quiet_native_stderr
@@ -35,6 +38,10 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     (estimate − measured) / measured. The profiler's own stderr
     lines are hidden (:func:`~betty_trainer.training.output.quiet_native_stderr`).
 
+    With ``features.aggregation_cache`` the report's ``aggregation_cache`` holds the cache's bytes and where they
+    live, and the plan of the same batch without the cache
+    (:func:`aggregation_report`).
+
     Under ``torchrun`` with ``distributed.mode`` set, every rank plans its share of the first global batch (a
     cooperative rank its rounds, with the exchanges' buffers in each estimate) and the report holds them all under
     ``ranks``.
@@ -52,6 +59,7 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     try:
         device = device if processes is None else processes.device
         graph = load_dataset(config.dataset) if graph is None else graph
+        check_cached_model(config, model)
         if model is None:
             check_model_size(config, graph, device)
         sampler = make_sampler(config, graph)
@@ -67,12 +75,42 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
             set_dropout_key(measured_model, config.seed, 0)
             optimizer = config.optim.make_optimizer(measured_model.parameters())
             with quiet_native_stderr():
-                measured = plan.measure(measured_model, optimizer,
-                                        HostFeatureStore(graph.x, pin=device.type == "cuda"), graph.y, device)
+                measured = plan.measure(measured_model, optimizer, HostFeatureStore(
+                    input_features(config, graph), pin=device.type == "cuda"), graph.y, device)
         report = planner.report(plan, measured)
+        if config.features.aggregation_cache is not False:
+            report["aggregation_cache"] = aggregation_report(config, graph, device, features.max_device_bytes)
         finish_together(processes)
     finally:
         leave()
     report.update(dataset=graph.name, device=str(device),
                   model=config.model.model_dump() if model is None else {"custom": qualified_name(model)})
     return report
+
+
+def aggregation_report(config: Config, graph: Graph, device: torch.device, device_bytes: int) -> dict:
+    """What ``betty-train plan`` shows of the aggregation cache (``plan.json``'s ``aggregation_cache``; BatchGNN §3,
+    App. C): ``mode``, ``kind``, ``row_width`` (columns), ``host_bytes`` (the ``(N, W)`` table, memory-mapped from
+    ``path``, pinned on CUDA), ``device_bytes`` (the feature store's node cache and staged rows, cache rows then),
+    and ``uncached``: the plan of epoch 0's first batch with ``features.aggregation_cache=false`` and everything
+    else the same: its ``summary``, ``estimate_peak_bytes``, ``full_batch_estimate_bytes``, ``layers`` (per block
+    ``src_nodes``, ``dst_nodes``, ``edges``: layer 0's block and input rows are there) and ``work``. The cache lowers
+    the peak where layer 0's dst nodes are much fewer than its src nodes (micro-batches, 3 layers) and raises it
+    where they are about as many (a 2-layer full batch whose first hop covers the graph; BatchGNN Table 5).
+
+    Raises:
+        PlanningError: the batch without the cache fits no plan under the budget (the message says so).
+    """
+    table = input_features(config, graph)  # read back from its folder
+    uncached = config.model_copy(update={"features": config.features.model_copy(update={"aggregation_cache": False})})
+    sampler = make_sampler(uncached, graph)
+    planner = make_planner(uncached, graph, None, device, feature_store(uncached, graph, device, sampler),
+                           plan_seed(uncached))
+    plan = planner.plan(first_batch(uncached, graph, sampler))
+    report = plan.report()
+    return {"mode": config.features.aggregation_cache, "kind": aggregation_kind(config),
+            "row_width": int(table.shape[1]), "host_bytes": table.numel() * table.element_size(),
+            "path": str(aggregation_dir(graph, aggregation_kind(config))), "device_bytes": device_bytes,
+            "uncached": {"summary": plan.summary, "estimate_peak_bytes": plan.estimate,
+                         "full_batch_estimate_bytes": report["full_batch"]["estimate_peak_bytes"],
+                         "layers": report["full_batch"]["layers"], "work": plan.work}}

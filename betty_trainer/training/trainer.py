@@ -43,6 +43,7 @@ from betty_trainer.sampling.schedule import (
     make_sampler,
     plan_seed,
 )
+from betty_trainer.training.aggregation import check_cached_model, input_features
 from betty_trainer.training.checkpoint import (
     BEST_NAME,
     CHECKPOINT_NAME,
@@ -293,7 +294,9 @@ class _Run:
 def feature_store(config: Config, graph: Graph, device: torch.device, sampler: Sampler,
                   host: HostFeatureStore | None = None) -> FeatureStore:
     """The feature store ``config.features`` names for a run on ``device`` (:func:`~betty_trainer.data.cache.
-    make_feature_store`; a ``gns`` cache holds ``sampler``'s node cache).
+    make_feature_store`; a ``gns`` cache holds ``sampler``'s node cache) over ``host`` (default: a host store of
+    ``graph.x``); with ``features.aggregation_cache`` over a host store of the cache's rows instead
+    (:func:`~betty_trainer.training.aggregation.input_features`).
 
     Raises:
         ConfigError: macro-batches under a budget without ``features.macro_batch_budget``
@@ -301,6 +304,8 @@ def feature_store(config: Config, graph: Graph, device: torch.device, sampler: S
     """
     check_macro_batch_budget(config)
     features = config.features
+    if features.aggregation_cache is not False:
+        host = HostFeatureStore(input_features(config, graph), pin=device.type == "cuda")
     return make_feature_store(graph, device, features.cache.kind, features.cache.size,
                               macro_batch=features.macro_batch > 0, stage_budget=features.macro_batch_budget,
                               node_source=sampler.node_cache, host=host)
@@ -325,6 +330,7 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     if graph.train_idx.numel() == 0:
         raise ConfigError(no_training_nodes_message(graph.name))
     builtin = model is None
+    check_cached_model(config, model)
     if builtin:
         check_model_size(config, graph, device)
     dataset, sampler = dataset_identity(graph, split), make_sampler(config, graph)
