@@ -90,13 +90,14 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
     """
     work = spec.layer_work
     total = 0.0
-    first = spec.num_layers - spec.num_blocks  # 1: layer 0 reads the aggregation cache, one linear map per row
+    num_layers = len(spec.widths) - 1
+    first = num_layers - len(layers)  # 1: layer 0 reads the aggregation cache, one linear map per row
     if first:
         rows = sum(piece.num_src for piece in layers[0])
         # a forward and the weights' gradient; each row gathered (and masked) once
         total += 2 * rows * spec.aggregated_width * spec.widths[1] + rows * spec.aggregated_width * MASK_COST
     for index, pieces in enumerate(layers, start=first):
-        size = LayerSize(index, index == spec.num_layers - 1, spec.widths[index], spec.widths[index + 1],
+        size = LayerSize(index, index == num_layers - 1, spec.widths[index], spec.widths[index + 1],
                          src=sum(piece.num_src for piece in pieces), dst=sum(piece.num_dst for piece in pieces),
                          edges=sum(piece.num_edges for piece in pieces),
                          projected=projected_rows[index] if index < len(projected_rows) else None)
