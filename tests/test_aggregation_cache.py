@@ -22,7 +22,7 @@ from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.sampling.base import SampleKey
 from betty_trainer.sampling.schedule import first_batch, make_sampler
-from betty_trainer.training.aggregation import input_features
+from betty_trainer.training.aggregation import check_aggregation_cache, input_features
 from betty_trainer.training.dry_run import dry_run
 from betty_trainer.training.trainer import train
 from estimator.counts import counts_of
@@ -115,6 +115,7 @@ def test_approximate_allows_sampling_and_dropout_with_one_warning(cora, caplog):
     assert config.features.aggregation_cache == "approximate" and config.model.dropout == 0.5
     assert make_sampler(config, cora).sample(cora.train_idx[:8], SampleKey(0)).num_layers == 1
     with caplog.at_level(logging.WARNING):
+        check_aggregation_cache(config, None)
         input_features(config, cora)
     warnings = [record for record in caplog.records if "aggregation_cache=approximate" in record.getMessage()]
     assert len(warnings) == 1 and "BatchGNN App. B" in warnings[0].getMessage()
@@ -189,3 +190,9 @@ def test_training_with_the_cache_follows_the_uncached_run(cora, tmp_path):
     for plain, cached in zip(runs["false"], runs["true"], strict=True):
         assert abs(plain["loss"] - cached["loss"]) <= 1e-5 * plain["loss"]
         assert (plain["train_acc"], plain["val_acc"]) == (cached["train_acc"], cached["val_acc"])
+
+
+def test_a_custom_model_is_refused(cora, tmp_path):
+    config = cached_config("sage-mean", "train.device=cpu")
+    with pytest.raises(ConfigError, match="needs a built-in model"):
+        train(config, model=torch.nn.Linear(cora.num_features, cora.num_classes), graph=cora, run_dir=tmp_path / "run")

@@ -59,12 +59,13 @@ class LayerStack(nn.Module):
                 ``x`` requires grad.
 
         Raises:
-            ValueError: if the number of blocks is neither the number of layers nor one fewer (at least one).
+            ValueError: if the number of blocks is neither the number of layers nor, for a layer 0 with an
+                ``aggregated_width``, one fewer (at least one).
         """
         first = len(self.layers) - len(blocks)  # 1: layer 0 reads the aggregation cache
-        if first not in (0, 1) or not blocks:
-            raise ValueError(f"model has {len(self.layers)} layers but the batch has {len(blocks)} blocks "
-                             f"(one fewer when layer 0 reads the aggregation cache)")
+        if first not in (0, 1) or not blocks or (first and self.aggregated_width is None):
+            raise ValueError(f"model has {len(self.layers)} layers but the batch has {len(blocks)} blocks (one fewer "
+                             "only when layer 0 reads the aggregation cache: SAGE mean/gcn, GCN)")
         h = self.aggregated_forward(x, blocks[0].src_nodes, consume_input) if first else x
         for index, block in enumerate(blocks, start=first):
             h = self.layer_forward(index, block, h, consume_input)

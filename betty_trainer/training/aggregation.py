@@ -30,16 +30,24 @@ def aggregation_kind(config: Config) -> str:
     return config.model.arch if aggregator is None else f"{config.model.arch}-{aggregator}"
 
 
-def check_cached_model(config: Config, model: nn.Module | None) -> None:
-    """Refuse a custom ``model`` (not ``None``) under ``features.aggregation_cache``: only a built-in model's layer 0
-    knows how to read the cache.
+def check_aggregation_cache(config: Config, model: nn.Module | None) -> None:
+    """What a run with ``features.aggregation_cache`` checks before it loads anything, once: a custom ``model`` (not
+    ``None``) is refused, as only a built-in model's layer 0 reads the cache; ``approximate`` logs its one warning:
+    layer 0 then trains on the full-neighbourhood aggregate of unmasked features while the run samples or drops
+    out (BatchGNN App. B: accuracy may rise or fall).
 
     Raises:
         ConfigError: a custom model with the cache on.
     """
-    if model is not None and config.features.aggregation_cache is not False:
+    mode = config.features.aggregation_cache
+    if mode is not False and model is not None:
         raise ConfigError("features.aggregation_cache needs a built-in model, whose layer 0 reads the cache "
                           "(model.arch=sage or gcn); set features.aggregation_cache=false for a custom model")
+    if mode == "approximate":
+        logger.warning("features.aggregation_cache=approximate: layer 0 reads every node's aggregate over its full "
+                       "neighbourhood of unmasked input features, whatever sampling.fanouts[0] and model.dropout say; "
+                       "this changes what the model trains on (BatchGNN App. B: accuracy may rise or fall), and "
+                       "evaluation runs the uncached layer 0")
 
 
 def input_features(config: Config, graph: Graph) -> Tensor:
@@ -47,17 +55,8 @@ def input_features(config: Config, graph: Graph) -> Tensor:
     ``features.aggregation_cache`` the cache's ``(N, W)`` float32 table, layer 0's aggregation of ``graph.x`` over
     every node's full neighbourhood (the built-in model's ``aggregated_input``; ``W = 2F`` for SAGE ``mean``, its own
     row beside its neighbours' mean, else ``F``), read from or written to its folder beside the dataset
-    (:func:`~betty_trainer.datasets.aggregation.aggregation_table`). ``approximate`` logs one warning here: layer 0
-    then trains on the full-neighbourhood aggregate of unmasked features while the run samples or drops out
-    (BatchGNN App. B: accuracy may rise or fall)."""
-    mode = config.features.aggregation_cache
-    if mode is False:
+    (:func:`~betty_trainer.datasets.aggregation.aggregation_table`)."""
+    if config.features.aggregation_cache is False:
         return graph.x
-    if mode == "approximate":
-        logger.warning("features.aggregation_cache=approximate: layer 0 reads every node's aggregate over its full "
-                       "neighbourhood of unmasked input features, whatever sampling.fanouts[0] and model.dropout say; "
-                       "this changes what the model trains on (BatchGNN App. B: accuracy may rise or fall), and "
-                       "evaluation runs the uncached layer 0")
     model = build_model(config.model, graph)  # layer 0's aggregation reads no parameter
     return aggregation_table(graph, aggregation_kind(config), model.aggregated_input)
-

@@ -16,7 +16,7 @@ from betty_trainer.distributed.group import leave
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
-from betty_trainer.training.aggregation import aggregation_kind, check_cached_model, input_features
+from betty_trainer.training.aggregation import aggregation_kind, check_aggregation_cache, input_features
 from betty_trainer.training.checkpoint import dataset_identity
 from betty_trainer.training.distributed import finish_together, join_run, this_rank
 from betty_trainer.training.output import quiet_native_stderr
@@ -59,11 +59,12 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     try:
         device = device if processes is None else processes.device
         graph = load_dataset(config.dataset) if graph is None else graph
-        check_cached_model(config, model)
+        check_aggregation_cache(config, model)
         if model is None:
             check_model_size(config, graph, device)
         sampler = make_sampler(config, graph)
-        features = feature_store(config, graph, device, sampler)
+        rows = input_features(config, graph)  # graph.x, or the aggregation cache's rows
+        features = feature_store(config, graph, device, sampler, HostFeatureStore(rows, pin=device.type == "cuda"))
         with quiet_native_stderr():  # calibrating a custom model profiles steps
             planner = make_planner(config, graph, model, device, features, plan_seed(config))
         sampler, planner, _ = this_rank(config, graph, dataset_identity(graph, config.dataset.split)["fingerprint"],
@@ -75,11 +76,11 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
             set_dropout_key(measured_model, config.seed, 0)
             optimizer = config.optim.make_optimizer(measured_model.parameters())
             with quiet_native_stderr():
-                measured = plan.measure(measured_model, optimizer, HostFeatureStore(
-                    input_features(config, graph), pin=device.type == "cuda"), graph.y, device)
+                measured = plan.measure(measured_model, optimizer, HostFeatureStore(rows, pin=device.type == "cuda"),
+                                        graph.y, device)
         report = planner.report(plan, measured)
         if config.features.aggregation_cache is not False:
-            report["aggregation_cache"] = aggregation_report(config, graph, device, features.max_device_bytes)
+            report["aggregation_cache"] = aggregation_report(config, graph, device, rows, features.max_device_bytes)
         finish_together(processes)
     finally:
         leave()
@@ -88,10 +89,11 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     return report
 
 
-def aggregation_report(config: Config, graph: Graph, device: torch.device, device_bytes: int) -> dict:
+def aggregation_report(config: Config, graph: Graph, device: torch.device, rows: torch.Tensor,
+                       device_bytes: int) -> dict:
     """What ``betty-train plan`` shows of the aggregation cache (``plan.json``'s ``aggregation_cache``; BatchGNN §3,
     App. C): ``mode``, ``kind``, ``row_width`` (columns), ``host_bytes`` (the ``(N, W)`` table, memory-mapped from
-    ``path``, pinned on CUDA), ``device_bytes`` (the feature store's node cache and staged rows, cache rows then),
+    ``path``, pinned on CUDA: ``rows``), ``device_bytes`` (the feature store's node cache and staged rows, cache rows then),
     and ``uncached``: the plan of epoch 0's first batch with ``features.aggregation_cache=false`` and everything
     else the same: its ``summary``, ``estimate_peak_bytes``, ``full_batch_estimate_bytes``, ``layers`` (per block
     ``src_nodes``, ``dst_nodes``, ``edges``: layer 0's block and input rows are there) and ``work``. The cache lowers
@@ -101,7 +103,6 @@ def aggregation_report(config: Config, graph: Graph, device: torch.device, devic
     Raises:
         PlanningError: the batch without the cache fits no plan under the budget (the message says so).
     """
-    table = input_features(config, graph)  # read back from its folder
     uncached = config.model_copy(update={"features": config.features.model_copy(update={"aggregation_cache": False})})
     sampler = make_sampler(uncached, graph)
     planner = make_planner(uncached, graph, None, device, feature_store(uncached, graph, device, sampler),
@@ -109,7 +110,7 @@ def aggregation_report(config: Config, graph: Graph, device: torch.device, devic
     plan = planner.plan(first_batch(uncached, graph, sampler))
     report = plan.report()
     return {"mode": config.features.aggregation_cache, "kind": aggregation_kind(config),
-            "row_width": int(table.shape[1]), "host_bytes": table.numel() * table.element_size(),
+            "row_width": int(rows.shape[1]), "host_bytes": rows.numel() * rows.element_size(),
             "path": str(aggregation_dir(graph, aggregation_kind(config))), "device_bytes": device_bytes,
             "uncached": {"summary": plan.summary, "estimate_peak_bytes": plan.estimate,
                          "full_batch_estimate_bytes": report["full_batch"]["estimate_peak_bytes"],

@@ -43,7 +43,7 @@ from betty_trainer.sampling.schedule import (
     make_sampler,
     plan_seed,
 )
-from betty_trainer.training.aggregation import check_cached_model, input_features
+from betty_trainer.training.aggregation import check_aggregation_cache, input_features
 from betty_trainer.training.checkpoint import (
     BEST_NAME,
     CHECKPOINT_NAME,
@@ -294,9 +294,9 @@ class _Run:
 def feature_store(config: Config, graph: Graph, device: torch.device, sampler: Sampler,
                   host: HostFeatureStore | None = None) -> FeatureStore:
     """The feature store ``config.features`` names for a run on ``device`` (:func:`~betty_trainer.data.cache.
-    make_feature_store`; a ``gns`` cache holds ``sampler``'s node cache) over ``host`` (default: a host store of
-    ``graph.x``); with ``features.aggregation_cache`` over a host store of the cache's rows instead
-    (:func:`~betty_trainer.training.aggregation.input_features`).
+    make_feature_store`; a ``gns`` cache holds ``sampler``'s node cache) over ``host``, the host store of the rows
+    training gathers (default: one of :func:`~betty_trainer.training.aggregation.input_features`, ``graph.x`` or
+    with ``features.aggregation_cache`` the cache's rows).
 
     Raises:
         ConfigError: macro-batches under a budget without ``features.macro_batch_budget``
@@ -304,7 +304,7 @@ def feature_store(config: Config, graph: Graph, device: torch.device, sampler: S
     """
     check_macro_batch_budget(config)
     features = config.features
-    if features.aggregation_cache is not False:
+    if host is None:
         host = HostFeatureStore(input_features(config, graph), pin=device.type == "cuda")
     return make_feature_store(graph, device, features.cache.kind, features.cache.size,
                               macro_batch=features.macro_batch > 0, stage_budget=features.macro_batch_budget,
@@ -330,12 +330,12 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     if graph.train_idx.numel() == 0:
         raise ConfigError(no_training_nodes_message(graph.name))
     builtin = model is None
-    check_cached_model(config, model)
+    check_aggregation_cache(config, model)
     if builtin:
         check_model_size(config, graph, device)
     dataset, sampler = dataset_identity(graph, split), make_sampler(config, graph)
-    host = HostFeatureStore(graph.x, pin=device.type == "cuda")
-    features = feature_store(config, graph, device, sampler, host)
+    host = HostFeatureStore(graph.x, pin=device.type == "cuda")  # evaluation's; training's too without the cache
+    features = feature_store(config, graph, device, sampler, host if config.features.aggregation_cache is False else None)
     with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
         planner = make_planner(config, graph, model, device, features, plan_seed(config))
     sampler, planner, traffic = this_rank(config, graph, dataset["fingerprint"], sampler, planner, processes)
