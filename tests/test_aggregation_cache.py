@@ -196,3 +196,15 @@ def test_a_custom_model_is_refused(cora, tmp_path):
     config = cached_config("sage-mean", "train.device=cpu")
     with pytest.raises(ConfigError, match="needs a built-in model"):
         train(config, model=torch.nn.Linear(cora.num_features, cora.num_classes), graph=cora, run_dir=tmp_path / "run")
+
+
+def test_plan_under_a_budget_only_the_cache_meets(cora):
+    """3 layers, hidden 16: a one-output micro-batch's receptive field is 3 hops of 1433 columns without the cache
+    and 2 hops of 2866 with it, so a 4 MiB budget has a cached plan and no uncached one; the report says so
+    instead of failing."""
+    config = load_config(None, [*MODELS["sage-mean"], "model.hidden=16", "model.dropout=0", "model.num_layers=3",
+                                "sampling.sampler=full", "features.aggregation_cache=true", "train.device=cpu",
+                                "micro_batch.budget=4MiB"])
+    report = dry_run(config, graph=cora)
+    assert report["estimate_peak_bytes"] <= 4 * 2**20
+    assert "is impossible" in report["aggregation_cache"]["uncached"]["refused"]

@@ -13,6 +13,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
 from betty_trainer.datasets.aggregation import aggregation_dir
 from betty_trainer.distributed.group import leave
+from betty_trainer.errors import PlanningError
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
@@ -39,8 +40,7 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     lines are hidden (:func:`~betty_trainer.training.output.quiet_native_stderr`).
 
     With ``features.aggregation_cache`` the report's ``aggregation_cache`` holds the cache's bytes and where they
-    live, and the plan of the same batch without the cache
-    (:func:`aggregation_report`).
+    live, and the plan of the same batch without the cache (:func:`aggregation_report`).
 
     Under ``torchrun`` with ``distributed.mode`` set, every rank plans its share of the first global batch (a
     cooperative rank its rounds, with the exchanges' buffers in each estimate) and the report holds them all under
@@ -93,25 +93,28 @@ def aggregation_report(config: Config, graph: Graph, device: torch.device, rows:
                        device_bytes: int) -> dict:
     """What ``betty-train plan`` shows of the aggregation cache (``plan.json``'s ``aggregation_cache``; BatchGNN §3,
     App. C): ``mode``, ``kind``, ``row_width`` (columns), ``host_bytes`` (the ``(N, W)`` table, memory-mapped from
-    ``path``, pinned on CUDA: ``rows``), ``device_bytes`` (the feature store's node cache and staged rows, cache rows then),
-    and ``uncached``: the plan of epoch 0's first batch with ``features.aggregation_cache=false`` and everything
+    ``path``, pinned on CUDA: ``rows``), ``device_bytes`` (the feature store's node cache and staged rows, cache rows
+    then), and ``uncached``: the plan of epoch 0's first batch with ``features.aggregation_cache=false`` and everything
     else the same: its ``summary``, ``estimate_peak_bytes``, ``full_batch_estimate_bytes``, ``layers`` (per block
-    ``src_nodes``, ``dst_nodes``, ``edges``: layer 0's block and input rows are there) and ``work``. The cache lowers
-    the peak where layer 0's dst nodes are much fewer than its src nodes (micro-batches, 3 layers) and raises it
-    where they are about as many (a 2-layer full batch whose first hop covers the graph; BatchGNN Table 5).
-
-    Raises:
-        PlanningError: the batch without the cache fits no plan under the budget (the message says so).
+    ``src_nodes``, ``dst_nodes``, ``edges``: layer 0's block and input rows are there) and ``work``, or where no
+    uncached plan fits the budget, ``refused``: the planner's message. The cache lowers the peak where layer 0's dst
+    nodes are much fewer than its src nodes (micro-batches, 3 layers) and raises it where they are about as many (a
+    2-layer full batch whose first hop covers the graph; BatchGNN Table 5).
     """
     uncached = config.model_copy(update={"features": config.features.model_copy(update={"aggregation_cache": False})})
     sampler = make_sampler(uncached, graph)
     planner = make_planner(uncached, graph, None, device, feature_store(uncached, graph, device, sampler),
                            plan_seed(uncached))
-    plan = planner.plan(first_batch(uncached, graph, sampler))
-    report = plan.report()
+    try:
+        plan = planner.plan(first_batch(uncached, graph, sampler))
+    except PlanningError as error:
+        alternative = {"refused": str(error)}
+    else:
+        full_batch = plan.report()["full_batch"]
+        alternative = {"summary": plan.summary, "estimate_peak_bytes": plan.estimate,
+                       "full_batch_estimate_bytes": full_batch["estimate_peak_bytes"], "layers": full_batch["layers"],
+                       "work": plan.work}
     return {"mode": config.features.aggregation_cache, "kind": aggregation_kind(config),
             "row_width": int(rows.shape[1]), "host_bytes": rows.numel() * rows.element_size(),
             "path": str(aggregation_dir(graph, aggregation_kind(config))), "device_bytes": device_bytes,
-            "uncached": {"summary": plan.summary, "estimate_peak_bytes": plan.estimate,
-                         "full_batch_estimate_bytes": report["full_batch"]["estimate_peak_bytes"],
-                         "layers": report["full_batch"]["layers"], "work": plan.work}}
+            "uncached": alternative}
