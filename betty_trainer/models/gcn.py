@@ -172,6 +172,7 @@ class GCN(LayerStack):
         return layer(block, h, self.inv_sqrt_degree[block.src_nodes])
 
     def aggregated_input(self, block: Block, x: Tensor) -> Tensor:
+        """Layer 0's :meth:`GCNConv.aggregated_input` with the graph's degree normalisation of the block's src nodes."""
         return self.layers[0].aggregated_input(block, x, self.inv_sqrt_degree[block.src_nodes])
 
 
