@@ -212,9 +212,11 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
         _print_piece_table(console, {**report, **part}, args)
     cache = report.get("aggregation_cache")
     if cache is not None:
+        use = ("layer 0 reads the cached rows of its dst nodes" if cache["used"] else
+               "micro_batch.mode=auto left it out, estimated better without it")
         console.print(f"aggregation cache ({cache['kind']}, {str(cache['mode']).lower()}): {_mib(cache['host_bytes'])} "
                       f"MiB in host memory ({cache['row_width']} columns a node, {cache['path']}), "
-                      f"{_mib(cache['device_bytes'])} MiB on the device; layer 0 reads the cached rows of its dst nodes. "
+                      f"{_mib(cache['device_bytes'])} MiB on the device; {use}. "
                       f"Without it: {_uncached_text(cache['uncached'])}", highlight=False, soft_wrap=True)
 
 

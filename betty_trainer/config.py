@@ -548,8 +548,8 @@ def _check_aggregation_cache(config: "Config") -> None:
     if config.distributed.mode != "none":
         raise ValueError("features.aggregation_cache runs in one process: set distributed.mode=none")
     if config.micro_batch.mode == "layerwise":
-        raise ValueError("features.aggregation_cache runs micro-batches: set micro_batch.mode=micro_batches (auto "
-                         "plans micro-batches only when the cache is on)")
+        raise ValueError("features.aggregation_cache runs micro-batches: set micro_batch.mode=micro_batches or auto "
+                         "(which keeps the cache only where the estimate is lower with it)")
     if mode == "approximate":
         return
     fanouts = config.sampling.fanouts

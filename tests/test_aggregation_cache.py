@@ -208,3 +208,20 @@ def test_plan_under_a_budget_only_the_cache_meets(cora):
     report = dry_run(config, graph=cora)
     assert report["estimate_peak_bytes"] <= 4 * 2**20
     assert "is impossible" in report["aggregation_cache"]["uncached"]["refused"]
+
+
+@pytest.mark.parametrize("whole_graph", [False, True], ids=["training-seeds", "full-graph"])
+def test_auto_keeps_the_cache_only_where_the_estimate_is_lower(cora, whole_graph):
+    """``micro_batch.mode: auto``, 2 layers, K = 1: the cache stays where layer 0's dst nodes are far fewer than its
+    src nodes (Cora's 140 training seeds: 644 against 1664) and is left out where they are all the graph's nodes
+    (every node a seed: 2F columns a node instead of F; BatchGNN Table 5), as the two plans' estimates say."""
+    none = torch.empty(0, dtype=torch.int64)
+    graph = dataclasses.replace(cora, train_idx=torch.arange(cora.num_nodes), val_idx=none, test_idx=none) \
+        if whole_graph else cora
+    config = cached_config("sage-mean", "micro_batch.mode=auto", "train.device=cpu", "micro_batch.num_micro_batches=1")
+    report = dry_run(config, graph=graph)
+    cache = report["aggregation_cache"]
+    uncached = cache["uncached"]["estimate_peak_bytes"]
+    assert cache["used"] is not whole_graph
+    assert report["estimate_peak_bytes"] < uncached if cache["used"] else report["estimate_peak_bytes"] == uncached
+    assert len(report["full_batch"]["layers"]) == 2 - cache["used"]

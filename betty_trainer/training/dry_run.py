@@ -22,7 +22,7 @@ from betty_trainer.training.checkpoint import dataset_identity
 from betty_trainer.training.distributed import finish_together, join_run, this_rank
 from betty_trainer.training.output import quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
-from betty_trainer.training.trainer import feature_store, init_model, qualified_name
+from betty_trainer.training.trainer import data_path, feature_store, init_model, qualified_name
 
 
 def dry_run(config: Config, measure: bool = False, model: nn.Module | None = None, graph: Graph | None = None) -> dict:
@@ -62,11 +62,9 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
         check_aggregation_cache(config, model)
         if model is None:
             check_model_size(config, graph, device)
-        sampler = make_sampler(config, graph)
-        rows = input_features(config, graph)  # graph.x, or the aggregation cache's rows
-        features = feature_store(config, graph, device, sampler, HostFeatureStore(rows, pin=device.type == "cuda"))
-        with quiet_native_stderr():  # calibrating a custom model profiles steps
-            planner = make_planner(config, graph, model, device, features, plan_seed(config))
+        sampler, features, planner, cached = data_path(config, graph, device, model,
+                                                       HostFeatureStore(graph.x, pin=device.type == "cuda"))
+        rows = input_features(config, graph) if cached else graph.x  # what the training steps gather
         sampler, planner, _ = this_rank(config, graph, dataset_identity(graph, config.dataset.split)["fingerprint"],
                                         sampler, planner, processes)
         plan = planner.plan(first_batch(config, graph, sampler))
@@ -80,7 +78,7 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
                                         graph.y, device)
         report = planner.report(plan, measured)
         if config.features.aggregation_cache is not False:
-            report["aggregation_cache"] = aggregation_report(config, graph, device, rows, features.max_device_bytes)
+            report["aggregation_cache"] = aggregation_report(config, graph, device, cached, features.max_device_bytes)
         finish_together(processes)
     finally:
         leave()
@@ -89,18 +87,20 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     return report
 
 
-def aggregation_report(config: Config, graph: Graph, device: torch.device, rows: torch.Tensor,
-                       device_bytes: int) -> dict:
+def aggregation_report(config: Config, graph: Graph, device: torch.device, used: bool, device_bytes: int) -> dict:
     """What ``betty-train plan`` shows of the aggregation cache (``plan.json``'s ``aggregation_cache``; BatchGNN §3,
-    App. C): ``mode``, ``kind``, ``row_width`` (columns), ``host_bytes`` (the ``(N, W)`` table, memory-mapped from
-    ``path``, pinned on CUDA: ``rows``), ``device_bytes`` (the feature store's node cache and staged rows, cache rows
-    then), and ``uncached``: the plan of epoch 0's first batch with ``features.aggregation_cache=false`` and everything
-    else the same: its ``summary``, ``estimate_peak_bytes``, ``full_batch_estimate_bytes``, ``layers`` (per block
-    ``src_nodes``, ``dst_nodes``, ``edges``: layer 0's block and input rows are there) and ``work``, or where no
-    uncached plan fits the budget, ``refused``: the planner's message. The cache lowers the peak where layer 0's dst
-    nodes are much fewer than its src nodes (micro-batches, 3 layers) and raises it where they are about as many (a
-    2-layer full batch whose first hop covers the graph; BatchGNN Table 5).
+    App. C): ``mode``, ``used`` (``micro_batch.mode: auto`` may leave it out:
+    :func:`~betty_trainer.training.trainer.data_path`), ``kind``, ``row_width`` (columns), ``host_bytes`` (the
+    ``(N, W)`` table, memory-mapped from ``path``, pinned on CUDA), ``device_bytes`` (the run's feature store's node
+    cache and staged rows), and ``uncached``: the plan of epoch 0's first batch with
+    ``features.aggregation_cache=false`` and everything else the same: its ``summary``, ``estimate_peak_bytes``,
+    ``full_batch_estimate_bytes``, ``layers`` (per block ``src_nodes``, ``dst_nodes``, ``edges``: layer 0's block
+    and input rows are there) and ``work``, or where no uncached plan fits the budget, ``refused``: the planner's
+    message. The cache lowers the peak where layer 0's dst nodes are much fewer than its src nodes (micro-batches,
+    3 layers) and raises it where they are about as many (a 2-layer full batch whose first hop covers the graph;
+    BatchGNN Table 5).
     """
+    rows = input_features(config, graph)
     uncached = config.model_copy(update={"features": config.features.model_copy(update={"aggregation_cache": False})})
     sampler = make_sampler(uncached, graph)
     planner = make_planner(uncached, graph, None, device, feature_store(uncached, graph, device, sampler),
@@ -114,7 +114,7 @@ def aggregation_report(config: Config, graph: Graph, device: torch.device, rows:
         alternative = {"summary": plan.summary, "estimate_peak_bytes": plan.estimate,
                        "full_batch_estimate_bytes": full_batch["estimate_peak_bytes"], "layers": full_batch["layers"],
                        "work": plan.work}
-    return {"mode": config.features.aggregation_cache, "kind": aggregation_kind(config),
+    return {"mode": config.features.aggregation_cache, "used": used, "kind": aggregation_kind(config),
             "row_width": int(rows.shape[1]), "host_bytes": rows.numel() * rows.element_size(),
             "path": str(aggregation_dir(graph, aggregation_kind(config))), "device_bytes": device_bytes,
             "uncached": alternative}
