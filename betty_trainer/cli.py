@@ -210,6 +210,24 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
     run's plan as one such table per rank."""
     for part in report.get("ranks") or [report]:
         _print_piece_table(console, {**report, **part}, args)
+    cache = report.get("aggregation_cache")
+    if cache is not None:
+        use = ("layer 0 reads the cached rows of its dst nodes" if cache["used"] else
+               "micro_batch.mode=auto left it out, estimated better without it")
+        console.print(f"aggregation cache ({cache['kind']}, {str(cache['mode']).lower()}): {_mib(cache['host_bytes'])} "
+                      f"MiB in host memory ({cache['row_width']} columns a node, {cache['path']}), "
+                      f"{_mib(cache['device_bytes'])} MiB on the device; {use}. "
+                      f"Without it: {_uncached_text(cache['uncached'])}", highlight=False, soft_wrap=True)
+
+
+def _uncached_text(uncached: dict) -> str:
+    """The plan of the batch without the aggregation cache, in words (``aggregation_cache.uncached``)."""
+    if "refused" in uncached:
+        return f"no plan fits ({uncached['refused']})"
+    sizes = " / ".join(str(layer["src_nodes"]) for layer in uncached["layers"])
+    return (f"{uncached['summary']}, src nodes per layer {sizes}, estimated peak "
+            f"{_mib(uncached['estimate_peak_bytes'] or 0)} MiB (full batch "
+            f"{_mib(uncached['full_batch_estimate_bytes'] or 0)} MiB), estimated work {uncached['work']:,}")
 
 
 def _print_piece_table(console: Console, report: dict, args: argparse.Namespace) -> None:

@@ -82,15 +82,22 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
     layer 1, whose input takes no gradient); a layer-wise step runs a forward without autograd, the
     recomputed forward and the backward, so one pass more of each term (and one more gather and mask). A
     layer with ``projected_rows`` (layer-wise GAT, and SAGE ``mean``/``gcn`` when it projects first: its
-    block's src rows) projects those once per pass, not each chunk's src rows.
+    block's src rows) projects those once per pass, not each chunk's src rows. With the aggregation cache
+    (``spec.aggregated_width``, one layer fewer in ``layers``) layer 0 is one linear map of each cached row.
 
     Returns:
         Multiply-adds (a relative cost: only ratios between plans are meaningful).
     """
     work = spec.layer_work
     total = 0.0
-    for index, pieces in enumerate(layers):
-        size = LayerSize(index, index == len(layers) - 1, spec.widths[index], spec.widths[index + 1],
+    num_layers = len(spec.widths) - 1
+    first = num_layers - len(layers)  # 1: layer 0 reads the aggregation cache, one linear map per row
+    if first:
+        rows = sum(piece.num_src for piece in layers[0])
+        # a forward and the weights' gradient; each row gathered (and masked) once
+        total += 2 * rows * spec.aggregated_width * spec.widths[1] + rows * spec.aggregated_width * MASK_COST
+    for index, pieces in enumerate(layers, start=first):
+        size = LayerSize(index, index == num_layers - 1, spec.widths[index], spec.widths[index + 1],
                          src=sum(piece.num_src for piece in pieces), dst=sum(piece.num_dst for piece in pieces),
                          edges=sum(piece.num_edges for piece in pieces),
                          projected=projected_rows[index] if index < len(projected_rows) else None)

@@ -301,7 +301,8 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
             the cause).
     """
     mode, budget = config.micro_batch.mode, config.micro_batch.budget
-    layer_by_layer = model is None or runs_layer_by_layer(model)
+    # the aggregation cache's layer 0 runs inside micro-batches only (auto then plans micro-batches)
+    layer_by_layer = (model is None or runs_layer_by_layer(model)) and config.features.aggregation_cache is False
     if not layer_by_layer and mode == "layerwise":
         raise ConfigError(f"micro_batch.mode=layerwise: {type(model).__name__} cannot run layer by layer (it needs a "
                           "LayerStack whose forward is the stack's own); use micro_batch.mode=micro_batches")

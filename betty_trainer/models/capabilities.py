@@ -233,14 +233,15 @@ def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
 
 
 def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: str, weight_decay: bool,
-                   device: torch.device | str, device_workspace: int) -> ModelSpec:
+                   device: torch.device | str, device_workspace: int, aggregation_cache: bool = False) -> ModelSpec:
     """What a built-in model declares to the estimator (:class:`~estimator.spec.ModelSpec`): its architecture's
     name and work terms, its widths, aggregator, heads and dropout, its parameter tensors (in
     ``model.parameters()`` order) and buffers read off the instance, its memory terms (each layer's
     ``memory_terms`` beside its ``forward``, which the estimate replays) and its projected layers' terms
     (:func:`projected_terms`); with the training's ``optimizer`` (and ``weight_decay``) on the foreach or
     single-tensor path PyTorch picks for ``device``, the kernels dropout and aggregation use there, and the
-    ``device_workspace`` bytes the caller measured.
+    ``device_workspace`` bytes the caller measured; with ``aggregation_cache``, layer 0 reads the input-feature
+    aggregation cache (its ``aggregated_width``: :attr:`~estimator.spec.ModelSpec.aggregated_width`).
     """
     first = model.layers[0]
     parameter = next(model.parameters())
@@ -252,5 +253,6 @@ def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: 
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         weight_decay=weight_decay, foreach=adam_uses_foreach(device),
         compiled_kernels=compiled_kernels(device, parameter.dtype), device_workspace=device_workspace,
+        aggregated_width=model.aggregated_width if aggregation_cache else None,
         forward_terms=model.memory_terms, layer_terms=model.layer_memory_terms,
         projections=tuple(projected_terms(model)), layer_work=architecture.work)

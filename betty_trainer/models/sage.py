@@ -123,6 +123,65 @@ class SAGEConv(nn.Module):
         """Whether :meth:`propagate` reads the dst nodes' input rows: ``mean``'s self term ``W_self·h_d``."""
         return self.fc_self is not None
 
+    @property
+    def aggregated_width(self) -> int | None:
+        """Columns of the aggregation cache's row this layer reads as layer 0 (BatchGNN §3, "Input Feature
+        Aggregation Cache"): ``mean``: the node's own features beside their neighbours' mean, ``2·F_in``; ``gcn``:
+        the self-inclusive mean, ``F_in``; ``None`` for ``pool`` and ``lstm``, whose aggregation has parameters."""
+        return {"mean": 2 * self.in_feats, "gcn": self.in_feats}.get(self.aggregator)
+
+    def aggregated_input(self, block: Block, h_src: Tensor) -> Tensor:
+        """The aggregation cache's rows of ``block``'s dst nodes: what :meth:`forward` computes from the block
+        before any parameter touches it, ``mean``: ``[h_d | mean_{s∈N(d)} h_s]``; ``gcn``: ``(h_d + Σ_{s∈N(d)}
+        h_s) / (|N(d)| + 1)`` (:meth:`aggregate`). :meth:`forward_aggregated` of them is :meth:`forward` of the
+        block, up to float reassociation.
+
+        Shapes:
+            ``h_src`` ``(num_src, F_in)`` → ``(num_dst, aggregated_width)``.
+
+        Raises:
+            ValueError: ``pool`` or ``lstm`` (no cacheable aggregation).
+        """
+        if self.aggregated_width is None:
+            raise ValueError(f"SAGE's {self.aggregator!r} aggregator has parameters: its aggregation cannot be cached")
+        neighbourhood = self.aggregate(block, h_src)
+        return torch.cat([block.dst_rows(h_src), neighbourhood], 1) if self.fc_self is not None else neighbourhood
+
+    def forward_aggregated(self, rows: Tensor) -> Tensor:
+        """:meth:`forward` from the aggregation cache's rows (:meth:`aggregated_input`) of the dst nodes:
+        ``mean``: ``W_neigh·m_d + W_self·h_d + b`` on the rows' halves (views, no copy); ``gcn``: ``W_neigh·c_d + b``.
+
+        Shapes:
+            ``rows`` ``(num_dst, aggregated_width)`` → ``(num_dst, F_out)``.
+        """
+        if self.fc_self is None:
+            return self.fc_neigh(rows) + self.bias
+        out = self.fc_neigh(rows[:, self.in_feats:])
+        out = out + self.fc_self(rows[:, :self.in_feats])
+        return out + self.bias
+
+    def aggregated_memory_terms(self, tape: StepTape, rows: int, hd: int):
+        """What :meth:`forward_aggregated` allocates on ``rows`` cached rows ``hd`` (a handle on the tape; they take
+        no gradient): ``(output handle, backward)``; ``backward(grad)`` emits the parameters' gradients, frees
+        ``grad`` and returns ``None``."""
+        r, f, a, b = tape.r, tape.f, self.in_feats, self.out_feats
+        if self.fc_self is None:
+            return tape.linear_bias(hd, rows, a, b)
+        neigh_out, neigh_bwd = tape.linear(hd, rows, a, b, False)  # both halves are views of hd: autograd keeps hd
+        self_out, self_bwd = tape.linear(hd, rows, a, b, False)
+        summed = r.alloc(rows * b * f, HID)
+        r.drop(neigh_out, self_out)
+        result = r.alloc(rows * b * f, HID)  # + bias
+        r.drop(summed)
+
+        def backward(grad: int) -> None:
+            tape.param_grad(b)
+            tape.settle()
+            self_bwd(grad, free_grad=False)
+            neigh_bwd(grad)
+
+        return result, backward
+
     def project(self, h: Tensor) -> Tensor:
         """``z = W_neigh·h`` row by row, the part of a projecting layer's :meth:`forward` that reads no edge:
         layer-wise execution projects a layer's src rows once per pass and each chunk gathers its rows of

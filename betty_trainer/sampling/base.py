@@ -87,10 +87,14 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
     Attributes:
         fanouts: one entry per layer, input layer first; ``None`` keeps every in-edge.
         node_cache: ``None`` (no node cache) unless a subclass samples from one.
+        first_layer: the first layer :meth:`sample` samples (``0``; ``1`` when layer 0 reads the input-feature
+            aggregation cache, BatchGNN §3): layers ``first_layer …`` keep their indices, keys and fanouts, so their
+            blocks are the uncached batch's.
     """
 
     fanouts: list[int | None]
     node_cache: NodeSource | None = None
+    first_layer: int = 0
 
     @abstractmethod
     def sample_layer(self, dst: Tensor, layer: int, key: SampleKey) -> Block:
@@ -113,11 +117,11 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
             key: the batch's :class:`SampleKey`.
 
         Returns:
-            A :class:`Batch` of ``len(fanouts)`` blocks, input layer first.
+            A :class:`Batch` of ``len(fanouts) − first_layer`` blocks, input layer first.
         """
         dst = seeds.long()
         blocks = []
-        for layer in reversed(range(len(self.fanouts))):
+        for layer in reversed(range(self.first_layer, len(self.fanouts))):
             block = self.sample_layer(dst, layer, key)
             blocks.append(block)
             dst = block.src_nodes

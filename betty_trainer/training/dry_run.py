@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
 
 from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
+from betty_trainer.datasets.aggregation import aggregation_dir
 from betty_trainer.distributed.group import leave
+from betty_trainer.errors import PlanningError
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
+from betty_trainer.training.aggregation import aggregation_kind, check_aggregation_cache, input_features
 from betty_trainer.training.checkpoint import dataset_identity
 from betty_trainer.training.distributed import finish_together, join_run, this_rank
 from betty_trainer.training.output import quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
-from betty_trainer.training.trainer import feature_store, init_model, qualified_name
+from betty_trainer.training.trainer import data_path, feature_store, init_model, qualified_name
 
 
 def dry_run(config: Config, measure: bool = False, model: nn.Module | None = None, graph: Graph | None = None) -> dict:
@@ -34,6 +38,9 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     once first so its state is resident as in training, and the report gets each measured peak and ``error`` =
     (estimate − measured) / measured. The profiler's own stderr
     lines are hidden (:func:`~betty_trainer.training.output.quiet_native_stderr`).
+
+    With ``features.aggregation_cache`` the report's ``aggregation_cache`` holds the cache's bytes and where they
+    live, and the plan of the same batch without the cache (:func:`aggregation_report`).
 
     Under ``torchrun`` with ``distributed.mode`` set, every rank plans its share of the first global batch (a
     cooperative rank its rounds, with the exchanges' buffers in each estimate) and the report holds them all under
@@ -52,12 +59,12 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     try:
         device = device if processes is None else processes.device
         graph = load_dataset(config.dataset) if graph is None else graph
+        check_aggregation_cache(config, model)
         if model is None:
             check_model_size(config, graph, device)
-        sampler = make_sampler(config, graph)
-        features = feature_store(config, graph, device, sampler)
-        with quiet_native_stderr():  # calibrating a custom model profiles steps
-            planner = make_planner(config, graph, model, device, features, plan_seed(config))
+        sampler, features, planner, cached = data_path(config, graph, device, model,
+                                                       HostFeatureStore(graph.x, pin=device.type == "cuda"))
+        rows = input_features(config, graph) if cached else graph.x  # what the training steps gather
         sampler, planner, _ = this_rank(config, graph, dataset_identity(graph, config.dataset.split)["fingerprint"],
                                         sampler, planner, processes)
         plan = planner.plan(first_batch(config, graph, sampler))
@@ -67,12 +74,47 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
             set_dropout_key(measured_model, config.seed, 0)
             optimizer = config.optim.make_optimizer(measured_model.parameters())
             with quiet_native_stderr():
-                measured = plan.measure(measured_model, optimizer,
-                                        HostFeatureStore(graph.x, pin=device.type == "cuda"), graph.y, device)
+                measured = plan.measure(measured_model, optimizer, HostFeatureStore(rows, pin=device.type == "cuda"),
+                                        graph.y, device)
         report = planner.report(plan, measured)
+        if config.features.aggregation_cache is not False:
+            report["aggregation_cache"] = aggregation_report(config, graph, device, cached, features.max_device_bytes)
         finish_together(processes)
     finally:
         leave()
     report.update(dataset=graph.name, device=str(device),
                   model=config.model.model_dump() if model is None else {"custom": qualified_name(model)})
     return report
+
+
+def aggregation_report(config: Config, graph: Graph, device: torch.device, used: bool, device_bytes: int) -> dict:
+    """What ``betty-train plan`` shows of the aggregation cache (``plan.json``'s ``aggregation_cache``; BatchGNN §3,
+    App. C): ``mode``, ``used`` (``micro_batch.mode: auto`` may leave it out:
+    :func:`~betty_trainer.training.trainer.data_path`), ``kind``, ``row_width`` (columns), ``host_bytes`` (the
+    ``(N, W)`` table, memory-mapped from ``path``, pinned on CUDA), ``device_bytes`` (the run's feature store's node
+    cache and staged rows), and ``uncached``: the plan of epoch 0's first batch with
+    ``features.aggregation_cache=false`` and everything else the same: its ``summary``, ``estimate_peak_bytes``,
+    ``full_batch_estimate_bytes``, ``layers`` (per block ``src_nodes``, ``dst_nodes``, ``edges``: layer 0's block
+    and input rows are there) and ``work``, or where no uncached plan fits the budget, ``refused``: the planner's
+    message. The cache lowers the peak where layer 0's dst nodes are much fewer than its src nodes (micro-batches,
+    3 layers) and raises it where they are about as many (a 2-layer full batch whose first hop covers the graph;
+    BatchGNN Table 5).
+    """
+    rows = input_features(config, graph)
+    uncached = config.model_copy(update={"features": config.features.model_copy(update={"aggregation_cache": False})})
+    sampler = make_sampler(uncached, graph)
+    planner = make_planner(uncached, graph, None, device, feature_store(uncached, graph, device, sampler),
+                           plan_seed(uncached))
+    try:
+        plan = planner.plan(first_batch(uncached, graph, sampler))
+    except PlanningError as error:
+        alternative = {"refused": str(error)}
+    else:
+        full_batch = plan.report()["full_batch"]
+        alternative = {"summary": plan.summary, "estimate_peak_bytes": plan.estimate,
+                       "full_batch_estimate_bytes": full_batch["estimate_peak_bytes"], "layers": full_batch["layers"],
+                       "work": plan.work}
+    return {"mode": config.features.aggregation_cache, "used": used, "kind": aggregation_kind(config),
+            "row_width": int(rows.shape[1]), "host_bytes": rows.numel() * rows.element_size(),
+            "path": str(aggregation_dir(graph, aggregation_kind(config))), "device_bytes": device_bytes,
+            "uncached": alternative}
