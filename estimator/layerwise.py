@@ -29,7 +29,7 @@ its dst input rows gathered at the input layer, views above it; backward recompu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts, block_structure_bytes
@@ -210,6 +210,10 @@ class _LayerwiseReplay:
     blocks: Callable[[int, int], list[tuple[int, int]]]
     host_outputs: bool
     projections: list[ProjectedTerms | None]
+    whole_block: list[bool] = field(init=False)  # per layer: run off the whole block (runs_off_whole_block)
+
+    def __post_init__(self) -> None:
+        self.whole_block = runs_off_whole_block(self.model, self.projections)
 
     def forward(self) -> tuple[list[int | None], list[int | None]]:
         """Layers 1 … L without autograd: each layer's kept output ``h_l`` (``None`` when it is in host memory)
@@ -279,15 +283,11 @@ class _LayerwiseReplay:
 
     def pieces(self, index: int) -> Sequence[LayerCounts]:
         """What layer ``index`` runs a piece at a time: its chunks' counts, or, for a layer run off the whole block
-        (:meth:`runs_rows`), one ``(rows, rows, 0)`` per dst row block (:attr:`blocks`, as many as its chunks)."""
-        if not self.runs_rows(index):
+        (:attr:`whole_block`), one ``(rows, rows, 0)`` per dst row block (:attr:`blocks`, as many as its chunks)."""
+        if not self.whole_block[index]:
             return self.chunks[index]
         return [LayerCounts(end - begin, end - begin, 0)
                 for begin, end in self.blocks(index, self.layers[index].num_dst)]
-
-    def runs_rows(self, index: int) -> bool:
-        """Whether layer ``index`` runs off the whole block (:func:`runs_off_whole_block`)."""
-        return runs_off_whole_block(self.model, self.projections)[index]
 
     def dst_inputs(self, index: int, rows: int) -> int | None:
         """A row block of a layer run off the whole block: its dst input rows' handle when it gathers them (features
@@ -301,7 +301,7 @@ class _LayerwiseReplay:
         (an affine layer's run off the whole block: only the part reading its dst input rows is recomputed)."""
         replay = self.replay
         mark = replay.mark()
-        if self.runs_rows(index):  # c: a row block's counts (rows, rows, 0); its rows of ∂L/∂h_l are a view
+        if self.whole_block[index]:  # c: a row block's counts (rows, rows, 0); its rows of ∂L/∂h_l are a view
             self.projections[index].propagate_rows_backward(self.tape, c.num_dst, None,
                                                             self.dst_inputs(index, c.num_dst), index > 0)
             replay.release_since(mark)
@@ -350,7 +350,7 @@ class _LayerwiseReplay:
         backward; and its dst input rows, when the layer reads them), the layer's rest (without the stack's ReLU
         in an affine layer's backward: ``∂L/∂h_l`` has it applied already)."""
         replay, terms, f = self.replay, self.projections[index], self.model.dtype_bytes
-        if not grad and self.runs_rows(index):  # c: a row block's counts
+        if not grad and self.whole_block[index]:  # c: a row block's counts
             return terms.propagate_rows(self.tape, c.num_dst, self.dst_inputs(index, c.num_dst)), None
         chunk_slice(replay, self.layers[index], c)
         rows = replay.alloc(c.num_src * terms.width * f, HID)

@@ -214,7 +214,6 @@ class _LayerPass:
         run: :class:`~betty_trainer.models.capabilities.AffineLayer`), without slices or gathered rows of ``z``."""
         return self.affine[index] and compiled_kernels(self.device, self.dtype)
 
-
     def forward(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
         """Layers 1 … L without autograd: each layer's output ``h_l`` (the last one the logits), and each
         projected, non-affine layer's ``z`` (``None`` for the others), which its backward reads."""
@@ -314,13 +313,10 @@ class _LayerPass:
         """An affine layer's dst rows ``[begin, end)`` without autograd, off the whole block (:meth:`runs_rows`):
         their input rows (with the stack's dropout) when the layer reads them, ``propagate_rows`` on ``z_all``,
         and the stack's ReLU below the output layer. Returns the rows' output."""
-        layer, block = self.model.layers[index], self.blocks[index]
-        h_dst = None
-        if layer.reads_dst_input:
-            dst_nodes = block.src_nodes[begin:end]
-            h_dst = self.model.dropout(self.layer_input(index, dst_nodes, slice(begin, end), h_prev), dst_nodes,
-                                       index, index == 0)
-        h = layer.propagate_rows(block, begin, end, z_all, h_dst)
+        h_dst, dst_nodes = self.dst_rows(index, begin, end, h_prev)
+        if h_dst is not None:
+            h_dst = self.model.dropout(h_dst, dst_nodes, index, index == 0)
+        h = self.model.layers[index].propagate_rows(self.blocks[index], begin, end, z_all, h_dst)
         return F.relu(h) if index < self.last else h
 
     def rows_backward(self, index: int, begin: int, end: int, grad_out: Tensor, h_prev: Tensor | None,
@@ -329,17 +325,23 @@ class _LayerPass:
         their rows of ``grad_out`` (the stack's ReLU applied already): ``propagate_rows_backward`` adds ``∂L/∂z``
         into ``grad_z`` without recomputing the aggregation, and the rows' input gradient is added into
         ``grad_in``."""
-        layer, block = self.model.layers[index], self.blocks[index]
-        h_dst = dst_nodes = None
-        if layer.reads_dst_input:
-            dst_nodes = block.src_nodes[begin:end]
-            h_dst = self.layer_input(index, dst_nodes, slice(begin, end), h_prev)
-            if index > 0:
-                h_dst.requires_grad_()  # a view of h_{l−1}: its gradient is a tensor of its own
-        layer.propagate_rows_backward(block, begin, grad_out[begin:end], grad_z, None if h_dst is None else
-                                      self.model.dropout(h_dst, dst_nodes, index, index == 0))
+        h_dst, dst_nodes = self.dst_rows(index, begin, end, h_prev)
+        if h_dst is not None and index > 0:
+            h_dst.requires_grad_()  # a view of h_{l−1}: its gradient is a tensor of its own
+        self.model.layers[index].propagate_rows_backward(
+            self.blocks[index], begin, grad_out[begin:end], grad_z,
+            None if h_dst is None else self.model.dropout(h_dst, dst_nodes, index, index == 0))
         if h_dst is not None and grad_in is not None:
             grad_in[begin:end] += h_dst.grad
+
+    def dst_rows(self, index: int, begin: int, end: int, h_prev: Tensor | None) -> tuple[Tensor | None, Tensor]:
+        """Dst rows ``[begin, end)`` of layer ``index`` run off the whole block: their input rows (gathered features
+        at the input layer, a view of ``h_{l−1}`` above it; ``None`` when the layer does not read them) and their
+        node ids (a view of the block's src ids)."""
+        dst_nodes = self.blocks[index].src_nodes[begin:end]
+        if not self.model.layers[index].reads_dst_input:
+            return None, dst_nodes
+        return self.layer_input(index, dst_nodes, slice(begin, end), h_prev), dst_nodes
 
     def layer_input(self, index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
         """Rows of the layer's input for ``nodes`` (global ids) at ``positions`` among the block's src nodes:

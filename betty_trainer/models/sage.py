@@ -200,9 +200,16 @@ class SAGEConv(nn.Module):
         Raises:
             ValueError: ``mean`` without ``h_dst``.
         """
+        self._check_dst_input(h_dst)
+        return self._plus_self_and_bias(self.aggregate(block, z), h_dst)
+
+    def _check_dst_input(self, h_dst: Tensor | None) -> None:
         if self.fc_self is not None and h_dst is None:
             raise ValueError("SAGEConv(mean).propagate needs h_dst, the dst nodes' input rows, for W_self·h_d")
-        out = self.aggregate(block, z)
+
+    def _plus_self_and_bias(self, out: Tensor, h_dst: Tensor | None) -> Tensor:
+        """``out + fc_self(h_dst)`` (``mean``) ``+ bias``: what :meth:`propagate` and :meth:`propagate_rows` add to
+        the aggregation ``out`` ``(rows, F_out)``."""
         if self.fc_self is not None:
             out = out + self.fc_self(h_dst)
         return out + self.bias
@@ -211,11 +218,13 @@ class SAGEConv(nn.Module):
         """:meth:`propagate` of the dst rows ``[begin, end)`` of ``block`` (an affine layer's row block in
         layer-wise execution), without autograd: ``z`` is the whole ``(num_src, F_out)`` projection, read at the
         block's src positions (:func:`~betty_trainer.models.aggregate.aggregate_rows`; the compiled CPU kernels),
-        and ``h_dst`` the rows' ``(R, F_in)`` input rows (``mean``) → ``(R, F_out)``."""
-        out = aggregate_rows(block, begin, end, z, self_loop=self.aggregator == "gcn")
-        if self.fc_self is not None:
-            out = out + self.fc_self(h_dst)
-        return out + self.bias
+        and ``h_dst`` the rows' ``(R, F_in)`` input rows (``mean``) → ``(R, F_out)``.
+
+        Raises:
+            ValueError: ``mean`` without ``h_dst``.
+        """
+        self._check_dst_input(h_dst)
+        return self._plus_self_and_bias(aggregate_rows(block, begin, end, z, self_loop=self.aggregator == "gcn"), h_dst)
 
     def propagate_rows_backward(self, block: Block, begin: int, grad: Tensor, grad_z: Tensor,
                                 h_dst: Tensor | None = None) -> None:
