@@ -6,18 +6,14 @@ One folder per graph, features and aggregation: ``<cache_dir>/<dataset>/aggregat
 ``table.npy`` (``(N, W)`` float32, written by ``np.save`` without pickle, read with ``allow_pickle=False``) and
 ``meta.json``. ``<key>`` is the BLAKE2b digest of the graph's CSC structure and of **all** its feature rows, so
 another graph, another feature preprocessing or another aggregation gets its own folder; a folder is written under
-a temporary name and renamed into place when complete (:class:`~betty_trainer.datasets.cache.CacheWriter`'s rule).
+a temporary name and renamed into place when complete (:class:`~betty_trainer.datasets.cache.CacheWriter`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +23,7 @@ from torch import Tensor
 
 from betty_trainer.data.block import Block
 from betty_trainer.data.graph import Graph
-from betty_trainer.datasets.cache import cache_dir
+from betty_trainer.datasets.cache import CacheWriter, cache_dir, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +86,15 @@ def aggregation_table(graph: Graph, kind: str, aggregate: Callable[[Block, Tenso
 
 def _load(folder: Path, num_nodes: int) -> Tensor | None:
     """The table in ``folder`` if it is complete and of this format, else ``None`` (then it is rebuilt)."""
+    meta = read_meta(folder)
+    if meta is None:
+        return None
     try:
-        meta = json.loads((folder / "meta.json").read_text())
         array = np.load(folder / "table.npy", mmap_mode="c", allow_pickle=False)
     except (OSError, ValueError):
         return None
-    if meta.get("format") != AGGREGATION_FORMAT or list(array.shape) != meta.get("shape") \
+    if meta.get("aggregation_format") != AGGREGATION_FORMAT \
+            or list(array.shape) != meta.get("arrays", {}).get("table", {}).get("shape") \
             or array.shape[0] != num_nodes or array.dtype != np.float32:
         log.warning("aggregation cache %s is stale or truncated; rebuilding", folder)
         return None
@@ -103,15 +102,8 @@ def _load(folder: Path, num_nodes: int) -> Tensor | None:
 
 
 def _save(folder: Path, array: np.ndarray, meta: dict) -> None:
-    """Write ``array`` and ``meta.json`` into a temporary folder beside ``folder``, then rename it into place."""
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        np.save(tmp / "table.npy", array, allow_pickle=False)
-        meta = {**meta, "format": AGGREGATION_FORMAT, "shape": list(array.shape)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Write ``array`` as ``table.npy`` and ``meta.json`` into ``folder``, atomically
+    (:class:`~betty_trainer.datasets.cache.CacheWriter`)."""
+    with CacheWriter(folder, required=("table",)) as writer:
+        writer.save("table", array)
+        writer.commit({**meta, "aggregation_format": AGGREGATION_FORMAT})
