@@ -164,20 +164,14 @@ class SAGEConv(nn.Module):
         """What :meth:`forward_aggregated` allocates on ``rows`` cached rows ``hd`` (a handle on the tape; they take
         no gradient): ``(output handle, backward)``; ``backward(grad)`` emits the parameters' gradients, frees
         ``grad`` and returns ``None``."""
-        r, f, a, b = tape.r, tape.f, self.in_feats, self.out_feats
+        a, b = self.in_feats, self.out_feats
         if self.fc_self is None:
             return tape.linear_bias(hd, rows, a, b)
         neigh_out, neigh_bwd = tape.linear(hd, rows, a, b, False)  # both halves are views of hd: autograd keeps hd
-        self_out, self_bwd = tape.linear(hd, rows, a, b, False)
-        summed = r.alloc(rows * b * f, HID)
-        r.drop(neigh_out, self_out)
-        result = r.alloc(rows * b * f, HID)  # + bias
-        r.drop(summed)
+        result, self_bias_bwd = self._self_bias_terms(tape, LayerCounts(rows, rows, 0), neigh_out, hd, False)
 
         def backward(grad: int) -> None:
-            tape.param_grad(b)
-            tape.settle()
-            self_bwd(grad, free_grad=False)
+            self_bias_bwd(grad)
             neigh_bwd(grad)
 
         return result, backward
