@@ -106,6 +106,13 @@ def integer_weights(costs: np.ndarray, total: float = 1e8) -> np.ndarray:
     return np.maximum(1, np.ceil(costs / scale)).astype(np.int64)
 
 
+def k_to_fit(k: int, peak: float, resident: float, budget: float) -> int:
+    """The K at which a split whose largest micro-batch at ``k`` is estimated at ``peak`` bytes is expected to fit
+    ``budget`` bytes: a micro-batch's own bytes (above the ``resident`` ones) shrink about as ``1/K``, so
+    ``⌈k · (peak − resident) / (budget − resident)⌉`` (the K search's start from the whole batch, ``k = 1``)."""
+    return math.ceil(k * (peak - resident) / (budget - resident))
+
+
 def make_split(
     blocks: Sequence[BlockStructure],
     estimate: Estimate | None = None,
@@ -232,7 +239,7 @@ def make_split(
             f"memory budget {_mib(budget)} is impossible: output node {hungriest} of the batch alone needs "
             f"{_mib(alone)} (its receptive field); raise the budget or use smaller fanouts"
         )
-    start = min(max(min_k, 2, math.ceil((full() - resident) / (budget - resident))), num_outputs)
+    start = min(max(min_k, 2, k_to_fit(1, full(), resident, budget)), num_outputs)
     parts = _first_fitting_k(lambda parts: max(split(parts)[2]) <= budget, start, num_outputs, search == "gallop")
     if parts is None:
         raise BudgetError(

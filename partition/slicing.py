@@ -66,11 +66,6 @@ class LayerSlice:
     def num_edges(self) -> int:
         return self.indices.numel()
 
-    @property
-    def size(self) -> "SliceSize":
-        """The slice's sizes, without its tensors."""
-        return SliceSize(self.num_src, self.num_dst, self.num_edges)
-
 
 @dataclass(frozen=True)
 class SliceSize:
@@ -95,6 +90,13 @@ class SliceSize:
     def of(cls, block: BlockStructure) -> "SliceSize":
         """The sizes of a whole block."""
         return cls(block.num_src, block.num_dst, block.indices.numel())
+
+
+def _check_chain(blocks: Sequence[BlockStructure]) -> None:
+    """Raise ``ValueError`` unless each block's dst nodes are the next block's src nodes (input layer first)."""
+    for lower, upper in itertools.pairwise(blocks):
+        if lower.num_dst != upper.num_src:
+            raise ValueError(f"blocks do not chain: {lower.num_dst} dst nodes feed {upper.num_src} src nodes")
 
 
 def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list[LayerSlice]:
@@ -122,9 +124,7 @@ def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list
     Raises:
         ValueError: if the blocks do not chain or ``output_index`` is out of range.
     """
-    for lower, upper in itertools.pairwise(blocks):
-        if lower.num_dst != upper.num_src:
-            raise ValueError(f"blocks do not chain: {lower.num_dst} dst nodes feed {upper.num_src} src nodes")
+    _check_chain(blocks)
     dst = output_index.long()
     if dst.numel() and (int(dst.min()) < 0 or int(dst.max()) >= blocks[-1].num_dst):
         raise ValueError(f"output_index out of range [0, {blocks[-1].num_dst})")
@@ -159,9 +159,7 @@ def count_layers(blocks: Sequence[BlockStructure], groups: Sequence[Tensor]) -> 
     Raises:
         ValueError: if the blocks do not chain or a group is out of range.
     """
-    for lower, upper in itertools.pairwise(blocks):
-        if lower.num_dst != upper.num_src:
-            raise ValueError(f"blocks do not chain: {lower.num_dst} dst nodes feed {upper.num_src} src nodes")
+    _check_chain(blocks)
     k, num_outputs = len(groups), blocks[-1].num_dst
     positions = torch.cat([group.long().cpu() for group in groups]).numpy() if k else np.zeros(0, dtype=np.int64)
     if positions.size and (positions.min() < 0 or positions.max() >= num_outputs):
@@ -299,7 +297,7 @@ _DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
 #: bit index of a power of two ``p`` at ``(p · _DE_BRUIJN mod 2⁶⁴) >> 58`` (a de Bruijn sequence: each 6-bit window
 #: occurs once), so a set bit's index is one multiplication and one look-up
 _BIT_INDEX = np.zeros(64, dtype=np.int64)
-_BIT_INDEX[[((1 << bit) * 0x03F79D71B4CB0A89 % 2**64) >> 58 for bit in range(64)]] = np.arange(64)
+_BIT_INDEX[[((1 << bit) * int(_DE_BRUIJN) % 2**64) >> 58 for bit in range(64)]] = np.arange(64)
 
 
 @_jit

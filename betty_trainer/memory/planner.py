@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ from estimator.recorder import RecordedModel, RecordingRefused
 from partition import BudgetError, GraphPartition, OutputSplitter, Split, make_split
 from partition.chunks import search_chunks
 from partition.partitioners import GRAPHS
-from partition.search import Estimate
+from partition.search import Estimate, k_to_fit
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +237,7 @@ class Planner:
         # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings the
         # largest under the budget, at least one more
         self.fallbacks += 1
-        self.graph_k = max(k + 1, math.ceil(k * (max(split.estimates) - self.resident) / (self.budget - self.resident)))
+        self.graph_k = max(k + 1, k_to_fit(k, max(split.estimates), self.resident, self.budget))
         return None
 
 
@@ -285,7 +284,7 @@ def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, s
 
 
 def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: torch.device,
-                 features: FeatureStore, seed: int = 0) -> Planner:
+                 features: FeatureStore, seed: int = 0, partition: GraphPartition | None = None) -> Planner:
     """The planner of a training run on ``graph`` whose input rows come from ``features``: the budget a step
     may use is ``micro_batch.budget`` less the store's ``max_device_bytes`` (its node cache and staged
     macro-batch; :class:`~betty_trainer.data.feature_store.FeatureStore`). The estimate is the closed form for the built-in model
@@ -293,7 +292,9 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     (:func:`~betty_trainer.memory.recorded.record_model`: exact), or where the recorder refuses it (the reason is
     logged) calibrated (:func:`~betty_trainer.memory.custom.calibrate_model`), both with the run's optimizer and
     ``config.model.num_layers`` layers; the time it took is logged at INFO level. ``seed``: the
-    partitioner's (:func:`~betty_trainer.sampling.schedule.plan_seed`).
+    partitioner's (:func:`~betty_trainer.sampling.schedule.plan_seed`). ``partition``: another planner's
+    :attr:`Planner.graph_partition` of the same run, shared so that its METIS cuts are made once; by default
+    :func:`graph_partition`.
 
     Raises:
         ConfigError: see :class:`Planner`.
@@ -317,7 +318,7 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
         estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False
     return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer,
-                   graph_partition(config, graph))
+                   partition or graph_partition(config, graph))
 
 
 def graph_partition(config: Config, graph: Graph) -> GraphPartition | None:

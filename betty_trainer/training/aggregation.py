@@ -50,6 +50,12 @@ def check_aggregation_cache(config: Config, model: nn.Module | None) -> None:
                        "evaluation runs the uncached layer 0")
 
 
+def without_aggregation_cache(config: Config) -> Config:
+    """``config`` with ``features.aggregation_cache: false`` and everything else the same (the plan a run would
+    make without the cache: :func:`~betty_trainer.training.trainer.data_path`, ``betty-train plan``)."""
+    return config.model_copy(update={"features": config.features.model_copy(update={"aggregation_cache": False})})
+
+
 def input_features(config: Config, graph: Graph) -> Tensor:
     """The rows a run's training steps gather, indexed by node id: ``graph.x`` ``(N, F)``, or with
     ``features.aggregation_cache`` the cache's ``(N, W)`` float32 table, layer 0's aggregation of ``graph.x`` over

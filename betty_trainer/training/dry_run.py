@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from betty_trainer.config import Config
 from betty_trainer.data.feature_store import HostFeatureStore
@@ -17,12 +17,18 @@ from betty_trainer.errors import PlanningError
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
 from betty_trainer.sampling.schedule import first_batch, make_sampler, plan_seed
-from betty_trainer.training.aggregation import aggregation_kind, check_aggregation_cache, input_features
+from betty_trainer.training.aggregation import (
+    aggregation_kind,
+    check_aggregation_cache,
+    input_features,
+    without_aggregation_cache,
+)
 from betty_trainer.training.checkpoint import dataset_identity
 from betty_trainer.training.distributed import finish_together, join_run, this_rank
 from betty_trainer.training.output import quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.trainer import data_path, feature_store, init_model, qualified_name
+from partition import GraphPartition
 
 
 def dry_run(config: Config, measure: bool = False, model: nn.Module | None = None, graph: Graph | None = None) -> dict:
@@ -65,6 +71,7 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
         sampler, features, planner, cached = data_path(config, graph, device, model,
                                                        HostFeatureStore(graph.x, pin=device.type == "cuda"))
         rows = input_features(config, graph) if cached else graph.x  # what the training steps gather
+        partition = planner.graph_partition  # the uncached plan of the report cuts the same graph
         sampler, planner, _ = this_rank(config, graph, dataset_identity(graph, config.dataset.split)["fingerprint"],
                                         sampler, planner, processes)
         plan = planner.plan(first_batch(config, graph, sampler))
@@ -78,7 +85,8 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
                                         graph.y, device)
         report = planner.report(plan, measured)
         if config.features.aggregation_cache is not False:
-            report["aggregation_cache"] = aggregation_report(config, graph, device, cached, features.max_device_bytes)
+            report["aggregation_cache"] = aggregation_report(config, graph, device, cached, features.max_device_bytes,
+                                                             rows if cached else None, partition)
         finish_together(processes)
     finally:
         leave()
@@ -87,7 +95,8 @@ def dry_run(config: Config, measure: bool = False, model: nn.Module | None = Non
     return report
 
 
-def aggregation_report(config: Config, graph: Graph, device: torch.device, used: bool, device_bytes: int) -> dict:
+def aggregation_report(config: Config, graph: Graph, device: torch.device, used: bool, device_bytes: int,
+                       rows: Tensor | None = None, partition: GraphPartition | None = None) -> dict:
     """What ``betty-train plan`` shows of the aggregation cache (``plan.json``'s ``aggregation_cache``; BatchGNN §3,
     App. C): ``mode``, ``used`` (``micro_batch.mode: auto`` may leave it out:
     :func:`~betty_trainer.training.trainer.data_path`), ``kind``, ``row_width`` (columns), ``host_bytes`` (the
@@ -98,13 +107,14 @@ def aggregation_report(config: Config, graph: Graph, device: torch.device, used:
     and input rows are there) and ``work``, or where no uncached plan fits the budget, ``refused``: the planner's
     message. The cache lowers the peak where layer 0's dst nodes are much fewer than its src nodes (micro-batches,
     3 layers) and raises it where they are about as many (a 2-layer full batch whose first hop covers the graph;
-    BatchGNN Table 5).
+    BatchGNN Table 5). ``rows``: the cache's table when the caller has it (else it is read); ``partition``: the
+    run planner's graph partition, which the uncached plan shares (:func:`~betty_trainer.memory.planner.make_planner`).
     """
-    rows = input_features(config, graph)
-    uncached = config.model_copy(update={"features": config.features.model_copy(update={"aggregation_cache": False})})
+    rows = input_features(config, graph) if rows is None else rows
+    uncached = without_aggregation_cache(config)
     sampler = make_sampler(uncached, graph)
     planner = make_planner(uncached, graph, None, device, feature_store(uncached, graph, device, sampler),
-                           plan_seed(uncached))
+                           plan_seed(uncached), partition)
     try:
         plan = planner.plan(first_batch(uncached, graph, sampler))
     except PlanningError as error:

@@ -43,7 +43,7 @@ from betty_trainer.sampling.schedule import (
     make_sampler,
     plan_seed,
 )
-from betty_trainer.training.aggregation import check_aggregation_cache, input_features
+from betty_trainer.training.aggregation import check_aggregation_cache, input_features, without_aggregation_cache
 from betty_trainer.training.checkpoint import (
     BEST_NAME,
     CHECKPOINT_NAME,
@@ -72,6 +72,7 @@ from betty_trainer.training.rundir import (
     new_run_dir,
     write_text,
 )
+from partition import GraphPartition
 
 logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
@@ -327,18 +328,18 @@ def data_path(config: Config, graph: Graph, device: torch.device, model: nn.Modu
     Raises:
         ConfigError, CalibrationError: see :func:`feature_store` and :func:`~betty_trainer.memory.planner.make_planner`.
     """
-    def build(run_config: Config) -> tuple[Sampler, FeatureStore, Planner]:
+    def build(run_config: Config, partition: GraphPartition | None = None) -> tuple[Sampler, FeatureStore, Planner]:
         sampler = make_sampler(run_config, graph)
         cached = run_config.features.aggregation_cache is not False
         features = feature_store(run_config, graph, device, sampler, None if cached else host)
         with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's chatter is hidden
-            return sampler, features, make_planner(run_config, graph, model, device, features, plan_seed(run_config))
+            return sampler, features, make_planner(run_config, graph, model, device, features, plan_seed(run_config),
+                                                   partition)
 
     chosen, cached = build(config), config.features.aggregation_cache is not False
     if config.features.aggregation_cache is True and config.micro_batch.mode == "auto":
-        plain_config = config.model_copy(
-            update={"features": config.features.model_copy(update={"aggregation_cache": False})})
-        plain = build(plain_config)
+        plain_config = without_aggregation_cache(config)
+        plain = build(plain_config, chosen[2].graph_partition)  # the cache changes no METIS cut of the graph
         with_cache, without = (_first_plan(run_config, graph, path, epoch)
                                for run_config, path in ((config, chosen), (plain_config, plain)))
         budget = chosen[2].budget is not None
