@@ -275,7 +275,9 @@ def aggregate_rows(block: Block, begin: int, end: int, z: Tensor, self_loop: boo
     (``betty_trainer.execution.layerwise``). Each row sums the block's own CSR row, reading ``z`` at the block's
     src positions, so no chunk slice, sub-block or gathered rows of ``z`` are made; its scale (``1/deg``, or
     ``1/Σ w_e``; plus one with the self loop; 0 for a row without in-edges) is computed in the kernel. The rows'
-    sums equal :func:`mean_neighbours`' (and ``SAGEConv``'s ``gcn``) on the same rows, edge for edge.
+    sums equal :func:`mean_neighbours`' (and ``SAGEConv``'s ``gcn``) on the same rows, edge for edge. Source: the
+    mean and GCN aggregators of GraphSAGE (Hamilton et al. 2017, §3.3); layer-by-layer execution as in ROC and
+    NeutronStar, here without the per-chunk gather.
 
     Args:
         block: the layer's block (CSC over its dst nodes; float32 edge weights or none).
