@@ -22,6 +22,7 @@ from betty_trainer.errors import (
 from betty_trainer.execution.micro_batches import MicroBatches, accumulate_gradients
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.custom import calibrate_model
+from betty_trainer.memory.device import use_huge_pages
 from betty_trainer.memory.planner import plan_micro_batches
 from betty_trainer.memory.recorded import record_model
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
@@ -32,6 +33,8 @@ from betty_trainer.training.inference import load_model
 from betty_trainer.training.trainer import TrainResult, train
 
 __version__ = "0.1.0"
+
+use_huge_pages()  # before this process's first large CPU tensor, when it imports betty_trainer first
 
 __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",
