@@ -97,6 +97,18 @@ def mix32_scalar(x):
 
 
 @jit(inline="always")
+def mix32_u32(x):
+    """:func:`mix32` on one ``np.uint32`` (inside numba kernels): the same bits as :func:`mix32_scalar`, in 32-bit
+    arithmetic (each product cast back to ``uint32``, as numba widens it), which LLVM can vectorise where 64-bit
+    products cannot be (no 64-bit lane multiply in AVX2)."""
+    x = np.uint32(x ^ (x >> np.uint32(16)))
+    x = np.uint32(x * np.uint32(0x85EBCA6B))
+    x = np.uint32(x ^ (x >> np.uint32(13)))
+    x = np.uint32(x * np.uint32(0xC2B2AE35))
+    return np.uint32(x ^ (x >> np.uint32(16)))
+
+
+@jit(inline="always")
 def hash_id_scalar(key, node):
     """:func:`hash_ids` for one non-negative id (inside numba kernels); ``np.uint64`` in ``[0, 2³²)``."""
     v = np.uint64(node)

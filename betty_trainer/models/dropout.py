@@ -21,6 +21,7 @@ from betty_trainer.rng import (
     jit,
     mix32,
     mix32_scalar,
+    mix32_u32,
     mix_key,
     numba,
 )
@@ -102,16 +103,17 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
 @jit(parallel=True)
 def _keyed_mask_kernel(src, out, node_ids, key, threshold, scale):  # pragma: no cover - compiled
     rows, width = src.shape
-    columns = np.empty(width, np.uint64)
+    columns = np.empty(width, np.uint32)
     for f in range(width):
         columns[f] = mix32_scalar((np.uint64(f) * np.uint64(_COLUMN_MULTIPLIER) + np.uint64(key) + np.uint64(1))
                                   & np.uint64(MASK32))
-    zero = np.float32(0.0)
+    threshold = np.uint32(threshold)
+    dropped = np.float32(0.0)
     for r in numba.prange(rows):
-        row = hash_id_scalar(key, node_ids[r])
-        for f in range(width):
-            keep = (mix32_scalar(row ^ columns[f]) >> np.uint64(8)) >= threshold
-            out[r, f] = (src[r, f] if keep else src[r, f] * zero) * scale
+        row = np.uint32(hash_id_scalar(key, node_ids[r]))
+        for f in range(width):  # 32-bit hashing (mix32_u32): one pass at memory speed
+            keep = np.uint32(mix32_u32(np.uint32(row ^ columns[f])) >> np.uint32(8)) >= threshold
+            out[r, f] = src[r, f] * (scale if keep else dropped)
 
 
 class _KeyedDropout(torch.autograd.Function):
