@@ -23,7 +23,9 @@ projected layer (SAGE ``mean``/``gcn``: ``ProjectedTerms.affine``) frees ``z`` a
 its chunks take zeros in place of their rows of ``z`` and skip the ReLU, which ``∂L/∂h_l`` takes first from
 the stored ``h_l``, one boolean row block at a time. Where the compiled CPU kernels run an affine layer runs off
 the whole block instead (:func:`runs_off_whole_block`), in dst row blocks: no slice, sub-block or rows of ``z``;
-its dst input rows gathered at the input layer, views above it; backward recomputes only the part reading them.
+its dst input rows gathered at the input layer, views above it; its backward recomputes nothing: the src row
+blocks' input rows (with their dropout) and the layer's ``projection_backward`` give the parameters' gradients and
+the input gradient, ``∂L/∂h_l`` kept until they are done.
 """
 
 from __future__ import annotations
@@ -63,10 +65,11 @@ class ProjectedTerms(Protocol):
         compiled CPU kernels run): the dst input rows' dropout, the layer's rest on ``z`` read in place, and the
         stack's ReLU. Returns the output's handle."""
 
-    def propagate_rows_backward(self, tape: StepTape, rows: int, grad: int, h_dst: int | None = None,
-                                h_grad: bool = False) -> None:
-        """That chunk's backward from ``grad`` (the caller's): the part reading ``h_dst`` by autograd; ``z``'s
-        gradient is added in place, allocating nothing."""
+    def projection_backward(self, tape: StepTape, rows: int, dst_rows: int, h: int | None, h_grad: bool) -> None:
+        """An affine layer's backward run off the whole block, on a block of ``rows`` src rows of which ``dst_rows``
+        are dst nodes, nothing recomputed: the input rows ``h`` (gathered features at layer 1, which input dropout
+        overwrites; ``None`` for a view of ``h_{l−1}``) with their dropout, the parameters' gradients from them,
+        and with ``h_grad`` the rows' input gradient (added into ``∂L/∂h_{l−1}``)."""
 
 
 def runs_off_whole_block(model: ModelSpec, projections: Sequence[ProjectedTerms | None] | None) -> list[bool]:
@@ -274,10 +277,13 @@ class _LayerwiseReplay:
                   if projection is not None else None)
         for c in self.pieces(index):
             self.chunk_backward(index, c)
+        if self.whole_block[index]:  # the parameters' gradients from ∂L/∂z and ∂L/∂h_l, nothing recomputed
+            self.projection(index, grad=True)
         replay.drop(grad_out)
         if projection is not None:
             replay.drop(z_all)
-            self.projection(index, grad=True)
+            if not self.whole_block[index]:
+                self.projection(index, grad=True)
             replay.drop(grad_z)
         return grad_in
 
@@ -301,10 +307,7 @@ class _LayerwiseReplay:
         (an affine layer's run off the whole block: only the part reading its dst input rows is recomputed)."""
         replay = self.replay
         mark = replay.mark()
-        if self.whole_block[index]:  # c: a row block's counts (rows, rows, 0); its rows of ∂L/∂h_l are a view
-            self.projections[index].propagate_rows_backward(self.tape, c.num_dst, None,
-                                                            self.dst_inputs(index, c.num_dst), index > 0)
-            replay.release_since(mark)
+        if self.whole_block[index]:  # the aggregation's transpose into ∂L/∂z allocates nothing
             return
         if self.projections[index] is not None:
             out, backward = self.propagated(index, c, grad=True)
@@ -332,13 +335,20 @@ class _LayerwiseReplay:
         return rows
 
     def projection(self, index: int, grad: bool) -> None:
-        """A projected layer's row blocks: forward (into the kept ``z``), or recomputed and backpropagated."""
+        """A projected layer's row blocks: forward (into the kept ``z``), or recomputed and backpropagated (a layer
+        run off the whole block: backpropagated without recomputing, ``ProjectedTerms.projection_backward``)."""
         replay, width = self.replay, self.model.widths[index] * self.model.dtype_bytes
+        num_dst = self.layers[index].num_dst
         for begin, end in self.blocks(index, self.layers[index].num_src):
             mark = replay.mark()
             rows = None  # a view of the stored h_{l−1} on the device
             if index == 0 or self.host_outputs:  # gathered features, or rows copied from host memory
                 rows = replay.alloc((end - begin) * width, "input_features" if index == 0 else HID)
+            if grad and self.whole_block[index]:
+                dst_rows = max(0, min(end, num_dst) - begin)
+                self.projections[index].projection_backward(self.tape, end - begin, dst_rows, rows, index > 0)
+                replay.release_since(mark)
+                continue
             z, backward = self.projections[index].project(self.tape, end - begin, rows, grad and index > 0)
             if grad:
                 backward()

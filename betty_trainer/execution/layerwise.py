@@ -27,9 +27,10 @@ a time (:func:`partition.chunks.chunk_layers`):
   the output layer, which has no ReLU). Where the compiled CPU kernels run, such a layer runs off the whole block
   in as many contiguous dst row blocks as it has chunks (:meth:`_LayerPass.pieces`; the chunks' dst sets do not
   matter, so the planner splits it by ``range``): forward sums each row's CSR row of the block reading ``z`` in
-  place, backward adds ``Aᵀ·∂L/∂h_l`` into ``∂L/∂z`` and recomputes only the part reading the dst input rows, whose
-  rows of ``h_{l−1}``, ``∂L/∂h_l`` and ``h_l`` are views (``SAGEConv.propagate_rows``). Elsewhere each chunk
-  recomputes from zeros in place of its rows of ``z``, without the ReLU.
+  place, backward adds ``Aᵀ·∂L/∂h_l`` into ``∂L/∂z`` and recomputes nothing: block by block of the src rows, their
+  input rows (with the stack's dropout) give the parameters' gradients from ``∂L/∂z`` and, on the dst rows, from
+  ``∂L/∂h_l``, and the input rows' gradient (``SAGEConv.propagate_rows``, ``SAGEConv.projection_backward``). Elsewhere
+  each chunk recomputes from zeros in place of its rows of ``z``, without the ReLU.
 - **Structure**: a chunk keeps its dst nodes and CSC pointer; its slice and sub-block are made when it
   runs and freed when it ends (:meth:`partition.chunks.Chunk.slice`).
 - **Where h_l lives**: on the device, or in host memory when the plan says so
@@ -277,8 +278,11 @@ class _LayerPass:
                 grad_rows = torch.zeros(self.blocks[index].num_src, self.model.layers[index].projected_width,
                                         device=self.device, dtype=self.dtype)
             self.chunks_backward(index, grad_out, h_prev, z_all, grad_rows, grad_in)
-            grad_out = z_all = None  # ∂L/∂h_l: its chunks are done
-            if self.projects[index]:
+            z_all = None
+            if self.runs_rows(index):  # the parameters' gradients from ∂L/∂z and ∂L/∂h_l, nothing recomputed
+                self.projection_backward(index, h_prev, grad_rows, grad_out, grad_in)
+            grad_out = None  # ∂L/∂h_l: its chunks are done
+            if self.projects[index] and not self.runs_rows(index):
                 self.project(index, h_prev, grad_rows, grad_in)
             del grad_rows
             grad_out = grad_in
@@ -289,9 +293,10 @@ class _LayerPass:
         """Layer ``index``'s chunks, each recomputed with autograd and backpropagated from its rows of
         ``grad_out``: parameter gradients into ``.grad``, the input rows' gradients into ``grad_rows``
         (``∂L/∂z`` for a projected layer, else ``∂L/∂h_{l−1}``) and the dst input rows' into ``grad_in``."""
-        if self.runs_rows(index):
+        if self.runs_rows(index):  # ∂L/∂z by the aggregation's transpose; the rest in projection_backward
             for begin, end in self.pieces(index):
-                self.rows_backward(index, begin, end, grad_out, h_prev, grad_rows, grad_in)
+                self.model.layers[index].propagate_rows_backward(self.blocks[index], begin, grad_out[begin:end],
+                                                                 grad_rows)
             return
         for chunk in self.chunks.layers[index]:
             h, rows, src_index, h_dst, block = self.chunk_step(index, chunk, h_prev, z_all, grad=True)
@@ -318,21 +323,6 @@ class _LayerPass:
             h_dst = self.model.dropout(h_dst, dst_nodes, index, index == 0)
         h = self.model.layers[index].propagate_rows(self.blocks[index], begin, end, z_all, h_dst)
         return F.relu(h) if index < self.last else h
-
-    def rows_backward(self, index: int, begin: int, end: int, grad_out: Tensor, h_prev: Tensor | None,
-                      grad_z: Tensor, grad_in: Tensor | None) -> None:
-        """An affine layer's dst rows ``[begin, end)`` backpropagated off the whole block (:meth:`runs_rows`) from
-        their rows of ``grad_out`` (the stack's ReLU applied already): ``propagate_rows_backward`` adds ``∂L/∂z``
-        into ``grad_z`` without recomputing the aggregation, and the rows' input gradient is added into
-        ``grad_in``."""
-        h_dst, dst_nodes = self.dst_rows(index, begin, end, h_prev)
-        if h_dst is not None and index > 0:
-            h_dst.requires_grad_()  # a view of h_{l−1}: its gradient is a tensor of its own
-        self.model.layers[index].propagate_rows_backward(
-            self.blocks[index], begin, grad_out[begin:end], grad_z,
-            None if h_dst is None else self.model.dropout(h_dst, dst_nodes, index, index == 0))
-        if h_dst is not None and grad_in is not None:
-            grad_in[begin:end] += h_dst.grad
 
     def dst_rows(self, index: int, begin: int, end: int, h_prev: Tensor | None) -> tuple[Tensor | None, Tensor]:
         """Dst rows ``[begin, end)`` of layer ``index`` run off the whole block: their input rows (gathered features
@@ -376,6 +366,28 @@ class _LayerPass:
                     grad_in[begin:end] += rows.grad
             del rows, z
         return z_all
+
+    def projection_backward(self, index: int, h_prev: Tensor | None, grad_z: Tensor, grad_out: Tensor,
+                            grad_in: Tensor | None) -> None:
+        """An affine layer's backward off the whole block (:meth:`runs_rows`), nothing recomputed: block by block
+        of its src rows (one block per chunk, contiguous rows), their input rows with the stack's dropout, the
+        layer's ``projection_backward`` from their rows of ``∂L/∂z`` (``grad_z``) and, for the dst nodes among them
+        (a block's first src nodes), of ``∂L/∂h_l`` (``grad_out``, the stack's ReLU applied); the input rows'
+        gradient, through the dropout's backward, is added into ``grad_in`` (``∂L/∂h_{l−1}``; ``None`` at the
+        input layer)."""
+        block, layer, model = self.blocks[index], self.model.layers[index], self.model
+        src_nodes = block.src_nodes.to(self.device)
+        for begin, end in row_blocks(block.num_src, len(self.chunks.layers[index])):
+            nodes = src_nodes[begin:end]
+            with torch.no_grad():
+                rows = model.dropout(self.layer_input(index, nodes, slice(begin, end), h_prev), nodes, index,
+                                     index == 0)
+            grad_dst = grad_out[min(begin, block.num_dst):min(end, block.num_dst)]
+            grad_rows = layer.projection_backward(rows, grad_z[begin:end], grad_dst, grad_in is not None)
+            del rows
+            if grad_rows is not None:
+                grad_in[begin:end] += model.dropout.backward_(grad_rows, nodes, index)
+            del grad_rows
 
     def chunk_step(self, index: int, chunk: Chunk, h_prev: Tensor | None, z_all: Tensor | None,
                    grad: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Block]:

@@ -90,22 +90,26 @@ class ProjectedLayer(Protocol):
 
 class AffineLayer(ProjectedLayer, Protocol):
     """A :class:`ProjectedLayer` whose ``propagate_is_affine`` is true also runs a chunk's dst rows off the whole
-    block (layer-wise execution, where the compiled CPU kernels run: no chunk slice, no gathered rows of ``z``).
+    block (layer-wise execution, where the compiled CPU kernels run: no chunk slice, no gathered rows of ``z``),
+    and backpropagates without recomputing its forward.
 
     ``propagate_rows(block, rows, z, *args)`` is ``propagate``'s rows ``rows`` without autograd, ``z`` the whole
-    projection; ``propagate_rows_backward(block, rows, grad, grad_z, *args)`` takes the rows' output gradient,
-    backpropagates the part reading the dst input rows by autograd and adds ``z``'s gradient into ``grad_z`` by the
-    aggregation's transpose, reading no value of ``z``; ``propagate_rows_terms`` and
-    ``propagate_rows_backward_terms`` are what they allocate (``models.sage.SAGEConv`` documents the forms).
+    projection; ``propagate_rows_backward(block, rows, grad, grad_z)`` adds ``z``'s gradient into ``grad_z`` by the
+    aggregation's transpose from the rows' output gradient, reading no value of ``z``;
+    ``projection_backward(x, grad_z, grad_dst, input_grad)`` adds the parameters' gradients from rows of the
+    layer's input and returns the input rows' gradient; ``propagate_rows_terms`` and ``projection_backward_terms``
+    are what they allocate (``models.sage.SAGEConv`` documents the forms).
     """
 
     def propagate_rows(self, block: Block, rows: Tensor, z: Tensor, *args) -> Tensor: ...
 
-    def propagate_rows_backward(self, block: Block, rows: Tensor, grad: Tensor, grad_z: Tensor, *args) -> None: ...
+    def propagate_rows_backward(self, block: Block, rows: Tensor, grad: Tensor, grad_z: Tensor) -> None: ...
+
+    def projection_backward(self, x: Tensor, grad_z: Tensor, grad_dst: Tensor, input_grad: bool) -> Tensor | None: ...
 
     def propagate_rows_terms(self, tape: StepTape, rows: int, *args) -> int: ...
 
-    def propagate_rows_backward_terms(self, tape: StepTape, rows: int, grad: int, *args) -> tuple: ...
+    def projection_backward_terms(self, tape: StepTape, rows: int, dst_rows: int, input_grad: bool) -> int | None: ...
 
 
 def projected_layers(model: LayerStack) -> list[bool]:
@@ -210,19 +214,20 @@ class ProjectedLayerTerms:
             out = tape.relu(out, rows, self.model.widths[self.index + 1])[0]
         return out
 
-    def propagate_rows_backward(self, tape: StepTape, rows: int, grad: int | None, h_dst: int | None = None,
-                                h_grad: bool = False) -> None:
-        """That block's backward (``propagate_rows_backward``) from ``grad``, the caller's (``None`` for a view):
-        the dst input rows' dropout, the layer's ``propagate_rows_backward_terms`` and the dropout's backward (the
-        dst input rows' gradient stays in the caller's scope, added into ``∂L/∂h``)."""
-        layer = self.model.layers[self.index]
-        hd, dropout_bwd = self._dropped(tape, rows, h_dst, h_grad) if self.reads_dst_input else (None, None)
-        grad_hd, held = layer.propagate_rows_backward_terms(tape, rows, grad, hd, h_grad)
-        if grad_hd is not None and dropout_bwd is not None:
-            dropout_bwd(grad_hd)
-        tape.r.drop(held)
-        if hd is not h_dst:
-            tape.r.drop(hd)
+    def projection_backward(self, tape: StepTape, rows: int, dst_rows: int, h: int | None, h_grad: bool) -> None:
+        """An affine layer's backward on a block of ``rows`` src rows of which ``dst_rows`` are dst nodes, run off
+        the whole block (``projection_backward``): the input rows' dropout (``h``: gathered features at the input
+        layer, overwritten in place; ``None`` for a view of ``h_{l−1}``, dropped into a new tensor), the layer's
+        ``projection_backward_terms`` and, with ``h_grad``, the dropout's backward in place on the input rows'
+        gradient, which is added into ``∂L/∂h_{l−1}``; all of it freed at the block's end."""
+        r = tape.r
+        hd = self._dropped(tape, rows, h, False)[0]
+        grad = self.model.layers[self.index].projection_backward_terms(tape, rows, dst_rows, h_grad)
+        if grad is not None and self.model.dropout.p > 0:
+            keyed_mask_terms(tape, rows, self.model.widths[self.index])  # NodeDropout.backward_, in place
+        r.drop(grad)
+        if hd is not h:
+            r.drop(hd)
 
 
 def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:

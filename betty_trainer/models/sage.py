@@ -220,16 +220,45 @@ class SAGEConv(nn.Module):
         self._check_dst_input(h_dst)
         return self._plus_self_and_bias(aggregate_rows(block, begin, end, z, self_loop=self.aggregator == "gcn"), h_dst)
 
-    def propagate_rows_backward(self, block: Block, begin: int, grad: Tensor, grad_z: Tensor,
-                                h_dst: Tensor | None = None) -> None:
-        """The backward of :meth:`propagate_rows` from the rows' output gradient ``grad`` ``(R, F_out)`` (rows
-        ``[begin, begin + R)``): the bias's and ``fc_self``'s gradients into ``.grad`` and ``h_dst``'s (when it
-        requires grad) by autograd on the part that reads ``h_dst``, and ``z``'s added into ``grad_z``
-        ``(num_src, F_out)`` by the aggregation's transpose, which reads no value of ``z`` (the layer is affine in
-        ``z``: :attr:`propagate_is_affine`)."""
-        dst_part = self.bias.expand(grad.shape[0], -1) if self.fc_self is None else self.fc_self(h_dst) + self.bias
-        dst_part.backward(grad)
+    def propagate_rows_backward(self, block: Block, begin: int, grad: Tensor, grad_z: Tensor) -> None:
+        """The aggregation's part of :meth:`propagate_rows`'s backward from the rows' output gradient ``grad``
+        ``(R, F_out)`` (rows ``[begin, begin + R)``): ``z``'s gradient added into ``grad_z`` ``(num_src, F_out)`` by
+        the aggregation's transpose, which reads no value of ``z`` (the layer is affine in ``z``:
+        :attr:`propagate_is_affine`) and allocates nothing. The parameters' gradients come from
+        :meth:`projection_backward`."""
         aggregate_rows_transpose_(block, begin, grad, grad_z, self_loop=self.aggregator == "gcn")
+
+    def projection_backward(self, x: Tensor, grad_z: Tensor, grad_dst: Tensor, input_grad: bool) -> Tensor | None:
+        """The backward of a projecting ``mean``/``gcn`` layer's linear parts on ``R`` consecutive src rows of its
+        (dropped-out) input ``x`` ``(R, F_in)``, without recomputing them: ``∂L/∂W_neigh += grad_zᵀ·x`` from those
+        rows' ``∂L/∂z`` ``grad_z`` ``(R, F_out)``, and, for the first ``D' ≤ R`` of them that are dst nodes (a
+        block's dst nodes are its first src nodes), ``∂L/∂W_self += grad_dstᵀ·x[:D']`` (``mean``) and ``∂L/∂b +=
+        Σ grad_dst`` from their output gradient ``grad_dst`` ``(D', F_out)``. Gradients are added into ``.grad``
+        in place (made when ``None``), as autograd accumulates them.
+
+        Returns:
+            With ``input_grad``, ``∂L/∂x`` ``(R, F_in)`` (``grad_z·W_neigh``, plus ``grad_dst·W_self`` on its first
+            ``D'`` rows); else ``None``.
+        """
+        x = x.detach()
+        with torch.no_grad():
+            _add_product(self.fc_neigh.weight, grad_z, x)
+            dst = grad_dst.shape[0]
+            if dst:
+                total = grad_dst.sum(0)
+                if self.bias.grad is None:
+                    self.bias.grad = total
+                else:
+                    self.bias.grad.add_(total)
+                del total
+                if self.fc_self is not None:
+                    _add_product(self.fc_self.weight, grad_dst, x[:dst])
+            if not input_grad:
+                return None
+            grad_x = grad_z.mm(self.fc_neigh.weight)
+            if dst and self.fc_self is not None:
+                grad_x[:dst].addmm_(grad_dst, self.fc_self.weight)
+            return grad_x
 
     def aggregate(self, block: Block, h_src: Tensor) -> Tensor:
         """The neighbourhood vector of every dst node (before ``W_neigh``): ``(num_src, F)`` → ``(num_dst, F)``."""
@@ -307,21 +336,14 @@ class SAGEConv(nn.Module):
         out = tape.r.alloc(rows * self.out_feats * tape.f, AGG)
         return self._self_bias_terms(tape, LayerCounts(rows, rows, 0), out, hd_dst, False)[0]
 
-    def propagate_rows_backward_terms(self, tape: StepTape, rows: int, grad: int, hd_dst: int | None = None,
-                                      hd_grad: bool = False) -> tuple[int | None, int | None]:
-        """What :meth:`propagate_rows_backward` allocates on ``rows`` rows from ``grad`` (the caller's): the part
-        reading ``h_dst`` (``mean``: ``fc_self(h_dst) + bias``; ``gcn``: a view of the bias) and its backward;
-        the transpose allocates nothing. Returns the handles of ``h_dst``'s gradient (or ``None``) and of that
-        part's output (or ``None``), which lives until the call returns."""
-        r, f, b = tape.r, tape.f, self.out_feats
-        self_bwd, result = None, None
-        if self.fc_self is not None:
-            self_out, self_bwd = tape.linear(hd_dst, rows, self.in_feats, b, hd_grad)
-            result = r.alloc(rows * b * f, HID)  # + bias
-            r.drop(self_out)
-        tape.param_grad(b)  # bias
-        tape.settle()
-        return (self_bwd(grad, free_grad=False) if self_bwd is not None else None), result
+    def projection_backward_terms(self, tape: StepTape, rows: int, dst_rows: int, input_grad: bool) -> int | None:
+        """What :meth:`projection_backward` allocates on ``rows`` src rows of which ``dst_rows`` are dst nodes, the
+        parameters' gradients resident (``.grad`` exists: products are added in place): the bias's sum, and with
+        ``input_grad`` ``∂L/∂x`` (returned; the caller's), else ``None``."""
+        r = tape.r
+        if dst_rows:
+            r.transient(self.out_feats * tape.f, GRAD)  # Σ grad_dst, added into the bias's .grad
+        return r.alloc(rows * self.in_feats * tape.f, GRAD) if input_grad else None
 
     def _neighbour_terms(self, tape: StepTape, c: LayerCounts, width: int, record: bool):
         """:meth:`aggregate` of ``mean``/``gcn`` on ``width`` columns: its per-dst scale (``gcn``: also the self
@@ -413,6 +435,15 @@ class SAGEConv(nn.Module):
 
     def __repr__(self) -> str:
         return f"SAGEConv({self.in_feats}, {self.out_feats}, aggregator={self.aggregator!r})"
+
+
+def _add_product(parameter: nn.Parameter, grad: Tensor, x: Tensor) -> None:
+    """``parameter.grad += gradᵀ·x`` in place (``gradᵀ·x`` when ``.grad`` is ``None``): a linear map's weight
+    gradient from ``R`` rows of its output's gradient ``grad`` ``(R, F_out)`` and of its input ``x`` ``(R, F_in)``."""
+    if parameter.grad is None:
+        parameter.grad = grad.t().mm(x)
+    else:
+        parameter.grad.addmm_(grad.t(), x)
 
 
 def _slice_backward_terms(tape: StepTape, c: LayerCounts, width: int, grad_dst: int | None) -> int | None:
