@@ -183,7 +183,7 @@ ModelConfig = Annotated[
 ``arch`` (:data:`MODEL_SECTIONS`); a key another arch owns (``aggregator`` under ``arch: gcn``) is refused."""
 
 
-SAMPLERS = ("full", "ns", "labor", "gns")
+SAMPLERS = ("full", "ns", "bulk-ns", "labor", "gns")
 """The built-in samplers ``sampling.sampler`` names (betty_trainer/sampling/schedule.py › make_sampler)."""
 
 
@@ -227,9 +227,12 @@ class SamplingConfig(_Section):
     """``sampling``: the sampler, its per-layer fanouts (input layer first) and the seed nodes per batch."""
 
     sampler: Literal[SAMPLERS] = Field("ns", description="full, ns (uniform neighbour sampling; with null fanouts "
-                                                         "the full neighbourhood), labor or gns")
+                                                         "the full neighbourhood), bulk-ns (ns's batches, sampled "
+                                                         "`bulk` at a time as sparse products), labor or gns")
     fanouts: list[int] | None = Field(None, description="per layer, input layer first; null or -1 = full neighbourhood")
     batch_size: int | None = Field(None, ge=1, description="seed nodes per mini-batch; null = the full batch")
+    bulk: int = Field(8, ge=1, description="bulk-ns: consecutive batches of an epoch sampled together as one stacked "
+                                           "sparse product (the same batches as ns; more batches are alive at once)")
     labor: LaborConfig = LaborConfig()
     gns: GNSConfig = GNSConfig()
 

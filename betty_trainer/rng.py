@@ -51,11 +51,12 @@ def mix_key(seed: int, *parts: int) -> int:
     return key
 
 
-def hash_ids(key: int, ids: Tensor) -> Tensor:
+def hash_ids(key: int | Tensor, ids: Tensor) -> Tensor:
     """One 32-bit hash per id under ``key``.
 
     Args:
-        key: a 32-bit key from :func:`mix_key`.
+        key: a 32-bit key from :func:`mix_key`, or an int64 tensor of such keys broadcasting with ``ids``
+            (one key per id: the bulk sampler hashes the rows of several batches at once).
         ids: any-shape int64 (or int32) ids, e.g. global node ids.
 
     Returns:

@@ -6,6 +6,7 @@ cooperative training rely on it)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,11 +71,18 @@ class Sampler(Protocol):
             (:class:`~betty_trainer.data.cache.NodeSource`), for a sampler that samples
             from a node cache (GNS §3.1); ``None`` for the others. The feature store reads
             it; no caller asks which sampler it holds.
+        bulk: how many consecutive batches of an epoch the schedule hands :meth:`sample_many` at once
+            (``sampling.bulk`` for the bulk sampler, 1 for the others).
     """
 
     node_cache: NodeSource | None
+    bulk: int
 
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch: ...
+
+    def sample_many(self, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]) -> list[Batch]:
+        """The batches of ``seed_batches[i]`` under ``keys[i]``, each the same as :meth:`sample` gives alone."""
+        ...
 
 
 class BlockSampler(ABC):
@@ -84,13 +92,19 @@ class BlockSampler(ABC):
 wraps another one layer by layer (the cooperative sampler's all-to-all between layers) overrides
 :meth:`sample_layer` only.
 
+    Several batches are sampled together by walking their layers side by side: :meth:`sample_layers` takes
+    every batch's dst nodes of one layer at once (one at a time by default; the bulk sampler overrides it with
+    one stacked sparse product), so :meth:`sample` is :meth:`sample_many` of one batch.
+
     Attributes:
         fanouts: one entry per layer, input layer first; ``None`` keeps every in-edge.
         node_cache: ``None`` (no node cache) unless a subclass samples from one.
+        bulk: batches the schedule samples at once (:class:`Sampler`); 1 unless a subclass samples in bulk.
     """
 
     fanouts: list[int | None]
     node_cache: NodeSource | None = None
+    bulk: int = 1
 
     @abstractmethod
     def sample_layer(self, dst: Tensor, layer: int, key: SampleKey) -> Block:
@@ -105,6 +119,10 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
             A :class:`Block` with ``src_nodes[:n] == dst``.
         """
 
+    def sample_layers(self, dsts: Sequence[Tensor], layer: int, keys: Sequence[SampleKey]) -> list[Block]:
+        """Block ``layer`` of several batches: ``sample_layer(dsts[i], layer, keys[i])`` for each ``i``."""
+        return [self.sample_layer(dst, layer, key) for dst, key in zip(dsts, keys, strict=True)]
+
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
         """The batch computing ``seeds`` under ``key``.
 
@@ -115,11 +133,23 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
         Returns:
             A :class:`Batch` of ``len(fanouts)`` blocks, input layer first.
         """
-        dst = seeds.long()
-        blocks = []
+        return self.sample_many([seeds], [key])[0]
+
+    def sample_many(self, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]) -> list[Batch]:
+        """The batches computing ``seed_batches[i]`` under ``keys[i]``, layer by layer from the output layer.
+
+        Args:
+            seed_batches: ``k`` tensors of ``(B_i,)`` int64 distinct output node ids, on the graph's device.
+            keys: ``k`` :class:`SampleKey`, one per batch.
+
+        Returns:
+            ``k`` :class:`Batch` of ``len(fanouts)`` blocks each, input layer first; batch ``i`` is what
+            :meth:`sample` gives for ``(seed_batches[i], keys[i])`` alone.
+        """
+        dsts = [seeds.long() for seeds in seed_batches]
+        layers = []
         for layer in reversed(range(len(self.fanouts))):
-            block = self.sample_layer(dst, layer, key)
-            blocks.append(block)
-            dst = block.src_nodes
-        blocks.reverse()
-        return Batch(blocks)
+            blocks = self.sample_layers(dsts, layer, keys)
+            layers.append(blocks)
+            dsts = [block.src_nodes for block in blocks]
+        return [Batch([blocks[i] for blocks in reversed(layers)]) for i in range(len(dsts))]
