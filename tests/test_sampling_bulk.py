@@ -117,3 +117,16 @@ def test_training_with_bulk_ns_is_training_with_ns(tmp_path):
         lines = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
         metrics[name] = [{k: v for k, v in line.items() if k != "seconds"} for line in lines]
     assert len(metrics["ns"]) == 2 and metrics["ns"] == metrics["bulk-ns"]
+
+
+@pytest.mark.parametrize("fanouts", [[None, None], [5, 10]])
+def test_extraction_by_sort_numbers_blocks_as_the_dense_flags_do(cora, monkeypatch, fanouts):
+    """Extraction flags each (batch, node) pair when they are few, else sorts the touched pairs: both are NS's."""
+    import betty_trainer.sampling.bulk as bulk_module
+
+    monkeypatch.setattr(bulk_module, "_DENSE_RELABEL", 0)  # always the sort
+    seeds = list(torch.randperm(cora.num_nodes, generator=torch.Generator().manual_seed(3))[:300].split(100))
+    keys = [SampleKey(4, 1, i) for i in range(3)]
+    ns = NeighborSampler(cora, fanouts)
+    for batch_seeds, key, batch in zip(seeds, keys, BulkNeighborSampler(cora, fanouts).sample_many(seeds, keys)):
+        assert_same_batch(ns.sample(batch_seeds, key), batch)

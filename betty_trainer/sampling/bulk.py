@@ -163,17 +163,23 @@ def _floyd_its(ids: Tensor, prefix: Tensor, start: Tensor, total: Tensor, round_
     """
     s = round_keys.shape[1]
     before = prefix[start]
-    chosen = torch.empty((ids.numel(), s), dtype=torch.int64, device=ids.device)
-    for i in range(s):
-        j = total - (s - i)  # the round's last eligible nonzero (unit weights: offset = weight)
-        weight = prefix[start + j + 1] - before
-        h = hash_ids(round_keys[:, i], ids)  # NS's hash, each row under its own batch's key
-        target = before + ((h * weight) >> 32)  # the variate scaled by the eligible weight, in prefix units
-        t = torch.searchsorted(prefix, target, right=True) - 1 - start
+    j = total[:, None] - torch.arange(s, 0, -1, device=ids.device)  # round i's last eligible nonzero, (R, s)
+    weight = prefix[start[:, None] + j + 1] - before[:, None]  # the weight of nonzeros 0 … j
+    h = hash_ids(round_keys, ids[:, None])  # NS's hash of each row's dst node under its own batch's round keys
+    target = before[:, None] + ((h * weight) >> 32)  # each variate scaled by its eligible weight, in prefix units
+    drawn = torch.searchsorted(prefix, target.flatten(), right=True).view_as(target) - 1 - start[:, None]
+    chosen = torch.empty_like(drawn)
+    for i in range(s):  # the draws are independent; Floyd's rule (a kept draw becomes j) runs in round order
+        t = drawn[:, i]
         if i:
-            t = torch.where((chosen[:, :i] == t[:, None]).any(1), j, t)
+            t = torch.where((chosen[:, :i] == t[:, None]).any(1), j[:, i], t)
         chosen[:, i] = t
-    return torch.sort(chosen, dim=1).values
+    return torch.sort(chosen, dim=1).values  # CSC order
+
+
+_DENSE_RELABEL = 4
+"""Extraction numbers src nodes with a flag per ``(batch, node)`` when there are at most this many such pairs per
+sampled row and edge (O(k·N) memory and work, no sort), else with one ``torch.unique`` of the touched pairs."""
 
 
 def _extract(stacked: Tensor, counts: Tensor, batch_of_row: Tensor, pointer: Tensor, src: Tensor,
@@ -185,19 +191,29 @@ def _extract(stacked: Tensor, counts: Tensor, batch_of_row: Tensor, pointer: Ten
     """
     device, rows = stacked.device, stacked.numel()
     k = counts.numel()
-    unique, inverse = torch.unique(torch.cat([batch_of_row * nodes + stacked, edge_batch * nodes + src]),
-                                   return_inverse=True)
+    dst_keys, src_keys = batch_of_row * nodes + stacked, edge_batch * nodes + src
+    if k * nodes <= _DENSE_RELABEL * (rows + src.numel()):  # a flag per (batch, node): no sort
+        is_extra = torch.zeros(k * nodes, dtype=torch.bool, device=device)
+        is_extra[src_keys] = True
+        is_extra[dst_keys] = False
+        dst_slots, src_slots = dst_keys, src_keys
+        extra_slots = torch.nonzero(is_extra).flatten()
+        extra = extra_slots
+    else:  # one sort of the touched keys
+        unique, inverse = torch.unique(torch.cat([dst_keys, src_keys]), return_inverse=True)
+        dst_slots, src_slots = inverse[:rows], inverse[rows:]
+        is_extra = torch.ones(unique.numel(), dtype=torch.bool, device=device)
+        is_extra[dst_slots] = False
+        extra_slots = torch.nonzero(is_extra).flatten()
+        extra = unique[extra_slots]
     row_offset = torch.cumsum(counts, 0) - counts
-    label = torch.empty(unique.numel(), dtype=torch.int64, device=device)
-    is_extra = torch.ones(unique.numel(), dtype=torch.bool, device=device)
-    is_extra[inverse[:rows]] = False
-    label[inverse[:rows]] = torch.arange(rows, device=device) - row_offset[batch_of_row]
-    extra = unique[is_extra]
+    label = torch.empty(is_extra.numel(), dtype=torch.int64, device=device)
+    label[dst_slots] = torch.arange(rows, device=device) - row_offset[batch_of_row]
     extra_batch = torch.div(extra, nodes, rounding_mode="floor")
     extra_counts = torch.bincount(extra_batch, minlength=k)
     extra_offset = torch.cumsum(extra_counts, 0) - extra_counts
-    label[is_extra] = counts[extra_batch] + torch.arange(extra.numel(), device=device) - extra_offset[extra_batch]
-    local = label[inverse[rows:]]
+    label[extra_slots] = counts[extra_batch] + torch.arange(extra.numel(), device=device) - extra_offset[extra_batch]
+    local = label[src_slots]
     extra_nodes = (extra - extra_batch * nodes).split(extra_counts.tolist())
     blocks = []
     row_bounds, edge_bounds = row_offset.tolist() + [rows], pointer[torch.cat([row_offset, counts.sum()[None]])].tolist()
