@@ -6,19 +6,23 @@ shuffled by ``--seed``) with every sampler in turn: NS one batch at a time, ``Bu
 for each ``k`` of ``--ks`` (``sample_many``; a ``k`` above ``--batches`` is all the batches in one stack), then DGL
 (in its own environment, one warm-up pass and one timed pass per round). Seeds per second are over the CPU time
 of the sampling process (``time.process_time``: the other workers on a shared machine do not count), the median of
-``--reps`` rounds after one warm-up; ``--threads`` (default 1) intra-op threads on both sides.
+``--reps`` rounds after one warm-up; ``--threads`` (default 1) intra-op threads on both sides. The process's peak
+resident memory after each of our samplers' first round is printed beside it (it only grows: a sampler's own peak
+shows where it exceeds the ones before). ``P`` holds every in-edge of every dst node of ``k`` batches: on ego-Twitter
+``k = 64`` needs more than 20 GB (it was killed on a 23 GB machine), so that command runs ``--ks 1,8,16``.
 
 The sampled vertex counts per layer are reported for every sampler: bulk-ns's batches are NS's bit for bit
 (the same keyed draws), which the script checks on every batch; DGL's draws differ, so its counts are close.
 
 Run from the repository root::
 
-    python benchmarks/bulk_sampling.py --graph snap-ego-twitter --data-dir ../shared/datasets/snap-jlg --batches 64
+    python benchmarks/bulk_sampling.py --graph snap-ego-twitter --data-dir ../shared/datasets/snap-jlg --ks 1,8,16
     python benchmarks/bulk_sampling.py --graph coauthor-physics --batches 32
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import tempfile
 import time
@@ -88,6 +92,7 @@ def main(argv=None) -> None:
             for batch in bulk.sample_many(seeds[start:start + k], keys[start:start + k])])
     seconds: dict[str, list[float]] = {name: [] for name in [*samplers, "DGL NeighborSampler"]}
     layers: dict[str, list[float]] = {}
+    peaks: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         dgl = None
@@ -106,6 +111,7 @@ def main(argv=None) -> None:
                 spent, sampled = timed(sample, device)
                 if rep == 0:
                     layers[name] = counts(sampled)
+                    peaks[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
                     if reference is None:
                         reference = sampled
                     elif not all(same_batch(a, b) for a, b in zip(reference, sampled, strict=True)):
@@ -123,15 +129,22 @@ def main(argv=None) -> None:
                                                   if values), flush=True)
         if dgl is not None:
             dgl.close()
+    degree = graph.in_degrees().to(device)
+    nonzeros = np.mean([sum(int(degree[b.dst_nodes].sum()) for b in batch.blocks) for batch in reference])
+    kept = np.mean([sum(b.num_edges for b in batch.blocks) for batch in reference])
+    print(f"per batch: P = Q·A holds {nonzeros:,.0f} nonzeros over the layers (every in-edge of every dst node), "
+          f"the blocks keep {kept:,.0f} ({kept / nonzeros:.0%})")
     ns_rate = total / statistics.median(seconds["NS (per batch)"])
     rows = []
     for name, values in seconds.items():
         if not values:
             continue
         rate = total / statistics.median(values)
-        rows.append([name, "/".join(f"{v:,.0f}" for v in layers[name]), f"{rate:,.0f}", f"{rate / ns_rate:.2f}"])
+        rows.append([name, "/".join(f"{v:,.0f}" for v in layers[name]), f"{rate:,.0f}", f"{rate / ns_rate:.2f}",
+                     f"{peaks[name]:.2f}" if name in peaks else "-"])
     print()
-    print(markdown_table(["sampler", "vertices per layer (input → seeds)", "seeds/s (CPU time)", "× NS"], rows))
+    print(markdown_table(["sampler", "vertices per layer (input → seeds)", "seeds/s (CPU time)", "× NS",
+                          "process peak RSS so far (GiB)"], rows))
 
 
 if __name__ == "__main__":

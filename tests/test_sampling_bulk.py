@@ -130,3 +130,16 @@ def test_extraction_by_sort_numbers_blocks_as_the_dense_flags_do(cora, monkeypat
     ns = NeighborSampler(cora, fanouts)
     for batch_seeds, key, batch in zip(seeds, keys, BulkNeighborSampler(cora, fanouts).sample_many(seeds, keys)):
         assert_same_batch(ns.sample(batch_seeds, key), batch)
+
+
+def test_an_independent_rank_samples_its_parts_in_bulk(cora):
+    """Independent minibatching hands the wrapped sampler its parts of k global batches at once (and its bulk)."""
+    from betty_trainer.sampling.independent import IndependentSampler
+
+    seeds = list(cora.train_idx[:120].split(40))
+    keys = [SampleKey(2, 0, i) for i in range(3)]
+    bulk = IndependentSampler(BulkNeighborSampler(cora, [4, 4], bulk=3), rank=1, world_size=2)
+    ns = IndependentSampler(NeighborSampler(cora, [4, 4]), rank=1, world_size=2)
+    assert bulk.bulk == 3 and ns.bulk == 1
+    for batch_seeds, key, batch in zip(seeds, keys, bulk.sample_many(seeds, keys)):
+        assert_same_batch(ns.sample(batch_seeds, key), batch)
