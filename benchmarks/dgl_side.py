@@ -81,12 +81,14 @@ class Side:
         dst = torch.repeat_interleave(torch.arange(num_nodes), indptr[1:] - indptr[:-1])
         graph = self.dgl.graph((indices, dst), num_nodes=num_nodes)
         graph.create_formats_()  # CSC/CSR/COO built once, outside every measurement
-        entry = {"graph": graph, "num_classes": int(arrays.get("num_classes", np.array(0)))}
+        entry = {"graph": graph, "num_classes": int(arrays.get("num_classes", np.array(0))), "csc": (indptr, indices)}
         if "x" in arrays:
             entry["x"] = torch.from_numpy(arrays["x"])
             entry["y"] = torch.from_numpy(arrays["y"])
         self.graphs[name] = entry
-        return {"nodes": num_nodes, "edges": graph.num_edges()}
+        structure = [t for form in ("coo", "csr", "csc") for t in graph.adj_tensors(form) if isinstance(t, torch.Tensor)]
+        return {"nodes": num_nodes, "edges": graph.num_edges(), "formats": graph.formats()["created"],
+                "structure_bytes": sum(t.numel() * t.element_size() for t in structure)}
 
     def _model(self, name: str, hidden: int, seed: int, dropout: float = 0.5, num_layers: int = 2):
         entry = self.graphs[name]
@@ -94,9 +96,21 @@ class Side:
         model = SAGE(entry["x"].shape[1], hidden, entry["num_classes"], num_layers, dropout)
         return model, torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
 
-    def _full_step(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer, outputs: torch.Tensor | None):
+    def structure(self, name: str, blocks: bool):
+        """What a step runs on: the whole graph (COO, CSR and CSC made at load), or with ``blocks`` a fresh
+        ``dgl.Block`` holding only the CSC that betty's full-batch block holds (DGL makes the CSR its backward
+        needs inside the step, as a freshly sampled block would)."""
+        if not blocks:
+            return self.graphs[name]["graph"]
+        indptr, indices = self.graphs[name]["csc"]
+        nodes = indptr.numel() - 1
+        return self.dgl.create_block(("csc", (indptr, indices, torch.empty(0, dtype=torch.int64))),
+                                     num_src_nodes=nodes, num_dst_nodes=nodes)
+
+    def _full_step(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer, outputs: torch.Tensor | None,
+                   graph):
         entry = self.graphs[name]
-        graph, x, y = entry["graph"], entry["x"], entry["y"]
+        x, y = entry["x"], entry["y"]
         optimizer.zero_grad(set_to_none=True)
         logits = model([graph] * len(model.layers), x)
         if outputs is None:
@@ -106,29 +120,34 @@ class Side:
         loss.backward()
         optimizer.step()
 
-    def full_memory(self, name: str, hidden: int, seed: int, outputs: str | None, dropout: float = 0.5) -> dict:
-        """Peak bytes of one full-graph step after one warm-up step (Adam state exists), as betty measures."""
+    def full_memory(self, name: str, hidden: int, seed: int, outputs: str | None, dropout: float = 0.5,
+                    blocks: bool = False) -> dict:
+        """Peak bytes of one full-graph step after one warm-up step (Adam state exists), as betty measures; with
+        ``blocks`` on a fresh CSC-only block (:meth:`structure`)."""
         model, optimizer = self._model(name, hidden, seed, dropout)
         out = None if outputs is None else torch.from_numpy(np.load(outputs, allow_pickle=False))
         model.train()
-        self._full_step(name, model, optimizer, out)
+        self._full_step(name, model, optimizer, out, self.structure(name, blocks))
         optimizer.zero_grad(set_to_none=True)
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        structure = [t for t in self.graphs[name]["graph"].adj_tensors("csc") if isinstance(t, torch.Tensor)]
+        graph = self.structure(name, blocks)
+        structure = [t for t in graph.adj_tensors("csc") if isinstance(t, torch.Tensor)]
         resident = [*model.parameters(), *state, *structure]
-        peak = self.measure.measure_peak(lambda: self._full_step(name, model, optimizer, out), "cpu", resident)
+        peak = self.measure.measure_peak(lambda: self._full_step(name, model, optimizer, out, graph), "cpu", resident)
         return {"peak_bytes": peak.peak_bytes, "resident_bytes": peak.resident_bytes}
 
     def full_step(self, name: str, hidden: int, seed: int, outputs: str | None, key: str,
-                  dropout: float = 0.5) -> dict:
-        """One timed full-graph training step on a model kept under ``key`` (created on first use)."""
+                  dropout: float = 0.5, blocks: bool = False) -> dict:
+        """One timed full-graph training step on a model kept under ``key`` (created on first use); with ``blocks``
+        on a fresh CSC-only block, made before the clock starts."""
         if key not in self.models:
             self.models[key] = self._model(name, hidden, seed, dropout)
         model, optimizer = self.models[key]
         out = None if outputs is None else torch.from_numpy(np.load(outputs, allow_pickle=False))
         model.train()
+        graph = self.structure(name, blocks)
         started = time.perf_counter()
-        self._full_step(name, model, optimizer, out)
+        self._full_step(name, model, optimizer, out, graph)
         return {"seconds": time.perf_counter() - started}
 
     def sample(self, name: str, seeds: str, batch_size: int, fanouts: list[int], seed: int) -> dict:

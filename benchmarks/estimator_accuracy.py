@@ -26,6 +26,13 @@ Run:
     python benchmarks/estimator_accuracy.py --datasets cora,citeseer --layers 2 --hidden 64,256 --ks 1,4,8
     python benchmarks/estimator_accuracy.py --models sage-mean,sage-gcn,sage-pool,gcn,gat --json estimator.json
     python benchmarks/estimator_accuracy.py --models sage-lstm --fanouts 10,25 --fanouts3 5,10,15
+    python benchmarks/estimator_accuracy.py --custom                 # custom models, recorded (issue 24)
+    python benchmarks/estimator_accuracy.py --custom --datasets amazon-computers --fanouts 10,25
+
+``--custom``: the models of ``benchmarks/custom_models.py`` (GIN, JK-Net, a two-head GAT with edge features from
+``torch_geometric.nn.GATConv``, PyG's GraphSAGE through ``PyGModel``), each recorded once per dataset by
+``betty_trainer.memory.recorded.record_model`` (the estimate ``train(config, model=...)`` plans with), then every
+micro-batch estimated and measured as above.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -46,6 +54,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import common  # noqa: E402  (this folder)
 import torch  # noqa: E402
 from common import int_list, name_list  # noqa: E402
+from custom_models import CUSTOM_MODELS  # noqa: E402  (this folder)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -54,9 +63,10 @@ from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.block import Batch  # noqa: E402
 from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
-from betty_trainer.datasets import DATASETS, make_sbm  # noqa: E402
+from betty_trainer.datasets import DATASETS  # noqa: E402
 from betty_trainer.errors import BettyError  # noqa: E402
 from betty_trainer.execution.micro_batches import measure_training_step  # noqa: E402
+from betty_trainer.memory.recorded import record_model  # noqa: E402
 from betty_trainer.memory.spec import model_spec  # noqa: E402
 from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
 from estimator.counts import counts_of  # noqa: E402
@@ -74,24 +84,19 @@ MODELS: dict[str, list[str]] = {
     "gcn": ["model.arch=gcn"],
     "gat": ["model.arch=gat"],
 }
-SYNTHETIC = {"synthetic-100k": dict(num_nodes=100_000, num_features=64, avg_degree=10, train_per_class=200,
-                                    num_val=1000, num_test=1000)}
 
 DEFAULTS = dict(datasets=["cora", "citeseer", "synthetic-100k"], layers=[2, 3], hidden=[64, 256], ks=[1, 4, 8])
 QUICK = dict(datasets=["cora"], layers=[2], hidden=[64], ks=[1, 4])
-
-
-def load_graph(name: str, data_dir: Path | None) -> Graph:
-    """A registered dataset (:func:`common.load_graph`), or one of :data:`SYNTHETIC`."""
-    return make_sbm(**SYNTHETIC[name]) if name in SYNTHETIC else common.load_graph(name, data_dir)
+CUSTOM = dict(datasets=["cora"], layers=[2], hidden=[64], ks=[1, 4])
+"""``--custom``'s defaults (issue 24's grid is these and ``--datasets amazon-computers --fanouts 10,25``)."""
 
 
 def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[Batch], seed: int,
                 device: torch.device = CPU) -> dict[str, Any]:
-    """Estimate and measure every micro-batch of one (model, layers, hidden, K) cell on ``device`` (CUDA: the
-    estimate of the path CUDA takes, the measured ``max_memory_allocated`` and ``max_memory_reserved``).
+    """Estimate and measure every micro-batch of one built-in (model, layers, hidden, K) cell on ``device`` (CUDA:
+    the estimate of the path CUDA takes, the measured ``max_memory_allocated`` and ``max_memory_reserved``).
 
-    Returns the row's record: the per-micro-batch numbers and aggregates.
+    Returns the row's record: the per-micro-batch numbers and aggregates (:func:`measured_micro_batches`).
     """
     config = load_config(None, overrides)
     spec = model_spec(config, graph, device)
@@ -99,6 +104,39 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
     model = build_model(config.model, graph).to(device)
     set_dropout_key(model, seed, 0)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+
+    def estimate(counts, accumulate: bool) -> tuple[int, str | None]:
+        peak = estimate_micro_batch(counts, spec, accumulate=accumulate)
+        return peak.peak_bytes, peak.at_peak
+
+    return measured_micro_batches(graph, model, optimizer, estimate, micro_batches, device)
+
+
+def custom_row(graph: Graph, name: str, hidden: int, micro_batches: Sequence[Batch], seed: int) -> dict[str, Any]:
+    """:func:`measure_row` for the custom model ``name`` (``benchmarks/custom_models.py``, 2 layers) on the CPU,
+    estimated by the recorder (``betty_trainer.memory.recorded.record_model``, recorded once per model and graph;
+    its time is the row's ``record_s``)."""
+    torch.manual_seed(seed)
+    model = CUSTOM_MODELS[name](graph.num_features, hidden, graph.num_classes)
+    config = load_config(None, [])
+
+    def adam(parameters):
+        return torch.optim.Adam(parameters, lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+
+    started = time.perf_counter()
+    recorded = record_model(model, graph, 2, adam)
+    record_s = time.perf_counter() - started
+    row = measured_micro_batches(graph, model, adam(model.parameters()),
+                                 lambda counts, accumulate: (recorded.estimate(counts, accumulate), None),
+                                 micro_batches, CPU)
+    return {**row, "record_s": record_s}
+
+
+def measured_micro_batches(graph: Graph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           estimate: Callable[[Any, bool], tuple[int, str | None]], micro_batches: Sequence[Batch],
+                           device: torch.device) -> dict[str, Any]:
+    """Every micro-batch's ``estimate(counts, accumulate)`` (bytes, and where the peak falls or ``None``) against
+    its peak measured as training runs it, after one step that creates Adam's state; the row's aggregates."""
     features = HostFeatureStore(graph.x, pin=False)
     start = time.perf_counter()
     measure_training_step(model, optimizer, micro_batches[0], features, graph.y, device)  # Adam state exists
@@ -107,7 +145,7 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
     total = sum(micro_batch.output_nodes.numel() for micro_batch in micro_batches)
     for index, micro_batch in enumerate(micro_batches):
         t0 = time.perf_counter()
-        estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0)
+        estimated, at_peak = estimate(counts_of(micro_batch.blocks), index > 0)
         estimate_s += time.perf_counter() - t0
         measured = measure_training_step(model, optimizer, micro_batch, features, graph.y, device,
                                          num_outputs=total, accumulate=index > 0)
@@ -117,10 +155,10 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
             "micro_batch": index,
             "outputs": micro_batch.output_nodes.numel(),
             "input_nodes": micro_batch.input_nodes.numel(),
-            "estimate_bytes": estimate.peak_bytes,
+            "estimate_bytes": estimated,
             "measured_bytes": measured.peak_bytes,
-            "error": (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes,
-            "estimate_at_peak": estimate.at_peak,
+            "error": (estimated - measured.peak_bytes) / measured.peak_bytes,
+            "estimate_at_peak": at_peak,
         })
     errors = [mb["error"] for mb in per_mb]
     return {
@@ -171,8 +209,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="folder of the datasets' raw files (default: each one's folder in ../shared/datasets)")
     parser.add_argument("--datasets", type=name_list, default=None,
                         help=f"e.g. cora,citeseer (default {','.join(DEFAULTS['datasets'])}); "
-                             f"synthetic: {', '.join(SYNTHETIC)}")
-    parser.add_argument("--models", type=name_list, default=list(MODELS), help=f"from {','.join(MODELS)}")
+                             f"synthetic: {', '.join(common.SBM)}")
+    parser.add_argument("--models", type=name_list, default=None,
+                        help=f"from {','.join(MODELS)} (default all); with --custom from {','.join(CUSTOM_MODELS)}")
+    parser.add_argument("--custom", action="store_true",
+                        help="custom models (benchmarks/custom_models.py) estimated by the recorder, 2 layers "
+                             f"(default: {','.join(CUSTOM['datasets'])}, K {','.join(map(str, CUSTOM['ks']))})")
     parser.add_argument("--layers", type=int_list, default=None, help="numbers of layers (default 2,3)")
     parser.add_argument("--hidden", type=int_list, default=None, help="hidden widths (default 64,256)")
     parser.add_argument("--ks", type=int_list, default=None, help="numbers of micro-batches (default 1,4,8)")
@@ -189,16 +231,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: max_memory_allocated (and reserved) per step")
     args = parser.parse_args(argv)
 
-    base = QUICK if args.quick else DEFAULTS
+    base = CUSTOM if args.custom else QUICK if args.quick else DEFAULTS
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    unknown = [d for d in args.datasets if d not in DATASETS and d not in SYNTHETIC]
+    known = CUSTOM_MODELS if args.custom else MODELS
+    args.models = list(known) if args.models is None else args.models
+    if args.custom and (args.layers != [2] or args.device != "cpu"):
+        parser.error("--custom models have 2 layers and are recorded on the CPU (--layers 2, --device cpu)")
+    unknown = [d for d in args.datasets if d not in DATASETS and d not in common.SBM]
     if unknown:
-        parser.error(f"unknown dataset(s) {', '.join(unknown)}; known: {', '.join([*DATASETS, *SYNTHETIC])}")
-    unknown = [m for m in args.models if m not in MODELS]
+        parser.error(f"unknown dataset(s) {', '.join(unknown)}; known: {', '.join([*DATASETS, *common.SBM])}")
+    unknown = [m for m in args.models if m not in known]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(known)}")
     for option, fanouts, length in (("--fanouts", args.fanouts, 2), ("--fanouts3", args.fanouts3, 3)):
         if fanouts is not None and len(fanouts) != length:
             parser.error(f"{option} needs {length} values (one per layer, input layer first), got {fanouts}")
@@ -207,7 +253,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(n < 1 for n in args.layers) or any(h < 1 for h in args.hidden) or any(k < 1 for k in args.ks):
         parser.error("--layers, --hidden and --ks take positive integers")
     try:
-        for overrides in [MODELS[m] + args.overrides for m in args.models]:
+        for overrides in [MODELS.get(m, []) + args.overrides for m in args.models]:
             load_config(None, overrides)
     except BettyError as error:
         parser.error(str(error))
@@ -221,13 +267,16 @@ def dataset_rows(name: str, graph: Graph, args: argparse.Namespace) -> tuple[lis
     splits: dict[tuple[int, int], list[Batch]] = {}
     rows: list[dict[str, Any]] = []
     for model_name, num_layers, hidden, k in itertools.product(args.models, args.layers, args.hidden, args.ks):
-        overrides = MODELS[model_name] + [f"model.num_layers={num_layers}", f"model.hidden={hidden}"]
+        overrides = MODELS.get(model_name, []) + [f"model.num_layers={num_layers}", f"model.hidden={hidden}"]
         overrides += args.overrides
         row: dict[str, Any] = {"dataset": name, "model": model_name, "layers": num_layers,
                                "hidden": hidden, "k": k, "overrides": overrides}
         if (num_layers, k) not in splits:
             splits[(num_layers, k)] = plan_micro_batches(batches[num_layers], k, "reg", args.seed)
-        row.update(measure_row(graph, overrides, splits[(num_layers, k)], args.seed, torch.device(args.device)))
+        if args.custom:
+            row.update(custom_row(graph, model_name, hidden, splits[(num_layers, k)], args.seed))
+        else:
+            row.update(measure_row(graph, overrides, splits[(num_layers, k)], args.seed, torch.device(args.device)))
         rows.append(row)
     return rows, batches
 
@@ -266,7 +315,7 @@ def main(argv=None) -> None:
     total_start = time.perf_counter()
     for name in args.datasets:
         try:
-            graph = load_graph(name, args.data_dir)
+            graph = common.load_graph(name, args.data_dir)
         except BettyError as error:
             raise SystemExit(f"error: {error}") from None
         rows, batches = dataset_rows(name, graph, args)

@@ -38,7 +38,8 @@ class DGLStudy(DGLSide):
     """DGL's side: DGL's LaborSampler batches, counted by :func:`lru_miss_rate`."""
 
     def lru(self, seeds: str, batch_size: int, fanouts: list[int], importance: int, kappa: float,
-            layer_dependency: bool, count: str, seed: int, capacity: int) -> dict:
+            layer_dependency: bool, count: str, seed: int, capacity: int | list[int]) -> dict:
+        """The miss rate of an LRU of ``capacity`` nodes (a list: one rate per capacity, over the same batches)."""
         from dgl.dataloading import LaborSampler
 
         self.dgl.seed(seed)
@@ -49,8 +50,10 @@ class DGLStudy(DGLSide):
             input_nodes, output_nodes, blocks = sampler.sample_blocks(self.graph, batch)
             layers = [b.srcdata[self.dgl.NID] for b in blocks] + [output_nodes]
             reads += [r.numpy() for r in reads_of(count, input_nodes, layers)]
-        return {"miss": lru_miss_rate(reads, self.graph.num_nodes(), capacity),
-                "reads_per_batch": sum(r.size for r in reads) / (len(reads) or 1)}
+        n = self.graph.num_nodes()
+        miss = [lru_miss_rate(reads, n, c) for c in capacity] if isinstance(capacity, list) else \
+            lru_miss_rate(reads, n, capacity)
+        return {"miss": miss, "reads_per_batch": sum(r.size for r in reads) / (len(reads) or 1)}
 
 
 
@@ -71,25 +74,33 @@ def load_directed_jlg(data_dir: Path | None):
 
 def our_lru(graph, batches, fanouts, importance, kappa, layer_dependency, count, seed, capacity) -> dict:
     """Our LaborSampler's batches read through a real LRU :class:`CachedFeatureStore` (one gather per read
-    of :func:`reads_of`); the miss rate is checked against :func:`lru_miss_rate` of the same reads."""
+    of :func:`reads_of`); the miss rate is checked against :func:`lru_miss_rate` of the same reads.
+    ``capacity`` a list: the same batches through one cache per capacity, ``miss`` a list of their rates."""
     from betty_trainer.data.cache import CachedFeatureStore
     from betty_trainer.data.feature_store import HostFeatureStore
     from betty_trainer.sampling import LaborSampler, SampleKey
 
     sampler = LaborSampler(graph, fanouts, importance_iterations=importance, layer_dependency=layer_dependency,
                            batch_dependency=kappa, batches_per_epoch=len(batches))
-    store = CachedFeatureStore(HostFeatureStore(torch.zeros(graph.num_nodes, 1), pin=False), "cpu", "lru", capacity)
+    capacities = capacity if isinstance(capacity, list) else [capacity]
+    host = HostFeatureStore(torch.zeros(graph.num_nodes, 1), pin=False)
+    stores = [CachedFeatureStore(host, "cpu", "lru", c) for c in capacities]
     reads = []
     for step, seeds in enumerate(batches):
         batch = sampler.sample(seeds, SampleKey(seed, 0, step))
         layers = [block.src_nodes for block in batch.blocks] + [batch.output_nodes]
         for nodes in reads_of(count, batch.input_nodes, layers):
-            store.gather(nodes, "cpu")
+            for store in stores:
+                store.gather(nodes, "cpu")
             reads.append(nodes.numpy())
-    miss = store.stats.misses / (store.stats.hits + store.stats.misses)
-    simulated = lru_miss_rate(reads, graph.num_nodes, capacity)
-    assert abs(miss - simulated) < 1e-12, (miss, simulated)
-    return {"miss": miss, "reads_per_batch": sum(r.size for r in reads) / len(batches)}
+    misses = []
+    for store, c in zip(stores, capacities):
+        miss = store.stats.misses / (store.stats.hits + store.stats.misses)
+        simulated = lru_miss_rate(reads, graph.num_nodes, c)
+        assert abs(miss - simulated) < 1e-12, (miss, simulated)
+        misses.append(miss)
+    return {"miss": misses if isinstance(capacity, list) else misses[0],
+            "reads_per_batch": sum(r.size for r in reads) / len(batches)}
 
 
 def lru_study(args, batches: list[torch.Tensor]) -> None:

@@ -4,7 +4,8 @@ For each graph and model: one full-batch training step (every node an output, fu
 dropout 0.5, Adam) at K = 1, with Betty's micro-batches at K ∈ ``--ks`` (REG), and layer by layer
 at ``--chunks`` chunks per layer (METIS chunks, recomputation in backward). Peak: the measured peak of
 the step (``estimator.measure.measure_peak``: profiler allocation records on CPU, after one warm-up
-step so Adam's state is resident). Time: the median of ``--repeats`` steps, planning excluded
+step so Adam's state is resident). Time: the median CPU time of ``--repeats`` steps (one thread by default;
+set ``NUMBA_NUM_THREADS=1`` too), planning excluded
 (a full batch's plan is reused every epoch). Each row is measured in the same run, its columns' timed
 steps interleaved (round robin).
 
@@ -18,14 +19,15 @@ first of ``--graphs``, budgets ``--fractions`` × the K = 1 step's measured peak
 (the fewest chunks per layer estimated to fit) and what ``auto`` picks. Both modes' plans are measured in
 the same run, their timed steps interleaved: peak as the tests measure it (Betty: the largest micro-batch's
 ``measure_training_step``, later ones accumulating; layer-wise: ``measure_layerwise_step``; after a warm-up
-step, so Adam's state is resident) and the median step time. Printed per budget: each mode's K, estimated
-and measured peak and time; auto's choice, whether it fits (measured ≤ budget) and its time over the
-faster plan's (the target: ≤ 1.2).
+step, so Adam's state is resident) and the median CPU time of a step over the K = 1 step's, interleaved with
+them. Printed per budget: each mode's K (or chunks per layer), estimated and measured peak and time ratio; auto's
+choice, whether it fits (measured ≤ budget) and its time over the faster plan's (the target: ≤ 1.2).
 
 Run:
     python benchmarks/layerwise.py                                   # Amazon Computers and Coauthor Physics
     python benchmarks/layerwise.py --graphs amazon-computers --models sage-64 --ks 4,8 --repeats 2
     python benchmarks/layerwise.py --planner --graphs amazon-computers --models sage-64,sage-256
+    python benchmarks/layerwise.py --graphs sbm-30k-d40 --models sage-64 --ks 16 --chunks 2,16  # little locality
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def config_for(arch: str, hidden: int):
 
 def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[int],
              repeats: int) -> dict[str, tuple[float, float]]:
-    """``{column: (peak MiB, median seconds)}`` for K = 1, Betty K and layer-wise K."""
+    """``{column: (peak MiB, median CPU seconds)}`` for K = 1, Betty K and layer-wise K."""
     config = config_for(arch, hidden)
     model = init_model(config, graph)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
@@ -82,7 +84,7 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
     runners = {"K=1": lambda: accumulate_gradients(model, [batch], features, graph.y, CPU)}
     for k in ks:
         split = make_split(batch.blocks, k=k, partitioner="reg", seed=0)
-        micro_batches = MicroBatches(batch, split.layers)
+        micro_batches = MicroBatches(batch, split.groups)
         runners[f"betty K={k}"] = (lambda mb=micro_batches: accumulate_gradients(model, mb, features, graph.y, CPU))
     for k in chunk_counts:
         chunks = chunk_layers(batch.blocks, k, "metis", seed=0)
@@ -102,9 +104,9 @@ def run_case(graph, arch: str, hidden: int, ks: list[int], chunk_counts: list[in
         peaks[name] = measure_peak(lambda run=run: step(run), CPU, resident).peak_bytes
     for _ in range(repeats):  # round robin over the columns: a change in the machine's load hits them all
         for name, run in runners.items():
-            started = time.perf_counter()
+            started = time.process_time()
             step(run)
-            times[name].append(time.perf_counter() - started)
+            times[name].append(time.process_time() - started)
     results = {}
     for name in runners:
         results[name] = (peaks[name] / MIB, statistics.median(times[name]))
@@ -135,7 +137,7 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
         set_dropout_key(model, 0, 0)
         return max(plan.measure(model, optimizer, features, graph.y, CPU))
 
-    measured: dict[tuple[str, int], tuple[int, float]] = {}  # (mode, K) -> (peak bytes, median seconds)
+    measured: dict[tuple[str, int], tuple[int, float]] = {}  # (mode, K) -> (peak bytes, median CPU time over K = 1's)
     rows = []
     for fraction in fractions:
         budget = int(full_peak * fraction)
@@ -147,23 +149,28 @@ def run_planner(graph, arch: str, hidden: int, fractions: list[float], repeats: 
             except PlanningError:
                 row[mode] = None
                 continue
-            row[mode] = {"k": plan.pieces, "estimate": plan.estimate, "work": plan.work}
+            row[mode] = {"k": plan.pieces, "summary": f"K={plan.pieces}" if mode == "micro_batches" else
+                         ", ".join(str(len(layer)) for layer in plan.chunks.layers) + " chunks",
+                         "estimate": plan.estimate, "work": plan.work}
             works[mode] = plan
         fresh = [mode for mode in works if (mode, row[mode]["k"]) not in measured]
-        times = {mode: [] for mode in fresh}
+        times = {mode: [] for mode in ["K=1", *fresh]}
         peaks = {mode: measure(works[mode]) for mode in fresh}
-        for _ in range(repeats):  # interleaved: betty, layer-wise, betty, …
-            for mode in fresh:
+        runs = {"K=1": lambda: accumulate_gradients(model, [batch], features, graph.y, CPU)}
+        runs.update({mode: (lambda plan=works[mode]: plan.run(model, features, graph.y, CPU)) for mode in fresh})
+        for _ in range(repeats):  # interleaved: K = 1, betty, layer-wise, K = 1, …
+            for mode, run in runs.items():
                 set_dropout_key(model, 0, 0)
                 optimizer.zero_grad(set_to_none=True)
-                started = time.perf_counter()
-                works[mode].run(model, features, graph.y, CPU)
+                started = time.process_time()
+                run()
                 optimizer.step()
-                times[mode].append(time.perf_counter() - started)
+                times[mode].append(time.process_time() - started)
+        reference = statistics.median(times["K=1"])
         for mode in fresh:
-            measured[mode, row[mode]["k"]] = (peaks[mode], statistics.median(times[mode]))
+            measured[mode, row[mode]["k"]] = (peaks[mode], statistics.median(times[mode]) / reference)
         for mode in works:
-            row[mode]["peak"], row[mode]["seconds"] = measured[mode, row[mode]["k"]]
+            row[mode]["peak"], row[mode]["ratio"] = measured[mode, row[mode]["k"]]
         try:
             chosen = planner("auto", budget).plan(batch)
             row["auto"] = (chosen.method, chosen.pieces)
@@ -179,11 +186,11 @@ def print_planner(name: str, model: str, full_peak: int, rows: list[dict]) -> No
     def cell(entry) -> str:
         if entry is None:
             return "— (none fits)"
-        return (f"K={entry['k']}: {entry['estimate'] / MIB:.1f} / {entry['peak'] / MIB:.1f} MiB, "
-                f"{entry['seconds']:.3f} s")
+        return (f"{entry['summary']}: {entry['estimate'] / MIB:.1f} / {entry['peak'] / MIB:.1f} MiB, "
+                f"{entry['ratio']:.2f}× K = 1")
 
-    print(f"\n{name}, {model}: K = 1 measured peak {full_peak / MIB:.1f} MiB; per plan K: estimated / measured peak, "
-          "median step time")
+    print(f"\n{name}, {model}: K = 1 measured peak {full_peak / MIB:.1f} MiB; per plan: estimated / measured peak, "
+          "median CPU time of a step over K = 1's, interleaved")
     lines = []
     for row in rows:
         budget = row["budget"]
@@ -193,10 +200,10 @@ def print_planner(name: str, model: str, full_peak: int, rows: list[dict]) -> No
         else:
             entry = row[auto[0]]
             assert entry is not None and entry["k"] == auto[1], "auto chose a plan neither mode made"
-            faster = min(row[m]["seconds"] for m in ("micro_batches", "layerwise") if row[m] is not None)
+            faster = min(row[m]["ratio"] for m in ("micro_batches", "layerwise") if row[m] is not None)
             choice = f"{auto[0]} K={auto[1]}"
             fits = "yes" if entry["peak"] <= budget else f"NO (+{100 * (entry['peak'] / budget - 1):.1f}%)"
-            ratio = f"{entry['seconds'] / faster:.2f}"
+            ratio = f"{entry['ratio'] / faster:.2f}"
         lines.append([f"{row['fraction']}× ({budget / MIB:.1f} MiB)", cell(row["micro_batches"]), cell(row["layerwise"]),
                       choice, fits, ratio])
     print(markdown_table(["budget", "betty", "layer-wise", "auto", "fits", "auto time / faster"], lines))
@@ -211,7 +218,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--planner", action="store_true", help="the planner's choice under budgets (see above)")
     parser.add_argument("--fractions", default="1,0.75,0.5,0.375,0.25", help="--planner: budgets × the K = 1 peak")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (numba's: NUMBA_NUM_THREADS)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="folder of the graphs' raw files (default: each one's folder in ../shared/datasets)")
     args = parser.parse_args()

@@ -131,7 +131,7 @@ def plan_row(batch: Batch, method: str, k: int, seed: int) -> dict[str, Any]:
     graph = splitter.graph
     _, metis10_s, _, _ = measured(lambda: metis_kway(graph, k, seed, weights, niter=10) if graph is not None else None)
     _, tensor_slicing_s, _, _ = measured(lambda: [_slice_by_tensor_ops(batch.blocks, group) for group in groups])
-    layers = redundancy(batch.blocks, plan.layers)
+    layers = redundancy(batch.blocks, plan.sizes)
     return {"method": method, "k": plan.k, "seconds": graph_s + plan_s, "cpu_seconds": graph_cpu + plan_cpu,
             "graph_seconds": graph_s, "plan_seconds": plan_s, "weights_seconds": weights_s,
             "metis_seconds": metis_s, "slicing_seconds": slicing_s,

@@ -72,13 +72,13 @@ def rows(graph, batch_counts: list[int], seed: int, with_random: bool) -> list[d
         plan = make_split(full.blocks, k=batches, partitioner="reg", seed=seed, splitter=splitter)
         row: dict[str, Any] = {"batches": batches, "reg_seconds": time.perf_counter() - started,
                                "full_batch_inputs": full.blocks[0].num_src,
-                               "reg_inputs": sum(layers[0].num_src for layers in plan.layers)}
+                               "reg_inputs": sum(sizes[0].num_src for sizes in plan.sizes)}
         started = time.perf_counter()
         row["mini_inputs"] = mini_batch_inputs(graph, batches, seed)
         row["mini_seconds"] = time.perf_counter() - started
         if with_random:
             plan = make_split(full.blocks, k=batches, partitioner="random", seed=seed)
-            row["random_inputs"] = sum(layers[0].num_src for layers in plan.layers)
+            row["random_inputs"] = sum(sizes[0].num_src for sizes in plan.sizes)
         row["ratio"] = row["mini_inputs"] / row["reg_inputs"]
         result.append(row)
         print(f"done {batches} batches: {row}", file=sys.stderr, flush=True)

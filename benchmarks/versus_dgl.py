@@ -7,7 +7,8 @@ the two sides' repetitions interleave (ours, DGL, ours, …) so machine noise hi
 Both sides call ``torch.set_num_threads(--threads)`` (and get ``OMP_NUM_THREADS``).
 
 Model: 2-layer GraphSAGE-mean, dropout 0.5 (``--dropout``; 0 is the control that takes the two dropout
-implementations out of the comparison) on the input features and the hidden layer,
+implementations out of the comparison, and ``--dropout 0.5,0`` runs both in one run) on the input features and the
+hidden layer,
 Adam (lr 0.01, weight decay 5e-4), one training step = forward + backward + Adam step.
 
 Sections (``--sections``):
@@ -16,8 +17,9 @@ Sections (``--sections``):
     The measured peak of one full-batch step, full neighbourhood: ours at each K of
     ``--ks`` (the largest peak over the K micro-batches, each measured as training runs
     it: ``betty_trainer.execution.micro_batches.measure_training_step``, later micro-batches accumulating)
-    vs DGL's ``SAGEConv`` on the whole graph (``dgl.graph``). Both sides measure with
-    ``estimator.measure.measure_peak`` (DGL side: the same file loaded by path): the peak
+    vs DGL's ``SAGEConv`` on the whole graph (``dgl.graph``, COO, CSR and CSC made at load) and on a fresh
+    ``dgl.Block`` holding only the CSC ours holds (the "DGL block" column: DGL makes its CSR inside the step).
+    Both sides measure with ``estimator.measure.measure_peak`` (DGL side: the same file loaded by path): the peak
     of live bytes replayed from ``torch.profiler``'s allocation records, after one warm-up
     step so Adam's moments exist; resident = parameters, Adam state and graph structure
     (betty: the micro-batch's blocks; DGL: the graph's CSC tensors). The feature matrix
@@ -31,8 +33,8 @@ Sections (``--sections``):
     computes every node and takes the loss on those).
 ``time``
     Step time, full batch, full neighbourhood, for ``--epochs`` epochs (interleaved):
-    ours K = 1, DGL, ours K = ``--time-k``. Ours is what ``betty_trainer.train`` does per
-    batch: ``sample_batch`` (full neighbourhood), ``Planner.plan`` (REG + METIS +
+    ours K = 1, DGL on the graph, DGL on a CSC-only block (as in ``memory``), ours K = ``--time-k``. Ours
+    is what ``betty_trainer.train`` does per batch: ``sample_batch`` (full neighbourhood), ``Planner.plan`` (REG + METIS +
     slicing; K = 1 skips the partitioner), the plan's ``run``, ``optimizer.step``.
     Printed: the first epoch and the median of the later ones (steady state: a planner
     that reuses the plan of an unchanged batch shows it there), the ratios ours/DGL and
@@ -64,6 +66,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -78,13 +81,12 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import common  # noqa: E402  (this folder)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import int_list, name_list  # noqa: E402
+from common import float_list, int_list, name_list  # noqa: E402
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # noqa: E402  (this folder)
 
 from betty_trainer import HostFeatureStore, NeighborSampler, SampleKey, sample_batch  # noqa: E402
 from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
-from betty_trainer.datasets import make_sbm  # noqa: E402
 from betty_trainer.memory.planner import make_planner  # noqa: E402
 from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.rng import derive_seed  # noqa: E402
@@ -98,14 +100,9 @@ TWITTER = "ego-twitter"
 
 # --- data ----------------------------------------------------------------------------------------------------
 
-SBM = {"sbm-30k": {"num_nodes": 30_000, "num_features": 128, "avg_degree": 10.0}}
-"""Low-locality graphs by name: a stochastic block model (5 classes, 70% of edges inside a class, the rest uniform),
-whose neighbourhoods share few nodes, unlike the co-purchase graphs the defaults were tuned on."""
-
-
 def load_graph(name: str, args: argparse.Namespace) -> Graph:
-    """One of :data:`SBM`, or a registered dataset (``ego-twitter``: structure only, for the sampling section)."""
-    return make_sbm(**SBM[name]) if name in SBM else common.load_graph(name, args.data_dir)
+    """One of ``common.SBM``, or a registered dataset (``ego-twitter``: structure only, for the sampling section)."""
+    return common.load_graph(name, args.data_dir)
 
 
 def export(graph: Graph, folder: Path, features: bool) -> None:
@@ -218,33 +215,36 @@ def memory_section(graphs, dgl, args, folders, results) -> None:
     for name in args.graphs:
         graph = graphs[name]
         outputs = outputs_of(graph, args.outputs)
-        for hidden in args.hidden:
-            theirs = dgl("full_memory", name=name, hidden=hidden, seed=args.seed,
-                         outputs=folders.get(("outputs", name)), dropout=args.dropout)["peak_bytes"]
-            print(f"  memory {name} hidden {hidden}: DGL full graph: {theirs / MIB:.1f} MiB", flush=True)
+        for hidden, dropout in itertools.product(args.hidden, args.dropout):
+            theirs, blocks = (dgl("full_memory", name=name, hidden=hidden, seed=args.seed,
+                                  outputs=folders.get(("outputs", name)), dropout=dropout, blocks=on_blocks)["peak_bytes"]
+                              for on_blocks in (False, True))
+            print(f"  memory {name} hidden {hidden} dropout {dropout}: DGL full graph: {theirs / MIB:.1f} MiB, on a "
+                  f"CSC-only block {blocks / MIB:.1f} MiB", flush=True)
             ours = {}
             for k in args.ks:
-                ours[k] = Ours(graph, hidden, k, args.seed, dropout=args.dropout).peak(outputs)
+                ours[k] = Ours(graph, hidden, k, args.seed, dropout=dropout).peak(outputs)
                 release()
                 print(f"  memory {name} hidden {hidden}: ours K={k}: {ours[k][0] / MIB:.1f} MiB "
                       f"(this process's RSS high-water so far {max_rss_mib():.0f} MiB)", flush=True)
             layerwise = {}
             for k in args.layerwise_ks:
-                layerwise[k] = Ours(graph, hidden, k, args.seed, "layerwise", args.dropout).peak(outputs)
+                layerwise[k] = Ours(graph, hidden, k, args.seed, "layerwise", dropout).peak(outputs)
                 release()
                 print(f"  memory {name} hidden {hidden}: ours layer-wise {k} chunks: {layerwise[k][0] / MIB:.1f} MiB",
                       flush=True)
             k1 = ours.get(1, (None,))[0]
-            row = [name, hidden, f"{theirs / MIB:.1f}"]
+            row = [name, hidden, dropout, f"{theirs / MIB:.1f}", f"{blocks / MIB:.1f}"]
             for k, (peak, used) in [*ours.items(), *layerwise.items()]:
                 row.append(f"{peak / MIB:.1f} ({fmt_ratio(peak, theirs)})" + ("" if used == k else f" K={used}"))
             row.append(fmt_ratio(ours[max(args.ks)][0], k1) if k1 else "-")
             rows.append(row)
-            results.append({"section": "memory", "graph": name, "hidden": hidden, "dgl_peak_bytes": theirs,
+            results.append({"section": "memory", "graph": name, "hidden": hidden, "dropout": dropout,
+                            "dgl_peak_bytes": theirs, "dgl_block_peak_bytes": blocks,
                             "ours_peak_bytes": {k: v[0] for k, v in ours.items()},
                             "ours_layerwise_peak_bytes": {k: v[0] for k, v in layerwise.items()}})
     print_table(f"Measured peak of one full-batch step, MiB (ours/DGL in brackets), outputs={args.outputs}",
-                ["graph", "hidden", "DGL full graph"] + [f"ours K={k}" for k in args.ks]
+                ["graph", "hidden", "dropout", "DGL full graph", "DGL block"] + [f"ours K={k}" for k in args.ks]
                 + [f"ours layer-wise {k}" for k in args.layerwise_ks] + [f"K={max(args.ks)}/K=1"], rows)
 
 
@@ -254,34 +254,39 @@ def time_section(graphs, dgl, args, folders, results) -> None:
     for name in args.graphs:
         graph = graphs[name]
         outputs = outputs_of(graph, args.outputs)
-        for hidden in args.hidden:
-            one = Ours(graph, hidden, 1, args.seed, dropout=args.dropout)
-            many = Ours(graph, hidden, k, args.seed, dropout=args.dropout)
-            runs = {"k1": [], "dgl": [], "kk": []}
-            for epoch in range(args.epochs):  # interleaved: ours K=1, DGL, ours K
+        for hidden, dropout in itertools.product(args.hidden, args.dropout):
+            one = Ours(graph, hidden, 1, args.seed, dropout=dropout)
+            many = Ours(graph, hidden, k, args.seed, dropout=dropout)
+            runs = {"k1": [], "dgl": [], "dglb": [], "kk": []}
+            for epoch in range(args.epochs):  # interleaved: ours K=1, DGL on the graph, DGL on a block, ours K
                 runs["k1"].append(one.step(outputs, [None, None], epoch, epoch))
-                runs["dgl"].append(dgl("full_step", name=name, hidden=hidden, seed=args.seed,
-                                       outputs=folders.get(("outputs", name)), key=f"full-{name}-{hidden}",
-                                       dropout=args.dropout))
+                for kind, on_blocks in (("dgl", False), ("dglb", True)):
+                    runs[kind].append(dgl("full_step", name=name, hidden=hidden, seed=args.seed,
+                                          outputs=folders.get(("outputs", name)), dropout=dropout, blocks=on_blocks,
+                                          key=f"full-{name}-{hidden}-{dropout}-{kind}"))
                 runs["kk"].append(many.step(outputs, [None, None], epoch, epoch))
                 release()
-                print(f"  time {name} hidden {hidden} epoch {epoch}: ours K=1 {runs['k1'][-1]['total']:.3f} s, "
+                print(f"  time {name} hidden {hidden} dropout {dropout} epoch {epoch}: ours K=1 {runs['k1'][-1]['total']:.3f} s, "
                       f"DGL {runs['dgl'][-1]['seconds']:.3f} s, ours K={k} {runs['kk'][-1]['total']:.3f} s "
                       f"(plan {runs['kk'][-1]['plan']:.3f} s; RSS high-water {max_rss_mib():.0f} MiB)", flush=True)
             for phase, picked in (("first", slice(0, 1)), ("steady", slice(1, None))):
                 k1 = median([r["total"] for r in runs["k1"][picked]])
                 theirs = median([r["seconds"] for r in runs["dgl"][picked]])
+                block = median([r["seconds"] for r in runs["dglb"][picked]])
                 kk = median([r["total"] for r in runs["kk"][picked]])
                 plan = median([r["plan"] for r in runs["kk"][picked]])
                 sample = median([r["sample"] for r in runs["kk"][picked]])
                 parts = "/".join(f"{median([r[p] for r in runs['k1'][picked]]):.2f}" for p in ("sample", "plan", "compute"))
-                rows.append([name, hidden, phase, f"{k1:.3f}", parts, f"{theirs:.3f}", fmt_ratio(k1, theirs), f"{kk:.3f}",
-                             fmt_ratio(kk, k1), f"{plan:.3f}", f"{100 * plan / kk:.0f}%", f"{sample:.3f}"])
-                results.append({"section": "time", "graph": name, "hidden": hidden, "phase": phase, "ours_k1_s": k1,
-                                "dgl_s": theirs, "ours_k_s": kk, "k": k, "plan_s": plan, "sample_s": sample})
+                rows.append([name, hidden, dropout, phase, f"{k1:.3f}", parts, f"{theirs:.3f}", fmt_ratio(k1, theirs),
+                             f"{block:.3f}", fmt_ratio(k1, block), f"{kk:.3f}", fmt_ratio(kk, k1), f"{plan:.3f}",
+                             f"{100 * plan / kk:.0f}%", f"{sample:.3f}"])
+                results.append({"section": "time", "graph": name, "hidden": hidden, "dropout": dropout, "phase": phase,
+                                "ours_k1_s": k1,
+                                "dgl_s": theirs, "dgl_block_s": block, "ours_k_s": kk, "k": k, "plan_s": plan, "sample_s": sample})
     print_table(f"Full-batch step time, seconds (first epoch; steady = median of epochs 1..{args.epochs - 1}), "
                 f"outputs={args.outputs}",
-                ["graph", "hidden", "epochs", "ours K=1", "K=1 sample/plan/compute", "DGL", "K=1/DGL", f"ours K={k}",
+                ["graph", "hidden", "dropout", "epochs", "ours K=1", "K=1 sample/plan/compute", "DGL", "K=1/DGL", "DGL block",
+                 "K=1/DGL block", f"ours K={k}",
                  f"K={k}/K=1", f"plan K={k}", "plan share", f"sample K={k}"], rows)
 
 
@@ -323,7 +328,7 @@ def minibatch_section(graphs, dgl, args, folders, results) -> None:
     hidden = args.hidden[0]
     seeds_path = folders[("epoch", name)]
     batches = torch.from_numpy(np.load(seeds_path)).split(args.batch_size)
-    ours = Ours(graph, hidden, 1, args.seed, dropout=args.dropout)
+    ours = Ours(graph, hidden, 1, args.seed, dropout=args.dropout[0])
     ours_runs, dgl_runs = [], []
     for epoch in range(args.minibatch_epochs):
         parts = [ours.step(batch, args.train_fanouts, epoch * len(batches) + i, epoch) for i, batch in enumerate(batches)]
@@ -331,7 +336,7 @@ def minibatch_section(graphs, dgl, args, folders, results) -> None:
                           "plan": sum(p["plan"] for p in parts)})
         reply = dgl("minibatch_epoch", name=name, hidden=hidden, seed=args.seed + epoch, seeds=str(seeds_path),
                     batch_size=args.batch_size, fanouts=args.train_fanouts, key=f"mini-{name}-{hidden}",
-                    dropout=args.dropout)
+                    dropout=args.dropout[0])
         dgl_runs.append({"seconds": reply["seconds"], "sampling": reply["sampling_seconds"]})
         print(f"  minibatch {name} epoch {epoch}: ours {ours_runs[-1]['seconds']:.3f} s, "
               f"DGL {dgl_runs[-1]['seconds']:.3f} s", flush=True)
@@ -379,8 +384,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--minibatch-batches", type=int, default=None, help="cap the batches of an epoch")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dropout", type=float, default=0.5,
-                        help="dropout of both models (0: the control that takes dropout's implementations out)")
+    parser.add_argument("--dropout", type=float_list, default=[0.5],
+                        help="dropout of both models; several (e.g. 0.5,0) give the memory and time sections one row "
+                             "each, 0 being the control that takes dropout's implementations out")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="folder of the graphs' raw files (default: each one's folder in ../shared/datasets)")
     parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON))
@@ -423,7 +429,9 @@ def main(argv=None) -> None:
                 export(graph, tmp / name, features=name in trained)
                 info = dgl("load", name=name, folder=str(tmp / name))
                 assert (info["nodes"], info["edges"]) == (graph.num_nodes, graph.num_edges), (info, graph)
-                print(f"  {graph!r}", flush=True)
+                print(f"  {graph!r}; DGL holds its structure as {'/'.join(info['formats']).upper()} (int64, "
+                      f"{info['structure_bytes'] / MIB:.1f} MiB); ours as CSC ({graph.indices.dtype} indices, "
+                      f"{(graph.indptr.nbytes + graph.indices.nbytes) / MIB:.1f} MiB)", flush=True)
                 if args.outputs == "train":
                     np.save(tmp / f"{name}-outputs.npy", graph.train_idx.numpy())
                     folders[("outputs", name)] = str(tmp / f"{name}-outputs.npy")

@@ -23,8 +23,10 @@ from betty_trainer.execution.micro_batches import MicroBatches, accumulate_gradi
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.planner import plan_micro_batches
+from betty_trainer.memory.recorded import record_model
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
 from betty_trainer.sampling import NeighborSampler, SampleKey, Sampler, sample_batch
+from betty_trainer.training.dry_run import dry_run
 from betty_trainer.training.evaluation import evaluate, evaluate_splits, full_neighbourhood_batches, layerwise_logits
 from betty_trainer.training.inference import load_model
 from betty_trainer.training.trainer import TrainResult, train
@@ -35,7 +37,7 @@ __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",
     "FeatureStore", "Graph", "GraphSAGE", "HostFeatureStore", "MicroBatches", "NeighborSampler", "NodeDropout",
     "PlanningError", "RunDirError", "SampleKey", "Sampler", "StepPlan", "StepResult", "TrainResult",
-    "TrainingError", "TransferStats", "accumulate_gradients", "build_model", "calibrate_model",
+    "TrainingError", "TransferStats", "accumulate_gradients", "build_model", "calibrate_model", "dry_run",
     "evaluate", "evaluate_splits", "full_neighbourhood_batches", "layerwise_logits", "load_config", "load_dataset", "load_model",
-    "make_sbm", "plan_micro_batches", "sample_batch", "train",
+    "make_sbm", "plan_micro_batches", "record_model", "sample_batch", "train",
 ]

@@ -199,16 +199,41 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
         raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another "
                           "--output")
     report = dry_run(config, measure=args.measure)
-    if output is not None:
+    if output is not None and _rank() in (None, 0):  # under torchrun every rank holds the report; rank 0 writes it
         write_text(output, json.dumps(report, indent=2))
     _print_plan(console, report, args)
 
 
 def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> None:
-    """The plan as one table, a row per piece (a micro-batch, or chunk ``i`` of every layer), whatever the plan's
-    kind, and a line of what was searched and estimated for the whole step."""
+    """The plan as one table, a row per piece (a micro-batch, chunk ``i`` of every layer, or a cooperative round),
+    whatever the plan's kind, and a line of what was searched and estimated for the whole step; a distributed
+    run's plan as one such table per rank."""
+    for part in report.get("ranks") or [report]:
+        _print_piece_table(console, {**report, **part}, args)
+    cache = report.get("aggregation_cache")
+    if cache is not None:
+        use = ("layer 0 reads the cached rows of its dst nodes" if cache["used"] else
+               "micro_batch.mode=auto left it out, estimated better without it")
+        console.print(f"aggregation cache ({cache['kind']}, {str(cache['mode']).lower()}): {_mib(cache['host_bytes'])} "
+                      f"MiB in host memory ({cache['row_width']} columns a node, {cache['path']}), "
+                      f"{_mib(cache['device_bytes'])} MiB on the device; {use}. "
+                      f"Without it: {_uncached_text(cache['uncached'])}", highlight=False, soft_wrap=True)
+
+
+def _uncached_text(uncached: dict) -> str:
+    """The plan of the batch without the aggregation cache, in words (``aggregation_cache.uncached``)."""
+    if "refused" in uncached:
+        return f"no plan fits ({uncached['refused']})"
+    sizes = " / ".join(str(layer["src_nodes"]) for layer in uncached["layers"])
+    return (f"{uncached['summary']}, src nodes per layer {sizes}, estimated peak "
+            f"{_mib(uncached['estimate_peak_bytes'] or 0)} MiB (full batch "
+            f"{_mib(uncached['full_batch_estimate_bytes'] or 0)} MiB), estimated work {uncached['work']:,}")
+
+
+def _print_piece_table(console: Console, report: dict, args: argparse.Namespace) -> None:
     budget, rows = report["budget_bytes"], report["pieces"]
-    table = Table(title=f"plan: {report['dataset']}, {report['summary']} ({report['partitioner']}), sizes in MiB")
+    rank = f"rank {report['rank']} of {report['world_size']}, " if "rank" in report else ""
+    table = Table(title=f"plan: {report['dataset']}, {rank}{report['summary']} ({report['partitioner']}), sizes in MiB")
     shown = _nonzero_components(report)
     measured = any("measured_peak_bytes" in row for row in rows)
     columns = ["#", "outputs", "src nodes/layer", "edges/layer", *(_COMPONENTS[name] for name in shown),
@@ -223,8 +248,8 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
                  " / ".join(str(layer["edges"]) for layer in row["layers"])]
         if "estimate" in row:
             at_peak, peak = row["estimate"]["at_peak"], row["estimate"]["peak_bytes"]
-            state = at_peak["parameters"] + at_peak["optimizer_state"]
-            other = peak - state - sum(at_peak[name] for name in _COMPONENTS)
+            state = at_peak.get("parameters", 0) + at_peak.get("optimizer_state", 0)
+            other = peak - state - sum(at_peak.get(name, 0) for name in _COMPONENTS)
             memory = [*(_mib(at_peak[name]) for name in shown), _mib(state), _mib(other), _mib(peak),
                       f"{peak / budget:.0%}" if budget else "-"]
         else:
@@ -234,7 +259,7 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
             cells += [_mib(row["measured_peak_bytes"]) if "measured_peak_bytes" in row else "-",
                       f"{row['error']:+.1%}" if "error" in row else "-"]
         table.add_row(*cells)
-    Console(width=max(console.width, 160)).print(table)
+    Console(width=max(console.width, 160), quiet=console.quiet).print(table)
     redundancy = " / ".join(f"{r:.3f}" for r in report["redundancy_per_layer"])
     full, peak = report["full_batch"]["estimate_peak_bytes"], report["estimate_peak_bytes"]
     step = (f"; measured {_mib(report['measured_peak_bytes'])} MiB"
@@ -244,19 +269,20 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
                   f"{_mib(full) + ' MiB' if full else 'not computed'}; estimated peak "
                   f"{_mib(peak) + ' MiB' if peak else '-'}{step}; estimated work {report['work']:,}; "
                   f"K = {report['num_pieces']} (tried {[t['k'] for t in report['tried']]}); "
-                  f"redundancy per layer {redundancy}; planning took {report['planning_seconds']:.3f} s"
+                  f"redundancy per layer {redundancy}; the plan holds {_mib(report['plan_host_bytes'])} MiB of host "
+                  f"memory; planning took {report['planning_seconds']:.3f} s"
                   f"{_written(args.output)}", highlight=False, soft_wrap=True)
 
 
 _COMPONENTS = {"input_features": "features", "hidden_outputs": "hidden", "dropout_masks": "dropout",
-               "aggregator_intermediates": "aggr.", "gradients": "grads"}
+               "aggregator_intermediates": "aggr.", "gradients": "grads", "exchange_buffers": "exchange"}
 """The estimate's terms the plan table shows (``at_peak`` keys → column headers)."""
 
 
 def _nonzero_components(report: dict) -> list[str]:
     """The :data:`_COMPONENTS` some piece's estimate holds (a model without dropout has no dropout column)."""
     rows = [row["estimate"]["at_peak"] for row in report["pieces"] if "estimate" in row]
-    return [name for name in _COMPONENTS if any(at_peak[name] for at_peak in rows)]
+    return [name for name in _COMPONENTS if any(at_peak.get(name, 0) for at_peak in rows)]
 
 
 def _written(output: Path | None) -> str:
@@ -302,7 +328,7 @@ def _datasets(args: argparse.Namespace, console: Console) -> None:
         converted = "\n".join(f"{folder.name}: {size / 2**20:.0f} MiB" for folder, size in status.processed)
         kind = f"{status.kind}, structure only" if status.structure_only else status.kind
         table.add_row(status.name, kind, status.description, status.raw, converted or "-")
-    Console(width=max(console.width, 160)).print(table)
+    Console(width=max(console.width, 160), quiet=console.quiet).print(table)
     console.print("Files are read from --data-dir, else $BETTY_DATA_DIR, else the cache (downloaded when online).")
     console.print("Datasets marked structure only have no labels or splits: they serve the sampling benchmarks "
                   "(python benchmarks/sampling.py --graph NAME) and the Python API, not train or plan.",

@@ -294,10 +294,27 @@ class FeaturesConfig(_Section):
                           "batches (BatchGNN's F <= B), and a batch over it on its own is not staged; null = no "
                           "limit (refused under a micro_batch.budget)")
 
+    aggregation_cache: bool | Literal["approximate"] = Field(
+        False, description="BatchGNN's input-feature aggregation cache (§3, App. B-C): layer 0's neighbour "
+                           "aggregation of the input features is computed once per run over the full neighbourhood "
+                           "(kept on disk beside the dataset) and layer 0 reads each dst node's cached rows instead "
+                           "of its block; true: exact, refused with a sampled layer 0 or dropout; approximate: "
+                           "allowed there, with a warning (it changes what layer 0 computes); sage mean/gcn and gcn")
+
     @field_validator("macro_batch_budget", mode="before")
     @classmethod
     def _macro_budget(cls, value: Any) -> Any:
         return None if value is None else parse_bytes(value)
+
+    @field_validator("aggregation_cache", mode="before")
+    @classmethod
+    def _cache_mode(cls, value: Any) -> Any:
+        """``true``/``false`` or ``approximate``; a string from the command line (``'true'``) is read as YAML does."""
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        if value not in (True, False, "approximate"):
+            raise ValueError(f"expected true, false or approximate, got {value!r}")
+        return value
 
 
 _SIZE_HINT = "expected a size in bytes such as 8000000000, '6GiB' or '512 MB'"
@@ -347,6 +364,13 @@ class MicroBatchConfig(_Section):
         None, description="bytes of the budget kept free for the CUDA caching allocator's fragmentation; null: "
                           "betty_trainer.memory.device.allocator_margin of the allocator setting (0 on the CPU)")
     balance: bool = Field(True, description="METIS balances each output's receptive-field size, not output counts")
+    assignment: Literal["batch", "graph", "auto"] = Field(
+        "auto", description="how a batch's outputs go to micro-batches: batch (the partitioner cuts each batch); "
+                            "graph (METIS cuts the whole graph once per K for the run, and each output takes its "
+                            "node's part; under a budget a batch whose plan misses it is planned per batch, and "
+                            "the next batches try more micro-batches); auto: graph for sampled batches (a "
+                            "mini-batch or sampled fanouts) with a METIS-based partitioner (reg, reg_unweighted, "
+                            "metis), batch otherwise")
     mode: Literal["micro_batches", "layerwise", "auto"] = Field(
         "micro_batches", description="micro_batches: K micro-batches of the outputs, each through all layers "
                                      "(Betty); layerwise: one layer at a time in K chunks per layer, recomputed in "
@@ -490,6 +514,7 @@ class Config(_Section):
             raise ValueError(
                 f"sampling.fanouts has {len(fanouts)} entries but model.num_layers is {self.model.num_layers}"
             )
+        _check_aggregation_cache(self)
         if self.features.cache.kind == "gns" and self.sampling.sampler != "gns":
             raise ValueError(f"features.cache.kind 'gns' caches the GNS sampler's node set, but sampling.sampler is "
                              f"{self.sampling.sampler!r}: set sampling.sampler=gns, or features.cache.kind=static or lru")
@@ -506,6 +531,45 @@ class Config(_Section):
     def to_yaml(self) -> str:
         """The resolved config as YAML (paths as strings)."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+AGGREGATION_CACHE_MODELS = (("sage", "mean"), ("sage", "gcn"), ("gcn", None))
+"""``(model.arch, model.aggregator)`` whose layer 0 the aggregation cache replaces: a linear aggregation of the input
+features, the same for every parameter value (``None``: the architecture has no aggregator key)."""
+
+
+def _check_aggregation_cache(config: "Config") -> None:
+    """``features.aggregation_cache``'s rules (BatchGNN §3, App. B): a model whose layer 0 is a linear aggregation,
+    two layers or more, one process, micro-batches; ``true`` (exact) only where layer 0 aggregates the full
+    neighbourhood of unmasked features (fanout ``-1``/null of ``full`` or ``ns``, ``model.dropout: 0``).
+
+    Raises:
+        ValueError: the first rule broken, naming the keys.
+    """
+    mode = config.features.aggregation_cache
+    if mode is False:
+        return
+    model = config.model
+    if (model.arch, getattr(model, "aggregator", None)) not in AGGREGATION_CACHE_MODELS:
+        raise ValueError("features.aggregation_cache caches a linear first-layer aggregation: model.arch=sage with "
+                         "model.aggregator mean or gcn, or model.arch=gcn; set features.aggregation_cache=false")
+    if model.num_layers < 2:
+        raise ValueError("features.aggregation_cache replaces layer 0's block: model.num_layers must be at least 2")
+    if config.distributed.mode != "none":
+        raise ValueError("features.aggregation_cache runs in one process: set distributed.mode=none")
+    if config.micro_batch.mode == "layerwise":
+        raise ValueError("features.aggregation_cache runs micro-batches: set micro_batch.mode=micro_batches or auto "
+                         "(which keeps the cache only where the estimate is lower with it)")
+    if mode == "approximate":
+        return
+    fanouts = config.sampling.fanouts
+    sampled = config.sampling.sampler not in ("full", "ns") or (fanouts is not None and fanouts[0] != -1)
+    if sampled or model.dropout > 0:
+        why = "layer 0 samples its neighbourhood" if sampled else f"model.dropout={model.dropout} masks the input features"
+        raise ValueError(f"features.aggregation_cache=true is exact only over the full neighbourhood without dropout, "
+                         f"and here {why}: set sampling.sampler=full or ns with sampling.fanouts[0]=-1 and "
+                         "model.dropout=0, or features.aggregation_cache=approximate to train on the full-neighbourhood "
+                         "aggregate anyway (BatchGNN App. B: accuracy may rise or fall)")
 
 
 MAX_CONFIG_VALUES = 10_000

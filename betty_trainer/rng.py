@@ -78,8 +78,8 @@ def jit(function=None, **options):
 
 
 def compiled_kernels(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether the compiled CPU kernels (keyed dropout; the sparse aggregation's CSR product, its transpose
-    and ``per_edge``; the segment max) run on tensors of this device and dtype: CPU, float32, numba
+    """Whether the compiled CPU kernels (keyed dropout; the sparse aggregation's CSR product and its
+    transpose; the segment max) run on tensors of this device and dtype: CPU, float32, numba
     installed. Elsewhere the same results come from tensor ops (which also run on GPUs)."""
     return numba is not None and torch.device(device).type == "cpu" and dtype == torch.float32
 

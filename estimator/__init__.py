@@ -3,7 +3,9 @@ peak every estimate is checked against.
 
 - :func:`estimate_micro_batch`: closed-form, op-by-op estimate of one training step of a
   built-in model (GraphSAGE mean/gcn, GCN) from a micro-batch's :class:`LayerCounts`.
-- :class:`CalibratedModel`: the estimate of any other model, fitted to a few measured steps
+- :class:`~estimator.recorder.RecordedModel`: the estimate of any other model, its training step recorded on fake
+  tensors at a few sizes and solved exactly (:mod:`estimator.recorder`).
+- :class:`CalibratedModel`: the estimate of a model the recorder refuses, fitted to a few measured steps
   (:func:`estimator.calibrate.fit`).
 - :func:`measure_peak`: the real peak (``torch.cuda.max_memory_allocated`` or the CPU
   profiler's allocation records).

@@ -6,11 +6,15 @@ and before every layer an all-to-all turns the rows it owns into the rows its bl
 micro-batch estimate's (:func:`estimator.estimate.estimate_micro_batch`) with the model's layers replayed one at a
 time (``ModelSpec.layer_terms``) and, around each, what an exchange allocates:
 
-- forward: the rows served to the requesters (``served × w``, freed once sent), the rows received (``src × w``)
-  and their copy in the block's src order (``src × w``, the layer's input); the received rows die when the
-  exchange returns. The rows the rank owns stay referenced until the layer has run.
-- backward: the gradient rows sent back (``src × w``, freed once sent), those received (``served × w``) and the
-  owned rows' gradient (``owned × w``), into which the received ones are summed.
+- forward: the rows served to the requesters (``served × w``) and the rows received (``src × w``); the served rows
+  die once sent, then the received ones are copied in the block's src order (``src × w``, the layer's input) and
+  die when the exchange returns. The rows the rank owns stay referenced until the layer has run.
+- backward: the gradient rows sent back (``src × w``) and those received (``served × w``); the sent ones die, then
+  the owned rows' gradient (``owned × w``) is made and the received ones are summed into it.
+
+A send buffer dies as soon as it is sent because the exchange returns from an all-to-all on the CPU only once
+gloo's worker thread has let go of its buffers (``betty_trainer.distributed.exchange``), so the free happens where
+the code says (exact to the byte in ``tests/test_cooperative.py``).
 
 The exchange's index tensors (int64: the send order, the serve index and the owned ids) are resident with the
 share's blocks.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
+import numpy as np
 from torch import Tensor
 
 INDEX_BYTES = 8  # int64 node ids and CSC pointers
@@ -34,25 +34,35 @@ class LayerCounts:
 
     @classmethod
     def from_csc(cls, indptr: Tensor, num_src: int, weighted: bool = False) -> "LayerCounts":
-        """Counts of a block from its ``(num_dst + 1,)`` int64 CSC pointer and src count."""
-        degrees = indptr[1:] - indptr[:-1]
-        values, counts = torch.unique(degrees[degrees > 0], return_counts=True)
-        return cls(num_src, indptr.numel() - 1, int(indptr[-1]), tuple(zip(values.tolist(), counts.tolist())),
+        """Counts of a block from its ``(num_dst + 1,)`` int64 CSC pointer (on any device) and src count.
+
+        The histogram is a ``numpy.bincount`` of the degrees on the CPU (``O(num_dst + max degree)``): on 60k
+        degrees, one thread, 0.1 ms against ``torch.unique``'s 2 ms alone, and ~0.1 s per call that
+        ``torch.unique`` took between training steps (profiled planning of a 100k-node SBM's sampled batches),
+        more than counting all the batch's micro-batches (:func:`partition.slicing.count_layers`)."""
+        degrees = np.diff(indptr.cpu().numpy())
+        counts = np.bincount(degrees)
+        values = np.flatnonzero(counts[1:]) + 1
+        return cls(num_src, indptr.numel() - 1, int(indptr[-1]), tuple(zip(values.tolist(), counts[values].tolist())),
                    weighted)
 
 
 def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None) -> list[LayerCounts]:
-    """:class:`LayerCounts` of each block or layer slice (anything with ``indptr`` and ``num_src``).
+    """:class:`LayerCounts` of each block or layer slice (anything with ``indptr`` and ``num_src``), or of each
+    layer's sizes already counted (anything with ``num_src``, ``num_dst``, ``num_edges`` and a
+    ``degree_histogram`` that is not ``None``: :func:`partition.slicing.count_layers`'s sizes).
 
     Args:
-        structures: blocks, :class:`~partition.slicing.LayerSlice` s or :class:`~partition.chunks.Chunk` s,
-            input layer first.
+        structures: blocks, :class:`~partition.slicing.LayerSlice` s, :class:`~partition.chunks.Chunk` s or
+            counted :class:`~partition.slicing.SliceSize` s, input layer first.
         weighted: per layer, whether the block carries edge weights; ``None`` reads each structure's
             ``edge_weight`` (a layer slice has none: pass the parent batch's answer).
     """
     if weighted is None:
         weighted = [getattr(s, "edge_weight", None) is not None for s in structures]
-    return [LayerCounts.from_csc(s.indptr, s.num_src, w) for s, w in zip(structures, weighted)]
+    return [LayerCounts(s.num_src, s.num_dst, s.num_edges, s.degree_histogram, w)
+            if getattr(s, "degree_histogram", None) is not None else LayerCounts.from_csc(s.indptr, s.num_src, w)
+            for s, w in zip(structures, weighted)]
 
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:

@@ -111,8 +111,11 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     (``accumulate=False``); the later ones (``accumulate=True``) start with them resident
     and add each new gradient into them, which costs more.
 
+    With the aggregation cache (``model.aggregated_width``; BatchGNN §3) the micro-batch has no layer-0 block: its
+    input rows are the cache's rows of ``layers[0]``'s src nodes, and layer 0 runs on them row by row.
+
     Args:
-        layers: the micro-batch's :class:`LayerCounts`, input layer first (one per model layer).
+        layers: the micro-batch's :class:`LayerCounts`, input layer first (one per block: ``model.num_blocks``).
         model: the model (:class:`ModelSpec`).
         accumulate: estimate a micro-batch after the first of its batch.
 
@@ -120,17 +123,17 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
         A :class:`MemoryEstimate` (bytes).
 
     Raises:
-        ValueError: if the number of layers differs from the model's.
+        ValueError: if the number of layers differs from the model's blocks.
     """
-    if len(layers) != model.num_layers:
-        raise ValueError(f"the micro-batch has {len(layers)} layers but the model has {model.num_layers}")
+    if len(layers) != model.num_blocks:
+        raise ValueError(f"the micro-batch has {len(layers)} layers but the model takes {model.num_blocks} blocks")
     if model.forward_terms is None:
         raise ValueError("the ModelSpec has no forward_terms: build it from the model (betty_trainer.memory.spec.spec_of)")
     replay, step = resident_replay(model, accumulate, block_structure_bytes(layers))
     f, resident = model.dtype_bytes, replay.current
 
     replay.phase = "forward"
-    x = replay.alloc(layers[0].num_src * model.widths[0] * f, "input_features")
+    x = replay.alloc(layers[0].num_src * model.input_width * f, "input_features")
     labels = replay.alloc(layers[-1].num_dst * INDEX_BYTES, "labels")
     logits, forward_bwd = model.forward_terms(step, layers, x)
     loss_bwd = step.cross_entropy(layers[-1].num_dst, model.widths[-1], labels)

@@ -21,13 +21,15 @@ when the layer ``reads_dst_input``, its dst nodes' input rows with their dropout
 summed over the chunks, then the projection is recomputed block by block and backpropagated. An *affine*
 projected layer (SAGE ``mean``/``gcn``: ``ProjectedTerms.affine``) frees ``z`` after its forward; in backward
 its chunks take zeros in place of their rows of ``z`` and skip the ReLU, which ``∂L/∂h_l`` takes first from
-the stored ``h_l``, one boolean row block at a time.
+the stored ``h_l``, one boolean row block at a time. Where the compiled CPU kernels run an affine layer runs off
+the whole block instead (:func:`runs_off_whole_block`), in dst row blocks: no slice, sub-block or rows of ``z``;
+its dst input rows gathered at the input layer, views above it; backward recomputes only the part reading them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts, block_structure_bytes
@@ -55,6 +57,24 @@ class ProjectedTerms(Protocol):
         ``reads_dst_input``, its dst nodes' input rows ``h_dst`` (gathered features at layer 1, which input
         dropout overwrites; else rows of ``h_{l−1}``, requiring grad with ``h_grad``): ``(output, backward)``,
         ``backward(grad)`` returning ``z``'s gradient (``h_dst``'s stays in the chunk's scope)."""
+
+    def propagate_rows(self, tape: StepTape, rows: int, h_dst: int | None = None) -> int:
+        """An affine layer's chunk of ``rows`` dst rows run off the whole block without autograd (where the
+        compiled CPU kernels run): the dst input rows' dropout, the layer's rest on ``z`` read in place, and the
+        stack's ReLU. Returns the output's handle."""
+
+    def propagate_rows_backward(self, tape: StepTape, rows: int, grad: int, h_dst: int | None = None,
+                                h_grad: bool = False) -> None:
+        """That chunk's backward from ``grad`` (the caller's): the part reading ``h_dst`` by autograd; ``z``'s
+        gradient is added in place, allocating nothing."""
+
+
+def runs_off_whole_block(model: ModelSpec, projections: Sequence[ProjectedTerms | None] | None) -> list[bool]:
+    """Per layer, whether layer-wise execution runs it off the whole block: an affine projected layer where the
+    compiled CPU kernels run (``betty_trainer.execution.layerwise``). Its chunks' dst sets do not matter then: it
+    runs in as many contiguous dst row blocks (:func:`row_blocks`), reading no chunk slice."""
+    projections = projections if projections is not None else [None] * model.num_layers
+    return [terms is not None and terms.affine and model.compiled_kernels for terms in projections]
 
 
 def row_blocks(num_rows: int, parts: int) -> list[tuple[int, int]]:
@@ -190,20 +210,24 @@ class _LayerwiseReplay:
     blocks: Callable[[int, int], list[tuple[int, int]]]
     host_outputs: bool
     projections: list[ProjectedTerms | None]
+    whole_block: list[bool] = field(init=False)  # per layer: run off the whole block (runs_off_whole_block)
+
+    def __post_init__(self) -> None:
+        self.whole_block = runs_off_whole_block(self.model, self.projections)
 
     def forward(self) -> tuple[list[int | None], list[int | None]]:
         """Layers 1 … L without autograd: each layer's kept output ``h_l`` (``None`` when it is in host memory)
         and each projected, non-affine layer's kept ``z`` (``None`` for the others), as replay handles."""
         replay, model, f = self.replay, self.model, self.model.dtype_bytes
         stored, projected = [], []
-        for index, pieces in enumerate(self.chunks):
+        for index in range(len(self.chunks)):
             z_all = None
             if self.projections[index] is not None:
                 z_all = replay.alloc(self.layers[index].num_src * self.projections[index].width * f, HID)
                 self.projection(index, grad=False)
             on_host = self.host_outputs and index < model.num_layers - 1
             out = None
-            for position, c in enumerate(pieces):
+            for position, c in enumerate(self.pieces(index)):
                 mark = replay.mark()
                 if z_all is not None:
                     self.propagated(index, c, grad=False)
@@ -248,7 +272,7 @@ class _LayerwiseReplay:
         z_all = projected[index]
         grad_z = (replay.alloc(self.layers[index].num_src * projection.width * f, GRAD)
                   if projection is not None else None)
-        for c in self.chunks[index]:
+        for c in self.pieces(index):
             self.chunk_backward(index, c)
         replay.drop(grad_out)
         if projection is not None:
@@ -257,10 +281,31 @@ class _LayerwiseReplay:
             replay.drop(grad_z)
         return grad_in
 
+    def pieces(self, index: int) -> Sequence[LayerCounts]:
+        """What layer ``index`` runs a piece at a time: its chunks' counts, or, for a layer run off the whole block
+        (:attr:`whole_block`), one ``(rows, rows, 0)`` per dst row block (:attr:`blocks`, as many as its chunks)."""
+        if not self.whole_block[index]:
+            return self.chunks[index]
+        return [LayerCounts(end - begin, end - begin, 0)
+                for begin, end in self.blocks(index, self.layers[index].num_dst)]
+
+    def dst_inputs(self, index: int, rows: int) -> int | None:
+        """A row block of a layer run off the whole block: its dst input rows' handle when it gathers them (features
+        at the input layer; ``None`` for a view of the stored ``h_{l−1}``, or when the layer does not read them)."""
+        if not self.projections[index].reads_dst_input or index > 0:
+            return None
+        return self.replay.alloc(rows * self.model.widths[0] * self.model.dtype_bytes, "input_features")
+
     def chunk_backward(self, index: int, c: LayerCounts) -> None:
-        """One chunk of layer ``index`` recomputed with autograd and backpropagated from its rows of ``∂L/∂h_l``."""
+        """One chunk of layer ``index`` recomputed with autograd and backpropagated from its rows of ``∂L/∂h_l``
+        (an affine layer's run off the whole block: only the part reading its dst input rows is recomputed)."""
         replay = self.replay
         mark = replay.mark()
+        if self.whole_block[index]:  # c: a row block's counts (rows, rows, 0); its rows of ∂L/∂h_l are a view
+            self.projections[index].propagate_rows_backward(self.tape, c.num_dst, None,
+                                                            self.dst_inputs(index, c.num_dst), index > 0)
+            replay.release_since(mark)
+            return
         if self.projections[index] is not None:
             out, backward = self.propagated(index, c, grad=True)
         else:
@@ -305,6 +350,8 @@ class _LayerwiseReplay:
         backward; and its dst input rows, when the layer reads them), the layer's rest (without the stack's ReLU
         in an affine layer's backward: ``∂L/∂h_l`` has it applied already)."""
         replay, terms, f = self.replay, self.projections[index], self.model.dtype_bytes
+        if not grad and self.whole_block[index]:  # c: a row block's counts
+            return terms.propagate_rows(self.tape, c.num_dst, self.dst_inputs(index, c.num_dst)), None
         chunk_slice(replay, self.layers[index], c)
         rows = replay.alloc(c.num_src * terms.width * f, HID)
         relu = not (grad and terms.affine)

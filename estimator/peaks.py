@@ -2,8 +2,8 @@
 layer-wise chunk search (``partition.chunks.search_chunks``) ask of the estimator while they search.
 
 :class:`PeakEstimator` holds a model's description, the closed form's :class:`~estimator.spec.ModelSpec` or a
-custom model's :class:`~estimator.calibrate.CalibratedModel`, and answers a micro-batch's peak (itemised, for the
-closed form), the work the planner compares plans by and, for the closed form,
+custom model's :class:`~estimator.recorder.RecordedModel` or :class:`~estimator.calibrate.CalibratedModel`, and
+answers a micro-batch's peak (itemised, for the closed form), the work the planner compares plans by and, for the closed form,
 :meth:`PeakEstimator.layerwise`: one batch's layer-wise chunkings (their peak and the floor below which no
 chunking goes). The searches hand it structures (blocks, layer slices, chunks); it counts them
 (:func:`~estimator.counts.counts_of`) and replays.
@@ -18,7 +18,8 @@ from estimator.calibrate import CalibratedModel
 from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
 from estimator.counts import LayerCounts, counts_of
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
-from estimator.layerwise import estimate_layerwise, layerwise_floor
+from estimator.layerwise import estimate_layerwise, layerwise_floor, runs_off_whole_block
+from estimator.recorder import RecordedModel
 from estimator.spec import ModelSpec
 from estimator.work import step_work
 
@@ -28,17 +29,18 @@ class PeakEstimator:
 
     Args:
         model: the closed form's :class:`~estimator.spec.ModelSpec` (a built-in model) or a custom model's
-            :class:`~estimator.calibrate.CalibratedModel` (micro-batches only: a fit of measured micro-batch
-            steps says nothing of layer-wise chunks).
+            :class:`~estimator.recorder.RecordedModel` or :class:`~estimator.calibrate.CalibratedModel`
+            (micro-batches only: recorded or measured micro-batch steps say nothing of layer-wise chunks).
 
     Attributes:
-        spec: the :class:`ModelSpec`, or ``None`` for a calibrated model.
-        calibrated: the :class:`CalibratedModel`, or ``None`` for a built-in one.
+        spec: the :class:`ModelSpec`, or ``None`` for a custom model.
+        calibrated: the custom model's :class:`RecordedModel` or :class:`CalibratedModel`, or ``None`` for a
+            built-in one.
     """
 
-    def __init__(self, model: ModelSpec | CalibratedModel):
+    def __init__(self, model: ModelSpec | RecordedModel | CalibratedModel):
         self.spec = model if isinstance(model, ModelSpec) else None
-        self.calibrated = model if isinstance(model, CalibratedModel) else None
+        self.calibrated = None if isinstance(model, ModelSpec) else model
 
     @property
     def closed_form(self) -> bool:
@@ -47,7 +49,7 @@ class PeakEstimator:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes every estimate holds resident by term (:func:`~estimator.estimate.model_state_bytes`); empty for a
-        calibrated model, whose fit measured them as one."""
+        custom model, whose estimate counts them as one."""
         return model_state_bytes(self.spec) if self.spec is not None else {}
 
     @property
@@ -65,16 +67,16 @@ class PeakEstimator:
         return estimate_micro_batch(counts_of(structures, weighted), self.spec, accumulate)
 
     def peak(self, structures: Sequence[Any], accumulate: bool = False, weighted: Sequence[bool] | None = None) -> int:
-        """Estimated peak bytes of one micro-batch's training step: the closed form, or the calibrated fit (of
-        accumulating steps, less the measured saving of a batch's first micro-batch). Arguments as
-        :meth:`itemised`'s."""
+        """Estimated peak bytes of one micro-batch's training step: the closed form, the recorded one, or the
+        calibrated fit (of accumulating steps, less the measured saving of a batch's first micro-batch). Arguments
+        as :meth:`itemised`'s."""
         if self.calibrated is not None:
             return self.calibrated.estimate(counts_of(structures, weighted), accumulate)
         return self.itemised(structures, accumulate, weighted).peak_bytes
 
     def micro_batch_work(self, micro_batches: Sequence[Sequence[Any]]) -> float:
-        """The work of running ``micro_batches`` (per micro-batch, its slice of each layer), in multiply-adds
-        (:func:`~estimator.work.step_work`; closed form only)."""
+        """The work of running ``micro_batches`` (per micro-batch, the sizes of its layers: ``num_src``, ``num_dst``,
+        ``num_edges``), in multiply-adds (:func:`~estimator.work.step_work`; closed form only)."""
         return step_work(self.spec, [list(layer) for layer in zip(*micro_batches)], False)
 
     def cooperative_share(self, structures: Sequence[Any], exchanges: Sequence[ExchangeCounts],
@@ -116,9 +118,17 @@ class LayerwiseEstimate:
         pieces = [self._counts([piece], counts)[0] for piece, counts in zip(largest, self.layers)]
         return layerwise_floor(self.layers, pieces, self.spec, self.spec.projections, host_outputs)
 
+    @property
+    def ranged(self) -> list[bool]:
+        """Per layer, whether its chunks' dst sets do not matter, only their number
+        (:func:`~estimator.layerwise.runs_off_whole_block`): a chunk search splits such a layer by ``range``."""
+        return runs_off_whole_block(self.spec, self.spec.projections)
+
     def work(self, chunks: Sequence[Sequence[Any]]) -> float:
         """The work of the step in ``chunks``, in multiply-adds (:func:`~estimator.work.step_work`): a projected
-        layer projects its block's src rows once per pass."""
+        layer projects its block's src rows once per pass, and a layer run off the whole block reads each edge and
+        row of its block once per pass, whatever its chunks."""
         projections = self.spec.projections or [None] * len(self.layers)
         rows = [counts.num_src if terms is not None else None for counts, terms in zip(self.layers, projections)]
-        return step_work(self.spec, chunks, True, rows)
+        pieces = [[counts] if ranged else layer for layer, counts, ranged in zip(chunks, self.layers, self.ranged)]
+        return step_work(self.spec, pieces, True, rows)

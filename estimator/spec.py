@@ -48,6 +48,9 @@ class ModelSpec:
         device_workspace: bytes the device keeps allocated from the first training step on beyond the step's
             tensors (CUDA's BLAS workspaces, measured by ``betty_trainer.memory.device.device_workspace``; 0 on
             the CPU), resident in every estimate.
+        aggregated_width: layer 0 reads the input-feature aggregation cache's rows, this many columns each
+            (BatchGNN §3; the layer's ``aggregated_width``): a micro-batch has ``L − 1`` blocks (layers 1 … L − 1)
+            and its input rows are ``blocks[0]``'s src nodes at this width; ``None``: no cache, ``L`` blocks.
         forward_terms: ``(tape, layers, x) -> (logits, backward)``: the model's forward written as
             memory terms on an :class:`estimator.tape.StepTape` (a built-in model's
             ``memory_terms``, declared beside its ``forward``); the estimate replays it. Not
@@ -79,6 +82,7 @@ class ModelSpec:
     foreach: bool = False
     compiled_kernels: bool = False
     device_workspace: int = 0
+    aggregated_width: int | None = None
     forward_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     layer_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     projections: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
@@ -95,6 +99,16 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         return len(self.widths) - 1
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of a micro-batch: ``L``, or ``L − 1`` when layer 0 reads the aggregation cache."""
+        return self.num_layers - (self.aggregated_width is not None)
+
+    @property
+    def input_width(self) -> int:
+        """Columns of a gathered input row: ``F``, or the aggregation cache's ``aggregated_width``."""
+        return self.widths[0] if self.aggregated_width is None else self.aggregated_width
 
     @property
     def num_parameters(self) -> int:

@@ -172,6 +172,20 @@ class StepTape:
 
         return out, backward
 
+    def linear_bias(self, x: int, rows: int, a: int, b: int):
+        """``F.linear(x, W) + bias`` on ``rows`` rows of ``x`` (which takes no gradient): ``(output handle,
+        backward)``; ``backward(grad)`` emits the bias's and ``W``'s gradients and frees ``grad``."""
+        out, linear_bwd = self.linear(x, rows, a, b, False)
+        result = self.r.alloc(rows * b * self.f, HID)
+        self.r.drop(out)
+
+        def backward(grad: int) -> None:
+            self.param_grad(b)
+            self.settle()
+            linear_bwd(grad)
+
+        return result, backward
+
     @staticmethod
     def aggregation_width(a: int, b: int, hd_grad: bool) -> tuple[bool, int, bool]:
         """``(project_first, width aggregated, record)``: layers apply their linear map before

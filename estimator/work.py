@@ -68,8 +68,9 @@ MASK_COST = 4  # multiply-adds one input element's gather and node-keyed dropout
 
 def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
               projected_rows: Sequence[int | None] = ()) -> float:
-    """Estimated multiply-adds of one training step over ``layers`` (per layer, the slices it runs: a layer-wise
-    plan's chunks, or every micro-batch's slice of that layer), which ``micro_batch.mode=auto`` compares.
+    """Estimated multiply-adds of one training step over ``layers`` (per layer, the pieces it runs: a layer-wise
+    plan's chunks, or every micro-batch's slice of that layer, or their sizes: anything with ``num_src``,
+    ``num_dst`` and ``num_edges``), which ``micro_batch.mode=auto`` compares.
 
     Per layer, from the rows and edges the slices hold (a row read by several slices counts in each: the
     redundancy), the architecture's own work function (``spec.layer_work``: its
@@ -81,17 +82,24 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
     layer 1, whose input takes no gradient); a layer-wise step runs a forward without autograd, the
     recomputed forward and the backward, so one pass more of each term (and one more gather and mask). A
     layer with ``projected_rows`` (layer-wise GAT, and SAGE ``mean``/``gcn`` when it projects first: its
-    block's src rows) projects those once per pass, not each chunk's src rows.
+    block's src rows) projects those once per pass, not each chunk's src rows. With the aggregation cache
+    (``spec.aggregated_width``, one layer fewer in ``layers``) layer 0 is one linear map of each cached row.
 
     Returns:
         Multiply-adds (a relative cost: only ratios between plans are meaningful).
     """
     work = spec.layer_work
     total = 0.0
-    for index, pieces in enumerate(layers):
-        size = LayerSize(index, index == len(layers) - 1, spec.widths[index], spec.widths[index + 1],
+    num_layers = len(spec.widths) - 1
+    first = num_layers - len(layers)  # 1: layer 0 reads the aggregation cache, one linear map per row
+    if first:
+        rows = sum(piece.num_src for piece in layers[0])
+        # a forward and the weights' gradient; each row gathered (and masked) once
+        total += 2 * rows * spec.aggregated_width * spec.widths[1] + rows * spec.aggregated_width * MASK_COST
+    for index, pieces in enumerate(layers, start=first):
+        size = LayerSize(index, index == num_layers - 1, spec.widths[index], spec.widths[index + 1],
                          src=sum(piece.num_src for piece in pieces), dst=sum(piece.num_dst for piece in pieces),
-                         edges=sum(int(piece.indptr[-1]) for piece in pieces),  # a slice or a chunk: its CSC pointer
+                         edges=sum(piece.num_edges for piece in pieces),
                          projected=projected_rows[index] if index < len(projected_rows) else None)
         layer = work(spec, size)
         backward_linear = 1 if index == 0 else 2

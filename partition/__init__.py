@@ -5,18 +5,20 @@ This package works on block *structure* (any object with ``indptr``, ``indices``
 imports the trainer.
 """
 
-from partition.partitioners import PARTITIONERS, OutputSplitter, partition_outputs
+from partition.partitioners import PARTITIONERS, GraphPartition, OutputSplitter, partition_outputs
 from partition.redundancy import redundancy
 from partition.reg import build_reg
 from partition.search import BudgetError, Split, make_split
-from partition.slicing import BlockStructure, LayerSlice, slice_layers
+from partition.slicing import BlockStructure, LayerSlice, SliceSize, slice_layers
 
 __all__ = [
     "PARTITIONERS",
     "BlockStructure",
     "BudgetError",
+    "GraphPartition",
     "LayerSlice",
     "OutputSplitter",
+    "SliceSize",
     "Split",
     "build_reg",
     "make_split",

@@ -14,7 +14,7 @@ one chunk's slice at a time, not every chunk's.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,14 +64,12 @@ class LayerChunks:
 
     Attributes:
         layers: per block (input layer first), its :class:`Chunk` s (they partition the block's dst nodes).
-        seconds: wall time of partitioning and slicing.
         host_outputs: keep the hidden layers' outputs ``h_l`` in host memory instead of on the device
             (the planner sets it when the device budget does not hold them; read by the executor,
             ``betty_trainer.execution.layerwise``).
     """
 
     layers: list[list[Chunk]]
-    seconds: float = 0.0
     host_outputs: bool = False
 
     @property
@@ -88,12 +86,13 @@ class LayerChunks:
         return max(len(chunks) for chunks in self.layers)
 
 
-def chunk_layers(blocks: Sequence[BlockStructure], k: int, partitioner: str = "metis", seed: int = 0) -> LayerChunks:
+def chunk_layers(blocks: Sequence[BlockStructure], k: int | Sequence[int], partitioner: str = "metis",
+                 seed: int = 0) -> LayerChunks:
     """Split each block's dst nodes into ``min(k, num_dst)`` chunks (each sliced once, for its shape).
 
     Args:
         blocks: the batch's blocks, input layer first.
-        k: chunks per layer (≥ 1).
+        k: chunks per layer (≥ 1): one count for every layer, or one per block.
         partitioner: a name in :data:`partition.PARTITIONERS` (``metis`` or ``reg`` keep the
             chunks' src sets small; ``range`` is contiguous ids).
         seed: partitioner seed.
@@ -102,25 +101,33 @@ def chunk_layers(blocks: Sequence[BlockStructure], k: int, partitioner: str = "m
         The :class:`LayerChunks`.
 
     Raises:
-        ValueError: if ``k < 1``.
+        ValueError: if a count is below 1, or there are not as many counts as blocks.
     """
-    if k < 1:
-        raise ValueError(f"chunks per layer must be at least 1, got {k}")
-    started = time.perf_counter()
-    layers = []
-    for block in blocks:
-        parts = min(k, block.num_dst)
-        if parts <= 1:
-            groups = [torch.arange(block.num_dst)]
-        else:
-            groups = OutputSplitter(block, partitioner).split(parts, seed)
-        pieces = []
-        for group in groups:
-            if group.numel():
-                piece = slice_layers([block], group)[0]
-                pieces.append(Chunk(group.long(), piece.num_src, piece.indptr))
-        layers.append(pieces)
-    return LayerChunks(layers, time.perf_counter() - started)
+    counts = [k] * len(blocks) if isinstance(k, int) else list(k)
+    if len(counts) != len(blocks) or min(counts, default=1) < 1:
+        raise ValueError(f"chunks per layer must be at least 1, one count or one per block; got {k}")
+    return LayerChunks([chunk_block(block, parts, partitioner, seed) for block, parts in zip(blocks, counts)])
+
+
+def chunk_block(block: BlockStructure, k: int, partitioner: str = "metis", seed: int = 0) -> list[Chunk]:
+    """One block's dst nodes in ``min(k, num_dst)`` chunks (:func:`chunk_layers` of one layer), each sliced once
+    for its shape (:func:`partition.slicing.slice_layers`).
+
+    Returns:
+        The :class:`Chunk` s, each with ``(d,)`` int64 dst positions and its ``(d + 1,)`` int64 CSC pointer; a
+        partitioner may give fewer than asked (empty parts are dropped).
+
+    Raises:
+        ValueError: an unknown ``partitioner`` (:class:`~partition.partitioners.OutputSplitter`).
+    """
+    parts = min(k, block.num_dst)
+    groups = [torch.arange(block.num_dst)] if parts <= 1 else OutputSplitter(block, partitioner).split(parts, seed)
+    pieces = []
+    for group in groups:
+        if group.numel():
+            piece = slice_layers([block], group)[0]
+            pieces.append(Chunk(group.long(), piece.num_src, piece.indptr))
+    return pieces
 
 
 class ChunkEstimate(Protocol):
@@ -133,6 +140,12 @@ class ChunkEstimate(Protocol):
 
     def floor(self, largest: Sequence[LayerSlice], host_outputs: bool) -> int:
         """Bytes below which no chunking goes, from each layer's one-node chunk of its largest dst node."""
+        ...
+
+    @property
+    def ranged(self) -> Sequence[bool]:
+        """Per layer, whether only the number of its chunks matters (the step runs it in as many contiguous dst
+        row blocks): the search splits such a layer by ``range``, never by a graph partitioner."""
         ...
 
 
@@ -172,7 +185,7 @@ def chunk_floor(blocks: Sequence[BlockStructure], estimate: ChunkEstimate, host_
 
 def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | None, *, budget: int | None = None,
                   k: int = 1, min_k: int = 1, partitioner: str = "metis", seed: int = 0,
-                  host_memory: bool = False) -> ChunkSearch:
+                  host_memory: bool = False, ceiling: int | None = None) -> ChunkSearch:
     """``max(k, min_k)`` chunks per layer, or under ``budget`` the fewest that fit: doubling from ``min_k`` to the
     first K that fits, then bisecting below it.
 
@@ -183,7 +196,10 @@ def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | No
     dst count, whose estimate is the floor plus 8 bytes per chunk past each layer's first) is tried, so a budget at
     least that is never refused. A K fits with the hidden layers' outputs ``h_l`` on the device or, when those do
     not fit and ``host_memory`` (a GPU: on the CPU host memory is the device's own), with ``h_l`` in host memory
-    (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device).
+    (``LayerChunks.host_outputs``; a step then copies each chunk's rows of ``h_{l−1}`` to the device). Under a
+    budget (and not re-planning, ``min_k`` 1) each layer's count is then lowered on its own to the fewest that keep
+    the step within the budget (a bisection per layer, input layer first), so a narrow layer does not run in as
+    many chunks as the widest one needs.
 
     Args:
         blocks: the batch's blocks, input layer first.
@@ -193,15 +209,40 @@ def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | No
         min_k: never fewer (re-planning after an out-of-memory error).
         partitioner, seed: as :func:`chunk_layers`'s.
         host_memory: ``h_l`` may be kept in host memory.
+        ceiling: under a budget above it, the search runs under it first, so that no chunking is chosen above it
+            where one below it exists: the whole batch's estimate in one micro-batch, which needs less work (one
+            layer-wise chunk per layer holds every layer's output and recomputes). Without a budget ``k`` stands.
 
     Raises:
         BudgetError: no chunking fits ``budget``, or a budget without an estimate (with the numbers).
     """
+    made: dict[tuple[int, int, str], list[Chunk]] = {}  # (layer, parts, partitioner) → its chunks: each made once
+    if ceiling is not None and estimate is not None and budget is not None and ceiling < budget:
+        try:
+            return _search_chunks(blocks, estimate, ceiling, k, min_k, partitioner, seed, host_memory, made)
+        except BudgetError:
+            pass  # no chunking goes below the ceiling: the budget's own search, with the chunks made so far
+    return _search_chunks(blocks, estimate, budget, k, min_k, partitioner, seed, host_memory, made)
+
+
+def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | None, budget: int | None, k: int,
+                   min_k: int, partitioner: str, seed: int, host_memory: bool,
+                   made: dict[tuple[int, int, str], list[Chunk]]) -> ChunkSearch:
+    """:func:`search_chunks` under ``budget`` alone (no ceiling); ``made`` holds each layer's chunks by count and
+    partitioner, filled as they are made (shared with an earlier search of the same blocks)."""
     started, tried = time.perf_counter(), []
     most = max(block.num_dst for block in blocks)
 
+    ranged = estimate.ranged if estimate is not None else [False] * len(blocks)
+
+    def chunked(index: int, parts: int, method: str) -> list[Chunk]:
+        method = "range" if ranged[index] else method  # only the count matters: no partitioner's work for nothing
+        if (index, parts, method) not in made:
+            made[index, parts, method] = chunk_block(blocks[index], parts, method, seed)
+        return made[index, parts, method]
+
     def attempt(parts: int, method: str) -> tuple[LayerChunks, int]:
-        chunks = chunk_layers(blocks, parts, method, seed)
+        chunks = LayerChunks([chunked(index, parts, method) for index in range(len(blocks))])
         peak = estimate.peak(chunks.layers, False) if estimate is not None else 0
         if budget is not None and peak > budget and host_memory and len(blocks) > 1:
             on_host = estimate.peak(chunks.layers, True)
@@ -237,9 +278,9 @@ def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | No
                     f"tried needs is {least} bytes ({least_k} chunks per layer), above the floor of {floor} "
                     "bytes that no chunking goes below; raise the budget")
             break
-        below, parts, made = parts, min(2 * parts, most), chosen.k
+        below, parts, had = parts, min(2 * parts, most), chosen.k
         chosen, peak = attempt(parts, partitioner)
-        saturated = chosen.k <= made
+        saturated = chosen.k <= had
     while parts - below > 1:
         middle = (below + parts) // 2
         candidate, middle_peak = attempt(middle, partitioner)
@@ -247,4 +288,44 @@ def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | No
             chosen, peak, parts = candidate, middle_peak, middle
         else:
             below = middle
+    if min_k <= 1:  # a re-plan after an out-of-memory error keeps every layer at min_k or more
+        peak = _fewer_per_layer(chosen, peak, lambda index, parts: chunked(index, parts, partitioner), estimate,
+                                budget)
     return ChunkSearch(chosen, partitioner, peak, tried, time.perf_counter() - started)
+
+
+def _fewer_per_layer(chosen: LayerChunks, peak: int, chunked: Callable[[int, int], list[Chunk]],
+                     estimate: ChunkEstimate, budget: int) -> int:
+    """Lower each layer's chunk count in ``chosen`` (in place), input layer first, to the fewest that keep the
+    step's estimated peak within ``budget`` with the other layers as they are: doubling from one chunk, then
+    bisecting below the first count that fits (the uniform search's own sequence, so ``chunked``, which makes a
+    layer's chunks once per count, has most of them already). Returns the peak of the result.
+
+    The uniform search sizes every layer for the layer whose chunks hold the most (the input layer's wide feature
+    rows, typically); a narrow layer then runs in as many chunks for nothing, and each chunk costs a recompute and
+    its own small kernels (on Amazon Computers at a quarter of the K = 1 peak, 331 chunks per layer, where the
+    64-wide layer needs 19: benchmarks/README.md › layerwise.py)."""
+    layers = chosen.layers
+
+    def fits(index: int, parts: int) -> int | None:
+        candidate = chunked(index, parts)
+        trial = estimate.peak(layers[:index] + [candidate] + layers[index + 1:], chosen.host_outputs)
+        if trial > budget:
+            return None
+        fitting[parts] = trial
+        return trial
+
+    for index in range(len(layers)):
+        current, fitting = len(layers[index]), {}  # fitting: this layer's counts that fit → the step's peak
+        below, parts = 0, 1
+        while parts < current and fits(index, parts) is None:
+            below, parts = parts, min(2 * parts, current)
+        while parts - below > 1:
+            middle = (below + parts) // 2
+            if fits(index, middle) is None:
+                below = middle
+            else:
+                parts = middle
+        if parts < current:
+            layers[index], peak = chunked(index, parts), fitting[parts]
+    return peak

@@ -5,12 +5,15 @@ Every partitioner has the signature ``(output_block, k, seed, vertex_weights) ->
 (``(num_dst,)`` positive int64 or ``None``) is what METIS balances; range and random
 balance output counts. The METIS-based ones partition a graph over the outputs
 (:data:`GRAPHS`) that does not depend on K: :class:`OutputSplitter` builds it once per
-batch and splits it for every K the planner tries.
+batch and splits it for every K the planner tries. :class:`GraphPartition` instead partitions the
+whole graph once per K for a run, and a sampled batch's outputs take their nodes' parts
+(:class:`GraphSplitter`): no partitioning per batch. Both splitters are :class:`Splitter` s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import scipy.sparse as sp
@@ -18,7 +21,7 @@ import torch
 from torch import Tensor
 
 from partition.metis import metis_kway
-from partition.reg import build_reg, drop_diagonal, output_adjacency
+from partition.reg import build_reg, output_adjacency, symmetric_graph, symmetrised
 from partition.slicing import BlockStructure
 
 Partitioner = Callable[[BlockStructure, int, int, "np.ndarray | None"], np.ndarray]
@@ -41,10 +44,7 @@ def induced_graph(block: BlockStructure) -> sp.csr_matrix:
     """The graph the output block's edges induce on its outputs: ``(num_dst, num_dst)`` symmetric
     CSR, int64 weights 1, empty diagonal. With full neighbourhoods it is the original graph
     induced on the outputs."""
-    at = output_adjacency(block)[:, : block.num_dst]
-    induced = drop_diagonal(((at + at.T) > 0).astype(np.int64).tocsr())
-    induced.sort_indices()
-    return induced
+    return symmetrised(output_adjacency(block)[:, : block.num_dst])
 
 
 #: Per METIS-based partitioner, the graph over the outputs that METIS cuts (built once per batch).
@@ -128,12 +128,122 @@ class OutputSplitter:
             parts = metis_kway(self.graph, k, seed, vertex_weights)
         else:
             parts = PARTITIONERS[self.method](self.block, k, seed, vertex_weights)
-        # numpy's serial sort: torch's multi-threaded one can stall when other processes hold the cores (230k
-        # outputs, 2 shared cores, load ~5: medians 0.010 s and 0.009 s, worst of 7 runs 0.24 s and 0.04 s;
-        # it took 0.42 s in one profiled plan)
-        order = torch.from_numpy(np.argsort(parts, kind="stable").astype(np.int64, copy=False))
-        counts = np.bincount(parts, minlength=k)
-        return [group for group in torch.split(order, counts.tolist()) if group.numel()]
+        return groups_of(parts, k)
+
+    @property
+    def num_outputs(self) -> int:
+        """The outputs it splits: the output block's dst nodes."""
+        return self.block.num_dst
+
+
+def groups_of(parts: np.ndarray, k: int) -> list[Tensor]:
+    """The outputs of each part: ``parts`` is ``(n,)`` int64 in ``[0, k)``; returns the non-empty parts' sorted
+    ``int64`` positions, in part order."""
+    # numpy's serial sort: torch's multi-threaded one can stall when other processes hold the cores (230k
+    # outputs, 2 shared cores, load ~5: medians 0.010 s and 0.009 s, worst of 7 runs 0.24 s and 0.04 s;
+    # it took 0.42 s in one profiled plan). As int16 (any k up to 32767) numpy's stable sort is a radix
+    # sort: 0.04 ms against 0.18 ms as int64 for 8192 outputs in 8 parts.
+    keys = parts.astype(np.int16) if k <= np.iinfo(np.int16).max else parts
+    order = torch.from_numpy(np.argsort(keys, kind="stable").astype(np.int64, copy=False))
+    counts = np.bincount(parts, minlength=k)
+    return [group for group in torch.split(order, counts.tolist()) if group.numel()]
+
+
+class GraphPartition:
+    """The nodes of a whole graph partitioned once per K, for every batch of a run: a sampled batch's outputs are
+    split by their nodes' parts (:meth:`splitter`), with no REG and no METIS per batch.
+
+    Betty partitions each batch's REG (§4.3, Algorithm 1), which a full batch reused every epoch amortises but a
+    sampled mini-batch pays at every step. Nodes close in the graph share in-neighbours, so a K-way METIS cut of
+    the graph itself (symmetrised, unweighted, self loops dropped) keeps most of a batch's shared neighbourhoods
+    inside one part, as the REG's cut does per batch; the planner measures what it costs in redundancy and
+    estimated peak (and re-plans a batch with the REG where the estimate misses the budget). METIS balances
+    the ``balanced`` nodes per part (vertex weight 1, the others 0): the training nodes, of which a batch's
+    outputs are a sample, so its micro-batches get similar output counts.
+
+    Args:
+        indptr: ``(N + 1,)`` int64 CSC pointer of the graph.
+        indices: ``(E,)`` int32 or int64 in-neighbour of each edge.
+        balanced: ``(N,)`` bool, the nodes METIS balances; ``None``: all.
+
+    Cost: METIS runs once per ``(K, seed)`` asked for, on the symmetrised graph built for it and freed after (0.6 s
+    of CPU for a 100k-node, 1M-edge SBM, ``benchmarks/sampled_planning.py``; 4.5 s to symmetrise and 36 s of METIS
+    at K = 8 for the 2M-node, 52M-edge power-law graph of ``configs/powerlaw-sage.yaml``, where the process peaked
+    at 8.1 GB resident with the dataset loaded),
+    and each part table (``(N,)`` int64) is kept for the run.
+    """
+
+    method = "graph"
+
+    def __init__(self, indptr: Tensor, indices: Tensor, balanced: Tensor | None = None):
+        self.num_nodes = indptr.numel() - 1
+        self._structure = indptr.cpu().numpy(), indices.cpu().numpy()
+        self._weights = None if balanced is None else balanced.cpu().numpy().astype(np.int64)
+        self._parts: dict[tuple[int, int], np.ndarray] = {}
+
+    @property
+    def graph(self) -> sp.csr_matrix:
+        """The ``(N, N)`` symmetric CSR graph METIS cuts: int64 weights 1, empty diagonal. Built when asked and not
+        kept (``O(N + E)`` int64: about 1.2 GB for 2M nodes and 52M edges, remade in 4.5 s there), as a new
+        ``(K, seed)`` is rare once a run has its K."""
+        return symmetric_graph(*self._structure)
+
+    def parts(self, k: int, seed: int = 0) -> np.ndarray:
+        """``(N,)`` int64 part of every node in ``[0, k)``: METIS on :attr:`graph` (once per ``(k, seed)``).
+
+        Raises:
+            ValueError: ``k`` out of ``[1, N]``.
+        """
+        if (k, seed) not in self._parts:
+            self._parts[k, seed] = metis_kway(self.graph, k, seed, self._weights)
+        return self._parts[k, seed]
+
+    def splitter(self, output_nodes: Tensor) -> "GraphSplitter":
+        """A :class:`Splitter` of a batch whose outputs are ``output_nodes`` (``(B,)`` int64 node ids of this
+        graph)."""
+        return GraphSplitter(self, output_nodes)
+
+
+class GraphSplitter:
+    """The outputs of one batch split by a :class:`GraphPartition`: output ``i`` goes to the part of node
+    ``output_nodes[i]`` in the graph's K-way partition (a lookup per output; METIS only for a ``(K, seed)`` the
+    run has not partitioned yet). ``vertex_weights`` are ignored: the graph partition balances the training
+    nodes, not this batch's receptive fields."""
+
+    method = GraphPartition.method
+
+    def __init__(self, partition: GraphPartition, output_nodes: Tensor):
+        self.partition, self.output_nodes = partition, output_nodes.cpu().numpy()
+
+    @property
+    def num_outputs(self) -> int:
+        return self.output_nodes.size
+
+    def split(self, k: int, seed: int = 0, vertex_weights: np.ndarray | None = None) -> list[Tensor]:
+        """The outputs in ``k`` groups (fewer where no output falls in a part); see :func:`partition_outputs` for
+        the result.
+
+        Raises:
+            ValueError: ``k`` out of ``[1, num_outputs]``.
+        """
+        n = self.num_outputs
+        if not 1 <= k <= n:
+            raise ValueError(f"cannot split {n} output nodes into {k} micro-batches")
+        if k == 1:
+            return [torch.arange(n)]
+        return groups_of(self.partition.parts(k, seed)[self.output_nodes], k)
+
+
+class Splitter(Protocol):
+    """What the K search (:func:`partition.make_split`) asks of a splitter: :class:`OutputSplitter` (per batch)
+    or :class:`GraphSplitter` (per run)."""
+
+    method: str
+
+    @property
+    def num_outputs(self) -> int: ...
+
+    def split(self, k: int, seed: int = 0, vertex_weights: np.ndarray | None = None) -> list[Tensor]: ...
 
 
 def partition_outputs(output_block: BlockStructure, k: int, method: str = "reg", seed: int = 0,

@@ -176,3 +176,19 @@ def drop_diagonal(matrix: sp.csr_matrix) -> sp.csr_matrix:
     indptr = np.zeros(matrix.shape[0] + 1, dtype=matrix.indptr.dtype)
     np.cumsum(np.bincount(rows[keep], minlength=matrix.shape[0]), out=indptr[1:])
     return sp.csr_matrix((matrix.data[keep], matrix.indices[keep], indptr), shape=matrix.shape)
+
+
+def symmetrised(matrix: sp.csr_matrix) -> sp.csr_matrix:
+    """``(matrix + matrixᵀ) > 0`` as int64 ones without the diagonal, indices sorted: the symmetric, unweighted graph
+    METIS cuts (it needs one), from a square ``(n, n)`` sparse ``matrix``. Returns a new ``(n, n)`` CSR."""
+    graph = drop_diagonal(((matrix + matrix.T) > 0).astype(np.int64).tocsr())
+    graph.sort_indices()
+    return graph
+
+
+def symmetric_graph(indptr: np.ndarray, indices: np.ndarray) -> sp.csr_matrix:
+    """:func:`symmetrised` of a whole graph given as its CSC ``(N + 1,)`` pointer and ``(E,)`` int32/int64
+    in-neighbours (read as the CSR of ``Aᵀ``; the symmetrisation does not care which): ``(N, N)`` int64 CSR,
+    ``O(N + E)``."""
+    n = indptr.size - 1
+    return symmetrised(sp.csr_matrix((np.ones(indices.size, dtype=np.int64), indices, indptr), shape=(n, n)))

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from partition.partitioners import OutputSplitter
+from partition.partitioners import OutputSplitter, Splitter
 from partition.reg import output_adjacency
-from partition.slicing import BlockStructure, LayerSlice, slice_layers, whole_batch
+from partition.slicing import BlockStructure, SliceSize, count_layers
 
 Estimate = Callable[[Sequence[BlockStructure], bool], int]  # (micro-batch, accumulating) → peak bytes
 
@@ -35,22 +35,30 @@ class BudgetError(ValueError):
 class Split:
     """K micro-batches of one batch and their estimated peaks.
 
+    A split keeps what makes a micro-batch, not the micro-batch: its output positions, and the sizes of its
+    layers (for the work, the redundancy and the report). A micro-batch's :class:`~partition.slicing.LayerSlice` s
+    (``O(its edges)``) are sliced again when it runs (:func:`~partition.slicing.slice_layers` of its group), so
+    the split holds ``8 · outputs`` bytes of tensors at any K, not every micro-batch's slices.
+
     Attributes:
-        groups: per micro-batch, sorted int64 positions among the batch's output nodes.
-        layers: per micro-batch, its :class:`LayerSlice` per layer (input layer first).
+        groups: per micro-batch, ``(m_k,)`` int64 sorted positions among the batch's output nodes (they
+            partition them).
+        sizes: per micro-batch, its :class:`~partition.slicing.SliceSize` per layer (input layer first).
         estimates: per micro-batch, estimated peak bytes.
         budget: the budget in bytes (``None``: K was given, not searched).
-        full_batch_estimate: estimated peak of the unsplit batch, bytes.
+        full_batch_estimate: estimated peak of the unsplit batch, bytes; 0 where it was not estimated (no
+            estimate, or a given K above 1).
         tried: ``(K, largest estimate)`` for every K evaluated, in order.
         seconds: wall time of planning.
         stage_seconds: wall seconds of planning by stage, summed over every K tried: ``"weights"`` (the
             METIS vertex weights, :func:`output_costs`), ``"partition"`` (splitting the outputs: METIS,
-            and building the REG when the splitter had not built it yet), ``"slicing"`` (the micro-batches'
-            layer slices), ``"estimate"``.
+            and building the REG when the splitter had not built it yet; for a graph splitter, the look-up, and
+            the graph's METIS for a K the run had not partitioned yet), ``"counting"`` (the micro-batches'
+            layer sizes, :func:`~partition.slicing.count_layers`), ``"estimate"``.
     """
 
     groups: list[Tensor]
-    layers: list[list[LayerSlice]]
+    sizes: list[list[SliceSize]]
     estimates: list[int]
     budget: int | None
     full_batch_estimate: int
@@ -68,7 +76,7 @@ class Split:
         (a forward, and a backward of about twice its cost, over every row and edge a micro-batch holds;
         rows shared by several micro-batches count once in each: the redundancy). Compared with
         :attr:`partition.chunks.LayerChunks.work` by ``micro_batch.mode=auto``."""
-        return 3 * sum(piece.num_src + int(piece.indptr[-1]) for layers in self.layers for piece in layers)
+        return 3 * sum(piece.num_src + piece.num_edges for layers in self.sizes for piece in layers)
 
 
 def output_costs(blocks: Sequence[BlockStructure]) -> np.ndarray:
@@ -98,6 +106,13 @@ def integer_weights(costs: np.ndarray, total: float = 1e8) -> np.ndarray:
     return np.maximum(1, np.ceil(costs / scale)).astype(np.int64)
 
 
+def k_to_fit(k: int, peak: float, resident: float, budget: float) -> int:
+    """The K at which a split whose largest micro-batch at ``k`` is estimated at ``peak`` bytes is expected to fit
+    ``budget`` bytes: a micro-batch's own bytes (above the ``resident`` ones) shrink about as ``1/K``, so
+    ``⌈k · (peak − resident) / (budget − resident)⌉`` (the K search's start from the whole batch, ``k = 1``)."""
+    return math.ceil(k * (peak - resident) / (budget - resident))
+
+
 def make_split(
     blocks: Sequence[BlockStructure],
     estimate: Estimate | None = None,
@@ -109,7 +124,7 @@ def make_split(
     partitioner: str = "reg",
     seed: int = 0,
     balance: bool = True,
-    splitter: OutputSplitter | None = None,
+    splitter: Splitter | None = None,
     search: str = "linear",
 ) -> Split:
     """Split a batch into micro-batches: K given, or the smallest K that fits ``budget``.
@@ -134,17 +149,20 @@ def make_split(
         estimate: ``(micro-batch block structures, accumulating)`` → estimated peak bytes,
             with ``accumulating`` true for every micro-batch after the first; may be ``None``
             with ``k`` (then ``estimates`` are empty and ``full_batch_estimate`` is 0).
+            With a given ``k > 1`` the unsplit batch is not estimated (``full_batch_estimate`` is 0).
         budget: bytes; ``None`` to use ``k``.
         k: number of micro-batches when there is no budget.
         resident_bytes: bytes every micro-batch's estimate includes before its own data
             (parameters, optimizer state, buffers).
         min_k: never fewer micro-batches (used to re-plan after an out-of-memory error).
-        partitioner: a name in :data:`partition.PARTITIONERS`.
+        partitioner: a name in :data:`partition.PARTITIONERS`, or ``"graph"`` with a
+            :class:`~partition.partitioners.GraphSplitter` (the run's graph partition).
         seed: partitioner seed.
         balance: weight METIS vertices by :func:`output_costs`.
-        splitter: an :class:`~partition.partitioners.OutputSplitter` of ``blocks[-1]`` (or of a
-            block with the same structure) with method ``partitioner`` to reuse (its REG
-            already built); default: a new one.
+        splitter: a :class:`~partition.partitioners.Splitter` of ``blocks[-1]``'s outputs with method
+            ``partitioner``: an :class:`~partition.partitioners.OutputSplitter` of ``blocks[-1]`` (or of a
+            block with the same structure) to reuse (its REG already built), or a
+            :class:`~partition.partitioners.GraphSplitter`; default: a new ``OutputSplitter``.
         search: ``"linear"`` (the smallest K, exactly) or ``"gallop"`` (galloping then
             bisection; the smallest K when fitting is monotone in K).
 
@@ -162,38 +180,42 @@ def make_split(
     if splitter is None:
         splitter = OutputSplitter(blocks[-1], partitioner)
     num_outputs = blocks[-1].num_dst
-    full = estimate(blocks, False) if estimate is not None else 0
+    # the unsplit batch's estimate: what the search starts from, K = 1's estimate; not made for a batch split into a
+    # given K > 1
+    full = functools.cache(lambda: estimate(blocks, False) if estimate is not None else 0)
     weighted = balance and partitioner in ("reg", "reg_unweighted", "metis")
     # METIS vertex weights, and (with a budget) which output is the hungriest; made when first needed
     costs = functools.cache(lambda: output_costs(blocks))
     weights = functools.cache(lambda: integer_weights(costs()) if weighted else None)
     tried: list[tuple[int, int]] = []
-    splits: dict[int, tuple[list[Tensor], list[list[LayerSlice]], list[int]]] = {}
+    splits: dict[int, tuple[list[Tensor], list[list[SliceSize]], list[int]]] = {}
 
-    stage_seconds = {"weights": 0.0, "partition": 0.0, "slicing": 0.0, "estimate": 0.0}
+    stage_seconds = {"weights": 0.0, "partition": 0.0, "counting": 0.0, "estimate": 0.0}
 
-    def timed(stage: str, fn: Callable[[], Any]) -> Any:
+    def timed(stage: str, fn: Callable[..., Any], *args: Any) -> Any:
         started = time.perf_counter()
-        result = fn()
+        result = fn(*args)
         stage_seconds[stage] += time.perf_counter() - started
         return result
 
-    def split(parts: int) -> tuple[list[Tensor], list[list[LayerSlice]], list[int]]:
-        if parts == 1:  # the whole batch: no partitioning, no relabelling
-            groups, layers = [torch.arange(num_outputs)], [whole_batch(blocks)]
+    def split(parts: int) -> tuple[list[Tensor], list[list[SliceSize]], list[int]]:
+        if parts == 1:  # the whole batch: no partitioning, no slicing; its estimate is the full batch's
+            groups, sizes = [torch.arange(num_outputs)], [[SliceSize.of(b) for b in blocks]]
+            estimates = [full()] if estimate is not None else []
         else:
             vertex_weights = timed("weights", weights)
-            groups = timed("partition", lambda: splitter.split(parts, seed, vertex_weights))
-            layers = timed("slicing", lambda: [slice_layers(blocks, group) for group in groups])
-        estimates = timed("estimate", lambda: [estimate(layer, index > 0) for index, layer in enumerate(layers)]
-                          if estimate is not None else [])
+            groups = timed("partition", splitter.split, parts, seed, vertex_weights)
+            sizes = timed("counting", count_layers, blocks, groups)  # every micro-batch's sizes, none sliced
+            estimates = [timed("estimate", estimate, layers, index > 0)
+                         for index, layers in enumerate(sizes)] if estimate is not None else []
         tried.append((parts, max(estimates, default=0)))
-        splits[parts] = groups, layers, estimates
+        splits[parts] = groups, sizes, estimates
         return splits[parts]
 
     def done(parts: int) -> Split:
-        groups, layers, estimates = splits[parts]
-        return Split(groups, layers, estimates, budget, full, tried, time.perf_counter() - started, stage_seconds)
+        groups, sizes, estimates = splits[parts]
+        full_batch = full() if budget is not None or parts == 1 else 0
+        return Split(groups, sizes, estimates, budget, full_batch, tried, time.perf_counter() - started, stage_seconds)
 
     if budget is None:
         split(min(max(k, min_k), num_outputs))
@@ -202,7 +224,7 @@ def make_split(
     if budget <= 0:
         raise BudgetError(f"memory budget must be positive, got {budget} bytes")
     resident = resident_bytes
-    if full <= budget and min_k <= 1:
+    if full() <= budget and min_k <= 1:
         split(1)
         return done(1)
     if budget <= resident:
@@ -211,13 +233,13 @@ def make_split(
             f"({_mib(resident)}: parameters, optimizer state, model buffers)"
         )
     hungriest = int(np.argmax(costs()))
-    alone = estimate(slice_layers(blocks, torch.tensor([hungriest])), True)
+    alone = estimate(count_layers(blocks, [torch.tensor([hungriest])])[0], True)
     if alone > budget:
         raise BudgetError(
             f"memory budget {_mib(budget)} is impossible: output node {hungriest} of the batch alone needs "
             f"{_mib(alone)} (its receptive field); raise the budget or use smaller fanouts"
         )
-    start = min(max(min_k, 2, math.ceil((full - resident) / (budget - resident))), num_outputs)
+    start = min(max(min_k, 2, k_to_fit(1, full(), resident, budget)), num_outputs)
     parts = _first_fitting_k(lambda parts: max(split(parts)[2]) <= budget, start, num_outputs, search == "gallop")
     if parts is None:
         raise BudgetError(
@@ -228,7 +250,7 @@ def make_split(
 
 
 def _check_split_arguments(blocks: Sequence[BlockStructure], estimate: Estimate | None, budget: int | None,
-                           k: int | None, splitter: OutputSplitter | None, partitioner: str, search: str) -> None:
+                           k: int | None, splitter: Splitter | None, partitioner: str, search: str) -> None:
     """:func:`make_split`'s argument checks (its ``ValueError`` s)."""
     if (budget is None) == (k is None):
         raise ValueError("give exactly one of budget and k")
@@ -236,7 +258,7 @@ def _check_split_arguments(blocks: Sequence[BlockStructure], estimate: Estimate 
         raise ValueError("planning for a budget needs an estimate")
     if search not in ("linear", "gallop"):
         raise ValueError(f"unknown search {search!r}; choose 'linear' or 'gallop'")
-    if splitter is not None and (splitter.block.num_dst != blocks[-1].num_dst or splitter.method != partitioner):
+    if splitter is not None and (splitter.num_outputs != blocks[-1].num_dst or splitter.method != partitioner):
         raise ValueError("splitter was made for another output block or partitioner")
 
 

@@ -62,6 +62,42 @@ class LayerSlice:
     def num_src(self) -> int:
         return self.src_index.numel()
 
+    @property
+    def num_edges(self) -> int:
+        return self.indices.numel()
+
+
+@dataclass(frozen=True)
+class SliceSize:
+    """The sizes of one layer of a micro-batch (a :class:`LayerSlice`'s, or a whole block's): what a plan keeps of a
+    micro-batch's layer between steps, its tensors being sliced again when the micro-batch runs.
+
+    Attributes:
+        num_src: src nodes (the dst nodes included).
+        num_dst: dst nodes.
+        num_edges: edges.
+        degree_histogram: ``((L, B), …)``: ``B`` dst nodes have in-degree ``L`` (L ≥ 1), ascending in ``L`` (what
+            the memory estimate needs besides the counts: Betty Eq. 5's buckets); ``None`` where not counted
+            (:func:`count_layers` counts it).
+    """
+
+    num_src: int
+    num_dst: int
+    num_edges: int
+    degree_histogram: tuple[tuple[int, int], ...] | None = None
+
+    @classmethod
+    def of(cls, block: BlockStructure) -> "SliceSize":
+        """The sizes of a whole block."""
+        return cls(block.num_src, block.num_dst, block.indices.numel())
+
+
+def _check_chain(blocks: Sequence[BlockStructure]) -> None:
+    """Raise ``ValueError`` unless each block's dst nodes are the next block's src nodes (input layer first)."""
+    for lower, upper in itertools.pairwise(blocks):
+        if lower.num_dst != upper.num_src:
+            raise ValueError(f"blocks do not chain: {lower.num_dst} dst nodes feed {upper.num_src} src nodes")
+
 
 def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list[LayerSlice]:
     """Slice the sub-batch that computes the chosen output nodes, output layer to input layer.
@@ -88,9 +124,7 @@ def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list
     Raises:
         ValueError: if the blocks do not chain or ``output_index`` is out of range.
     """
-    for lower, upper in itertools.pairwise(blocks):
-        if lower.num_dst != upper.num_src:
-            raise ValueError(f"blocks do not chain: {lower.num_dst} dst nodes feed {upper.num_src} src nodes")
+    _check_chain(blocks)
     dst = output_index.long()
     if dst.numel() and (int(dst.min()) < 0 or int(dst.max()) >= blocks[-1].num_dst):
         raise ValueError(f"output_index out of range [0, {blocks[-1].num_dst})")
@@ -103,15 +137,47 @@ def slice_layers(blocks: Sequence[BlockStructure], output_index: Tensor) -> list
     return slices
 
 
-def whole_batch(blocks: Sequence[BlockStructure]) -> list[LayerSlice]:
-    """The slices of the whole batch (K = 1): every src node, dst node and edge of each block, in place.
+def count_layers(blocks: Sequence[BlockStructure], groups: Sequence[Tensor]) -> list[list[SliceSize]]:
+    """The sizes of every group's micro-batch, as :func:`slice_layers` would slice it, without slicing.
 
-    Equals :func:`slice_layers` of all outputs for blocks whose src nodes beyond the dst nodes are all
-    touched by an edge (every sampled block), at the cost of two ``arange`` per block instead of a
-    relabelling.
+    Equal, layer by layer, to ``slice_layers(blocks, group)``'s counts (src, dst and edge counts and the dst
+    in-degree histogram), for all groups in one compiled pass per block (:func:`_count_kernel`): a node's
+    membership in the groups is a bit set (``⌈K / 64⌉`` uint64 words), each src node gets the union of its
+    readers' sets, and per group the counts are sums over the nodes whose set holds it. Work
+    ``O(W·E + M + S·⌈K / 8⌉ + 256·K)`` per block for ``W`` words, ``E`` edges, ``M`` memberships of dst nodes
+    in groups and ``S`` src nodes, against ``O(redundancy · E)`` and ``K`` slices' allocations for slicing each
+    group (0.6 ms against ~3 ms for a 1024-output SBM batch at K = 8, fanouts 10,25); the K search counts every
+    candidate split this way (Betty §4.4.3) and slices a micro-batch only when it runs.
+
+    Args:
+        blocks: the batch's blocks, input layer first, chaining as in :func:`slice_layers`.
+        groups: per micro-batch, ``(m_k,)`` int64 distinct positions among the output block's dst nodes.
+
+    Returns:
+        Per group, one :class:`SliceSize` per block (input layer first) with its ``degree_histogram``.
+
+    Raises:
+        ValueError: if the blocks do not chain or a group is out of range.
     """
-    return [LayerSlice(torch.arange(b.num_src, device=b.indptr.device), b.num_dst, b.indptr, b.indices,
-                       torch.arange(b.indices.numel(), device=b.indptr.device)) for b in blocks]
+    _check_chain(blocks)
+    k, num_outputs = len(groups), blocks[-1].num_dst
+    positions = torch.cat([group.long().cpu() for group in groups]).numpy() if k else np.zeros(0, dtype=np.int64)
+    if positions.size and (positions.min() < 0 or positions.max() >= num_outputs):
+        raise ValueError(f"a group is out of range [0, {num_outputs})")
+    sizes = np.array([group.numel() for group in groups], dtype=np.int64)
+    member = _group_bits(num_outputs, k, positions, sizes)  # bit g of a node: it is in group g's layer
+    layers: list[list[SliceSize]] = []
+    for block in reversed(blocks):
+        member, num_src, num_dst, num_edges, distinct, histogram = _count_kernel(
+            block.indptr.cpu().numpy(), block.indices.cpu().numpy(), block.num_src, member, k)
+        group_of, columns = np.nonzero(histogram)  # row-major: each group's degrees ascending
+        degrees, counts = distinct[columns].tolist(), histogram[group_of, columns].tolist()
+        bounds = np.searchsorted(group_of, np.arange(k + 1)).tolist()
+        layers.append([SliceSize(src, dst, edges, tuple(zip(degrees[start:end], counts[start:end])))
+                       for src, dst, edges, start, end in zip(num_src.tolist(), num_dst.tolist(), num_edges.tolist(),
+                                                              bounds[:-1], bounds[1:])])
+    layers.reverse()
+    return [list(group_layers) for group_layers in zip(*layers)]
 
 
 def _slice_block(block: BlockStructure, dst: Tensor) -> LayerSlice:
@@ -225,6 +291,78 @@ def _fill_kernel(indptr, indices, dst, label, edge_ids, local, src_index):  # pr
             edge_ids[position] = edge
             local[position] = label[indices[edge]]
             position += 1
+
+
+_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
+#: bit index of a power of two ``p`` at ``(p · _DE_BRUIJN mod 2⁶⁴) >> 58`` (a de Bruijn sequence: each 6-bit window
+#: occurs once), so a set bit's index is one multiplication and one look-up
+_BIT_INDEX = np.zeros(64, dtype=np.int64)
+_BIT_INDEX[[((1 << bit) * int(_DE_BRUIJN) % 2**64) >> 58 for bit in range(64)]] = np.arange(64)
+
+
+@_jit
+def _group_bits(num_outputs, k, positions, sizes):  # pragma: no cover - compiled
+    """``(num_outputs, ⌈k / 64⌉)`` uint64 bit sets: bit ``g`` of output ``p`` set where group ``g`` holds it
+    (``positions``: the groups' positions one after another, ``sizes[g]`` of them for group ``g``)."""
+    member = np.zeros((num_outputs, max(1, (k + 63) // 64)), dtype=np.uint64)
+    start = 0
+    for group in range(k):
+        bit = np.uint64(1) << np.uint64(group % 64)
+        for position in positions[start:start + sizes[group]]:
+            member[position, group // 64] |= bit
+        start += sizes[group]
+    return member
+
+
+@_jit
+def _count_kernel(indptr, indices, num_src, member, k):  # pragma: no cover - compiled
+    """One block of :func:`count_layers`: from the dst nodes' group bit sets ``member`` (``(num_dst, W)`` uint64),
+    the src nodes' bit sets (``(num_src, W)``; the dst nodes, the first ``num_dst`` src positions, keep their
+    own) and per group its src, dst and edge counts (``(k,)`` int64 each), the in-degrees that occur
+    (``(D,)`` int64, ascending) and its dst nodes' histogram over them (``(k, D)`` int64). A dst node's groups
+    are visited by their set bits only (lowest first, :data:`_BIT_INDEX`), so its cost is the number of groups
+    that hold it, not K; the src nodes are counted by the values of their bit sets' bytes (``⌈K / 8⌉``
+    increments per node)."""
+    n, words = member.shape
+    column = np.zeros(1 + max(0, np.max(indptr[1:] - indptr[:-1])) if n else 1, dtype=np.int64)
+    for v in range(n):  # column[d] = 1 where some dst node has in-degree d ≥ 1, then the histogram's columns
+        column[indptr[v + 1] - indptr[v]] = 1
+    column[0] = 0
+    distinct = np.flatnonzero(column)
+    column = np.cumsum(column) - 1
+    num_src_out, num_dst_out, num_edges_out = np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64)
+    histogram = np.zeros((k, distinct.size), dtype=np.int64)
+    src = np.zeros((num_src, words), dtype=np.uint64)
+    src[:n] = member
+    one, shift = np.uint64(1), np.uint64(58)
+    for v in range(n):
+        degree = indptr[v + 1] - indptr[v]
+        for word in range(words):
+            bits = member[v, word]
+            if bits == 0:
+                continue
+            for edge in range(indptr[v], indptr[v + 1]):
+                src[indices[edge], word] |= bits
+            while bits:
+                lowest = bits & (~bits + one)
+                group = 64 * word + _BIT_INDEX[(lowest * _DE_BRUIJN) >> shift]
+                num_dst_out[group] += 1
+                num_edges_out[group] += degree
+                if degree > 0:
+                    histogram[group, column[degree]] += 1
+                bits ^= lowest
+    # src counts by byte: how many src nodes hold each value of each byte of the bit sets, then per group the
+    # values with its bit (one increment per node and byte instead of one per group holding it)
+    num_bytes = (k + 7) // 8
+    by_byte = np.zeros((num_bytes, 256), dtype=np.int64)
+    for u in range(num_src):
+        for byte in range(num_bytes):
+            by_byte[byte, (src[u, byte // 8] >> np.uint64(8 * (byte % 8))) & np.uint64(255)] += 1
+    for group in range(k):
+        for value in range(256):
+            if (value >> (group % 8)) & 1:
+                num_src_out[group] += by_byte[group // 8, value]
+    return src, num_src_out, num_dst_out, num_edges_out, distinct, histogram
 
 
 def gather_rows(indptr: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:

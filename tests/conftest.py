@@ -64,3 +64,9 @@ def computers8(computers):
 def computers():
     """Amazon Computers (13,752 nodes, 491,722 directed edges, mean in-degree 36; graphdata-npz)."""
     return load_dataset(DatasetConfig(name="amazon-computers", data_dir=shared_data("graphdata-npz", "amazon_cs.npz")))
+
+
+@pytest.fixture(scope="session")
+def cornell5():
+    """Facebook100 Cornell5 (18,660 nodes, 2 · 790,777 directed edges; facebook100)."""
+    return load_dataset(DatasetConfig(name="fb100-cornell5", data_dir=shared_data("facebook100", "Cornell5.mat")))

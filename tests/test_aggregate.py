@@ -28,22 +28,37 @@ def dense(block: Block, values: torch.Tensor) -> torch.Tensor:
     return matrix
 
 
+WEIGHTINGS = {"sum": (False, False, False), "values": (True, False, False), "mean-like": (False, True, False),
+              "gcn-like": (False, True, True), "all": (True, True, True)}
+"""``aggregate``'s optional inputs: (values, row_scale, col_scale) given."""
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled-cpu-kernel", "tensor-ops"])
 @pytest.mark.parametrize("with_self", [False, True])
-def test_aggregate_equals_the_dense_product_and_its_gradient(monkeypatch, compiled, with_self):
+@pytest.mark.parametrize("weighting", list(WEIGHTINGS))
+@pytest.mark.parametrize("width", [6, aggregate.SCATTER_MAX_WIDTH + 8], ids=["scatter", "transpose"])
+def test_aggregate_equals_the_dense_product_and_its_gradient(monkeypatch, compiled, with_self, weighting, width):
     if not compiled:
         monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
     block = random_block()
     generator = torch.Generator().manual_seed(1)
-    values = torch.rand(block.num_edges, generator=generator)
+    with_values, with_rows, with_cols = WEIGHTINGS[weighting]
+    values = torch.rand(block.num_edges, generator=generator) if with_values else None
+    row_scale = torch.rand(block.num_dst, generator=generator) if with_rows else None
+    col_scale = torch.rand(block.num_src, generator=generator) if with_cols else None
     scale = torch.rand(block.num_dst, generator=generator) if with_self else None
-    h = torch.randn(block.num_src, 6, generator=generator, requires_grad=True)
-    out = aggregate.aggregate(block, h, values, scale)
-    weights = torch.randn(block.num_dst, 6, generator=generator)
+    h = torch.randn(block.num_src, width, generator=generator, requires_grad=True)
+    out = aggregate.aggregate(block, h, values, scale, row_scale=row_scale, col_scale=col_scale)
+    weights = torch.randn(block.num_dst, width, generator=generator)
     (out * weights).sum().backward()
 
     h64 = h.detach().double().requires_grad_(True)
-    reference = dense(block, values) @ h64
+    matrix = dense(block, torch.ones(block.num_edges) if values is None else values)
+    if with_rows:
+        matrix = row_scale.double().unsqueeze(1) * matrix
+    if with_cols:
+        matrix = matrix * col_scale.double()
+    reference = matrix @ h64
     if with_self:
         reference = reference + scale.double().unsqueeze(1) * h64[: block.num_dst]
     (reference * weights.double()).sum().backward()
@@ -51,14 +66,39 @@ def test_aggregate_equals_the_dense_product_and_its_gradient(monkeypatch, compil
     torch.testing.assert_close(h.grad.double(), h64.grad, **CLOSE)
 
 
-def test_compiled_transpose_equals_the_tensor_path(monkeypatch):
+@pytest.mark.parametrize("with_values", [False, True])
+def test_compiled_transpose_equals_the_tensor_path(monkeypatch, with_values):
     block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
-    values = torch.rand(block.num_edges)
-    compiled = aggregate._transpose(block, values)
+    values = torch.rand(block.num_edges) if with_values else None
+    compiled = aggregate._transpose(block, values, torch.float32)
     monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
-    tensor_ops = aggregate._transpose(block, values)
+    tensor_ops = aggregate._transpose(block, values, torch.float32)
+    assert (compiled[2] is None) == (tensor_ops[2] is None) == (not with_values)
     for left, right in zip(compiled, tensor_ops):
-        assert torch.equal(left.to(right.dtype), right)
+        assert left is None or torch.equal(left.to(right.dtype), right)
+
+
+@pytest.mark.parametrize("width", [40, aggregate.SCATTER_MAX_WIDTH + 8], ids=["scatter", "transpose"])
+def test_compiled_backward_gives_the_same_bits_on_any_thread_count(width):
+    """Each src row's gradient sums its edges in dst order whatever the threads: the scatter splits the columns
+    among them (width 40: two column blocks on two threads), the gather on ``Aᵀ`` the rows. One thread and two
+    give the same gradient, bit for bit."""
+    numba = pytest.importorskip("numba")
+    block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
+    generator = torch.Generator().manual_seed(2)
+    h = torch.randn(block.num_src, width, generator=generator, requires_grad=True)
+    grad = torch.randn(block.num_dst, width, generator=generator)
+    threads = numba.get_num_threads()
+    gradients = []
+    try:
+        for count in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(count)
+            h.grad = None
+            aggregate.mean_neighbours(block, h).backward(grad)
+            gradients.append(h.grad.clone())
+    finally:
+        numba.set_num_threads(threads)
+    assert all(torch.equal(gradients[0], other) for other in gradients[1:])
 
 
 def test_mean_sum_and_weighted_mean():
@@ -90,6 +130,8 @@ def test_nothing_edge_by_feature_sized_is_kept_for_backward(op):
             aggregate.attention_aggregate(z, alpha, block.indices, block.edge_dst(), block.num_dst)
     largest_new = max((t.numel() for t in saved if t.data_ptr() != h.data_ptr()), default=0)
     assert largest_new <= block.num_edges * 4 < block.num_edges * width
+    if op == "mean":  # a row scale: nothing per edge at all
+        assert largest_new <= block.num_dst
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled-cpu-kernel", "tensor-ops"])
@@ -180,3 +222,42 @@ def test_weighted_gat_attends_as_if_each_edge_were_repeated_its_weight_times():
     torch.testing.assert_close(gradients[0], gradients[1], rtol=1e-12, atol=1e-12)
     unweighted = Block(src_nodes, num_dst, as_long(indptr), as_long(indices))
     assert not torch.allclose(layer(unweighted, h), outputs[0])  # the weights change the attention
+
+
+@pytest.mark.parametrize("self_loop", [False, True], ids=["mean", "gcn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rows_off_the_whole_block_equal_the_aggregation_and_its_transpose(self_loop, weighted):
+    """``aggregate_rows`` (an affine layer's row block in layer-wise execution) on a range of dst rows equals those
+    rows of the whole-block mean (or GCN-style mean with the self loop) against a float64 dense reference, a
+    row without in-edges included; ``aggregate_rows_transpose_`` adds the gradient of exactly those rows into
+    a sink that already holds something, and leaves rows no edge reaches as they were."""
+    pytest.importorskip("numba")
+    block = random_block(num_dst=60, num_src=90, max_degree=12, seed=5)
+    generator = torch.Generator().manual_seed(3)
+    if weighted:
+        block.edge_weight = torch.rand(block.num_edges, generator=generator) + 0.1
+    values = block.edge_weight if weighted else torch.ones(block.num_edges)
+    matrix = dense(block, values)
+    if self_loop:
+        matrix[torch.arange(block.num_dst), torch.arange(block.num_dst)] += 1
+    totals = matrix.sum(1, keepdim=True)
+    matrix = torch.where(totals > 0, matrix / totals, matrix)
+    begin, end = 20, 45
+    rows = torch.arange(begin, end)
+    assert (block.in_degrees()[rows] == 0).any()  # a row without in-edges: 0 (mean) or its own row (gcn)
+    z = torch.randn(block.num_src, 20, generator=generator)
+    out = aggregate.aggregate_rows(block, begin, end, z, self_loop)
+    torch.testing.assert_close(out.double(), matrix[rows] @ z.double(), **CLOSE)
+    grad = torch.randn(rows.numel(), 20, generator=generator)
+    sink = torch.randn(block.num_src, 20, generator=generator)
+    before = sink.clone()
+    aggregate.aggregate_rows_transpose_(block, begin, grad, sink, self_loop)
+    torch.testing.assert_close((sink - before).double(), matrix[rows].T @ grad.double(), **CLOSE)
+    reached = (matrix[rows] != 0).any(0)
+    assert torch.equal(sink[~reached], before[~reached])
+
+
+def test_rows_off_the_whole_block_refuse_where_the_compiled_kernels_do_not_run():
+    block = random_block()
+    with pytest.raises(ValueError, match="compiled CPU kernels"):
+        aggregate.aggregate_rows(block, 0, 3, torch.randn(block.num_src, 4, dtype=torch.float64), False)

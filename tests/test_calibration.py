@@ -31,6 +31,25 @@ def adam(params):
     return torch.optim.Adam(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+def measure_every_micro_batch(monkeypatch) -> list[int]:
+    """Make training measure each micro-batch's peak (on a replica with its own Adam, stepped once so its state is
+    resident, later micro-batches accumulating) before running it; returns the list the peaks are appended to."""
+    original, measured = micro_batches_module.accumulate_gradients, []
+
+    def measuring(model, micro_batches, features, labels, device):
+        replica = copy.deepcopy(model)
+        optimizer = adam(replica.parameters())
+        measure_training_step(replica, optimizer, micro_batches[0], features, labels, device)  # Adam state exists
+        total = sum(mb.output_nodes.numel() for mb in micro_batches)
+        measured.extend(measure_training_step(replica, optimizer, mb, features, labels, device, total,
+                                              accumulate=index > 0).peak_bytes
+                        for index, mb in enumerate(micro_batches))
+        return original(model, micro_batches, features, labels, device)
+
+    monkeypatch.setattr(micro_batches_module, "accumulate_gradients", measuring)
+    return measured
+
+
 class NodeMLPThenMean(nn.Module):
     """A model the closed form knows nothing of: a two-layer MLP on every input node's features,
     then two mean-aggregation layers with their own self and neighbour maps."""
@@ -114,37 +133,32 @@ def test_a_model_that_cannot_be_calibrated_names_the_cause(cora, model_class, me
     assert isinstance(raised.value, BettyError)
 
 
-def test_train_calibrates_a_custom_model_and_keeps_its_micro_batches_within_the_budget(cora, planetoid_dir, tmp_path,
-                                                                                          monkeypatch, caplog):
-    torch.manual_seed(0)
-    model = NodeMLPThenMean(cora.num_features, 64, cora.num_classes)
+def train_under_half_its_peak(model: nn.Module, cora, planetoid_dir, run_dir, monkeypatch, caplog) -> tuple[list[int], int]:
+    """Train a custom ``model`` one epoch on Cora's training batch under half its measured full-batch peak (so in
+    several micro-batches), each micro-batch measured as it runs (:func:`measure_every_micro_batch`), the planner's
+    log in ``caplog``. Returns the measured peaks and the budget."""
     probe = copy.deepcopy(model)
     optimizer = adam(probe.parameters())
     batch = sample_batch(cora, cora.train_idx, [None, None])
-    measure_training_step(probe, optimizer, batch, HostFeatureStore(cora.x, pin=False), cora.y, "cpu")  # Adam state exists
-    full_peak = measure_training_step(probe, optimizer, batch, HostFeatureStore(cora.x, pin=False), cora.y, "cpu").peak_bytes
-    budget = full_peak // 2
-
-    original, measured = micro_batches_module.accumulate_gradients, []
-
-    def measuring(model, micro_batches, features, labels, device):
-        replica = copy.deepcopy(model)
-        optimizer = adam(replica.parameters())
-        measure_training_step(replica, optimizer, micro_batches[0], features, labels, device)  # Adam state exists
-        total = sum(mb.output_nodes.numel() for mb in micro_batches)
-        measured.extend(measure_training_step(replica, optimizer, mb, features, labels, device, total,
-                                              accumulate=index > 0).peak_bytes
-                        for index, mb in enumerate(micro_batches))
-        return original(model, micro_batches, features, labels, device)
-
-    monkeypatch.setattr(micro_batches_module, "accumulate_gradients", measuring)
+    features = HostFeatureStore(cora.x, pin=False)
+    measure_training_step(probe, optimizer, batch, features, cora.y, "cpu")  # Adam state exists
+    budget = measure_training_step(probe, optimizer, batch, features, cora.y, "cpu").peak_bytes // 2
+    measured = measure_every_micro_batch(monkeypatch)
     config = load_config(None, ["dataset.name=cora", f"dataset.data_dir={planetoid_dir}", "optim.epochs=1",
                                 f"optim.lr={LR}", f"optim.weight_decay={WEIGHT_DECAY}", "train.device=cpu",
                                 "train.progress=false", f"micro_batch.budget={budget}"])
     with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
-        trainer_module.train(config, model=model, graph=cora, run_dir=tmp_path)
-    assert re.search(r"calibrated the memory estimate of NodeMLPThenMean in \d+\.\d\d s", caplog.text)
+        trainer_module.train(config, model=model, graph=cora, run_dir=run_dir)
     assert len(measured) > 1, "half the full batch's peak needs several micro-batches"
+    return measured, budget
+
+
+def test_train_calibrates_a_custom_model_and_keeps_its_micro_batches_within_the_budget(cora, planetoid_dir, tmp_path,
+                                                                                          monkeypatch, caplog):
+    torch.manual_seed(0)
+    measured, budget = train_under_half_its_peak(NodeMLPThenMean(cora.num_features, 64, cora.num_classes), cora,
+                                                 planetoid_dir, tmp_path, monkeypatch, caplog)
+    assert re.search(r"calibrated the memory estimate of NodeMLPThenMean in \d+\.\d\d s", caplog.text)
     assert max(measured) <= budget, (measured, budget)
 
 

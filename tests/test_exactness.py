@@ -7,7 +7,9 @@ import torch
 
 from betty_trainer import GCN, GraphSAGE, accumulate_gradients, plan_micro_batches, sample_batch
 from betty_trainer.data.feature_store import HostFeatureStore
+from betty_trainer.execution.micro_batches import MicroBatches
 from betty_trainer.models import set_dropout_key
+from partition import GraphPartition, make_split
 
 CPU = torch.device("cpu")
 
@@ -40,6 +42,22 @@ def test_sage_mean_micro_batches_equal_full_batch(cora, fanouts, dropout):
             micro_batches = plan_micro_batches(batch, k, partitioner, seed=1)
             assert len(micro_batches) == k
             assert_same_gradients(reference, gradients(model, micro_batches, cora))
+
+
+@pytest.mark.parametrize("fanouts", [[None, None], [10, 25]], ids=["full-neighbourhood", "sampled-10-25"])
+def test_micro_batches_split_by_the_graph_partition_equal_full_batch(cora, fanouts):
+    """Any assignment of the outputs gives the full batch's gradient: here the run's graph partition's (each
+    output in its node's part), whose groups follow the graph rather than the batch."""
+    torch.manual_seed(0)
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    set_dropout_key(model, seed=3, step=11)
+    batch = sample_batch(cora, cora.train_idx, fanouts, torch.Generator().manual_seed(5))
+    reference = gradients(model, [batch], cora)
+    graph = GraphPartition(cora.indptr, cora.indices)
+    for k in (2, 8):
+        split = make_split(batch.blocks, k=k, partitioner="graph", seed=1, splitter=graph.splitter(batch.output_nodes))
+        assert len(split.groups) == k
+        assert_same_gradients(reference, gradients(model, MicroBatches(batch, split.groups), cora))
 
 
 @pytest.mark.parametrize("arch", ["sage-gcn", "gcn"])

@@ -130,7 +130,7 @@ def test_micro_batches_are_built_when_read_and_equal_the_planned_ones():
     graph = make_sbm(num_nodes=400, num_features=16, avg_degree=6, train_per_class=30, num_val=20, num_test=20)
     batch = sample_batch(graph, graph.train_idx, [5, 5], torch.Generator().manual_seed(0))
     eager = plan_micro_batches(batch, 3, "range", seed=0)
-    lazy = MicroBatches(batch, make_split(batch.blocks, k=3, partitioner="range", seed=0).layers)
+    lazy = MicroBatches(batch, make_split(batch.blocks, k=3, partitioner="range", seed=0).groups)
     assert len(lazy) == 3 and lazy.num_outputs == batch.output_nodes.numel()
     for built in (list(lazy), lazy[0:3], [lazy[i] for i in range(3)]):
         for one, other in zip(eager, built):
@@ -161,10 +161,10 @@ def test_training_gathers_through_the_store_with_one_micro_batch_alive():
     reference = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     store = HostFeatureStore(graph.x, pin=False)
-    accumulate_gradients(model, WatchedMicroBatches(batch, plan.layers), store, graph.y, CPU)
+    accumulate_gradients(model, WatchedMicroBatches(batch, plan.groups), store, graph.y, CPU)
     for expected, got in zip(reference, (p.grad for p in model.parameters())):
         assert torch.equal(expected, got)
-    assert store.stats == TransferStats(0, sum(slices[0].num_src for slices in plan.layers), 0)
+    assert store.stats == TransferStats(0, sum(sizes[0].num_src for sizes in plan.sizes), 0)
 
 
 class PretendRemoteStore(HostFeatureStore):

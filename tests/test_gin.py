@@ -97,7 +97,7 @@ def test_gin_work_counts_its_two_maps_and_the_sum(a, b, linear, aggregate):
     from types import SimpleNamespace
 
     spec = SimpleNamespace(arch="gin", aggregator="mean", widths=[a, b], heads=1, layer_work=gin_work)
-    piece = SimpleNamespace(num_src=10, num_dst=4, indptr=torch.tensor([0, 5, 10, 15, 20]))
+    piece = SimpleNamespace(num_src=10, num_dst=4, num_edges=20)
     gather = 10 * a * MASK_COST
     assert step_work(spec, [[piece]], layerwise=False) == 2 * (linear + aggregate) + gather
     assert step_work(spec, [[piece]], layerwise=True) == 3 * (linear + aggregate) + 2 * gather

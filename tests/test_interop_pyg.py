@@ -14,10 +14,10 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
 
+from benchmarks.custom_models import NeighborSamplerSAGE
 from betty_trainer import GraphSAGE, sample_batch
+from betty_trainer.memory.recorded import record_model
 from betty_trainer.models.interop import PyGLayer, PyGModel
 from betty_trainer.models.stack import LayerStack, layer_widths
 from tests.interop_checks import (
@@ -25,6 +25,7 @@ from tests.interop_checks import (
     assert_micro_batches_equal_full_batch,
     assert_trains_with_the_trainer,
 )
+from tests.test_recorder import adam, assert_recorded_within_1_percent
 
 if importlib.util.find_spec("torch_geometric") is None:  # the test extra installs it: CI must run these tests
     message = "torch_geometric is not installed (pip install -e '.[test]' installs it)"
@@ -36,21 +37,6 @@ with warnings.catch_warnings():  # PyG's import calls torch.jit.script, which cu
     from torch_geometric.nn import SAGEConv
 
 HIDDEN = 32
-
-
-class NeighborSamplerSAGE(nn.Module):
-    """GraphSAGE written as PyG's Reddit / ogbn-products examples write it for ``NeighborSampler``."""
-
-    def __init__(self, in_feats: int, hidden: int, classes: int):
-        super().__init__()
-        self.convs = nn.ModuleList([SAGEConv(in_feats, hidden), SAGEConv(hidden, classes)])
-
-    def forward(self, x, adjs):
-        for i, (edge_index, _, size) in enumerate(adjs):
-            x = self.convs[i]((x, x[: size[1]]), edge_index)
-            if i != len(self.convs) - 1:
-                x = F.relu(x)
-        return x
 
 
 def pyg_stack(in_feats: int, classes: int, dropout: float) -> LayerStack:
@@ -112,3 +98,12 @@ def test_pyg_layers_in_our_stack_keep_dropout_exact(cora, cora_batch):
 def test_a_pyg_model_trains_with_the_trainer(tmp_path):
     torch.manual_seed(0)
     assert_trains_with_the_trainer(PyGModel(NeighborSamplerSAGE(32, HIDDEN, 5)), tmp_path, epochs=3)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_recorder_estimates_a_pyg_model(cora, k):
+    """``PyGModel`` around ``torch_geometric.nn.SAGEConv``: PyG's ops go through PyTorch's dispatcher, so the
+    recorder records it (byte-exact on Cora at K = 1 and 4 with torch 2.13)."""
+    torch.manual_seed(0)
+    model = PyGModel(NeighborSamplerSAGE(cora.num_features, HIDDEN, cora.num_classes))
+    assert_recorded_within_1_percent(model, record_model(model, cora, 2, adam), cora, k)

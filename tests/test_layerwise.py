@@ -4,6 +4,7 @@ built-in model, dropout on, full neighbourhood and sampled, on Cora and Amazon C
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -230,13 +231,58 @@ def test_planned_layerwise_chunks_fit_the_budget_measured(cora, fraction):
                                 PeakEstimator(spec_of(model, config, CPU)), CPU)
     plan = planner.plan(batch)
     assert plan.method == "layerwise" and plan.estimate <= budget
-    assert (plan.pieces == 1) == (fraction == 1.0)
+    # never a chunking above the whole batch in one micro-batch (one chunk per layer is, here): at 1.0 the budget
+    # holds one chunk per layer, but the plan is the chunking under the one-micro-batch estimate
+    assert plan.estimate <= PeakEstimator(spec_of(model, config, CPU)).peak(batch.blocks, weighted=[False, False])
+    assert plan.pieces > 1
 
     set_dropout_key(model, 0, 0)
     features = HostFeatureStore(cora.x, pin=False)
     measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)  # Adam's state exists from here on
     measured = measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)
     assert measured.peak_bytes <= budget  # never an overrun
+
+
+def test_each_layer_runs_in_as_few_chunks_as_the_budget_lets_it(cora):
+    """Under a budget the input layer (1,433 features in) needs more chunks than the 64-wide layer after it: the
+    planner lowers each layer's count on its own, so the narrow layer runs in fewer chunks, and the step, run for
+    real, still fits (measured peak)."""
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise"])
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    budget = int(layerwise_peak(Planner(config.micro_batch, estimator, CPU), batch, chunk_layers(batch.blocks, 1)) * 0.5)
+    section = config.micro_batch.model_copy(update={"budget": budget})
+    plan = Planner(section, estimator, CPU).plan(batch)
+    counts = [len(layer) for layer in plan.chunks.layers]
+    uniform = plan.tried[-1][0] if plan.tried[-1][1] <= budget else min(k for k, peak in plan.tried if peak <= budget)
+    assert counts[0] == uniform and counts[1] < counts[0], (counts, plan.tried)
+    assert plan.estimate <= budget and plan.report()["chunks_per_layer"] == counts
+    assert plan.summary == f"layer by layer in {counts[0]}, {counts[1]} chunks per layer"
+    set_dropout_key(model, 0, 0)
+    features = HostFeatureStore(cora.x, pin=False)
+    measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)  # Adam's state exists from here on
+    measured = measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)
+    assert measured.peak_bytes == plan.estimate  # the estimate replays the step byte for byte on the CPU
+
+
+def test_chunks_asked_above_the_whole_batch_s_estimate_are_said_once(cora, caplog):
+    """Without a budget the chunks asked for run as asked; one chunk per layer holds every layer's output, so on
+    Cora's full batch it is estimated above the whole batch in one micro-batch, and the planner says so once."""
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", "micro_batch.num_micro_batches=1"])
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    planner = Planner(config.micro_batch, estimator, CPU)
+    with caplog.at_level(logging.WARNING, logger="betty_trainer"):
+        plan = planner.plan(batch)
+        planner.plan(sample_batch(cora, cora.train_idx, [None, None]))
+    whole = estimator.peak(batch.blocks, weighted=[False, False])
+    assert plan.pieces == 1 and plan.estimate > whole
+    (said,) = [r.getMessage() for r in caplog.records if "above the whole batch" in r.getMessage()]
+    assert said.startswith(f"layer by layer in 1 chunks per layer (micro_batch.num_micro_batches) is estimated at "
+                           f"{plan.estimate / 2**20:.1f} MiB, above the whole batch in one micro-batch ({whole / 2**20:.1f}")
 
 
 def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
@@ -438,4 +484,42 @@ def test_a_budget_one_node_chunks_meet_is_never_refused(cora64):
     plan = Planner(section, PeakEstimator(spec), CPU).plan(batch)
     assert plan.estimate <= budget
     assert min(peak for _, peak in plan.tried[:-1]) > budget  # no REG chunking fitted
-    assert plan.partitioner == "range" and plan.pieces == cora64.num_nodes
+    assert plan.partitioner == "range" and plan.tried[-1][0] == cora64.num_nodes  # one node per chunk fitted
+    assert plan.pieces <= cora64.num_nodes  # then each layer as few range chunks as still fit
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "gcn"])
+def test_an_affine_layer_runs_off_the_whole_block_in_row_blocks_split_by_range(cora, aggregator, monkeypatch):
+    """SAGE mean/gcn projecting first (affine in z) run each layer in contiguous dst row blocks off the whole block
+    where the compiled kernels run: the plan under a budget splits them by ``range`` (no partitioner's work; only
+    the count matters), the step makes no chunk slice, its estimate is its measured peak, and its gradient is the
+    full batch's. GAT (not affine) still slices its chunks."""
+    from partition.chunks import Chunk
+
+    pytest.importorskip("numba")
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=layerwise", f"model.aggregator={aggregator}"])
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, aggregator, 0.5)
+    assert affine_layers(model) == [True, True]
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    assert estimator.layerwise(batch.blocks).ranged == [True, True]
+    budget = int(layerwise_peak(Planner(config.micro_batch, estimator, CPU), batch, chunk_layers(batch.blocks, 1)) * 0.4)
+    plan = Planner(config.micro_batch.model_copy(update={"budget": budget}), estimator, CPU).plan(batch)
+    assert plan.pieces > 1
+    for layer in plan.chunks.layers:  # contiguous ranges covering the layer's dst rows in order
+        assert torch.equal(torch.cat([chunk.dst for chunk in layer]), torch.arange(sum(c.num_dst for c in layer)))
+
+    def no_slice(self, block):
+        raise AssertionError("an affine layer's chunk was sliced")
+
+    monkeypatch.setattr(Chunk, "slice", no_slice)
+    features = HostFeatureStore(cora.x, pin=False)
+    set_dropout_key(model, 0, 0)
+    measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU)  # Adam's state exists from here on
+    assert measure_layerwise_step(model, optimizer, plan, features, cora.y, CPU).peak_bytes == plan.estimate <= budget
+    set_dropout_key(model, seed=3, step=11)
+    assert_same(full_batch_gradients(model, batch, cora), layerwise_gradients(model, batch, cora, 5))
+    gat = make("gat", cora)
+    with pytest.raises(AssertionError, match="was sliced"):
+        layerwise_gradients(gat, batch, cora, 2)

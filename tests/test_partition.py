@@ -8,10 +8,13 @@ import scipy.sparse as sp
 import torch
 
 from betty_trainer import Block, plan_micro_batches, sample_batch
-from partition import PARTITIONERS, build_reg, make_split, partition_outputs, redundancy
+from betty_trainer.datasets import make_sbm
+from betty_trainer.execution.micro_batches import MicroBatches
+from estimator.counts import LayerCounts
+from partition import PARTITIONERS, GraphPartition, build_reg, make_split, partition_outputs, redundancy
 from partition.metis import metis_kway
 from partition.reg import drop_diagonal, hub_threshold
-from partition.slicing import slice_layers, whole_batch
+from partition.slicing import count_layers, slice_layers
 from tests.test_sampling import global_edges
 
 
@@ -292,16 +295,46 @@ def test_linear_search_finds_the_smallest_k_where_fitting_is_not_monotone(cora):
     assert make_split(batch.blocks, estimate, budget=budget, search="gallop").k >= plan.k
 
 
-@pytest.mark.parametrize("fanouts", [[None, None], [5, 10]])
-def test_whole_batch_slices_equal_slicing_every_output(cora, fanouts):
-    """K = 1 skips the relabelling: its slices must be what slicing all outputs gives on sampled blocks."""
-    batch = sample_batch(cora, cora.train_idx, fanouts, torch.Generator().manual_seed(0))
-    everything = slice_layers(batch.blocks, torch.arange(batch.output_nodes.numel()))
-    for whole, sliced in zip(whole_batch(batch.blocks), everything):
-        assert whole.num_dst == sliced.num_dst
-        for name in ("src_index", "indptr", "indices", "edge_ids"):
-            assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
+def sliced_sizes(blocks, group) -> list[tuple]:
+    """Per layer, the counts the estimator reads of ``group``'s slices: src, dst and edge counts, degree histogram."""
+    return [(c.num_src, c.num_dst, c.num_edges, c.degree_histogram)
+            for c in (LayerCounts.from_csc(layer.indptr, layer.num_src) for layer in slice_layers(blocks, group))]
 
+
+@pytest.mark.parametrize("fanouts", [[None, None], [5, 10]])
+def test_a_split_keeps_the_sizes_its_micro_batches_are_sliced_to(cora, fanouts):
+    """A split keeps each micro-batch's outputs and its layers' sizes, not its slices: slicing a group again gives
+    those sizes, the degree histogram the estimate reads included (counted, not sliced, for K > 1). At K = 1 the
+    micro-batch is the batch itself, which is what slicing every output gives on sampled blocks (every src node
+    beyond the dst nodes is touched by an edge)."""
+    batch = sample_batch(cora, cora.train_idx, fanouts, torch.Generator().manual_seed(0))
+    for k in (1, 4):
+        split = make_split(batch.blocks, k=k, partitioner="reg")
+        assert len(split.groups) == len(split.sizes) == k
+        for group, sizes in zip(split.groups, split.sizes):
+            expected = sliced_sizes(batch.blocks, group)
+            assert [(s.num_src, s.num_dst, s.num_edges) for s in sizes] == [e[:3] for e in expected]
+            if k > 1:
+                assert [s.degree_histogram for s in sizes] == [e[3] for e in expected]
+    assert MicroBatches(batch, split.groups)[0] is not batch
+    assert MicroBatches(batch, make_split(batch.blocks, k=1).groups)[0] is batch
+
+
+@pytest.mark.parametrize("k", [1, 5, 64, 65, 150])
+def test_counting_every_group_at_once_equals_slicing_each(k):
+    """``count_layers`` gives, for every group at once, the counts and degree histogram of slicing that group (one
+    and several uint64 words of group bits: K = 64, 65, 150), on overlapping receptive fields of a sampled
+    3-layer batch whose groups are random and uneven."""
+    graph = make_sbm(num_nodes=3000, train_per_class=100, num_val=100, num_test=100)
+    batch = sample_batch(graph, graph.train_idx, [3, 5, 10], torch.Generator().manual_seed(1))
+    n, generator = batch.output_nodes.numel(), torch.Generator().manual_seed(k)
+    cuts = torch.sort(torch.randperm(n - 1, generator=generator)[: k - 1] + 1).values  # uneven group sizes
+    groups = [part.sort().values for part in torch.randperm(n, generator=generator).tensor_split(cuts)]
+    counted = count_layers(batch.blocks, groups)
+    assert [[(s.num_src, s.num_dst, s.num_edges, s.degree_histogram) for s in sizes] for sizes in counted] == \
+        [sliced_sizes(batch.blocks, group) for group in groups]
+    with pytest.raises(ValueError, match="out of range"):
+        count_layers(batch.blocks, [torch.tensor([batch.output_nodes.numel()])])
 
 
 def assert_same_slices(left, right):
@@ -338,3 +371,28 @@ def test_compiled_slicing_equals_tensor_slicing(cora, fanouts):
         compiled = slice_with(slice_block_compiled, batch.blocks, group)
         assert_same_slices(compiled, slice_with(slice_block_tensors, batch.blocks, group))
         assert_same_slices(compiled, slice_layers(batch.blocks, group))
+
+
+def test_a_graph_partition_is_made_once_per_k_and_splits_any_batch_by_its_nodes_parts(cora):
+    """The run's graph partition: METIS once per (K, seed), each part table kept; a batch's outputs are grouped by
+    their nodes' parts (a partition of the outputs), the training nodes balanced across parts; the K search takes
+    it as its splitter, and refuses it for another batch's outputs."""
+    balanced = torch.zeros(cora.num_nodes, dtype=torch.bool)
+    balanced[cora.train_idx] = True
+    graph = GraphPartition(cora.indptr, cora.indices, balanced)
+    assert (graph.graph != graph.graph.T).nnz == 0 and graph.graph.diagonal().sum() == 0
+    parts = graph.parts(4, seed=1)
+    assert parts is graph.parts(4, seed=1) and parts.shape == (cora.num_nodes,)
+    per_part = np.bincount(parts[cora.train_idx.numpy()], minlength=4)
+    assert per_part.max() <= 1.1 * cora.train_idx.numel() / 4, per_part  # METIS's imbalance tolerance, ~3%
+    batch = sample_batch(cora, cora.train_idx, [5, 10], torch.Generator().manual_seed(0))
+    groups = graph.splitter(batch.output_nodes).split(4, seed=1)
+    assert torch.equal(torch.sort(torch.cat(groups)).values, torch.arange(batch.output_nodes.numel()))
+    for group in groups:
+        assert len(set(parts[batch.output_nodes[group].numpy()].tolist())) == 1
+    split = make_split(batch.blocks, k=4, partitioner="graph", seed=1, splitter=graph.splitter(batch.output_nodes))
+    assert [g.tolist() for g in split.groups] == [g.tolist() for g in groups]
+    with pytest.raises(ValueError, match="another output block"):
+        make_split(batch.blocks, k=4, partitioner="graph", splitter=graph.splitter(batch.output_nodes[:-1]))
+    with pytest.raises(ValueError, match="cannot split"):
+        graph.splitter(batch.output_nodes).split(batch.output_nodes.numel() + 1)

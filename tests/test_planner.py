@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
+import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 
 from betty_trainer import Batch, HostFeatureStore, make_sbm, sample_batch
@@ -14,13 +17,14 @@ from betty_trainer.config import load_config
 from betty_trainer.errors import CalibrationError, ConfigError, PlanningError
 from betty_trainer.execution import micro_batches as micro_batches_module
 from betty_trainer.execution.micro_batches import measure_training_step
-from betty_trainer.memory.planner import Planner
+from betty_trainer.memory.planner import Planner, graph_partition
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.training.checkpoint import load_checkpoint
 from betty_trainer.training.trainer import train
 from estimator.peaks import PeakEstimator
-from partition import make_split
+from partition import GraphPartition, make_split
+from partition.slicing import count_layers
 from tests.conftest import REPO
 
 GRAPH = {"num_nodes": 2000, "num_features": 200, "avg_degree": 8, "train_per_class": 40, "num_val": 100, "num_test": 100}
@@ -235,7 +239,7 @@ def test_step_work_counts_each_sage_aggregator_s_own_maps(aggregator, linear, ag
     from estimator.work import MASK_COST, step_work
 
     spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1, layer_work=sage_work)
-    piece = SimpleNamespace(num_src=10, num_dst=4, indptr=torch.tensor([0, 5, 10, 15, 20]))
+    piece = SimpleNamespace(num_src=10, num_dst=4, num_edges=20)
     gather = 10 * 8 * MASK_COST
     assert step_work(spec, [[piece]], layerwise=False) == 2 * (linear + aggregate) + gather
     assert step_work(spec, [[piece]], layerwise=True) == 3 * (linear + aggregate) + 2 * gather
@@ -253,7 +257,7 @@ def test_step_work_of_a_projected_sage_layer_projects_its_block_s_src_rows_once(
     from estimator.work import MASK_COST, step_work
 
     spec = SimpleNamespace(arch="sage", aggregator=aggregator, widths=[8, 4], heads=1, layer_work=sage_work)
-    pieces = [SimpleNamespace(num_src=10, num_dst=2, indptr=torch.tensor([0, 5, 10]))] * 2
+    pieces = [SimpleNamespace(num_src=10, num_dst=2, num_edges=10)] * 2
     linear, aggregate = (7 + self_rows) * 8 * 4, 20 * 4
     gather = (7 * 8 + 20 * 4 + self_rows * 8) * MASK_COST
     assert step_work(spec, [pieces], layerwise=True, projected_rows=[7]) == 3 * (linear + aggregate) + 2 * gather
@@ -281,7 +285,9 @@ def test_fewer_micro_batches_than_asked_are_reported_once(cora, caplog):
 def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, mode):
     """Whatever the planner returns is used through the StepPlan interface alone: ``run`` gives the full batch's
     loss and gradient (dropout off: the same sums in another order), ``redundancy`` has one entry per layer,
-    ``report`` is JSON and names the method, ``measure`` gives a peak per measured unit."""
+    ``report`` is JSON and names the method and the host bytes the plan holds (its tensors, walked), ``measure``
+    gives a peak per measured unit."""
+
     from betty_trainer import StepPlan
 
     graph, config, batch, *_ = setting
@@ -302,6 +308,8 @@ def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, 
     assert len(plan.redundancy()) == len(batch.blocks) and min(plan.redundancy()) >= 1.0
     report = json.loads(json.dumps(plan.report()))
     assert report["mode"] == mode and report["redundancy_per_layer"] == plan.redundancy()
+    tensors = storage_bytes(held_tensors(plan, plan.batch), [t for block in batch.blocks for t in block.tensors()])
+    assert report["plan_host_bytes"] == plan.host_bytes == tensors > 0  # the groups, or the chunks' dst and pointers
     model = build_model(config.model, graph)
     measured = plan.measure(model, torch.optim.Adam(model.parameters()), HostFeatureStore(graph.x, pin=False),
                             graph.y, torch.device("cpu"))
@@ -313,3 +321,148 @@ def test_the_old_mode_name_betty_still_works_and_says_it_was_renamed(caplog):
         config = load_config(None, ["micro_batch.mode=betty"])
     assert config.micro_batch.mode == "micro_batches"
     assert "micro_batch.mode=betty is now called micro_batch.mode=micro_batches" in caplog.text
+
+
+def held_tensors(value, beside, seen=None) -> list[torch.Tensor]:
+    """Every tensor reachable from ``value`` through attributes, lists, tuples and dicts, except through ``beside``
+    (the plan's batch) and callables (an estimate the plan was handed is the estimator's, not the plan's)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or value is beside or callable(value) or isinstance(value, (str, int, float, bool)):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        children = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        children = list(value)
+    else:
+        children = list(getattr(value, "__dict__", {}).values())
+    return [t for child in children for t in held_tensors(child, beside, seen)]
+
+
+def storage_bytes(tensors, beside=()) -> int:
+    """Bytes of the distinct storages of ``tensors`` that ``beside``'s tensors do not hold."""
+    excluded = {t.untyped_storage().data_ptr() for t in beside}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(nbytes for pointer, nbytes in storages.items() if pointer not in excluded)
+
+
+@pytest.mark.parametrize("dataset", ["computers", "cornell5"])
+def test_a_betty_plan_at_k_16_holds_under_a_tenth_of_the_k_1_step(dataset, request):
+    """Issue 23's slices on demand: a micro-batch plan keeps its micro-batches' output positions, not their slices
+    (which held ``8·S + 12·E`` bytes per micro-batch and layer: +50 MiB at K = 16 on Amazon Computers), so the host
+    bytes it holds beside the batch are the same at every K and at K = 16 at most 10% of the K = 1 step's measured
+    peak; ``plan.json``'s ``plan_host_bytes`` is what the plan holds, counted here by walking it. The outputs are
+    every labelled node, the full neighbourhood of a 2-layer GraphSAGE (hidden 64)."""
+    graph = request.getfixturevalue(dataset)
+    batch = sample_batch(graph, torch.nonzero(graph.y >= 0).flatten(), [None, None])
+    held, plans = {}, {}
+    for k in (1, 16):
+        config = load_config(None, ["model.hidden=64", "model.num_layers=2", f"micro_batch.num_micro_batches={k}"])
+        plans[k] = plan = Planner(config.micro_batch, PeakEstimator(model_spec(config, graph)), torch.device("cpu")).plan(batch)
+        assert plan.pieces == k
+        held[k] = storage_bytes(held_tensors(plan, plan.batch), [t for block in batch.blocks for t in block.tensors()])
+        assert plan.report()["plan_host_bytes"] == plan.host_bytes == held[k]
+    assert held[16] == held[1] == 8 * batch.output_nodes.numel()
+    torch.manual_seed(0)
+    model = build_model(config.model, graph)
+    peak = max(plans[1].measure(model, torch.optim.Adam(model.parameters()), HostFeatureStore(graph.x, pin=False),
+                                graph.y, torch.device("cpu")))
+    assert held[16] <= 0.10 * peak, (held[16], peak)
+
+
+def two_copies(graph) -> GraphPartition:
+    """A graph partition of two disjoint copies of ``graph`` (nodes ``v`` and ``N + v``), the training nodes of
+    both balanced: at K = 2 METIS cuts no edge, one copy per part, so all of a batch of the first copy's nodes
+    lands in one part."""
+    adjacency = sp.csc_matrix((np.ones(graph.num_edges), graph.indices.numpy(), graph.indptr.numpy()),
+                              shape=(graph.num_nodes, graph.num_nodes))
+    doubled = sp.block_diag([adjacency, adjacency], format="csc")
+    balanced = torch.zeros(2 * graph.num_nodes, dtype=torch.bool)
+    balanced[torch.cat([graph.train_idx, graph.train_idx + graph.num_nodes])] = True
+    return GraphPartition(torch.from_numpy(doubled.indptr.astype(np.int64)), torch.from_numpy(doubled.indices), balanced)
+
+
+def test_sampled_batches_are_split_by_the_graph_partition_with_exact_estimates(setting):
+    """micro_batch.assignment=graph without a budget: every sampled batch is split by its outputs' parts in the
+    graph's K-way partition (one METIS for the run); the plan's estimate, made when asked, is the largest of the
+    micro-batches as they run."""
+    graph, config, *_ = setting
+    by_graph = load_config(None, OVERRIDES + ["micro_batch.assignment=graph", "micro_batch.num_micro_batches=4"])
+    partition = graph_partition(by_graph, graph)
+    estimator = PeakEstimator(model_spec(config, graph))
+    planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"), graph_partition=partition)
+    for step in range(2):
+        batch = sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(step))
+        plan = planner.plan(batch)
+        assert plan.partitioner == "graph" and plan.pieces == 4
+        parts = partition.parts(4, planner.seed)[batch.output_nodes.numpy()]
+        assert sorted(sorted(group.tolist()) for group in plan.split.groups) == \
+            sorted(np.flatnonzero(parts == p).tolist() for p in range(4))
+        assert not plan.split.estimates  # nothing estimated per batch without a budget, until asked
+        assert plan.estimate == max(estimator.peak(micro_batch.blocks, index > 0)
+                                    for index, micro_batch in enumerate(plan.micro_batches))
+    assert planner.plans_made == 2 and planner.fallbacks == 0
+
+
+def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_back_where_it_misses(setting):
+    """Under a budget the run's first batch is planned per batch (REG), and its K is the graph's: a later batch
+    whose graph split fits is split by the graph (its estimates those of its micro-batches as they run); one
+    whose graph split misses is planned per batch instead (within the budget), counted in ``fallbacks``."""
+    graph, config, *_ = setting
+    estimator = PeakEstimator(model_spec(config, graph))
+    first, second = (sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(s)) for s in (0, 1))
+    estimate = lambda structures, accumulate: estimator.peak(structures, accumulate)
+    partition = graph_partition(load_config(None, OVERRIDES + ["micro_batch.assignment=graph"]), graph)
+    graph_at_2 = make_split(second.blocks, estimate, k=2, partitioner="graph", splitter=partition.splitter(second.output_nodes))
+    budget = max(max(make_split(first.blocks, estimate, k=2).estimates), max(graph_at_2.estimates))
+    assert estimator.peak(first.blocks) > budget  # so the first batch needs K = 2
+    section = load_config(None, OVERRIDES + [f"micro_batch.budget={budget}"]).micro_batch
+    planner = Planner(section, estimator, torch.device("cpu"), graph_partition=partition)
+    plans = [planner.plan(first), planner.plan(second)]
+    assert [(plan.partitioner, plan.pieces) for plan in plans] == [("reg", 2), ("graph", 2)]
+    assert plans[1].split.estimates == [estimator.peak(micro_batch.blocks, index > 0)  # exact for the graph's split
+                                        for index, micro_batch in enumerate(plans[1].micro_batches)]
+    assert planner.fallbacks == 0
+
+    tighter = max(make_split(first.blocks, estimate, k=4).estimates)
+    misses = Planner(load_config(None, OVERRIDES + [f"micro_batch.budget={tighter}"]).micro_batch, estimator,
+                     torch.device("cpu"), graph_partition=two_copies(graph))
+    assert misses.plan(first).pieces == misses.graph_k == 4
+    assert len(misses.graph_partition.splitter(second.output_nodes).split(4)) == 2  # the premise: 2 parts per copy
+    plan = misses.plan(second)
+    assert plan.partitioner == "reg" and max(plan.split.estimates) <= tighter and misses.fallbacks == 1
+    # the next batches try the K that the missed split's largest estimate asks for, K · (largest − resident) /
+    # (budget − resident) with K = 4 (its micro-batches, halves of the batch, are about twice too large), or the
+    # fallback's K if more
+    halves = count_layers(second.blocks, misses.graph_partition.splitter(second.output_nodes).split(4))
+    resident, missed = estimator.resident_bytes, max(estimator.peak(sizes, index > 0) for index, sizes in enumerate(halves))
+    asked = math.ceil(4 * (missed - resident) / (tighter - resident))
+    assert misses.graph_k == max(asked, plan.pieces) and asked > 5
+
+
+def test_assignment_auto_uses_the_graph_partition_for_sampled_batches_with_a_metis_partitioner(setting):
+    graph = setting[0]
+    chosen = {overrides: graph_partition(load_config(None, OVERRIDES + list(overrides)), graph) is not None
+              for overrides in [(), ("sampling.fanouts=5,10",), ("sampling.batch_size=16",), ("sampling.batch_size=100000",),
+                                ("sampling.fanouts=5,10", "micro_batch.partitioner=range"),
+                                ("sampling.fanouts=5,10", "micro_batch.assignment=batch"), ("micro_batch.assignment=graph",)]}
+    assert chosen == {(): False, ("sampling.fanouts=5,10",): True, ("sampling.batch_size=16",): True,
+                      ("sampling.batch_size=100000",): False,
+                      ("sampling.fanouts=5,10", "micro_batch.partitioner=range"): False,
+                      ("sampling.fanouts=5,10", "micro_batch.assignment=batch"): False,
+                      ("micro_batch.assignment=graph",): True}
+
+
+def test_a_graph_split_with_parts_empty_of_the_batch_s_outputs_says_so(setting, caplog):
+    """The graph's parts are the whole graph's: a batch may have no output in some, and then runs fewer micro-batches
+    than asked, which the planner says once, naming the graph."""
+    graph, config, *_ = setting
+    section = load_config(None, OVERRIDES + ["micro_batch.num_micro_batches=2"]).micro_batch
+    planner = Planner(section, PeakEstimator(model_spec(config, graph)), torch.device("cpu"), graph_partition=two_copies(graph))
+    with caplog.at_level("WARNING", logger="betty_trainer"):
+        plan = planner.plan(sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(0)))
+    said = [r.getMessage() for r in caplog.records if "asks for 2 micro-batches" in r.getMessage()]
+    assert plan.partitioner == "graph" and plan.pieces == 1
+    assert len(said) == 1 and "graph made 1 (no output of the batch is in some of the graph's parts)" in said[0]

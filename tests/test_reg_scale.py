@@ -9,7 +9,7 @@ import torch
 import partition.reg as reg_module
 from benchmarks.reg_scale import power_law_graph
 from betty_trainer.sampling import sample_batch
-from partition import OutputSplitter, make_split, redundancy
+from partition import OutputSplitter, make_split, redundancy, slice_layers
 from partition.reg import build_reg, hub_threshold, reader_counts
 
 
@@ -33,11 +33,11 @@ def test_clipped_reg_stays_sparse_and_beats_induced_metis(power_law_batch, monke
     assert splitter.graph.nnz <= bound < unclipped.nnz / 5, (splitter.graph.nnz, bound, unclipped.nnz)
     reg_plan = make_split(batch.blocks, k=k, partitioner="reg", splitter=splitter)
     metis_plan = make_split(batch.blocks, k=k, partitioner="metis")
-    reg_redundancy = redundancy(batch.blocks, reg_plan.layers)[0]
-    metis_redundancy = redundancy(batch.blocks, metis_plan.layers)[0]
+    reg_redundancy = redundancy(batch.blocks, reg_plan.sizes)[0]
+    metis_redundancy = redundancy(batch.blocks, metis_plan.sizes)[0]
     assert reg_redundancy <= metis_redundancy, (reg_redundancy, metis_redundancy)
     paper = make_split(batch.blocks, k=k, partitioner="reg", splitter=OutputSplitter(block, "reg", graph=unclipped))
-    assert reg_redundancy <= redundancy(batch.blocks, paper.layers)[0], "clipping costs no redundancy here"
+    assert reg_redundancy <= redundancy(batch.blocks, paper.sizes)[0], "clipping costs no redundancy here"
 
 
 def test_plan_slices_equal_the_tensor_path_on_a_power_law_batch(power_law_batch):
@@ -49,5 +49,5 @@ def test_plan_slices_equal_the_tensor_path_on_a_power_law_batch(power_law_batch)
     batch = power_law_batch
     plan = make_split(batch.blocks, k=8, partitioner="reg")
     assert plan.k == 8
-    for group, layers in zip(plan.groups, plan.layers):
-        assert_same_slices(layers, slice_with(slice_block_tensors, batch.blocks, group))
+    for group in plan.groups:
+        assert_same_slices(slice_layers(batch.blocks, group), slice_with(slice_block_tensors, batch.blocks, group))

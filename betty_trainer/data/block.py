@@ -85,7 +85,12 @@ class Block:
 
     def edge_dst(self) -> Tensor:
         """``(E,)`` int64 local dst position of every edge (CSC expanded)."""
-        return torch.repeat_interleave(torch.arange(self.num_dst, device=self.indptr.device), self.in_degrees())
+        return torch.repeat_interleave(torch.arange(self.num_dst, device=self.indptr.device), self.in_degrees(),
+                                       output_size=self.num_edges)
+
+    def tensors(self) -> list[Tensor]:
+        """The block's tensors: ``src_nodes``, ``indptr``, ``indices`` and, where it has them, ``edge_weight``."""
+        return [t for t in (self.src_nodes, self.indptr, self.indices, self.edge_weight) if t is not None]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Block":
         """A copy of the block with every tensor on ``device``."""

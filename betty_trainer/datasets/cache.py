@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +77,11 @@ class CacheWriter:
 
     Args:
         folder: the final folder (replaced if it exists when committing).
+        required: the arrays :meth:`commit` insists on (default: a graph's, :data:`ARRAYS`).
     """
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, required: Sequence[str] = ARRAYS):
+        self.folder, self.required = folder, tuple(required)
         self.tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir(parents=True)
         self.arrays: dict[str, dict[str, Any]] = {}
@@ -106,9 +108,9 @@ class CacheWriter:
         """Write ``meta.json`` (with the arrays' dtypes and shapes) and move the folder into place.
 
         Raises:
-            DatasetError: an array of :data:`ARRAYS` was not written.
+            DatasetError: a required array (:data:`ARRAYS` by default) was not written.
         """
-        missing = [name for name in ARRAYS if name not in self.arrays]
+        missing = [name for name in self.required if name not in self.arrays]
         if missing:
             raise DatasetError(f"cache of {self.folder} lacks {', '.join(missing)} (a bug in its builder)")
         meta = {**meta, "format": CACHE_FORMAT, "arrays": self.arrays}

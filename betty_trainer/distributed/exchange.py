@@ -13,6 +13,7 @@ sums them at the owner, so autograd runs through it.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -140,14 +141,27 @@ def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | 
     return Exchange(order, send_counts, recv_counts, serve_index, owned, group, row_group, traffic)
 
 
+RELEASE_WAIT_S = 1.0
+"""Longest a CPU exchange waits for gloo's worker thread to let go of its buffers (it does within microseconds)."""
+
+
 def _all_to_all(output: Tensor, input: Tensor, output_counts: list[int], input_counts: list[int],
                 group: dist.ProcessGroup | None) -> None:
-    """``all_to_all_single`` that has let go of ``input`` when it returns: the backend's work object, which holds
-    the tensors, is waited on and dropped here rather than whenever the backend lets it go, so the caller frees
-    the send buffer at a known point (the memory estimate counts on it)."""
-    work = dist.all_to_all_single(output, input, output_counts, input_counts, group=group, async_op=True)
-    work.wait()
-    del work
+    """``all_to_all_single`` that returns, on the CPU, only once the backend has let go of ``output`` and ``input``.
+
+    gloo's worker thread holds both tensors until it drops its work item, a moment after the collective completes;
+    under load that moment can come after the caller has moved on, so a buffer the caller frees would die later
+    than the caller (and the memory estimate, ``estimator.cooperative``) says. Waiting for the tensors' reference
+    counts to fall back (at most :data:`RELEASE_WAIT_S`) makes every free happen where the code says. On CUDA, NCCL
+    keeps the tensors until its stream is done with them and the caching allocator orders the reuse: no wait.
+    """
+    held = (output._use_count(), input._use_count())  # private but stable API: the TensorImpl's reference count
+    dist.all_to_all_single(output, input, output_counts, input_counts, group=group)
+    if output.device.type != "cpu":
+        return
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while (output._use_count() > held[0] or input._use_count() > held[1]) and time.monotonic() < deadline:
+        time.sleep(0)  # yield to the worker thread
 
 
 def _row_bytes(rows: Tensor) -> int:
@@ -165,7 +179,7 @@ class _ExchangeRows(torch.autograd.Function):
         with collective("the all-to-all of rows", exchange.rows_group):
             _all_to_all(received, served, exchange.send_counts, exchange.recv_counts, exchange.rows_group)
         exchange.count(served.shape[0] - exchange.recv_counts[dist.get_rank(exchange.group)], _row_bytes(rows))
-        del served  # sent: freed before the rows are put in order (one buffer fewer at the input layer's peak)
+        del served  # sent (and let go of by the backend: _all_to_all), before the output is made
         out = torch.empty_like(received)
         out[exchange.order.to(rows.device)] = received
         return out
@@ -178,7 +192,7 @@ class _ExchangeRows(torch.autograd.Function):
         with collective("the all-to-all of row gradients", exchange.rows_group):
             _all_to_all(back, sent, exchange.recv_counts, exchange.send_counts, exchange.rows_group)
         exchange.count(sent.shape[0] - exchange.send_counts[dist.get_rank(exchange.group)], _row_bytes(grad))
-        del sent
+        del sent  # as in forward
         rows = grad.new_zeros((ctx.num_owned, *grad.shape[1:]))
         rows.index_add_(0, exchange.serve_index.to(grad.device), back)
         return rows, None

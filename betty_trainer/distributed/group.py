@@ -9,6 +9,13 @@ alike. Without that environment a run is a world of one process (a ``HashStore``
 The main group moves rows and gradients on the training device (NCCL on CUDA, gloo on the CPU); sampled ids,
 metrics and agreement checks are CPU tensors or objects, so they go over a gloo group (the main group itself on
 the CPU).
+
+``torch.distributed.nn.functional`` is imported here, before :func:`join` makes a group: its functions' default
+``group`` arguments hold whatever ``dist.group.WORLD`` was when it was first imported, and torch imports it
+lazily (``torch._dynamo``, which fake tensors and ``torch.library`` pull in). Imported after the group was
+made, those defaults keep the group's Python object alive after :func:`leave`, so gloo tore the group down
+at interpreter finalisation and a rank could abort after its run had finished ("terminate called without an
+active exception", SIGABRT).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  (imported before any group exists: see the module docstring)
 
 from betty_trainer.distributed.exchange import collective
 from betty_trainer.errors import ConfigError

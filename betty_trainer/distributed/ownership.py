@@ -32,6 +32,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.datasets.cache import cache_dir
 from betty_trainer.rng import hash_ids, mix_key
 from partition.metis import metis_kway
+from partition.reg import symmetric_graph
 
 Ownership = Literal["random", "metis"]
 OWNERSHIPS: tuple[str, ...] = get_args(Ownership)
@@ -67,15 +68,8 @@ def vertex_owners(graph: Graph, world_size: int, kind: Ownership = "random", see
 
 
 def _symmetric_adjacency(graph: Graph) -> sp.csr_matrix:
-    """``A + Aᵀ`` with unit weights and no diagonal: METIS's input (it needs a symmetric graph)."""
-    n = graph.num_nodes
-    indptr = graph.indptr.cpu().numpy()
-    indices = graph.indices.cpu().numpy()
-    a = sp.csr_matrix((np.ones(indices.size, dtype=np.int64), indices, indptr), shape=(n, n))
-    sym = ((a + a.T) > 0).astype(np.int64).tocsr()
-    sym.setdiag(0)
-    sym.eliminate_zeros()
-    return sym
+    """``A + Aᵀ`` with unit weights and no diagonal: METIS's input (:func:`partition.reg.symmetric_graph`)."""
+    return symmetric_graph(graph.indptr.cpu().numpy(), graph.indices.cpu().numpy())
 
 
 def structure_fingerprint(graph: Graph) -> str:

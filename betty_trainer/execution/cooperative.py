@@ -27,7 +27,7 @@ from betty_trainer.distributed.exchange import collective, exchange_rows
 from betty_trainer.distributed.share import CooperativeBatch
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import measured_step_resident
-from betty_trainer.execution.plan import StepResult, estimated_row, layer_sizes, piece_row, plan_report
+from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, layer_sizes, piece_row, plan_report
 from betty_trainer.models.stack import runs_layer_by_layer
 from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
@@ -143,6 +143,7 @@ class CooperativePlan:
     tried: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
     feature_store_bytes: int = 0
+    method: ClassVar[str] = "cooperative"
 
     @cached_property
     def estimates(self) -> list[MemoryEstimate] | None:
@@ -150,7 +151,6 @@ class CooperativePlan:
         if self.itemise is None:
             return None
         return [self.itemise(share, index > 0) for index, share in enumerate(self.shares)]
-    method: ClassVar[str] = "cooperative"
 
     @property
     def pieces(self) -> int:
@@ -165,9 +165,14 @@ class CooperativePlan:
         return float(sum(block.num_src + block.num_edges for share in self.shares for block in share.blocks))
 
     @property
+    def host_bytes(self) -> int:
+        """The rounds' shares (their blocks and exchange indices) less the batch's own: 0 for one round."""
+        return held_bytes((t for share in self.shares for t in share_tensors(share)), share_tensors(self.batch))
+
+    @property
     def summary(self) -> str:
         rounds = f"{self.pieces} micro-batch round{'s' if self.pieces > 1 else ''}"
-        return f"rank {self.rank} of {self.world_size}: its share of the global batch in {rounds}"
+        return f"a share of the global batch in {rounds}"
 
     def redundancy(self) -> list[float]:
         whole = [max(block.num_src, 1) for block in self.batch.blocks]
@@ -204,6 +209,17 @@ class CooperativePlan:
                            world_size=self.world_size, global_batch_outputs=self.batch.seeds.numel())
 
 
+def exchange_indices(share: CooperativeBatch) -> list[Tensor]:
+    """The int64 indices of a share's exchanges: each one's ``order``, ``serve_index`` and ``owned``."""
+    return [t for exchange in share.exchanges for t in (exchange.order, exchange.serve_index, exchange.owned)]
+
+
+def share_tensors(share: CooperativeBatch) -> list[Tensor]:
+    """The tensors a share holds: its blocks' (:meth:`~betty_trainer.data.block.Block.tensors`) and its exchanges'
+    indices."""
+    return [*(t for block in share.blocks for t in block.tensors()), *exchange_indices(share)]
+
+
 def measure_cooperative_step(model: nn.Module, optimizer: torch.optim.Optimizer, share: CooperativeBatch,
                              features: FeatureStore, labels: Tensor, device: torch.device, num_outputs: int,
                              accumulate: bool = False) -> MeasuredPeak:
@@ -218,7 +234,7 @@ def measure_cooperative_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     """
     resident = measured_step_resident(model, optimizer, share.blocks, device, accumulate)
     if device.type == "cpu":  # the exchanges' indices are live during the step, as the blocks are
-        resident += [t for exchange in share.exchanges for t in (exchange.order, exchange.serve_index, exchange.owned)]
+        resident += exchange_indices(share)
 
     def step() -> None:
         cooperative_step(model, [share], features, labels, device, num_outputs)

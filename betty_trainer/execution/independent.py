@@ -55,9 +55,13 @@ class IndependentPlan:
         return self.local.work if self.local is not None else 0.0
 
     @property
+    def host_bytes(self) -> int:
+        return self.local.host_bytes if self.local is not None else 0
+
+    @property
     def summary(self) -> str:
         how = self.local.summary if self.local is not None else "nothing (no seeds)"
-        return f"rank {dist.get_rank(self.group)}'s share of the seeds as {how}"
+        return f"a share of the seeds as {how}"
 
     def redundancy(self) -> list[float]:
         return self.local.redundancy() if self.local is not None else [1.0] * len(self.batch.blocks)

@@ -24,8 +24,12 @@ a time (:func:`partition.chunks.chunk_layers`):
   :func:`~betty_trainer.models.capabilities.affine_layers`): the layer's output is ``A·z`` (``A`` from the block
   alone) plus terms without ``z``, so no gradient reads ``z``'s values. Its ``z`` is freed when its forward ends;
   in backward ``∂L/∂h_l`` first takes the stack's ReLU from the stored ``h_l`` (:func:`relu_backward_`; not at
-  the output layer, which has no ReLU), and each chunk recomputes from zeros in place of its rows of ``z``,
-  without the ReLU.
+  the output layer, which has no ReLU). Where the compiled CPU kernels run, such a layer runs off the whole block
+  in as many contiguous dst row blocks as it has chunks (:meth:`_LayerPass.pieces`; the chunks' dst sets do not
+  matter, so the planner splits it by ``range``): forward sums each row's CSR row of the block reading ``z`` in
+  place, backward adds ``Aᵀ·∂L/∂h_l`` into ``∂L/∂z`` and recomputes only the part reading the dst input rows, whose
+  rows of ``h_{l−1}``, ``∂L/∂h_l`` and ``h_l`` are views (``SAGEConv.propagate_rows``). Elsewhere each chunk
+  recomputes from zeros in place of its rows of ``z``, without the ReLU.
 - **Structure**: a chunk keeps its dst nodes and CSC pointer; its slice and sub-block are made when it
   runs and freed when it ends (:meth:`partition.chunks.Chunk.slice`).
 - **Where h_l lives**: on the device, or in host memory when the plan says so
@@ -50,9 +54,10 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import training_state
-from betty_trainer.execution.plan import StepResult, piece_row, plan_report
+from betty_trainer.execution.plan import StepResult, held_bytes, piece_row, plan_report
 from betty_trainer.models.capabilities import affine_layers, projected_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
+from betty_trainer.rng import compiled_kernels
 from estimator.layerwise import row_blocks
 from estimator.measure import MeasuredPeak, measure_peak
 from partition.chunks import Chunk, LayerChunks
@@ -98,7 +103,14 @@ class LayerwisePlan:
 
     @property
     def summary(self) -> str:
-        return f"layer by layer in {self.pieces} chunk{'s' if self.pieces > 1 else ''} per layer"
+        counts = [len(layer) for layer in self.chunks.layers]
+        shown = str(counts[0]) if len(set(counts)) == 1 else ", ".join(map(str, counts))
+        return f"layer by layer in {shown} chunk{'s' if max(counts) > 1 else ''} per layer"
+
+    @property
+    def host_bytes(self) -> int:
+        """The chunks' dst positions and CSC pointers (each chunk's slice is made when it runs)."""
+        return held_bytes(t for chunks in self.chunks.layers for chunk in chunks for t in (chunk.dst, chunk.indptr))
 
     @property
     def host_outputs(self) -> bool:
@@ -130,7 +142,8 @@ class LayerwisePlan:
         return plan_report(self, rows, budget=self.budget, partitioner=self.partitioner, tried=self.tried,
                            seconds=self.seconds, feature_store_bytes=self.feature_store_bytes,
                            measured_step=measured[0] if measured is not None else None,
-                           layer_outputs_on="host" if self.host_outputs else "device")
+                           layer_outputs_on="host" if self.host_outputs else "device",
+                           chunks_per_layer=[len(layer) for layer in self.chunks.layers])
 
 
 def layerwise_backward(
@@ -196,6 +209,11 @@ class _LayerPass:
     def last(self) -> int:
         return len(self.blocks) - 1
 
+    def runs_rows(self, index: int) -> bool:
+        """Whether layer ``index``'s chunks run off the whole block (an affine layer where the compiled CPU kernels
+        run: :class:`~betty_trainer.models.capabilities.AffineLayer`), without slices or gathered rows of ``z``."""
+        return self.affine[index] and compiled_kernels(self.device, self.dtype)
+
     def forward(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
         """Layers 1 … L without autograd: each layer's output ``h_l`` (the last one the logits), and each
         projected, non-affine layer's ``z`` (``None`` for the others), which its backward reads."""
@@ -203,15 +221,19 @@ class _LayerPass:
         projected: list[Tensor | None] = []
         h_prev = None
         with torch.no_grad():
-            for index, pieces in enumerate(self.chunks.layers):
+            for index in range(len(self.blocks)):
                 z_all = self.project(index, h_prev) if self.projects[index] else None
                 out = None
-                for chunk in pieces:
-                    h = self.chunk_step(index, chunk, h_prev, z_all, grad=False)[0]  # its input rows die here
+                for piece in self.pieces(index):
+                    if isinstance(piece, Chunk):
+                        h = self.chunk_step(index, piece, h_prev, z_all, grad=False)[0]  # its input rows die here
+                        rows = piece.dst
+                    else:
+                        h, rows = self.rows_forward(index, *piece, h_prev, z_all), slice(*piece)
                     if out is None:
                         host = self.chunks.host_outputs and index < self.last
                         out = output_storage(self.blocks[index].num_dst, h, host=host)
-                    out[chunk.dst.to(out.device)] = h.to(out.device)
+                    out[rows if isinstance(rows, slice) else rows.to(out.device)] = h.to(out.device)
                     del h
                 stored.append(out)
                 projected.append(None if self.affine[index] else z_all)  # an affine layer's backward does not read z
@@ -267,6 +289,10 @@ class _LayerPass:
         """Layer ``index``'s chunks, each recomputed with autograd and backpropagated from its rows of
         ``grad_out``: parameter gradients into ``.grad``, the input rows' gradients into ``grad_rows``
         (``∂L/∂z`` for a projected layer, else ``∂L/∂h_{l−1}``) and the dst input rows' into ``grad_in``."""
+        if self.runs_rows(index):
+            for begin, end in self.pieces(index):
+                self.rows_backward(index, begin, end, grad_out, h_prev, grad_rows, grad_in)
+            return
         for chunk in self.chunks.layers[index]:
             h, rows, src_index, h_dst, block = self.chunk_step(index, chunk, h_prev, z_all, grad=True)
             h.backward(grad_out[chunk.dst.to(self.device)])
@@ -275,6 +301,47 @@ class _LayerPass:
             if h_dst is not None and grad_in is not None:
                 grad_in.index_add_(0, chunk.dst.to(self.device), h_dst.grad)
             del h, rows, src_index, h_dst, block
+
+    def pieces(self, index: int) -> list[Chunk] | list[tuple[int, int]]:
+        """What layer ``index`` runs a piece at a time: its chunks, or, for a layer that runs off the whole block
+        (:meth:`runs_rows`), as many contiguous dst row blocks (:func:`~estimator.layerwise.row_blocks`), whose
+        rows of ``h_{l−1}``, ``∂L/∂h_l`` and ``h_l`` are views."""
+        chunks = self.chunks.layers[index]
+        return row_blocks(self.blocks[index].num_dst, len(chunks)) if self.runs_rows(index) else chunks
+
+    def rows_forward(self, index: int, begin: int, end: int, h_prev: Tensor | None, z_all: Tensor) -> Tensor:
+        """An affine layer's dst rows ``[begin, end)`` without autograd, off the whole block (:meth:`runs_rows`):
+        their input rows (with the stack's dropout) when the layer reads them, ``propagate_rows`` on ``z_all``,
+        and the stack's ReLU below the output layer. Returns the rows' output."""
+        h_dst, dst_nodes = self.dst_rows(index, begin, end, h_prev)
+        if h_dst is not None:
+            h_dst = self.model.dropout(h_dst, dst_nodes, index, index == 0)
+        h = self.model.layers[index].propagate_rows(self.blocks[index], begin, end, z_all, h_dst)
+        return F.relu(h) if index < self.last else h
+
+    def rows_backward(self, index: int, begin: int, end: int, grad_out: Tensor, h_prev: Tensor | None,
+                      grad_z: Tensor, grad_in: Tensor | None) -> None:
+        """An affine layer's dst rows ``[begin, end)`` backpropagated off the whole block (:meth:`runs_rows`) from
+        their rows of ``grad_out`` (the stack's ReLU applied already): ``propagate_rows_backward`` adds ``∂L/∂z``
+        into ``grad_z`` without recomputing the aggregation, and the rows' input gradient is added into
+        ``grad_in``."""
+        h_dst, dst_nodes = self.dst_rows(index, begin, end, h_prev)
+        if h_dst is not None and index > 0:
+            h_dst.requires_grad_()  # a view of h_{l−1}: its gradient is a tensor of its own
+        self.model.layers[index].propagate_rows_backward(
+            self.blocks[index], begin, grad_out[begin:end], grad_z,
+            None if h_dst is None else self.model.dropout(h_dst, dst_nodes, index, index == 0))
+        if h_dst is not None and grad_in is not None:
+            grad_in[begin:end] += h_dst.grad
+
+    def dst_rows(self, index: int, begin: int, end: int, h_prev: Tensor | None) -> tuple[Tensor | None, Tensor]:
+        """Dst rows ``[begin, end)`` of layer ``index`` run off the whole block: their input rows (gathered features
+        at the input layer, a view of ``h_{l−1}`` above it; ``None`` when the layer does not read them) and their
+        node ids (a view of the block's src ids)."""
+        dst_nodes = self.blocks[index].src_nodes[begin:end]
+        if not self.model.layers[index].reads_dst_input:
+            return None, dst_nodes
+        return self.layer_input(index, dst_nodes, slice(begin, end), h_prev), dst_nodes
 
     def layer_input(self, index: int, nodes: Tensor, positions: slice | Tensor, h_prev: Tensor | None) -> Tensor:
         """Rows of the layer's input for ``nodes`` (global ids) at ``positions`` among the block's src nodes:

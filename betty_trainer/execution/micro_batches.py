@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar, overload
 
 import torch
@@ -18,36 +19,44 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, require_store
 from betty_trainer.errors import TrainingError
-from betty_trainer.execution.plan import StepResult, estimated_row, layer_sizes, piece_row, plan_report
+from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, layer_sizes, piece_row, plan_report
 from betty_trainer.models.stack import LayerStack
 from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
-from partition import BlockStructure, LayerSlice, Split, redundancy
+from partition import BlockStructure, Split, redundancy
 
 
 class MicroBatches(Sequence[Batch]):
-    """The ``K`` micro-batches of one batch, each built (``Batch.restrict``) when it is read.
+    """The ``K`` micro-batches of one batch, each sliced and built (``Batch.restrict``) when it is read.
 
-    A plan holds only :class:`~partition.LayerSlice` positions; the micro-batch's blocks
-    (global src ids, CSC structure, edge weights) are made when training reaches it, so a
-    loop over this sequence keeps one micro-batch alive at a time, not ``K``.
+    Holds only each micro-batch's output positions: reading micro-batch ``k`` slices the batch for it
+    (:func:`partition.slice_layers`; ``O(its edges)``, a few per cent of its step on the CPU) and builds its
+    blocks (global src ids, CSC structure, edge weights); the slices' src positions and edge ids are dropped
+    once the blocks are built. A loop over this sequence keeps one micro-batch alive at a time, not ``K``, and
+    nothing of the micro-batches lives between steps. A group of every output is the batch itself (``K = 1``:
+    no slicing, no copy).
 
     Args:
-        batch: the full batch (or mini-batch) the slices index into.
-        layers: per micro-batch, one :class:`~partition.LayerSlice` per block, input layer
-            first (:attr:`partition.Split.layers`).
+        batch: the full batch (or mini-batch) the micro-batches slice.
+        groups: per micro-batch, ``(m_k,)`` int64 sorted positions among the batch's output nodes
+            (:attr:`partition.Split.groups`).
     """
 
-    def __init__(self, batch: Batch, layers: Sequence[Sequence[LayerSlice]]):
-        self.batch, self.layers = batch, layers
+    def __init__(self, batch: Batch, groups: Sequence[Tensor]):
+        self.batch, self.groups = batch, groups
 
     @property
     def num_outputs(self) -> int:
         """``|V|``: the output nodes of all micro-batches together (the loss divisor)."""
-        return sum(slices[-1].num_dst for slices in self.layers)
+        return sum(group.numel() for group in self.groups)
 
     def __len__(self) -> int:
-        return len(self.layers)
+        return len(self.groups)
+
+    def _build(self, group: Tensor) -> Batch:
+        if group.numel() == self.batch.output_nodes.numel():
+            return self.batch
+        return self.batch.micro_batch(group)
 
     @overload
     def __getitem__(self, index: int) -> Batch: ...
@@ -57,12 +66,12 @@ class MicroBatches(Sequence[Batch]):
 
     def __getitem__(self, index: int | slice) -> Batch | list[Batch]:
         if isinstance(index, slice):
-            return [self.batch.restrict(slices) for slices in self.layers[index]]
-        return self.batch.restrict(self.layers[index])
+            return [self._build(group) for group in self.groups[index]]
+        return self._build(self.groups[index])
 
     def __iter__(self) -> Iterator[Batch]:
-        for slices in self.layers:
-            yield self.batch.restrict(slices)
+        for group in self.groups:
+            yield self._build(group)
 
     def __repr__(self) -> str:
         return f"MicroBatches(k={len(self)}, outputs={self.num_outputs})"
@@ -168,7 +177,8 @@ class MicroBatchPlan:
 
     Attributes:
         batch: the batch the micro-batches slice.
-        split: the micro-batches' output groups, layer slices, estimates and search (:func:`partition.make_split`).
+        split: the micro-batches' output groups, their layers' sizes, estimates and search (:func:`partition.make_split`);
+            each micro-batch is sliced when it runs (:class:`MicroBatches`).
         work: the estimated cost the planner compared (see the protocol).
         partitioner: what split the outputs (``micro_batch.partitioner``).
         feature_store_bytes: device bytes the feature store holds beside the step (taken off the budget).
@@ -187,21 +197,33 @@ class MicroBatchPlan:
     def pieces(self) -> int:
         return self.split.k
 
-    @property
+    @cached_property
     def estimate(self) -> int | None:
-        return max(self.split.estimates, default=0) or None
+        """The largest micro-batch's estimated peak, bytes: the search's (:attr:`partition.Split.estimates`), or,
+        for a split made without estimates (sampled batches assigned by the graph without a budget:
+        :class:`~betty_trainer.memory.planner.Planner`), the closed form of each micro-batch sliced when asked
+        (``None`` without a closed form)."""
+        if self.split.estimates or self.itemise is None:
+            return max(self.split.estimates, default=0) or None
+        return max(self.itemise(micro_batch.blocks, index > 0).peak_bytes
+                   for index, micro_batch in enumerate(self.micro_batches))
 
     @property
     def summary(self) -> str:
         return f"{self.pieces} micro-batch{'es' if self.pieces > 1 else ''}"
 
     @property
+    def host_bytes(self) -> int:
+        """The split's groups, ``8 · outputs`` bytes at any K (each micro-batch is sliced when it runs)."""
+        return held_bytes(self.split.groups)
+
+    @property
     def micro_batches(self) -> MicroBatches:
-        """The micro-batches, each built when it is read."""
-        return MicroBatches(self.batch, self.split.layers)
+        """The micro-batches, each sliced and built when it is read."""
+        return MicroBatches(self.batch, self.split.groups)
 
     def redundancy(self) -> list[float]:
-        return redundancy(self.batch.blocks, self.split.layers)
+        return redundancy(self.batch.blocks, self.split.sizes)
 
     def run(self, model: nn.Module, features: FeatureStore, labels: Tensor, device: torch.device) -> StepResult:
         return accumulate_gradients(model, self.micro_batches, features, labels, device)
@@ -218,14 +240,20 @@ class MicroBatchPlan:
                 for index, micro_batch in enumerate(micro_batches)]
 
     def report(self, measured: list[int] | None = None) -> dict:
-        rows = [estimated_row(piece_row(index, layer_sizes(micro_batch)),
-                              self.itemise(micro_batch.blocks, index > 0) if self.itemise is not None else None,
+        split = self.split  # its estimates: each micro-batch's peak as the search had it (a custom model's too)
+
+        def estimate(index: int, micro_batch: Batch) -> MemoryEstimate | int | None:
+            if self.itemise is not None:
+                return self.itemise(micro_batch.blocks, index > 0)
+            return split.estimates[index] if split.estimates else None
+
+        rows = [estimated_row(piece_row(index, layer_sizes(micro_batch)), estimate(index, micro_batch),
                               measured[index] if measured is not None else None)
                 for index, micro_batch in enumerate(self.micro_batches)]
-        split = self.split
         return plan_report(self, rows, budget=split.budget, partitioner=self.partitioner, tried=split.tried,
                            seconds=split.seconds, feature_store_bytes=self.feature_store_bytes,
-                           full_batch_estimate=split.full_batch_estimate or None,
+                           full_batch_estimate=split.full_batch_estimate or (
+                               self.itemise(self.batch.blocks, False).peak_bytes if self.itemise is not None else None),
                            measured_step=max(measured) if measured else None)
 
 
@@ -250,8 +278,7 @@ def measured_step_resident(model: nn.Module, optimizer: torch.optim.Optimizer, b
     if accumulate:
         resident += [parameter.grad for parameter in model.parameters()]
     if device.type == "cpu":
-        resident += [t for block in blocks
-                     for t in (block.src_nodes, block.indptr, block.indices, block.edge_weight) if t is not None]
+        resident += [t for block in blocks for t in block.tensors()]
     return resident
 
 

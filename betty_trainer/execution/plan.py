@@ -16,6 +16,7 @@ the same order, so a plan's ``pieces`` must be the same on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -52,6 +53,9 @@ class StepPlan(Protocol):
             estimate, e.g. an uncalibrated custom model at a fixed ``K``).
         work: the estimated cost the planner compared plans by (multiply-adds of a built-in model, rows and
             edges processed otherwise); only ratios between plans of one batch are meaningful.
+        host_bytes: bytes of the tensors the plan itself holds beside its batch, between steps as during them
+            (``plan.json``'s ``plan_host_bytes``): what keeping the plan costs in host memory, outside every step's
+            estimated peak.
     """
 
     batch: Batch
@@ -65,6 +69,9 @@ class StepPlan(Protocol):
 
     @property
     def work(self) -> float: ...
+
+    @property
+    def host_bytes(self) -> int: ...
 
     @property
     def summary(self) -> str:
@@ -105,6 +112,14 @@ class StepPlan(Protocol):
         ...
 
 
+def held_bytes(held: Iterable[Tensor], beside: Iterable[Tensor] = ()) -> int:
+    """Bytes of the distinct storages of the ``held`` tensors (views of one storage count it once), less those
+    ``beside`` holds too (a plan's batch): a plan's :attr:`StepPlan.host_bytes`."""
+    batch_storages = {t.untyped_storage().data_ptr() for t in beside}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    return sum(nbytes for pointer, nbytes in storages.items() if pointer not in batch_storages)
+
+
 def layer_sizes(batch: Batch) -> list[dict[str, int]]:
     """Per block of ``batch``: its src nodes, dst nodes and edges (a report's sizes)."""
     return [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges} for b in batch.blocks]
@@ -130,7 +145,7 @@ def plan_report(plan: StepPlan, rows: list[dict], *, budget: int | None, partiti
         full_batch_estimate: the estimated peak of the unsplit batch, bytes, where the search made one.
         measured_step: the measured peak of the whole step, bytes (the largest piece's, or the one layer-wise
             step's).
-        extra: the kind's own keys (a layer-wise plan's ``layer_outputs_on``).
+        extra: the kind's own keys (a layer-wise plan's ``layer_outputs_on`` and ``chunks_per_layer``).
     """
     report = {
         "mode": plan.method,
@@ -143,6 +158,7 @@ def plan_report(plan: StepPlan, rows: list[dict], *, budget: int | None, partiti
                        "layers": layer_sizes(plan.batch)},
         "estimate_peak_bytes": plan.estimate,
         "work": plan.work,
+        "plan_host_bytes": plan.host_bytes,
         "redundancy_per_layer": plan.redundancy(),
         "tried": [{"k": k, "largest_estimate_bytes": peak} for k, peak in tried],
         "planning_seconds": seconds,
@@ -162,13 +178,15 @@ def piece_row(index: int, layers: list[dict[str, int]]) -> dict:
     return {"piece": index, "outputs": layers[-1]["dst_nodes"], "layers": layers}
 
 
-def estimated_row(row: dict, estimate: MemoryEstimate | None, measured: int | None) -> dict:
-    """``row`` (:func:`piece_row`) with the piece's own ``estimate`` (``peak_bytes`` and the components ``at_peak``)
-    and ``measured_peak_bytes``, and the estimate's ``error`` where both are there; ``None`` adds nothing."""
+def estimated_row(row: dict, estimate: MemoryEstimate | int | None, measured: int | None) -> dict:
+    """``row`` (:func:`piece_row`) with the piece's own ``estimate`` (``peak_bytes`` and the components ``at_peak``;
+    a custom model's recorded or calibrated estimate is a number of bytes, its ``at_peak`` empty) and
+    ``measured_peak_bytes``, and the estimate's ``error`` where both are there; ``None`` adds nothing."""
     if estimate is not None:
-        row["estimate"] = {"peak_bytes": estimate.peak_bytes, "at_peak": estimate.at_peak}
+        peak, at_peak = (estimate, {}) if isinstance(estimate, int) else (estimate.peak_bytes, estimate.at_peak)
+        row["estimate"] = {"peak_bytes": peak, "at_peak": at_peak}
     if measured is not None:
         row["measured_peak_bytes"] = measured
         if estimate is not None:
-            row["error"] = relative_error(estimate.peak_bytes, measured)
+            row["error"] = relative_error(row["estimate"]["peak_bytes"], measured)
     return row

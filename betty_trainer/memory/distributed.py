@@ -24,7 +24,7 @@ from betty_trainer.data.block import Batch
 from betty_trainer.distributed.exchange import collective
 from betty_trainer.distributed.group import Processes
 from betty_trainer.distributed.share import CooperativeBatch
-from betty_trainer.errors import PlanningError, TrainingError
+from betty_trainer.errors import ConfigError, PlanningError, TrainingError
 from betty_trainer.execution.cooperative import CooperativePlan
 from betty_trainer.execution.independent import IndependentPlan
 from betty_trainer.execution.plan import StepPlan
@@ -36,6 +36,9 @@ from estimator.estimate import MemoryEstimate
 class DistributedPlanner:
     """The planner of one rank (``plan`` and ``report``, as :class:`~betty_trainer.memory.planner.Planner`'s).
 
+    Raises:
+        ConfigError: cooperative rounds under a budget without a built-in model's estimate.
+
     Args:
         local: the single-process planner (independent mode plans this rank's batch with it).
         processes: this rank's place in the run.
@@ -45,6 +48,9 @@ class DistributedPlanner:
 
     def __init__(self, local: Planner, processes: Processes, sampler: CooperativeSampler | None = None,
                  rounds: int = 1) -> None:
+        if sampler is not None and local.budget is not None and self._estimate_of(local) is None:
+            raise ConfigError("distributed.mode=cooperative under micro_batch.budget needs a built-in model's estimate "
+                              "of a share; set micro_batch.num_micro_batches instead for a custom model")
         self.local, self.processes, self.sampler, self.rounds = local, processes, sampler, rounds
 
     def plan(self, batch: Batch | CooperativeBatch, min_pieces: int = 1) -> StepPlan:
@@ -81,7 +87,12 @@ class DistributedPlanner:
 
     @property
     def _itemise(self) -> Callable[[CooperativeBatch, bool], MemoryEstimate] | None:
-        estimator = self.local.estimator
+        return self._estimate_of(self.local)
+
+    @staticmethod
+    def _estimate_of(local: Planner) -> Callable[[CooperativeBatch, bool], MemoryEstimate] | None:
+        """A round's itemised estimate from ``local``'s closed form, or ``None`` (a custom model)."""
+        estimator = local.estimator
         if estimator is None or not estimator.closed_form:
             return None
         return lambda share, accumulate: estimator.cooperative_share(share.blocks, share.exchange_counts(), accumulate)
@@ -98,7 +109,7 @@ class DistributedPlanner:
         """``plan.json``'s content on rank 0: every rank's plan report (a collective over the ranks' CPU group),
         under ``ranks``, beside the budget's terms."""
         reports: list[dict | None] = [None] * self.processes.world_size
-        dist.all_gather_object(reports, plan.report(measured), group=self.processes.cpu_group)
-        local = self.local.report(plan, measured)
+        with collective("the gathering of plans", self.processes.cpu_group):
+            dist.all_gather_object(reports, plan.report(measured), group=self.processes.cpu_group)
         return {"mode": plan.method, "world_size": self.processes.world_size, "ranks": reports,
-                "memory_terms": local["memory_terms"]}
+                "memory_terms": self.local.memory_terms()}

@@ -3,8 +3,8 @@ of each batch (Betty §4.4.3).
 
 ``Planner.plan(batch)`` returns what to run: ``K`` micro-batches or ``K`` chunks per layer from the config, or,
 with ``micro_batch.budget``, the fewest whose estimated peak fits the budget. The estimate is the closed form for a
-built-in model and a calibrated fit for a custom one (:func:`make_planner`). This module is the one home of plan
-composition: :func:`plan_micro_batches` (a fixed K, no estimate) and the planner both call
+built-in model and a recorded closed form, or a calibrated fit, for a custom one (:func:`make_planner`). This
+module is the one home of plan composition: :func:`plan_micro_batches` (a fixed K, no estimate) and the planner both call
 :func:`partition.make_split`, and only here does its ``BudgetError`` become the user-facing
 :class:`~betty_trainer.errors.PlanningError`.
 """
@@ -25,15 +25,20 @@ from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.execution.layerwise import LayerwisePlan
-from betty_trainer.execution.micro_batches import MicroBatchPlan
+from betty_trainer.execution.micro_batches import MicroBatches, MicroBatchPlan
 from betty_trainer.execution.plan import StepPlan
 from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.custom import calibrate_model
+from betty_trainer.memory.recorded import record_model
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models.stack import runs_layer_by_layer
+from estimator.calibrate import CalibratedModel
 from estimator.peaks import PeakEstimator
-from partition import BudgetError, OutputSplitter, make_split
+from estimator.recorder import RecordedModel, RecordingRefused
+from partition import BudgetError, GraphPartition, OutputSplitter, Split, make_split
 from partition.chunks import search_chunks
+from partition.partitioners import GRAPHS
+from partition.search import Estimate, k_to_fit
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +49,8 @@ class Planner:
     Args:
         config: the ``micro_batch`` section.
         estimator: the :class:`~estimator.peaks.PeakEstimator` of the built-in model's closed form or of a custom
-            model's calibrated fit (see :func:`make_planner`), which the searches the planner calls are handed; or
+            model's recorded or calibrated estimate (see :func:`make_planner`), which the searches the planner calls
+            are handed; or
             ``None`` for an uncalibrated custom model, and without an estimate only a fixed ``K`` is possible.
         device: where training runs (for ``budget: auto``).
         feature_store_bytes: device bytes the feature store holds between steps (its node cache and a
@@ -54,11 +60,27 @@ class Planner:
         seed: the partitioner's seed (:func:`~betty_trainer.sampling.schedule.plan_seed`).
         layerwise_allowed: layer-wise plans may be made (``False`` for a custom model that cannot run layer by
             layer, or whose calibrated fit models micro-batches only); else ``mode`` is ``micro_batches``.
+        graph_partition: the run's :class:`~partition.GraphPartition` (``micro_batch.assignment`` resolved to
+            ``graph``: :func:`make_planner`), or ``None`` to partition each batch's outputs.
+
+    Assignment by the graph: with a ``graph_partition``, a batch's micro-batches are its outputs grouped by their
+    nodes' parts in the graph's K-way partition (made once per K for the run) and counted; no REG and no METIS
+    per batch. Without a budget K is ``num_micro_batches`` and nothing is estimated per batch (the plan
+    estimates its micro-batches when asked: :attr:`MicroBatchPlan.estimate
+    <betty_trainer.execution.micro_batches.MicroBatchPlan.estimate>`). Under a budget the first batch is planned
+    per batch (the K search on its REG) and its K is the graph's; each later batch tries the graph's K, and
+    where its largest estimate misses the budget the batch is planned per batch instead (``fallbacks`` counts
+    those batches) and the graph's K grows for the batches after it: to the larger of that batch's K and
+    ``⌈K · (largest − resident) / (budget − resident)⌉`` (a micro-batch's own bytes shrink about as 1/K), at
+    least by one. It never shrinks during a run; ``graph_k`` is the K the next batch tries (``None`` before the
+    first batch, and without a budget). Any assignment of the outputs gives the full batch's gradient (Betty
+    §4.2.3); the estimate counts the micro-batches the assignment makes.
 
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
     ``src_nodes``, ``indptr``, ``indices`` and ``edge_weight`` compared with
     ``torch.equal``), planned with the same ``min_pieces``, gets the last plan back without
-    partitioning or slicing again; a full-neighbourhood full batch is such a batch every epoch.
+    partitioning again (a plan keeps each micro-batch's outputs and slices it when it runs); a
+    full-neighbourhood full batch is such a batch every epoch.
     With another ``min_pieces`` (re-planning after an out-of-memory error) the batch's REG is
     reused. ``plans_made`` and ``plans_reused`` count the two cases.
 
@@ -68,7 +90,8 @@ class Planner:
     """
 
     def __init__(self, config: MicroBatchConfig, estimator: PeakEstimator | None, device: torch.device,
-                 feature_store_bytes: int = 0, seed: int = 0, layerwise_allowed: bool = True):
+                 feature_store_bytes: int = 0, seed: int = 0, layerwise_allowed: bool = True,
+                 graph_partition: GraphPartition | None = None):
         self.config = config
         self.seed = seed
         self.feature_store_bytes = feature_store_bytes
@@ -84,18 +107,25 @@ class Planner:
         self.resident = estimator.resident_bytes if estimator is not None else 0
         self.plans_made = 0
         self.plans_reused = 0
+        self.graph_partition = graph_partition
+        self.fallbacks = 0
+        self.graph_k: int | None = None
         self._last: _LastPlan | None = None
         self._splitter: OutputSplitter | None = None
-        self._warned_fewer = False  # fewer micro-batches or chunks than asked: said once
+        self._warned_fewer = self._warned_above = False  # said once: fewer pieces than asked; chunks above K = 1
 
     def report(self, plan: StepPlan, measured: list[int] | None = None) -> dict:
         """``plan.json``'s content: ``plan``'s report (:meth:`~betty_trainer.execution.plan.StepPlan.report`) and
         ``memory_terms``, every term of the budget (:meth:`BudgetTerms.report
         <betty_trainer.memory.budget.BudgetTerms.report>`) and what every estimate holds resident: ``parameters``,
         ``optimizer_state`` and ``device_workspace`` (bytes; 0 for a custom model, whose calibrated fit measured them)."""
+        return {**plan.report(measured), "memory_terms": self.memory_terms()}
+
+    def memory_terms(self) -> dict:
+        """``plan.json``'s ``memory_terms`` (see :meth:`report`), bytes by term."""
         resident = self.estimator.state_bytes() if self.estimator is not None else {}
         terms = {name: resident.get(name, 0) for name in ("parameters", "optimizer_state", "device_workspace")}
-        return {**plan.report(measured), "memory_terms": {**self.budget_terms.report(), **terms}}
+        return {**self.budget_terms.report(), **terms}
 
     def plan(self, batch: Batch, min_pieces: int = 1) -> StepPlan:
         """What to run for ``batch``: its micro-batches, or its layer-wise chunks (``micro_batch.mode``); at least
@@ -134,9 +164,11 @@ class Planner:
                                   (max(b.num_dst for b in batch.blocks), "chunks per layer", "dst nodes in its largest layer"))
             logger.warning("micro_batch.num_micro_batches asks for %d %s; %s%s made %d%s, so %d run", asked, what,
                            f"the batch has {limit} {nodes}, at most one per piece; " if asked > limit else "",
-                           self.config.partitioner, short.pieces,
-                           f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"
-                           if short.pieces < min(asked, limit) else "", short.pieces)
+                           short.partitioner, short.pieces,
+                           ("" if short.pieces >= min(asked, limit) else
+                            " (no output of the batch is in some of the graph's parts)" if short.partitioner == "graph" else
+                            f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"),
+                           short.pieces)
         plan = min(candidates, key=lambda candidate: candidate.work)
         self.plans_made += 1
         self._last = _LastPlan(min_pieces, self._splitter, plan)
@@ -157,21 +189,56 @@ class Planner:
         closed_form = estimator is not None and estimator.closed_form
         if kind == "micro_batches":
             weighted = [block.edge_weight is not None for block in batch.blocks]  # the slices planned carry none
-            if self._splitter is None:
-                self._splitter = OutputSplitter(batch.blocks[-1], config.partitioner)
-            split = make_split(
-                batch.blocks, functools.partial(estimator.peak, weighted=weighted) if estimator is not None else None,
-                budget=budget, k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
-                resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
-                balance=config.balance, splitter=self._splitter)
-            return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.layers) if closed_form else float(split.work),
-                                  config.partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
+            estimate = functools.partial(estimator.peak, weighted=weighted) if estimator is not None else None
+            split, partitioner = self._graph_split(batch, estimate, min_pieces), GraphPartition.method
+            if split is None:
+                if self._splitter is None:
+                    self._splitter = OutputSplitter(batch.blocks[-1], config.partitioner)
+                split, partitioner = make_split(
+                    batch.blocks, estimate, budget=budget,
+                    k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
+                    resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
+                    balance=config.balance, splitter=self._splitter), config.partitioner
+                if self.graph_partition is not None and budget is not None:  # the graph tries no fewer next time
+                    self.graph_k = max(self.graph_k or 0, split.k)
+            return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
+                                  partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
+        # the whole batch in one micro-batch: less work, so no chunking above it
+        whole = (estimator.peak(batch.blocks, weighted=[b.edge_weight is not None for b in batch.blocks])
+                 if closed_form else None)
         search = search_chunks(batch.blocks, layerwise, budget=budget, k=config.num_micro_batches, min_k=min_pieces,
-                               partitioner=config.partitioner, seed=self.seed, host_memory=self.device.type != "cpu")
+                               partitioner=config.partitioner, seed=self.seed, host_memory=self.device.type != "cpu",
+                               ceiling=whole)
+        if budget is None and whole is not None and search.peak > whole and not self._warned_above:
+            self._warned_above = True  # said once per planner
+            logger.warning("layer by layer in %d chunks per layer (micro_batch.num_micro_batches) is estimated at %.1f "
+                           "MiB, above the whole batch in one micro-batch (%.1f MiB), which also needs less work; "
+                           "ask for more chunks per layer, or set micro_batch.mode=micro_batches or a budget",
+                           search.chunks.k, search.peak / 2**20, whole / 2**20)
         work = layerwise.work(search.chunks.layers) if layerwise is not None else float(search.chunks.work)
         return LayerwisePlan(batch, search.chunks, work, search.partitioner, search.peak, budget, search.tried,
                              search.seconds, self.feature_store_bytes)
+
+    def _graph_split(self, batch: Batch, estimate: Estimate | None, min_pieces: int) -> Split | None:
+        """``batch``'s outputs split by the run's graph partition (see the class docstring), or ``None``: no graph
+        partition; under a budget, no K yet (the run's first batch) or a split whose largest estimate misses the
+        budget (counted in ``fallbacks``; the graph's K grows for the next batches)."""
+        if self.graph_partition is None or (self.budget is not None and self.graph_k is None):
+            return None
+        k = self.config.num_micro_batches if self.budget is None else self.graph_k
+        k = min(max(k, min_pieces), batch.output_nodes.numel())
+        # without a budget nothing is decided by the estimates: the plan estimates its micro-batches when asked
+        split = make_split(batch.blocks, estimate if self.budget is not None else None, k=k,
+                           resident_bytes=self.resident, partitioner=GraphPartition.method, seed=self.seed,
+                           splitter=self.graph_partition.splitter(batch.output_nodes))
+        if self.budget is None or max(split.estimates) <= self.budget:
+            return split
+        # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings the
+        # largest under the budget, at least one more
+        self.fallbacks += 1
+        self.graph_k = max(k + 1, k_to_fit(k, max(split.estimates), self.resident, self.budget))
+        return None
 
 
 @dataclass
@@ -213,25 +280,30 @@ def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, s
     """
     split = make_split(batch.blocks, k=min(num_micro_batches, batch.output_nodes.numel()),
                        partitioner=partitioner, seed=seed, balance=balance)
-    return [batch.restrict(layers) for layers in split.layers]
+    return list(MicroBatches(batch, split.groups))
 
 
 def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: torch.device,
-                 features: FeatureStore, seed: int = 0) -> Planner:
+                 features: FeatureStore, seed: int = 0, partition: GraphPartition | None = None) -> Planner:
     """The planner of a training run on ``graph`` whose input rows come from ``features``: the budget a step
     may use is ``micro_batch.budget`` less the store's ``max_device_bytes`` (its node cache and staged
     macro-batch; :class:`~betty_trainer.data.feature_store.FeatureStore`). The estimate is the closed form for the built-in model
-    (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is calibrated first,
-    once (:func:`~betty_trainer.memory.custom.calibrate_model` with the run's Adam settings and
-    ``config.model.num_layers`` layers), and the time it took is logged at INFO level. ``seed``: the
-    partitioner's (:func:`~betty_trainer.sampling.schedule.plan_seed`).
+    (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is recorded first, once
+    (:func:`~betty_trainer.memory.recorded.record_model`: exact), or where the recorder refuses it (the reason is
+    logged) calibrated (:func:`~betty_trainer.memory.custom.calibrate_model`), both with the run's optimizer and
+    ``config.model.num_layers`` layers; the time it took is logged at INFO level. ``seed``: the
+    partitioner's (:func:`~betty_trainer.sampling.schedule.plan_seed`). ``partition``: another planner's
+    :attr:`Planner.graph_partition` of the same run, shared so that its METIS cuts are made once; by default
+    :func:`graph_partition`.
 
     Raises:
         ConfigError: see :class:`Planner`.
-        CalibrationError: the custom model cannot be calibrated (the message names the cause).
+        CalibrationError: the recorder refused the custom model and it cannot be calibrated (the message names
+            the cause).
     """
     mode, budget = config.micro_batch.mode, config.micro_batch.budget
-    layer_by_layer = model is None or runs_layer_by_layer(model)
+    # the aggregation cache's layer 0 runs inside micro-batches only (auto then plans micro-batches)
+    layer_by_layer = (model is None or runs_layer_by_layer(model)) and config.features.aggregation_cache is False
     if not layer_by_layer and mode == "layerwise":
         raise ConfigError(f"micro_batch.mode=layerwise: {type(model).__name__} cannot run layer by layer (it needs a "
                           "LayerStack whose forward is the stack's own); use micro_batch.mode=micro_batches")
@@ -242,12 +314,46 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
     estimator = None  # a fixed K needs no estimate
     if model is None:  # the closed form, for every kind of plan
-        spec = model_spec(config, graph, device)
-        estimator = PeakEstimator(spec)
-    elif budget is not None:  # a calibrated fit, which models micro-batches, not layer-wise chunks
-        started = time.perf_counter()
-        calibrated = calibrate_model(model, graph, config.model.num_layers, config.optim.make_optimizer, device)
-        logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
-                    type(model).__name__, time.perf_counter() - started, 100 * calibrated.max_relative_error)
-        estimator, layer_by_layer = PeakEstimator(calibrated), False
-    return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer)
+        estimator = PeakEstimator(model_spec(config, graph, device))
+    elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
+        estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False
+    return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer,
+                   partition or graph_partition(config, graph))
+
+
+def graph_partition(config: Config, graph: Graph) -> GraphPartition | None:
+    """The run's :class:`~partition.GraphPartition` of ``graph``, balancing its training nodes, where
+    ``micro_batch.assignment`` is ``graph``, or ``auto`` with a METIS-based ``micro_batch.partitioner`` for sampled
+    batches (``sampling.batch_size`` below the training nodes, or a fanout that samples); else ``None``. Nothing
+    is partitioned until a batch asks."""
+    section, sampling = config.micro_batch, config.sampling
+    sampled = ((sampling.batch_size is not None and sampling.batch_size < graph.train_idx.numel())
+               or any(fanout != -1 for fanout in sampling.fanouts or []))
+    if section.assignment == "batch" or (section.assignment == "auto" and not (sampled and section.partitioner in GRAPHS)):
+        return None
+    balanced = torch.zeros(graph.num_nodes, dtype=torch.bool)
+    balanced[graph.train_idx] = True
+    return GraphPartition(graph.indptr, graph.indices, balanced)
+
+
+def _custom_estimate(config: Config, graph: Graph, model: nn.Module,
+                     device: torch.device) -> RecordedModel | CalibratedModel:
+    """:func:`make_planner`'s estimate of a custom model: recorded, or where the recorder refuses it (the reason
+    logged) calibrated, with the time it took logged at INFO level.
+
+    Raises:
+        CalibrationError: see :func:`make_planner`.
+    """
+    started, name = time.perf_counter(), type(model).__name__
+    args = (model, graph, config.model.num_layers, config.optim.make_optimizer, device)
+    try:
+        estimate = record_model(*args)
+        logger.info("recorded the memory estimate of %s in %.2f s (%d allocations per step)", name,
+                    time.perf_counter() - started, estimate.allocations)
+        return estimate
+    except RecordingRefused as refusal:
+        logger.info("the memory recorder refused %s (%s); calibrating it instead", name, refusal)
+    calibrated = calibrate_model(*args)
+    logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
+                name, time.perf_counter() - started, 100 * calibrated.max_relative_error)
+    return calibrated

@@ -20,12 +20,13 @@ from estimator.spec import ModelSpec
 def model_spec(config: Config, graph: Graph, device: torch.device | str = "cpu") -> ModelSpec:
     """The estimator's description of the built-in model ``config.model`` on ``graph`` (built on the meta
     device, so no memory is used; as :func:`spec_of` describes an instance, the built-in model's parameters
-    having the default dtype)."""
+    having the default dtype); with ``features.aggregation_cache``, layer 0 reads the cache (BatchGNN §3)."""
     workspace = device_workspace(device, torch.get_default_dtype())
     with torch.device("meta"):
         model = build_model(config.model, graph)
     return estimator_spec(model, ARCHITECTURES[config.model.arch], optimizer=config.optim.optimizer,
-                          weight_decay=config.optim.weight_decay != 0, device=device, device_workspace=workspace)
+                          weight_decay=config.optim.weight_decay != 0, device=device, device_workspace=workspace,
+                          aggregation_cache=config.features.aggregation_cache is not False)
 
 
 def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu") -> ModelSpec:
@@ -45,4 +46,5 @@ def spec_of(model: nn.Module, config: Config, device: torch.device | str = "cpu"
         raise PlanningError(f"{type(model).__name__} has no closed-form memory estimate; custom models are calibrated")
     workspace = device_workspace(device, next(model.parameters()).dtype)
     return estimator_spec(model, architecture, optimizer=config.optim.optimizer,
-                          weight_decay=config.optim.weight_decay != 0, device=device, device_workspace=workspace)
+                          weight_decay=config.optim.weight_decay != 0, device=device, device_workspace=workspace,
+                          aggregation_cache=config.features.aggregation_cache is not False)

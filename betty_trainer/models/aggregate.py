@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -17,21 +18,26 @@ from estimator.tape import AGG, GRAD, OVER, SharedGradient, StepTape
 
 
 class _SparseAggregate(torch.autograd.Function):
-    """``out = A·h_src + diag(self_scale)·h_src[:num_dst]``, with ``A`` the block's ``(num_dst, num_src)``
-    adjacency holding ``values`` (one per edge, CSC order), as one sparse-dense matmul.
+    """``out = diag(row_scale)·A·diag(col_scale)·h_src + diag(self_scale)·h_src[:num_dst]``, with ``A`` the
+    block's ``(num_dst, num_src)`` adjacency holding ``values`` (one per edge, CSC order; ones when ``None``),
+    as one sparse-dense matmul. Every scale is optional.
 
-    Nothing of size ``E × F`` is made: forward is a CSR SpMM on the block's own CSC pointer
-    (a block's CSC over dst is the CSR of ``A``); backward is ``Aᵀ·grad``, with ``Aᵀ``'s CSR
-    built from the block by a stable counting order of the src ids (so every src row sums
-    its edges in dst order, deterministically). Autograd keeps only ``values`` (``E``
-    floats) and ``self_scale`` (``num_dst`` floats); the block is already resident.
+    Nothing of size ``E × F`` is made, and no per-edge float for mean, sum or GCN weighting: a mean is the
+    unweighted sum with its rows scaled by ``1/deg`` afterwards. Forward is a CSR SpMM on the block's own CSC
+    pointer (a block's CSC over dst is the CSR of ``A``); backward is ``diag(col_scale)·Aᵀ·diag(row_scale)·grad``
+    (:func:`_transposed_matmul`: on the CPU a scatter along the block's own CSR up to
+    :data:`SCATTER_MAX_WIDTH` columns, else a gather on ``Aᵀ``'s CSR built for the call, ``E + num_src + 1``
+    int32, plus ``E`` floats with values). Autograd keeps the given ``values``, ``row_scale``, ``col_scale`` and
+    ``self_scale`` (``E``, ``num_dst``, ``num_src`` and ``num_dst`` floats, the ones passed); the block is
+    already resident.
     """
 
     @staticmethod
-    def forward(ctx, h_src: Tensor, block: Block, values: Tensor, self_scale: Tensor | None) -> Tensor:
+    def forward(ctx, h_src: Tensor, block: Block, values: Tensor | None, row_scale: Tensor | None,
+                col_scale: Tensor | None, self_scale: Tensor | None) -> Tensor:
         ctx.block = block
-        ctx.save_for_backward(values, self_scale)
-        out = _csr_matmul(block.indptr, block.indices, values, block.num_dst, h_src)
+        ctx.save_for_backward(values, row_scale, col_scale, self_scale)
+        out = _csr_matmul(block.indptr, block.indices, h_src, values, row_scale, col_scale)
         if self_scale is not None:
             out.addcmul_(h_src[: block.num_dst], self_scale.unsqueeze(1))
         return out
@@ -39,30 +45,49 @@ class _SparseAggregate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None, None
         block = ctx.block
-        values, self_scale = ctx.saved_tensors
-        grad_src = _csr_matmul(*_transpose(block, values), block.num_src, grad)
+        values, row_scale, col_scale, self_scale = ctx.saved_tensors
+        grad_src = _transposed_matmul(block, grad, values, row_scale, col_scale)
         if self_scale is not None:
             grad_src[: block.num_dst].addcmul_(grad, self_scale.unsqueeze(1))
-        return grad_src, None, None, None
+        return grad_src, None, None, None, None, None
 
 
-def _transpose(block: Block, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """CSR of ``Aᵀ`` (``num_src × num_dst``): pointer, dst positions and values, each src row's edges in
-    dst order. On the CPU a compiled counting sort writes int32 pointer and positions; elsewhere a
-    stable argsort of the src ids."""
-    if compiled_kernels(values.device, values.dtype):
+def _transposed_matmul(block: Block, grad: Tensor, values: Tensor | None, row_scale: Tensor | None,
+                       col_scale: Tensor | None) -> Tensor:
+    """``diag(col_scale)·Aᵀ·diag(row_scale)·grad``: ``(num_dst, F)`` → ``(num_src, F)``, every src row summing its
+    edges in dst order. On the CPU (float32) up to :data:`SCATTER_MAX_WIDTH` columns a compiled kernel scatters
+    each dst row's gradient along its edges, building nothing (threads take disjoint column blocks, so the bits do
+    not depend on their number); otherwise :func:`_csr_matmul` on ``Aᵀ``'s CSR (:func:`_transpose`, built for
+    this call and freed after it), the two scales swapping sides."""
+    if compiled_kernels(grad.device, grad.dtype) and grad.shape[1] <= SCATTER_MAX_WIDTH:
+        out = grad.new_zeros(block.num_src, grad.shape[1])
+        _scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(values, grad.dtype),
+                        _numpy(row_scale, grad.dtype), _numpy(col_scale, grad.dtype), grad.contiguous().numpy(),
+                        out.numpy(), _column_step(grad.shape[1]))
+        return out
+    pointer, positions, transposed = _transpose(block, values, grad.dtype)
+    return _csr_matmul(pointer, positions, grad, transposed, col_scale, row_scale)
+
+
+def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    """CSR of ``Aᵀ`` (``num_src × num_dst``) for a product in ``dtype``: pointer, dst positions and the values
+    in that order (``None`` without values), each src row's edges in dst order. Where the compiled kernels run
+    (:func:`~betty_trainer.rng.compiled_kernels`) a counting sort writes int32 pointer and positions; elsewhere
+    a stable argsort of the src ids (int64)."""
+    device = block.indices.device
+    if compiled_kernels(device, dtype):
         pointer = torch.empty(block.num_src + 1, dtype=torch.int32)
         positions = torch.empty(block.num_edges, dtype=torch.int32)
-        transposed = torch.empty_like(values)
-        _counting_transpose(block.indptr.numpy(), block.indices.numpy(), values.numpy(),
-                            pointer.numpy(), positions.numpy(), transposed.numpy())
+        transposed = None if values is None else torch.empty(block.num_edges, dtype=dtype)
+        _counting_transpose(block.indptr.numpy(), block.indices.numpy(), _numpy(values, dtype), pointer.numpy(),
+                            positions.numpy(), _numpy(transposed, dtype))
         return pointer, positions, transposed
     order = torch.argsort(block.indices, stable=True)
-    pointer = torch.zeros(block.num_src + 1, dtype=torch.int64, device=values.device)
+    pointer = torch.zeros(block.num_src + 1, dtype=torch.int64, device=device)
     torch.cumsum(torch.bincount(block.indices, minlength=block.num_src), 0, out=pointer[1:])
-    return pointer, block.edge_dst()[order], values[order]
+    return pointer, block.edge_dst()[order], None if values is None else values[order]
 
 
 @jit
@@ -76,93 +101,321 @@ def _counting_transpose(indptr, indices, values, pointer, positions, transposed)
         for e in range(indptr[d], indptr[d + 1]):
             slot = pointer[indices[e]]
             positions[slot] = d
-            transposed[slot] = values[e]
+            if values is not None:  # pruned when compiled without values
+                transposed[slot] = values[e]
             pointer[indices[e]] = slot + 1
     for s in range(pointer.shape[0] - 2, 0, -1):  # each cursor ended at the next row's start: shift back
         pointer[s] = pointer[s - 1]
     pointer[0] = 0
 
 
-def _csr_matmul(indptr: Tensor, indices: Tensor, values: Tensor, num_rows: int, dense: Tensor) -> Tensor:
-    """``M·dense`` for the CSR matrix ``M`` = ``(indptr, indices, values)`` of shape ``(num_rows, len(dense))``;
-    the result is the only full-width tensor allocated. On the CPU (float32) a compiled kernel sums each
-    row's edges in order, rows in parallel; elsewhere the sparse library's product (``addmm`` with
-    ``beta=0`` ignores its zero input) on int32 copies of the pointer and of int64 indices (the int32
-    CSR that cuSPARSE and MKL take; a block's own indices are int32 already)."""
+def _numpy(tensor: Tensor | None, dtype: torch.dtype):
+    """``tensor`` in ``dtype`` as a numpy array for a compiled kernel, or ``None`` (the kernel compiles without it)."""
+    return None if tensor is None else tensor.to(dtype).numpy()
+
+
+def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor | None = None,
+                row_scale: Tensor | None = None, col_scale: Tensor | None = None) -> Tensor:
+    """``diag(row_scale)·M·diag(col_scale)·dense`` for the CSR matrix ``M`` = ``(indptr, indices, values)``
+    (ones without ``values``) of shape ``(len(indptr) − 1, len(dense))``; each scale is optional. On the CPU
+    (float32) a compiled kernel sums each row's edges in order, four at a time (one pass over the row's sum per
+    four src rows), rows in parallel, and scales the sum: the result is the only tensor allocated. Elsewhere the
+    sparse library's product (``addmm`` with ``beta=0`` ignores its zero input) on int32 copies of the pointer
+    and of int64 indices (the int32 CSR that cuSPARSE and MKL take; a block's own indices are int32 already),
+    with an ``(E,)`` coefficient tensor (``values·col_scale[indices]``, or ones) unless ``values`` serve as they
+    are, then the rows scaled in place."""
+    rows = indptr.shape[0] - 1
     if compiled_kernels(dense.device, dense.dtype):
-        out = dense.new_empty(num_rows, dense.shape[1])
-        _csr_matmul_kernel(indptr.numpy(), indices.numpy(), values.to(dense.dtype).numpy(),
-                           dense.detach().contiguous().numpy(), out.numpy())
+        out = dense.new_empty(rows, dense.shape[1])
+        _gather_kernel(indptr.numpy(), indices.numpy(), _numpy(values, dense.dtype), _numpy(row_scale, dense.dtype),
+                       _numpy(col_scale, dense.dtype), dense.detach().contiguous().numpy(), out.numpy())
         return out
+    if col_scale is not None:
+        coefficients = col_scale.to(dense.dtype).index_select(0, indices)
+        if values is not None:
+            coefficients.mul_(values)
+    else:
+        coefficients = dense.new_ones(indices.shape[0]) if values is None else values.to(dense.dtype)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the CSR × dense product used here is stable
         warnings.simplefilter("ignore", UserWarning)
-        matrix = torch.sparse_csr_tensor(indptr.int(), indices.int(), values.to(dense.dtype),
-                                         (num_rows, dense.shape[0]), check_invariants=False)
-    return torch.addmm(dense.new_zeros(()).expand(num_rows, dense.shape[1]), matrix, dense, beta=0)
+        matrix = torch.sparse_csr_tensor(indptr.int(), indices.int(), coefficients, (rows, dense.shape[0]),
+                                         check_invariants=False)
+    out = torch.addmm(dense.new_zeros(()).expand(rows, dense.shape[1]), matrix, dense, beta=0)
+    return out if row_scale is None else out.mul_(row_scale.to(dense.dtype).unsqueeze(1))
 
 
 @jit(parallel=True)
-def _csr_matmul_kernel(indptr, indices, values, dense, out):  # pragma: no cover - compiled
+def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
     width = dense.shape[1]
     for row in numba.prange(indptr.shape[0] - 1):
         acc = out[row]
-        acc[:] = 0.0
-        for e in range(indptr[row], indptr[row + 1]):
-            value, source = values[e], dense[indices[e]]
+        _row_sum(indptr, indices, values, col_scale, dense, row, acc)
+        if row_scale is not None:
+            scale = row_scale[row]
             for f in range(width):
-                acc[f] += value * source[f]
+                acc[f] *= scale
 
 
-def aggregate(block: Block, h_src: Tensor, values: Tensor, self_scale: Tensor | None = None) -> Tensor:
-    """``out_d = Σ_{e=(s→d)} values_e·h_s (+ self_scale_d·h_d)``: the linear aggregation every built-in
-    sum/mean/GCN layer is, as one sparse matmul (DGL's ``update_all(u_mul_e, sum)``, PyG's SpMM).
+@jit(inline="always")
+def _row_sum(indptr, indices, values, col_scale, dense, row, acc):  # pragma: no cover - compiled
+    """``acc = Σ_{e in row} coefficient_e · dense[indices[e]]`` over CSR row ``row``, in edge order, four edges at
+    a time (one pass over ``acc`` per four src rows)."""
+    width = dense.shape[1]
+    acc[:] = 0.0
+    e, end = indptr[row], indptr[row + 1]
+    while e + 3 < end:
+        a, b, c, d = dense[indices[e]], dense[indices[e + 1]], dense[indices[e + 2]], dense[indices[e + 3]]
+        if values is None and col_scale is None:  # branches on None are pruned when compiled
+            for f in range(width):
+                acc[f] += (a[f] + b[f]) + (c[f] + d[f])
+        else:
+            ca, cb = _coefficient(values, col_scale, indices, e), _coefficient(values, col_scale, indices, e + 1)
+            cc, cd = _coefficient(values, col_scale, indices, e + 2), _coefficient(values, col_scale, indices, e + 3)
+            for f in range(width):
+                acc[f] += (ca * a[f] + cb * b[f]) + (cc * c[f] + cd * d[f])
+        e += 4
+    while e < end:
+        a = dense[indices[e]]
+        if values is None and col_scale is None:
+            for f in range(width):
+                acc[f] += a[f]
+        else:
+            ca = _coefficient(values, col_scale, indices, e)
+            for f in range(width):
+                acc[f] += ca * a[f]
+        e += 1
+
+
+@jit
+def _coefficient(values, col_scale, indices, edge):  # pragma: no cover - compiled
+    """Edge ``edge``'s factor in the compiled kernels: its value times its src node's column scale (each 1 when
+    not given; the branches on ``None`` are pruned when compiled, and a factor of 1 folds away)."""
+    coefficient = np.float32(1.0)
+    if values is not None:
+        coefficient = values[edge]
+    if col_scale is not None:
+        coefficient = coefficient * col_scale[indices[edge]]
+    return coefficient
+
+
+SCATTER_MAX_WIDTH = 128
+"""The widest gradient the compiled backward scatters along the block's own CSR (:func:`_scatter_kernel`); a wider
+one is gathered on ``Aᵀ``'s CSR, built for the call. Measured one thread each (``benchmarks/aggregation.py``):
+at width 64 the scatter takes 0.8× the transpose and gather on Amazon Computers and the same on a 30k-node SBM;
+at 256, 1.0–1.3× (the scatter's read-modify-write of every edge's src row costs more than a transpose then)."""
+
+SCATTER_COLUMNS = 16
+"""The narrowest column block a thread of the compiled backward scatters (64 bytes of float32: a cache line)."""
+
+
+def _column_step(width: int) -> int:
+    """The column block of each thread of :func:`_scatter_kernel`: ``width`` shared among numba's threads, in
+    multiples of :data:`SCATTER_COLUMNS` (one block, the whole width, on one thread)."""
+    share = -(-width // numba.get_num_threads())
+    return max(SCATTER_COLUMNS, -(-share // SCATTER_COLUMNS) * SCATTER_COLUMNS)
+
+
+@jit(parallel=True)
+def _scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step):  # pragma: no cover - compiled
+    width = grad.shape[1]
+    for block in numba.prange(-(-width // step)):
+        _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, block * step,
+                         min(width, block * step + step))
+
+
+@jit
+def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, last):  # pragma: no cover
+    """Columns ``[first, last)`` of :func:`_scatter_kernel`: every dst row's (scaled) gradient added to its
+    edges' src rows (``out``, zeros), in edge order, then the src rows scaled."""
+    scaled = np.empty(last - first, dtype=grad.dtype)
+    for d in range(indptr.shape[0] - 1):
+        row = grad[d, first:last]
+        if row_scale is None:
+            scaled[:] = row
+        else:
+            scale = row_scale[d]
+            for f in range(last - first):
+                scaled[f] = row[f] * scale
+        _scatter_row(indptr, indices, values, d, scaled, out, first, last)
+    if col_scale is not None:
+        for s in range(out.shape[0]):
+            target = out[s, first:last]
+            scale = col_scale[s]
+            for f in range(last - first):
+                target[f] *= scale
+
+
+@jit(inline="always")
+def _scatter_row(indptr, indices, values, d, scaled, out, first, last):  # pragma: no cover - compiled
+    """``out[indices[e], first:last] += value_e · scaled`` along CSR row ``d``'s edges, in edge order, four at a
+    time (one pass over ``scaled`` per four src rows)."""
+    e, end = indptr[d], indptr[d + 1]
+    while e + 3 < end:
+        a, b = out[indices[e], first:last], out[indices[e + 1], first:last]
+        c, g = out[indices[e + 2], first:last], out[indices[e + 3], first:last]
+        va, vb = _coefficient(values, None, indices, e), _coefficient(values, None, indices, e + 1)
+        vc, vg = _coefficient(values, None, indices, e + 2), _coefficient(values, None, indices, e + 3)
+        for f in range(last - first):
+            a[f] += va * scaled[f]
+            b[f] += vb * scaled[f]
+            c[f] += vc * scaled[f]
+            g[f] += vg * scaled[f]
+        e += 4
+    while e < end:
+        a, va = out[indices[e], first:last], _coefficient(values, None, indices, e)
+        for f in range(last - first):
+            a[f] += va * scaled[f]
+        e += 1
+
+
+def aggregate_rows(block: Block, begin: int, end: int, z: Tensor, self_loop: bool) -> Tensor:
+    """Dst rows ``[begin, end)`` of SAGE's mean (``self_loop=False``: ``mean_{s→d} z_s``, weighted by the block's edge
+    weights) or GCN-style mean (``self_loop``: ``(z_d + Σ w_e z_s) / (Σ w_e + 1)``) aggregation, read off the
+    whole block, without autograd: an affine layer's row block in layer-wise execution
+    (``betty_trainer.execution.layerwise``). Each row sums the block's own CSR row, reading ``z`` at the block's
+    src positions, so no chunk slice, sub-block or gathered rows of ``z`` are made; its scale (``1/deg``, or
+    ``1/Σ w_e``; plus one with the self loop; 0 for a row without in-edges) is computed in the kernel. The rows'
+    sums equal :func:`mean_neighbours`' (and ``SAGEConv``'s ``gcn``) on the same rows, edge for edge. Source: the
+    mean and GCN aggregators of GraphSAGE (Hamilton et al. 2017, §3.3); layer-by-layer execution as in ROC and
+    NeutronStar, here without the per-chunk gather.
+
+    Args:
+        block: the layer's block (CSC over its dst nodes; float32 edge weights or none).
+        begin, end: the rows, ``R = end − begin`` dst positions.
+        z: ``(num_src, F)`` float32 rows of the block's src nodes, on the CPU.
+        self_loop: add each dst node's own row of ``z`` (dst positions are src positions) and count it.
+
+    Returns:
+        ``(R, F)`` float32, the only tensor allocated.
+
+    Raises:
+        ValueError: where the compiled kernels do not run (:func:`~betty_trainer.rng.compiled_kernels`).
+    """
+    _require_compiled(z)
+    out = z.new_empty(end - begin, z.shape[1])
+    _rows_gather_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, z.dtype), begin,
+                        self_loop, z.detach().contiguous().numpy(), out.numpy())
+    return out
+
+
+def aggregate_rows_transpose_(block: Block, begin: int, grad: Tensor, out: Tensor, self_loop: bool) -> None:
+    """Add the transpose of :func:`aggregate_rows` applied to ``grad`` into ``out`` (``∂L/∂z``), in place:
+    every row's scaled gradient along its in-edges to their src rows (and, with ``self_loop``, to its own),
+    building nothing (threads take disjoint column blocks, so the bits do not depend on their number).
+
+    Args:
+        block, self_loop: as :func:`aggregate_rows`'s.
+        begin: the first row; ``grad``'s rows are rows ``[begin, begin + R)``.
+        grad: ``(R, F)`` float32 gradient of the rows' output.
+        out: ``(num_src, F)`` float32 sink, contiguous, on the CPU.
+
+    Raises:
+        ValueError: where the compiled kernels do not run.
+    """
+    _require_compiled(grad)
+    _rows_scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, grad.dtype), begin,
+                         self_loop, grad.contiguous().numpy(), out.numpy(), _column_step(grad.shape[1]))
+
+
+def _require_compiled(tensor: Tensor) -> None:
+    if not compiled_kernels(tensor.device, tensor.dtype):
+        raise ValueError(f"aggregating rows in place runs the compiled CPU kernels: float32 on the CPU with numba, "
+                         f"not {tensor.dtype} on {tensor.device}")
+
+
+@jit(inline="always")
+def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
+    """Row ``row``'s factor in :func:`aggregate_rows`: ``1 / (deg + self_loop)`` (``Σ w_e`` for ``deg`` with
+    values), 0 for a row whose total is 0."""
+    total = np.float32(indptr[row + 1] - indptr[row])
+    if values is not None:
+        total = np.float32(0.0)
+        for e in range(indptr[row], indptr[row + 1]):
+            total += values[e]
+    if self_loop:
+        total += np.float32(1.0)
+    return np.float32(1.0) / total if total != 0 else np.float32(0.0)
+
+
+@jit(parallel=True)
+def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
+    width = dense.shape[1]
+    for i in numba.prange(out.shape[0]):
+        row, acc = begin + i, out[i]
+        _row_sum(indptr, indices, values, None, dense, row, acc)
+        scale = _rows_scale(indptr, values, row, self_loop)
+        for f in range(width):
+            acc[f] *= scale
+        if self_loop:
+            own = dense[row]
+            for f in range(width):
+                acc[f] += own[f] * scale
+
+
+@jit(parallel=True)
+def _rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step):  # pragma: no cover - compiled
+    width = grad.shape[1]
+    for block in numba.prange(-(-width // step)):
+        first, last = block * step, min(width, block * step + step)
+        scaled = np.empty(last - first, dtype=grad.dtype)
+        for i in range(grad.shape[0]):
+            row = begin + i
+            scale = _rows_scale(indptr, values, row, self_loop)
+            for f in range(last - first):
+                scaled[f] = grad[i, first + f] * scale
+            _scatter_row(indptr, indices, values, row, scaled, out, first, last)
+            if self_loop:
+                own = out[row, first:last]
+                for f in range(last - first):
+                    own[f] += scaled[f]
+
+
+def aggregate(block: Block, h_src: Tensor, values: Tensor | None = None, self_scale: Tensor | None = None,
+              row_scale: Tensor | None = None, col_scale: Tensor | None = None) -> Tensor:
+    """``out_d = row_scale_d · Σ_{e=(s→d)} values_e · col_scale_s · h_s (+ self_scale_d · h_d)``: the linear
+    aggregation every built-in sum/mean/GCN layer is, as one sparse matmul (DGL's ``update_all(u_mul_e, sum)``,
+    PyG's SpMM). A weighting that depends only on the edge's ends is a row and a column scale, so no per-edge
+    array is made for it.
 
     Args:
         block: the block (``indptr``/``indices`` CSC over its dst nodes).
         h_src: ``(num_src, F)`` src features.
-        values: ``(E,)`` per-edge coefficients in the block's CSC edge order (no gradient).
+        values: optional ``(E,)`` per-edge coefficients in the block's CSC edge order (no gradient; ones when
+            ``None``).
         self_scale: optional ``(num_dst,)`` coefficient of each dst node's own row of ``h_src``.
+        row_scale: optional ``(num_dst,)`` factor of each dst node's sum (finite: a row without edges stays 0).
+        col_scale: optional ``(num_src,)`` factor of each src node's row inside the sum.
 
     Returns:
-        ``(num_dst, F)``, dtype of ``h_src``. Autograd keeps ``values`` and ``self_scale`` only.
+        ``(num_dst, F)``, dtype of ``h_src``. Autograd keeps the given ``values`` and scales only.
     """
-    return _SparseAggregate.apply(h_src, block, values, self_scale)
+    return _SparseAggregate.apply(h_src, block, values, row_scale, col_scale, self_scale)
 
 
-def per_edge(block: Block, per_dst: Tensor) -> Tensor:
-    """``(num_dst,)`` → ``(E,)``: each edge gets its dst node's value (CSC order). On the CPU (float32) a
-    compiled kernel walks the block's pointer; elsewhere ``repeat_interleave`` over the in-degrees."""
-    if compiled_kernels(per_dst.device, per_dst.dtype):
-        values = per_dst.new_empty(block.num_edges)
-        _per_edge_kernel(block.indptr.numpy(), per_dst.numpy(), values.numpy())
-        return values
-    return torch.repeat_interleave(per_dst, block.in_degrees(), output_size=block.num_edges)
-
-
-@jit
-def _per_edge_kernel(indptr, per_dst, values):  # pragma: no cover - compiled
-    for d in range(indptr.shape[0] - 1):
-        values[indptr[d]:indptr[d + 1]] = per_dst[d]
+def edge_weight(block: Block, dtype: torch.dtype) -> Tensor | None:
+    """The block's ``(E,)`` edge weights in ``dtype`` (the block's own tensor when it is float32 already), or
+    ``None`` for an unweighted block: the ``values`` of :func:`aggregate`."""
+    return None if block.edge_weight is None else block.edge_weight.to(dtype)
 
 
 def mean_neighbours(block: Block, h_src: Tensor) -> Tensor:
     """Mean of src features over each dst node's in-edges; weighted by ``block.edge_weight``
     (normalised by the weight sum) when the block has weights. Isolated dst nodes get zeros.
 
-    One sparse matmul with per-edge values ``1/deg(d)`` (or ``w_e / Σ w``), so no ``(E, F)``
-    tensor and no ``(num_dst, F)`` intermediate is made (:func:`aggregate`).
+    One sparse matmul: the (weighted) sum, each row then scaled by :func:`mean_scale`, so no ``(E, F)``
+    tensor, no per-edge coefficient and no ``(num_dst, F)`` intermediate is made (:func:`aggregate`).
 
     Shapes:
         ``(num_src, F)`` → ``(num_dst, F)``.
     """
-    return aggregate(block, h_src, mean_values(block, h_src.dtype))
+    return aggregate(block, h_src, edge_weight(block, h_src.dtype), row_scale=mean_scale(block, h_src.dtype))
 
 
-def mean_values(block: Block, dtype: torch.dtype) -> Tensor:
-    """``(E,)`` per-edge coefficients of the (weighted) mean: ``1/deg(d)``, or ``w_e / Σ_{e'→d} w_e'``."""
-    if block.edge_weight is None:
-        return per_edge(block, block.in_degrees().to(dtype).reciprocal_())
-    return block.edge_weight.to(dtype) / per_edge(block, weight_totals(block, dtype))
+def mean_scale(block: Block, dtype: torch.dtype) -> Tensor:
+    """``(num_dst,)`` factor of each dst row's (weighted) sum that makes it a mean: ``1/deg(d)``, or
+    ``1 / Σ_{e→d} w_e`` on a weighted block; 0 for a row without in-edges."""
+    total = block.in_degrees().to(dtype) if block.edge_weight is None else weight_totals(block, dtype)
+    return total.reciprocal_().nan_to_num_(posinf=0.0)
 
 
 def weight_totals(block: Block, dtype: torch.dtype) -> Tensor:
@@ -418,20 +671,6 @@ def edge_dst_terms(tape: StepTape, c: LayerCounts) -> int:
     return result
 
 
-def per_edge_terms(tape: StepTape, c: LayerCounts) -> int:
-    """aggregate.per_edge: the ``(E,)`` values; the tensor path's ``repeat_interleave(per_dst, in_degrees,
-    output_size=E)`` first makes the degrees, their cumsum and the ``(E,)`` int64 positions."""
-    r, d, e = tape.r, c.num_dst, c.num_edges
-    if tape.compiled_kernels:
-        return r.alloc(e * tape.f, AGG)
-    degrees, cumsum = r.alloc(d * INDEX_BYTES, OVER), r.alloc(d * INDEX_BYTES, OVER)
-    positions = r.alloc(e * INDEX_BYTES, OVER)
-    r.drop(cumsum)
-    values = r.alloc(e * tape.f, AGG)
-    r.drop(positions, degrees)
-    return values
-
-
 def per_dst_scale_terms(tape: StepTape, c: LayerCounts) -> int:
     """``block.in_degrees().to(dtype)`` (then scaled in place): ``(D,)`` floats."""
     degrees = tape.r.alloc(c.num_dst * INDEX_BYTES, OVER)
@@ -440,19 +679,9 @@ def per_dst_scale_terms(tape: StepTape, c: LayerCounts) -> int:
     return scale
 
 
-def mean_values_terms(tape: StepTape, c: LayerCounts) -> int:
-    """aggregate.mean_values: ``1/deg(d)`` per edge, or ``w_e / Σ w`` on a weighted block."""
-    r = tape.r
-    if not c.weighted:
-        inverse = per_dst_scale_terms(tape, c)
-        values = per_edge_terms(tape, c)
-        r.drop(inverse)
-        return values
-    total = weight_totals_terms(tape, c, OVER)
-    spread = per_edge_terms(tape, c)
-    values = r.alloc(c.num_edges * tape.f, AGG)
-    r.drop(spread, total)
-    return values
+def mean_scale_terms(tape: StepTape, c: LayerCounts) -> int:
+    """aggregate.mean_scale: the ``(D,)`` floats ``1/deg(d)``, or ``1 / Σ w`` on a weighted block."""
+    return weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
 
 
 def weight_totals_terms(tape: StepTape, c: LayerCounts, component: str) -> int:
@@ -462,35 +691,45 @@ def weight_totals_terms(tape: StepTape, c: LayerCounts, component: str) -> int:
     return total
 
 
-def csr_matmul_terms(tape: StepTape, rows: int, c: LayerCounts, width: int, component: str,
+def csr_matmul_terms(tape: StepTape, rows: int, c: LayerCounts, width: int, component: str, coefficients: bool,
                      int64_indices: bool = False) -> int:
-    """aggregate._csr_matmul: the ``(rows, width)`` result. The compiled CPU kernel makes nothing else;
-    the sparse library's path makes and frees an int32 copy of the CSR pointer, and of the indices when
-    they are int64 (``int64_indices``: the transpose's; a block's own are int32)."""
+    """aggregate._csr_matmul: the ``(rows, width)`` result. The compiled CPU kernel makes nothing else; the
+    sparse library's path makes and frees the ``(E,)`` coefficients (``coefficients``: the values do not serve
+    as they are), an int32 copy of the CSR pointer, and one of the indices when they are int64
+    (``int64_indices``: the transpose's; a block's own are int32)."""
     r = tape.r
     if tape.compiled_kernels:
         return r.alloc(rows * width * tape.f, component)
-    copies = [r.alloc((rows + 1) * 4, OVER)] + ([r.alloc(c.num_edges * 4, OVER)] if int64_indices else [])
+    made = [r.alloc(c.num_edges * tape.f, OVER)] if coefficients else []
+    made += [r.alloc((rows + 1) * 4, OVER)] + ([r.alloc(c.num_edges * 4, OVER)] if int64_indices else [])
     zero = r.alloc(tape.f, OVER)
     out = r.alloc(rows * width * tape.f, component)
-    r.drop(*copies, zero)
+    r.drop(*made, zero)
     return out
 
 
-def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, values: int, self_scale: int | None = None):
-    """aggregate.aggregate (one sparse matmul; autograd keeps ``values`` and ``self_scale``).
-    Returns (out, backward); backward gives the ``(S, width)`` gradient of ``h_src``."""
+def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, self_scale: int | None = None,
+                    row_scale: int | None = None, col_scale: int | None = None):
+    """aggregate.aggregate with a weighted block's own weights as ``values`` (already resident) and the scales
+    given as handles (``None``: not passed), which autograd keeps. Returns (out, backward); backward gives the
+    ``(S, width)`` gradient of ``h_src``."""
     r = tape.r
-    out = csr_matmul_terms(tape, c.num_dst, c, width, AGG)
+    out = csr_matmul_terms(tape, c.num_dst, c, width, AGG, col_scale is not None or not c.weighted)
     if record:
-        r.save(values, self_scale)
+        r.save(row_scale, col_scale, self_scale)
 
     def backward(grad: int) -> int:
         e, s = c.num_edges, c.num_src
+        saved = (row_scale, col_scale, self_scale)
+        if tape.compiled_kernels and width <= SCATTER_MAX_WIDTH:  # the scatter makes the gradient only
+            grad_src = r.alloc(s * width * tape.f, GRAD)
+            r.drop(grad, *saved)
+            return grad_src
         if tape.compiled_kernels:  # the counting sort writes int32 pointer and positions: no copies
-            transposed = [r.alloc((s + 1) * 4, OVER), r.alloc(e * 4, OVER), r.alloc(e * tape.f, OVER)]
-            grad_src = csr_matmul_terms(tape, s, c, width, GRAD)
-            r.drop(*transposed, grad, values, self_scale)
+            transposed = [r.alloc((s + 1) * 4, OVER), r.alloc(e * 4, OVER)]
+            transposed += [r.alloc(e * tape.f, OVER)] if c.weighted else []
+            grad_src = csr_matmul_terms(tape, s, c, width, GRAD, False)
+            r.drop(*transposed, grad, *saved)
             return grad_src
         order = r.alloc(e * INDEX_BYTES, OVER)  # argsort(indices, stable): keys, order, iota
         sorting = [r.alloc(e * INDEX_BYTES, OVER) for _ in range(2)]
@@ -502,13 +741,13 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, va
         edge_dst = edge_dst_terms(tape, c)
         transposed = r.alloc(e * INDEX_BYTES, OVER)  # edge_dst[order]
         r.drop(edge_dst)
-        transposed_values = r.alloc(e * tape.f, OVER)  # values[order]
-        grad_src = csr_matmul_terms(tape, s, c, width, GRAD, int64_indices=True)
-        r.drop(transposed_values, transposed, order, pointer, grad, values, self_scale)
+        transposed_values = r.alloc(e * tape.f, OVER) if c.weighted else None  # values[order]
+        grad_src = csr_matmul_terms(tape, s, c, width, GRAD, row_scale is not None or not c.weighted,
+                                    int64_indices=True)
+        r.drop(transposed_values, transposed, order, pointer, grad, *saved)
         return grad_src
 
     return out, backward
-
 
 
 def linear_aggregate_backward(tape: StepTape, grad: int, lin_in_bwd, agg_bwd, lin_out_bwd, record: bool,

@@ -88,6 +88,26 @@ class ProjectedLayer(Protocol):
         ...
 
 
+class AffineLayer(ProjectedLayer, Protocol):
+    """A :class:`ProjectedLayer` whose ``propagate_is_affine`` is true also runs a chunk's dst rows off the whole
+    block (layer-wise execution, where the compiled CPU kernels run: no chunk slice, no gathered rows of ``z``).
+
+    ``propagate_rows(block, rows, z, *args)`` is ``propagate``'s rows ``rows`` without autograd, ``z`` the whole
+    projection; ``propagate_rows_backward(block, rows, grad, grad_z, *args)`` takes the rows' output gradient,
+    backpropagates the part reading the dst input rows by autograd and adds ``z``'s gradient into ``grad_z`` by the
+    aggregation's transpose, reading no value of ``z``; ``propagate_rows_terms`` and
+    ``propagate_rows_backward_terms`` are what they allocate (``models.sage.SAGEConv`` documents the forms).
+    """
+
+    def propagate_rows(self, block: Block, rows: Tensor, z: Tensor, *args) -> Tensor: ...
+
+    def propagate_rows_backward(self, block: Block, rows: Tensor, grad: Tensor, grad_z: Tensor, *args) -> None: ...
+
+    def propagate_rows_terms(self, tape: StepTape, rows: int, *args) -> int: ...
+
+    def propagate_rows_backward_terms(self, tape: StepTape, rows: int, grad: int, *args) -> tuple: ...
+
+
 def projected_layers(model: LayerStack) -> list[bool]:
     """Per layer, whether layer-wise execution projects its src rows once per pass: the layer is a
     :class:`ProjectedLayer` whose ``projected_width`` is not ``None``, and the model applies its layers as the
@@ -177,6 +197,34 @@ class ProjectedLayerTerms:
         return out, backward
 
 
+    def propagate_rows(self, tape: StepTape, rows: int, h_dst: int | None = None) -> int:
+        """An affine layer's block of ``rows`` dst rows without autograd (``propagate_rows``): the dst input rows'
+        dropout (``h_dst``: their gathered features at the input layer, ``None`` for a view of ``h_{l−1}``) when
+        the layer reads them, the layer's ``propagate_rows_terms`` and the stack's ReLU. Returns the output."""
+        layer = self.model.layers[self.index]
+        hd = self._dropped(tape, rows, h_dst, False)[0] if self.reads_dst_input else None
+        out = layer.propagate_rows_terms(tape, rows, hd)
+        if hd is not h_dst:
+            tape.r.drop(hd)  # the dropout's output
+        if self.index < len(self.model.layers) - 1:
+            out = tape.relu(out, rows, self.model.widths[self.index + 1])[0]
+        return out
+
+    def propagate_rows_backward(self, tape: StepTape, rows: int, grad: int | None, h_dst: int | None = None,
+                                h_grad: bool = False) -> None:
+        """That block's backward (``propagate_rows_backward``) from ``grad``, the caller's (``None`` for a view):
+        the dst input rows' dropout, the layer's ``propagate_rows_backward_terms`` and the dropout's backward (the
+        dst input rows' gradient stays in the caller's scope, added into ``∂L/∂h``)."""
+        layer = self.model.layers[self.index]
+        hd, dropout_bwd = self._dropped(tape, rows, h_dst, h_grad) if self.reads_dst_input else (None, None)
+        grad_hd, held = layer.propagate_rows_backward_terms(tape, rows, grad, hd, h_grad)
+        if grad_hd is not None and dropout_bwd is not None:
+            dropout_bwd(grad_hd)
+        tape.r.drop(held)
+        if hd is not h_dst:
+            tape.r.drop(hd)
+
+
 def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
     """Per layer, the :class:`ProjectedLayerTerms` of a layer :func:`projected_layers` projects, else ``None``
     (what :func:`estimator.layerwise.estimate_layerwise` takes as ``projections``)."""
@@ -185,14 +233,15 @@ def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
 
 
 def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: str, weight_decay: bool,
-                   device: torch.device | str, device_workspace: int) -> ModelSpec:
+                   device: torch.device | str, device_workspace: int, aggregation_cache: bool = False) -> ModelSpec:
     """What a built-in model declares to the estimator (:class:`~estimator.spec.ModelSpec`): its architecture's
     name and work terms, its widths, aggregator, heads and dropout, its parameter tensors (in
     ``model.parameters()`` order) and buffers read off the instance, its memory terms (each layer's
     ``memory_terms`` beside its ``forward``, which the estimate replays) and its projected layers' terms
     (:func:`projected_terms`); with the training's ``optimizer`` (and ``weight_decay``) on the foreach or
     single-tensor path PyTorch picks for ``device``, the kernels dropout and aggregation use there, and the
-    ``device_workspace`` bytes the caller measured.
+    ``device_workspace`` bytes the caller measured; with ``aggregation_cache``, layer 0 reads the input-feature
+    aggregation cache (its ``aggregated_width``: :attr:`~estimator.spec.ModelSpec.aggregated_width`).
     """
     first = model.layers[0]
     parameter = next(model.parameters())
@@ -204,5 +253,6 @@ def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: 
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         weight_decay=weight_decay, foreach=adam_uses_foreach(device),
         compiled_kernels=compiled_kernels(device, parameter.dtype), device_workspace=device_workspace,
+        aggregated_width=model.aggregated_width if aggregation_cache else None,
         forward_terms=model.memory_terms, layer_terms=model.layer_memory_terms,
         projections=tuple(projected_terms(model)), layer_work=architecture.work)

@@ -9,9 +9,8 @@ from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import (
     aggregate,
     aggregate_terms,
+    edge_weight,
     linear_aggregate_backward,
-    per_edge,
-    per_edge_terms,
 )
 from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
@@ -58,15 +57,44 @@ class GCNConv(nn.Module):
     def forward(self, block: Block, h_src: Tensor, inv_sqrt_degree: Tensor) -> Tensor:
         project_first = self.in_feats > self.out_feats
         h = self.linear(h_src) if project_first else h_src
+        out = self.aggregated_input(block, h, inv_sqrt_degree)
+        return (out if project_first else self.linear(out)) + self.bias
+
+    @property
+    def aggregated_width(self) -> int:
+        """Columns of the aggregation cache's row this layer reads as layer 0 (BatchGNN §3): ``F_in``."""
+        return self.in_feats
+
+    def aggregated_input(self, block: Block, h: Tensor, inv_sqrt_degree: Tensor) -> Tensor:
+        """The normalised sum ``Σ_{s∈N(d)∪{d}} h_s / sqrt(d̃_s·d̃_d)`` of every dst node (Eq. 2 before ``W``), what
+        :meth:`forward` aggregates; of the input features over the full neighbourhood, the aggregation cache's rows
+        (BatchGNN §3), which :meth:`forward_aggregated` reads. ``inv_sqrt_degree``: ``(num_src,)`` of the src
+        nodes.
+
+        Shapes:
+            ``h`` ``(num_src, F)`` → ``(num_dst, F)``.
+        """
         norm = inv_sqrt_degree.to(h.dtype)
         dst_norm = norm[: block.num_dst]
-        if block.edge_weight is not None:
-            values = norm.index_select(0, block.indices).mul_(per_edge(block, dst_norm))  # 1/sqrt(d̃_s·d̃_d) per edge
-            values.mul_(block.edge_weight)
-        else:  # times d/k for a row that kept k of its d in-edges
-            values = norm.index_select(0, block.indices).mul_(per_edge(block, sampled_row_scale(block, dst_norm)))
-        out = aggregate(block, h, values, self_scale=dst_norm * dst_norm)
-        return (out if project_first else self.linear(out)) + self.bias
+        # 1/sqrt(d̃_s·d̃_d) per edge as a src and a dst scale; a weighted block's weights are the values, an
+        # unweighted block's rows are scaled by d/k for a row that kept k of its d in-edges
+        row_scale = dst_norm if block.edge_weight is not None else sampled_row_scale(block, dst_norm)
+        return aggregate(block, h, edge_weight(block, h.dtype), self_scale=dst_norm * dst_norm, row_scale=row_scale,
+                         col_scale=norm)
+
+    def forward_aggregated(self, rows: Tensor) -> Tensor:
+        """:meth:`forward` from the aggregation cache's rows (:meth:`aggregated_input` of the input features):
+        ``W·c_d + b``.
+
+        Shapes:
+            ``rows`` ``(num_dst, F_in)`` → ``(num_dst, F_out)``.
+        """
+        return self.linear(rows) + self.bias
+
+    def aggregated_memory_terms(self, tape: StepTape, rows: int, hd: int):
+        """What :meth:`forward_aggregated` allocates on ``rows`` cached rows ``hd`` (no gradient):
+        ``(output handle, backward)`` (:meth:`StepTape.linear_bias <estimator.tape.StepTape.linear_bias>`)."""
+        return tape.linear_bias(hd, rows, self.in_feats, self.out_feats)
 
     def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
         """What :meth:`forward` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
@@ -79,16 +107,13 @@ class GCNConv(nn.Module):
         project_first, w, record = tape.aggregation_width(a, b, hd_grad)
         norm = r.alloc(s * f, AGG)  # inv_sqrt_degree[src_nodes]
         h, lin_in_bwd = tape.linear(hd, s, a, b, hd_grad, AGG) if project_first else (hd, None)
-        values = r.alloc(c.num_edges * f, AGG)  # norm.index_select(indices) (no int64 copy of the int32 indices, as
-        # norm[indices] would make), times the dst norm per edge in place
-        row_scale = None if c.weighted else sampled_row_scale_terms(tape, c)
-        r.drop(per_edge_terms(tape, c), row_scale)
+        row_scale = norm if c.weighted else sampled_row_scale_terms(tape, c)  # weighted: dst_norm, a view of norm
         scale = r.alloc(d * f, AGG)  # dst norm²
-        out, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
+        out, agg_bwd = aggregate_terms(tape, c, w, record, scale, row_scale, norm)
         r.drop(scale)
         lin_out, lin_out_bwd = (None, None) if project_first else tape.linear(out, d, a, b, True)
         result = r.alloc(d * b * f, HID)  # + bias
-        r.drop(out, lin_out, values, norm)
+        r.drop(out, lin_out, None if c.weighted else row_scale, norm)
         if project_first:
             r.drop(h)
 
@@ -145,6 +170,10 @@ class GCN(LayerStack):
 
     def apply_layer(self, layer: nn.Module, block: Block, h: Tensor) -> Tensor:
         return layer(block, h, self.inv_sqrt_degree[block.src_nodes])
+
+    def aggregated_input(self, block: Block, x: Tensor) -> Tensor:
+        """Layer 0's :meth:`GCNConv.aggregated_input` with the graph's degree normalisation of the block's src nodes."""
+        return self.layers[0].aggregated_input(block, x, self.inv_sqrt_degree[block.src_nodes])
 
 
 def gcn_work(spec, size: LayerSize) -> Work:

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.aggregate import aggregate, aggregate_terms, linear_aggregate_backward
+from betty_trainer.models.aggregate import aggregate, aggregate_terms, edge_weight, linear_aggregate_backward
 from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import LayerCounts
@@ -53,8 +53,7 @@ class GINConv(nn.Module):
     def forward(self, block: Block, h_src: Tensor) -> Tensor:
         project_first = self.in_feats > self.out_feats
         h = self.linear1(h_src) if project_first else h_src
-        values = h.new_ones(block.num_edges) if block.edge_weight is None else block.edge_weight.to(h.dtype)
-        out = aggregate(block, h, values, self_scale=h.new_ones(block.num_dst))  # (1 + ε)·h_d + Σ h_s, ε = 0
+        out = aggregate(block, h, edge_weight(block, h.dtype), self_scale=h.new_ones(block.num_dst))  # (1 + ε)·h_d + Σ h_s, ε = 0
         hidden = F.relu((out if project_first else self.linear1(out)) + self.bias1)
         return self.linear2(hidden) + self.bias2
 
@@ -67,9 +66,8 @@ class GINConv(nn.Module):
         r, f, d = tape.r, tape.f, c.num_dst
         project_first, w, record = tape.aggregation_width(a, b, hd_grad)
         h, lin_in_bwd = tape.linear(hd, c.num_src, a, b, hd_grad, AGG) if project_first else (hd, None)
-        values = None if c.weighted else r.alloc(c.num_edges * f, AGG)  # ones; a weighted block's own weights
-        scale = r.alloc(d * f, AGG)  # ones
-        out, agg_bwd = aggregate_terms(tape, c, w, record, values, scale)
+        scale = r.alloc(d * f, AGG)  # ones (a weighted block's values are its own weights)
+        out, agg_bwd = aggregate_terms(tape, c, w, record, scale)
         r.drop(scale)
         lin_out, lin_out_bwd = (None, None) if project_first else tape.linear(out, d, a, b, True)
         pre = r.alloc(d * b * f, HID)  # + b₁
@@ -77,7 +75,7 @@ class GINConv(nn.Module):
         hidden, relu_bwd = tape.relu(pre, d, b)
         z, lin2_bwd = tape.linear(hidden, d, b, b, True)
         result = r.alloc(d * b * f, HID)  # + b₂
-        r.drop(z, hidden, out, values)
+        r.drop(z, hidden, out)
         if project_first:
             r.drop(h)
 

@@ -13,15 +13,16 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import (
     aggregate,
+    aggregate_rows,
+    aggregate_rows_transpose_,
     aggregate_terms,
+    edge_weight,
     lstm_neighbours,
     lstm_neighbours_terms,
     max_neighbours,
     mean_neighbours,
-    mean_values_terms,
+    mean_scale_terms,
     per_dst_scale_terms,
-    per_edge,
-    per_edge_terms,
     segment_max_terms,
     weight_totals,
     weight_totals_terms,
@@ -122,6 +123,59 @@ class SAGEConv(nn.Module):
         """Whether :meth:`propagate` reads the dst nodes' input rows: ``mean``'s self term ``W_self·h_d``."""
         return self.fc_self is not None
 
+    @property
+    def aggregated_width(self) -> int | None:
+        """Columns of the aggregation cache's row this layer reads as layer 0 (BatchGNN §3, "Input Feature
+        Aggregation Cache"): ``mean``: the node's own features beside their neighbours' mean, ``2·F_in``; ``gcn``:
+        the self-inclusive mean, ``F_in``; ``None`` for ``pool`` and ``lstm``, whose aggregation has parameters."""
+        return {"mean": 2 * self.in_feats, "gcn": self.in_feats}.get(self.aggregator)
+
+    def aggregated_input(self, block: Block, h_src: Tensor) -> Tensor:
+        """The aggregation cache's rows of ``block``'s dst nodes: what :meth:`forward` computes from the block
+        before any parameter touches it, ``mean``: ``[h_d | mean_{s∈N(d)} h_s]``; ``gcn``: ``(h_d + Σ_{s∈N(d)}
+        h_s) / (|N(d)| + 1)`` (:meth:`aggregate`). :meth:`forward_aggregated` of them is :meth:`forward` of the
+        block, up to float reassociation.
+
+        Shapes:
+            ``h_src`` ``(num_src, F_in)`` → ``(num_dst, aggregated_width)``.
+
+        Raises:
+            ValueError: ``pool`` or ``lstm`` (no cacheable aggregation).
+        """
+        if self.aggregated_width is None:
+            raise ValueError(f"SAGE's {self.aggregator!r} aggregator has parameters: its aggregation cannot be cached")
+        neighbourhood = self.aggregate(block, h_src)
+        return torch.cat([block.dst_rows(h_src), neighbourhood], 1) if self.fc_self is not None else neighbourhood
+
+    def forward_aggregated(self, rows: Tensor) -> Tensor:
+        """:meth:`forward` from the aggregation cache's rows (:meth:`aggregated_input`) of the dst nodes:
+        ``mean``: ``W_neigh·m_d + W_self·h_d + b`` on the rows' halves (views, no copy); ``gcn``: ``W_neigh·c_d + b``.
+
+        Shapes:
+            ``rows`` ``(num_dst, aggregated_width)`` → ``(num_dst, F_out)``.
+        """
+        if self.fc_self is None:
+            return self.fc_neigh(rows) + self.bias
+        out = self.fc_neigh(rows[:, self.in_feats:])
+        out = out + self.fc_self(rows[:, :self.in_feats])
+        return out + self.bias
+
+    def aggregated_memory_terms(self, tape: StepTape, rows: int, hd: int):
+        """What :meth:`forward_aggregated` allocates on ``rows`` cached rows ``hd`` (a handle on the tape; they take
+        no gradient): ``(output handle, backward)``; ``backward(grad)`` emits the parameters' gradients, frees
+        ``grad`` and returns ``None``."""
+        a, b = self.in_feats, self.out_feats
+        if self.fc_self is None:
+            return tape.linear_bias(hd, rows, a, b)
+        neigh_out, neigh_bwd = tape.linear(hd, rows, a, b, False)  # both halves are views of hd: autograd keeps hd
+        result, self_bias_bwd = self._self_bias_terms(tape, LayerCounts(rows, rows, 0), neigh_out, hd, False)
+
+        def backward(grad: int) -> None:
+            self_bias_bwd(grad)
+            neigh_bwd(grad)
+
+        return result, backward
+
     def project(self, h: Tensor) -> Tensor:
         """``z = W_neigh·h`` row by row, the part of a projecting layer's :meth:`forward` that reads no edge:
         layer-wise execution projects a layer's src rows once per pass and each chunk gathers its rows of
@@ -140,12 +194,42 @@ class SAGEConv(nn.Module):
         Raises:
             ValueError: ``mean`` without ``h_dst``.
         """
+        self._check_dst_input(h_dst)
+        return self._plus_self_and_bias(self.aggregate(block, z), h_dst)
+
+    def _check_dst_input(self, h_dst: Tensor | None) -> None:
         if self.fc_self is not None and h_dst is None:
             raise ValueError("SAGEConv(mean).propagate needs h_dst, the dst nodes' input rows, for W_self·h_d")
-        out = self.aggregate(block, z)
+
+    def _plus_self_and_bias(self, out: Tensor, h_dst: Tensor | None) -> Tensor:
+        """``out + fc_self(h_dst)`` (``mean``) ``+ bias``: what :meth:`propagate` and :meth:`propagate_rows` add to
+        the aggregation ``out`` ``(rows, F_out)``."""
         if self.fc_self is not None:
             out = out + self.fc_self(h_dst)
         return out + self.bias
+
+    def propagate_rows(self, block: Block, begin: int, end: int, z: Tensor, h_dst: Tensor | None = None) -> Tensor:
+        """:meth:`propagate` of the dst rows ``[begin, end)`` of ``block`` (an affine layer's row block in
+        layer-wise execution), without autograd: ``z`` is the whole ``(num_src, F_out)`` projection, read at the
+        block's src positions (:func:`~betty_trainer.models.aggregate.aggregate_rows`; the compiled CPU kernels),
+        and ``h_dst`` the rows' ``(R, F_in)`` input rows (``mean``) → ``(R, F_out)``.
+
+        Raises:
+            ValueError: ``mean`` without ``h_dst``.
+        """
+        self._check_dst_input(h_dst)
+        return self._plus_self_and_bias(aggregate_rows(block, begin, end, z, self_loop=self.aggregator == "gcn"), h_dst)
+
+    def propagate_rows_backward(self, block: Block, begin: int, grad: Tensor, grad_z: Tensor,
+                                h_dst: Tensor | None = None) -> None:
+        """The backward of :meth:`propagate_rows` from the rows' output gradient ``grad`` ``(R, F_out)`` (rows
+        ``[begin, begin + R)``): the bias's and ``fc_self``'s gradients into ``.grad`` and ``h_dst``'s (when it
+        requires grad) by autograd on the part that reads ``h_dst``, and ``z``'s added into ``grad_z``
+        ``(num_src, F_out)`` by the aggregation's transpose, which reads no value of ``z`` (the layer is affine in
+        ``z``: :attr:`propagate_is_affine`)."""
+        dst_part = self.bias.expand(grad.shape[0], -1) if self.fc_self is None else self.fc_self(h_dst) + self.bias
+        dst_part.backward(grad)
+        aggregate_rows_transpose_(block, begin, grad, grad_z, self_loop=self.aggregator == "gcn")
 
     def aggregate(self, block: Block, h_src: Tensor) -> Tensor:
         """The neighbourhood vector of every dst node (before ``W_neigh``): ``(num_src, F)`` → ``(num_dst, F)``."""
@@ -154,10 +238,7 @@ class SAGEConv(nn.Module):
         if self.aggregator == "gcn":  # 1 / (|N(d)| + 1); weighted: 1 / (Σ w + 1), Σ w estimating |N(d)|
             degree = block.in_degrees().to(h_src.dtype) if block.edge_weight is None else weight_totals(block, h_src.dtype)
             scale = degree.add_(1).reciprocal_()
-            values = per_edge(block, scale)
-            if block.edge_weight is not None:
-                values.mul_(block.edge_weight)
-            return aggregate(block, h_src, values, self_scale=scale)
+            return aggregate(block, h_src, edge_weight(block, h_src.dtype), self_scale=scale, row_scale=scale)
         if self.aggregator == "pool":
             return max_neighbours(block, F.relu(self.fc_pool(h_src)))
         return lstm_neighbours(block, h_src, self.lstm)
@@ -220,16 +301,38 @@ class SAGEConv(nn.Module):
 
         return result, backward
 
+    def propagate_rows_terms(self, tape: StepTape, rows: int, hd_dst: int | None = None) -> int:
+        """What :meth:`propagate_rows` allocates on ``rows`` rows (no autograd): the aggregation's output, then
+        ``mean``'s self term and the bias (:meth:`_self_bias_terms`). Returns the output's handle."""
+        out = tape.r.alloc(rows * self.out_feats * tape.f, AGG)
+        return self._self_bias_terms(tape, LayerCounts(rows, rows, 0), out, hd_dst, False)[0]
+
+    def propagate_rows_backward_terms(self, tape: StepTape, rows: int, grad: int, hd_dst: int | None = None,
+                                      hd_grad: bool = False) -> tuple[int | None, int | None]:
+        """What :meth:`propagate_rows_backward` allocates on ``rows`` rows from ``grad`` (the caller's): the part
+        reading ``h_dst`` (``mean``: ``fc_self(h_dst) + bias``; ``gcn``: a view of the bias) and its backward;
+        the transpose allocates nothing. Returns the handles of ``h_dst``'s gradient (or ``None``) and of that
+        part's output (or ``None``), which lives until the call returns."""
+        r, f, b = tape.r, tape.f, self.out_feats
+        self_bwd, result = None, None
+        if self.fc_self is not None:
+            self_out, self_bwd = tape.linear(hd_dst, rows, self.in_feats, b, hd_grad)
+            result = r.alloc(rows * b * f, HID)  # + bias
+            r.drop(self_out)
+        tape.param_grad(b)  # bias
+        tape.settle()
+        return (self_bwd(grad, free_grad=False) if self_bwd is not None else None), result
+
     def _neighbour_terms(self, tape: StepTape, c: LayerCounts, width: int, record: bool):
-        """:meth:`aggregate` of ``mean``/``gcn`` on ``width`` columns: its per-edge values (and ``gcn``'s
-        per-dst scale), freed once aggregated. Returns ``(neighbourhood vector, backward)``."""
+        """:meth:`aggregate` of ``mean``/``gcn`` on ``width`` columns: its per-dst scale (``gcn``: also the self
+        term's), kept for backward. Returns ``(neighbourhood vector, backward)``."""
         if self.aggregator == "mean":
-            values, scale = mean_values_terms(tape, c), None
-        else:  # gcn: 1/(deg + 1) (weighted: 1/(Σ w + 1)) per dst node, spread over its edges (times the weights)
-            scale = weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
-            values = per_edge_terms(tape, c)
-        neigh, agg_bwd = aggregate_terms(tape, c, width, record, values, scale)
-        tape.r.drop(values, scale)
+            row_scale, self_scale = mean_scale_terms(tape, c), None
+        else:  # gcn: 1/(deg + 1) (weighted: 1/(Σ w + 1)) per dst node, on its sum and on its own row
+            row_scale = weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
+            self_scale = row_scale
+        neigh, agg_bwd = aggregate_terms(tape, c, width, record, self_scale, row_scale)
+        tape.r.drop(row_scale)
         return neigh, agg_bwd
 
     def _self_bias_terms(self, tape: StepTape, c: LayerCounts, out: int, hd: int | None, hd_grad: bool):

@@ -49,22 +49,54 @@ class LayerStack(nn.Module):
         """Logits of ``blocks[-1]``'s dst nodes.
 
         Args:
-            blocks: ``L`` blocks, input layer first.
-            x: ``(blocks[0].num_src, F)`` input features.
+            blocks: ``L`` blocks, input layer first; or ``L − 1`` (layers 1 … L − 1), and layer 0 reads the
+                aggregation cache's rows of ``blocks[0]``'s src nodes in ``x`` (:meth:`aggregated_forward`).
+            x: ``(blocks[0].num_src, F)`` input features, or with ``L − 1`` blocks ``(blocks[0].num_src,
+                aggregated_width)`` cached rows.
             consume_input: the caller hands ``x`` over (a fresh gather that nothing else reads, as
                 the training step's is): input dropout then overwrites it instead of keeping a
                 dropped-out copy beside it, one ``(N_in, F)`` tensor less at the peak. Ignored when
                 ``x`` requires grad.
 
         Raises:
-            ValueError: if the number of blocks differs from the number of layers.
+            ValueError: if the number of blocks is neither the number of layers nor, for a layer 0 with an
+                ``aggregated_width``, one fewer (at least one).
         """
-        if len(blocks) != len(self.layers):
-            raise ValueError(f"model has {len(self.layers)} layers but the batch has {len(blocks)} blocks")
-        h = x
-        for index, block in enumerate(blocks):
+        first = len(self.layers) - len(blocks)  # 1: layer 0 reads the aggregation cache
+        if first not in (0, 1) or not blocks or (first and self.aggregated_width is None):
+            raise ValueError(f"model has {len(self.layers)} layers but the batch has {len(blocks)} blocks (one fewer "
+                             "only when layer 0 reads the aggregation cache: SAGE mean/gcn, GCN)")
+        h = self.aggregated_forward(x, blocks[0].src_nodes, consume_input) if first else x
+        for index, block in enumerate(blocks, start=first):
             h = self.layer_forward(index, block, h, consume_input)
         return h
+
+    @property
+    def aggregated_width(self) -> int | None:
+        """Columns of an aggregation cache row layer 0 reads (its ``aggregated_width``), or ``None`` when layer 0
+        cannot read one (BatchGNN §3)."""
+        return getattr(self.layers[0], "aggregated_width", None)
+
+    def aggregated_input(self, block: Block, x: Tensor) -> Tensor:
+        """The aggregation cache's rows of ``block``'s dst nodes from the input features ``x`` of its src nodes:
+        layer 0's ``aggregated_input`` (BatchGNN §3, "Input Feature Aggregation Cache").
+
+        Shapes:
+            ``x`` ``(block.num_src, F)`` → ``(block.num_dst, aggregated_width)``.
+        """
+        return self.layers[0].aggregated_input(block, x)
+
+    def aggregated_forward(self, rows: Tensor, node_ids: Tensor, consume_input: bool = False) -> Tensor:
+        """Layer 0 from the aggregation cache's rows of its dst nodes ``node_ids``: node-keyed dropout of the
+        rows (``features.aggregation_cache: approximate`` only; exact runs have none), the layer's
+        ``forward_aggregated``, ReLU. Equals :meth:`layer_forward` of layer 0 on the dst nodes' full-neighbourhood
+        block without dropout, up to float reassociation.
+
+        Shapes:
+            ``rows`` ``(D, aggregated_width)``, ``node_ids`` ``(D,)`` int64 → ``(D, widths[1])``.
+        """
+        h = self.layers[0].forward_aggregated(self.dropout(rows, node_ids, 0, consume_input))
+        return F.relu(h) if len(self.layers) > 1 else h
 
     def layer_forward(self, index: int, block: Block, h: Tensor, consume_input: bool = False) -> Tensor:
         """Layer ``index`` on one block: node-keyed dropout, the layer, then ReLU unless it is the output
@@ -91,7 +123,12 @@ class LayerStack(nn.Module):
             input features take no gradient).
         """
         h, h_grad, backwards = x, False, []
-        for index, counts in enumerate(layers):
+        first = len(self.layers) - len(layers)  # 1: layer 0 reads the aggregation cache
+        if first:
+            h, backward = self.aggregated_memory_terms(tape, layers[0].num_src, x)
+            backwards.append(backward)
+            h_grad = True
+        for index, counts in enumerate(layers, start=first):
             h, backward = self.layer_memory_terms(tape, index, counts, h, h_grad, consume_input=index == 0)
             backwards.append(backward)
             h_grad = True
@@ -114,18 +151,8 @@ class LayerStack(nn.Module):
             (``None`` when ``h`` takes none).
         """
         r = tape.r
-        width_in, width_out = self.widths[index], self.widths[index + 1]
-        if self.dropout.p > 0 and consume_input and not h_grad:  # dropout overwrites h in place
-            keyed_mask_terms(tape, counts.num_src, width_in)
-            hd, dropout_bwd = h, None
-            r.keep(h)
-        elif self.dropout.p > 0:
-            hd, dropout_bwd = dropout_terms(tape, h, counts.num_src, width_in, h_grad)
-            r.drop(h)
-        else:
-            hd, dropout_bwd = h, None
-            if consume_input:
-                r.keep(h)
+        width_out = self.widths[index + 1]
+        hd, dropout_bwd = self._dropout_terms(tape, counts.num_src, self.widths[index], h, h_grad, consume_input)
         out, layer_bwd = self.layers[index].memory_terms(tape, counts, hd, h_grad)
         r.drop(hd)
         relu_bwd = None
@@ -140,6 +167,39 @@ class LayerStack(nn.Module):
             if grad is not None and dropout_bwd is not None:
                 grad = dropout_bwd(grad)
             return grad
+
+        return out, backward
+
+
+    def _dropout_terms(self, tape: StepTape, rows: int, width: int, h: int, h_grad: bool, consume_input: bool):
+        """The node-keyed dropout of a layer's input ``h`` (``rows × width``): in place on a consumed input,
+        else into a new tensor. Returns ``(dropped handle, backward or None)``."""
+        r = tape.r
+        if self.dropout.p > 0 and consume_input and not h_grad:  # dropout overwrites h in place
+            keyed_mask_terms(tape, rows, width)
+            r.keep(h)
+            return h, None
+        if self.dropout.p > 0:
+            hd, dropout_bwd = dropout_terms(tape, h, rows, width, h_grad)
+            r.drop(h)
+            return hd, dropout_bwd
+        if consume_input:
+            r.keep(h)
+        return h, None
+
+    def aggregated_memory_terms(self, tape: StepTape, rows: int, x: int):
+        """What :meth:`aggregated_forward` allocates on ``rows`` gathered cache rows ``x`` (a handle; the training
+        step's own gather, consumed): dropout, layer 0's ``aggregated_memory_terms``, ReLU. Returns ``(output
+        handle, backward)``; ``backward(grad)`` returns ``None`` (the rows take no gradient)."""
+        hd, _ = self._dropout_terms(tape, rows, self.aggregated_width, x, False, True)
+        out, layer_bwd = self.layers[0].aggregated_memory_terms(tape, rows, hd)
+        tape.r.drop(hd)
+        relu_bwd = None
+        if len(self.layers) > 1:
+            out, relu_bwd = tape.relu(out, rows, self.widths[1])
+
+        def backward(grad: int) -> None:
+            layer_bwd(relu_bwd(grad) if relu_bwd is not None else grad)
 
         return out, backward
 

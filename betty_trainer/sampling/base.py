@@ -100,11 +100,15 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
         fanouts: one entry per layer, input layer first; ``None`` keeps every in-edge.
         node_cache: ``None`` (no node cache) unless a subclass samples from one.
         bulk: batches the schedule samples at once (:class:`Sampler`); 1 unless a subclass samples in bulk.
+        first_layer: the first layer :meth:`sample` samples (``0``; ``1`` when layer 0 reads the input-feature
+            aggregation cache, BatchGNN §3): layers ``first_layer …`` keep their indices, keys and fanouts, so their
+            blocks are the uncached batch's.
     """
 
     fanouts: list[int | None]
     node_cache: NodeSource | None = None
     bulk: int = 1
+    first_layer: int = 0
 
     @abstractmethod
     def sample_layer(self, dst: Tensor, layer: int, key: SampleKey) -> Block:
@@ -131,7 +135,7 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
             key: the batch's :class:`SampleKey`.
 
         Returns:
-            A :class:`Batch` of ``len(fanouts)`` blocks, input layer first.
+            A :class:`Batch` of ``len(fanouts) − first_layer`` blocks, input layer first.
         """
         return self.sample_many([seeds], [key])[0]
 
@@ -143,12 +147,12 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
             keys: ``k`` :class:`SampleKey`, one per batch.
 
         Returns:
-            ``k`` :class:`Batch` of ``len(fanouts)`` blocks each, input layer first; batch ``i`` is what
+            ``k`` :class:`Batch` of ``len(fanouts) − first_layer`` blocks each, input layer first; batch ``i`` is what
             :meth:`sample` gives for ``(seed_batches[i], keys[i])`` alone.
         """
         dsts = [seeds.long() for seeds in seed_batches]
         layers = []
-        for layer in reversed(range(len(self.fanouts))):
+        for layer in reversed(range(self.first_layer, len(self.fanouts))):
             blocks = self.sample_layers(dsts, layer, keys)
             layers.append(blocks)
             dsts = [block.src_nodes for block in blocks]

@@ -27,7 +27,7 @@ every ``r_t`` for the whole run.
 Every kept edge carries the weight ``1 / p_ts`` in :attr:`Block.edge_weight` (the
 Horvitz–Thompson weight): ``Σ_{kept} w_ts · h_t`` is an unbiased estimate of
 ``Σ_{t ∈ N(s)} h_t``, and dividing by ``d_s`` of the neighbourhood mean; an aggregator that
-normalises by ``Σ w_ts`` (``mean_values``) computes the ratio estimator DGL's ``fn.mean``
+normalises by ``Σ w_ts`` (``mean_scale``) computes the ratio estimator DGL's ``fn.mean``
 over its normalised weights computes.
 
 On the CPU a numba kernel computes the sample (the same hashes and thresholds as the

@@ -18,7 +18,7 @@ from betty_trainer.data.block import Batch
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
 from betty_trainer.rng import derive_seed
-from betty_trainer.sampling.base import SampleKey, Sampler
+from betty_trainer.sampling.base import BlockSampler, SampleKey, Sampler
 from betty_trainer.sampling.bulk import BulkNeighborSampler
 from betty_trainer.sampling.gns import GNSSampler
 from betty_trainer.sampling.labor import LaborSampler
@@ -46,9 +46,19 @@ def make_sampler(config: Config, graph: Graph) -> Sampler:
       batch dependency;
     * ``gns``: :class:`GNSSampler` with ``sampling.gns``'s cache.
 
+    With ``features.aggregation_cache`` the sampler samples layers 1 … L − 1 only (``first_layer = 1``), the blocks
+    the uncached run samples there: layer 0 reads the cache's rows of their input nodes (BatchGNN §3).
+
     LABOR's batch groups and GNS's cache refreshes run across epochs: the samplers are told how
     many batches an epoch has.
     """
+    sampler = _sampler(config, graph)
+    sampler.first_layer = int(config.features.aggregation_cache is not False)  # layer 0 reads the cache: no block
+    return sampler
+
+
+def _sampler(config: Config, graph: Graph) -> BlockSampler:
+    """:func:`make_sampler`'s sampler of every layer."""
     sampling = config.sampling
     layers = config.model.num_layers
     fanouts = sampling.fanouts or [None] * layers

@@ -124,7 +124,11 @@ def agree_on_run(processes: Processes, config: Config, dataset_fingerprint: str)
 
 def leader_value(processes: Processes | None, compute: Callable[[], T]) -> T:
     """``compute()`` on rank 0, handed to every rank (a collective: the others wait for it), e.g. the run
-    directory's name or the accuracies of rank 0's evaluation; ``compute()`` itself in a single process."""
+    directory's name or the accuracies of rank 0's evaluation; ``compute()`` itself in a single process.
+
+    Raises:
+        TrainingError: a rank died before the broadcast (naming this rank).
+    """
     if processes is None:
         return compute()
     value = [compute() if processes.leads else None]
@@ -136,7 +140,11 @@ def leader_value(processes: Processes | None, compute: Callable[[], T]) -> T:
 def rank_metrics(processes: Processes, counters: dict[str, int], exchanged_bytes: int) -> dict:
     """Every rank's epoch counters (a collective): ``ranks``, one dict per rank (``counters``, e.g.
     ``host_to_device_bytes``, and ``exchanged_bytes``: what it sent to the other ranks), and the same fields
-    summed over the ranks."""
+    summed over the ranks (counts and bytes).
+
+    Raises:
+        TrainingError: a rank died before the gathering (naming this rank).
+    """
     mine = {**counters, "exchanged_bytes": exchanged_bytes}
     ranks: list[dict | None] = [None] * processes.world_size
     with collective("the gathering of metrics", processes.cpu_group):
@@ -146,7 +154,11 @@ def rank_metrics(processes: Processes, counters: dict[str, int], exchanged_bytes
 
 def finish_together(processes: Processes | None) -> None:
     """Wait until every rank has finished training (a barrier; nothing in a single process), so that no rank tears
-    its process group down while another still uses it: gloo aborts a process whose peer leaves mid-connection."""
+    its process group down while another still uses it: gloo aborts a process whose peer leaves mid-connection.
+
+    Raises:
+        TrainingError: a rank died before the barrier (naming this rank).
+    """
     if processes is not None:
         with collective("waiting for the other ranks to finish", processes.cpu_group):
             dist.barrier(group=processes.cpu_group)

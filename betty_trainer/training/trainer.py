@@ -29,7 +29,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset, no_training_nodes_message
 from betty_trainer.distributed.exchange import ExchangeTraffic
 from betty_trainer.distributed.group import Processes, leave
-from betty_trainer.errors import ConfigError, TrainingError
+from betty_trainer.errors import ConfigError, PlanningError, TrainingError
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
@@ -43,6 +43,7 @@ from betty_trainer.sampling.schedule import (
     make_sampler,
     plan_seed,
 )
+from betty_trainer.training.aggregation import check_aggregation_cache, input_features, without_aggregation_cache
 from betty_trainer.training.checkpoint import (
     BEST_NAME,
     CHECKPOINT_NAME,
@@ -71,6 +72,7 @@ from betty_trainer.training.rundir import (
     new_run_dir,
     write_text,
 )
+from partition import GraphPartition
 
 logger = logging.getLogger(__name__)
 _INIT_STREAM = 1  # derive_seed(seed, 0, _INIT_STREAM) seeds parameter initialisation; epochs use (seed, epoch)
@@ -293,7 +295,9 @@ class _Run:
 def feature_store(config: Config, graph: Graph, device: torch.device, sampler: Sampler,
                   host: HostFeatureStore | None = None) -> FeatureStore:
     """The feature store ``config.features`` names for a run on ``device`` (:func:`~betty_trainer.data.cache.
-    make_feature_store`; a ``gns`` cache holds ``sampler``'s node cache).
+    make_feature_store`; a ``gns`` cache holds ``sampler``'s node cache) over ``host``, the host store of the rows
+    training gathers (default: one of :func:`~betty_trainer.training.aggregation.input_features`, ``graph.x`` or
+    with ``features.aggregation_cache`` the cache's rows).
 
     Raises:
         ConfigError: macro-batches under a budget without ``features.macro_batch_budget``
@@ -301,9 +305,66 @@ def feature_store(config: Config, graph: Graph, device: torch.device, sampler: S
     """
     check_macro_batch_budget(config)
     features = config.features
+    if host is None:
+        host = HostFeatureStore(input_features(config, graph), pin=device.type == "cuda")
     return make_feature_store(graph, device, features.cache.kind, features.cache.size,
                               macro_batch=features.macro_batch > 0, stage_budget=features.macro_batch_budget,
                               node_source=sampler.node_cache, host=host)
+
+
+def data_path(config: Config, graph: Graph, device: torch.device, model: nn.Module | None, host: HostFeatureStore,
+              epoch: int = 0) -> tuple[Sampler, FeatureStore, Planner, bool]:
+    """A run's sampler, feature store (over ``host``, the host store of ``graph.x``, or with the aggregation cache
+    over its rows) and planner (of the built-in model when ``model`` is ``None``), and whether layer 0 reads the
+    aggregation cache.
+
+    With ``features.aggregation_cache: true`` under ``micro_batch.mode: auto`` the cache is kept only where the
+    estimate says it helps (BatchGNN App. C: it reads more where layer 0's dst nodes are about as many as its src
+    nodes): epoch ``epoch``'s first batch is planned with and without it, and the run takes the cache unless the plan
+    without it is estimated lower (without a budget: its peak; under one: its work, both fitting) or only that one
+    fits. The cache is exact, so either way the run computes the same gradients; the choice is logged.
+    ``approximate``, which changes what layer 0 computes, is never switched off.
+
+    Raises:
+        ConfigError, CalibrationError: see :func:`feature_store` and :func:`~betty_trainer.memory.planner.make_planner`.
+    """
+    def build(run_config: Config, partition: GraphPartition | None = None) -> tuple[Sampler, FeatureStore, Planner]:
+        sampler = make_sampler(run_config, graph)
+        cached = run_config.features.aggregation_cache is not False
+        features = feature_store(run_config, graph, device, sampler, None if cached else host)
+        with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's chatter is hidden
+            return sampler, features, make_planner(run_config, graph, model, device, features, plan_seed(run_config),
+                                                   partition)
+
+    chosen, cached = build(config), config.features.aggregation_cache is not False
+    if config.features.aggregation_cache is True and config.micro_batch.mode == "auto":
+        plain_config = without_aggregation_cache(config)
+        plain = build(plain_config, chosen[2].graph_partition)  # the cache changes no METIS cut of the graph
+        with_cache, without = (_first_plan(run_config, graph, path, epoch)
+                               for run_config, path in ((config, chosen), (plain_config, plain)))
+        budget = chosen[2].budget is not None
+        if with_cache is not None and without is not None:
+            cached = with_cache.work <= without.work if budget else with_cache.estimate <= without.estimate
+        else:
+            cached = without is None
+        logger.info("micro_batch.mode=auto %s the aggregation cache: epoch %d's first batch is estimated at %s with "
+                    "it and %s without it", "keeps" if cached else "leaves out", epoch, _estimated(with_cache),
+                    _estimated(without))
+        chosen = chosen if cached else plain
+    return (*chosen, cached)
+
+
+def _estimated(plan: StepPlan | None) -> str:
+    return "no plan fitting" if plan is None else f"{(plan.estimate or 0) / 2**20:.1f} MiB (work {plan.work:.3g})"
+
+
+def _first_plan(config: Config, graph: Graph, path: tuple[Sampler, FeatureStore, Planner], epoch: int) -> StepPlan | None:
+    """Epoch ``epoch``'s first batch planned on ``path`` (its sampler and planner), or ``None`` where no plan fits."""
+    sampler, _, planner = path
+    try:
+        return planner.plan(first_batch(config, graph, sampler, epoch))
+    except PlanningError:
+        return None
 
 
 def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path: Path, resume: bool,
@@ -325,16 +386,15 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
     if graph.train_idx.numel() == 0:
         raise ConfigError(no_training_nodes_message(graph.name))
     builtin = model is None
+    check_aggregation_cache(config, model)
     if builtin:
         check_model_size(config, graph, device)
-    dataset, sampler = dataset_identity(graph, split), make_sampler(config, graph)
-    host = HostFeatureStore(graph.x, pin=device.type == "cuda")
-    features = feature_store(config, graph, device, sampler, host)
-    with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's own chatter is hidden
-        planner = make_planner(config, graph, model, device, features, plan_seed(config))
+    dataset, epoch = dataset_identity(graph, split), state["epoch"] + 1 if state is not None else 0
+    host = HostFeatureStore(graph.x, pin=device.type == "cuda")  # evaluation's; training's too without the cache
+    sampler, features, planner, _ = data_path(config, graph, device, model, host, epoch)
     sampler, planner, traffic = this_rank(config, graph, dataset["fingerprint"], sampler, planner, processes)
     # the first batch's plan: an impossible budget is refused before the model is allocated
-    planner.plan(first_batch(config, graph, sampler, state["epoch"] + 1 if state is not None else 0))
+    planner.plan(first_batch(config, graph, sampler, epoch))
     model = _allocate(lambda: (model if model is not None else init_model(config, graph)).to(device), device)
     optimizer = config.optim.make_optimizer(model.parameters())
     if builtin and config.model.arch == "gcn" and config.sampling.sampler == "gns":
@@ -342,7 +402,7 @@ def _prepare(config: Config, model: nn.Module | None, graph: Graph | None, path:
                        "the rows whose count of cached neighbours crosses the fanout from cache to cache (median "
                        "+13% on those rows, Amazon Computers, fanout 10; README › GNS); SAGE's mean is close to "
                        "unbiased under GNS (model.arch=sage)")
-    model_id = config.model.model_dump(mode="json") if builtin else {"custom": _qualname(model)}
+    model_id = config.model.model_dump(mode="json") if builtin else {"custom": qualified_name(model)}
     # evaluation reads every node's rows: through the host store, so an LRU cache keeps the training working set
     run = _Run(graph, model, optimizer, make_scheduler(config, optimizer), sampler, features, host, planner,
                identity(dataset, model_id, model.state_dict()), device, processes, traffic)
@@ -677,7 +737,8 @@ def _name_run(error: BaseException, path: Path) -> None:
         error.run_dir = path
 
 
-def _qualname(model: nn.Module) -> str:
+def qualified_name(model: nn.Module) -> str:
+    """``module.Class`` of a custom model: what a run's identity and a dry run's report name it by."""
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 

@@ -1,0 +1,214 @@
+"""The aggregation kernel side by side with DGL's GSpMM (issue 23, item 1): forward + backward of one
+neighbourhood aggregation on the same block, per weighting, one thread each.
+
+Ours is ``betty_trainer.models.aggregate.aggregate`` (``_SparseAggregate``: the compiled CSR kernels on the
+CPU), DGL's the GSpMM its layers run (DGL 2.1, in its own environment, ``--dgl-python``, default the
+environment ``bash .ci/dgl`` builds: this same file serves as DGL's side, started with ``--serve``):
+
+``mean``
+    ours: ``mean_neighbours`` (the sum, each row then scaled by ``1/deg``); DGL: ``SAGEConv``'s
+    ``update_all(copy_u, mean)``.
+``gcn``
+    ``D_dst^-1/2 · A · D_src^-1/2 · h``, the scales from the graph's degrees + 1; ours: ``aggregate`` with
+    ``row_scale`` and ``col_scale``; DGL: ``GraphConv(norm="both")``'s ``h · norm_src``, ``update_all(copy_u,
+    sum)``, ``· norm_dst``.
+``sum``
+    ours: ``aggregate`` without values (GIN's sum); DGL: ``dgl.ops.copy_u_sum``.
+``weighted``
+    one positive weight per edge; ours: ``aggregate(values=w)``; DGL: ``dgl.ops.u_mul_e_sum``.
+
+Blocks: every node of the graph as a dst node with its full neighbourhood (what a K = 1 full-batch step
+aggregates): Amazon Computers and ``sbm-30k`` (``benchmarks/versus_dgl.py``'s 30k-node SBM), hidden widths
+``--hidden``. The two sides read the same arrays (CSC structure, features, output gradient, weights, norms) and
+check each other's results. Each side calls ``torch.set_num_threads(1)`` (ours also numba's); times are CPU time
+(``time.process_time``) of one forward + backward, rounds interleaved (ours, DGL, ours, …), medians. DGL builds
+its out-edge (CSR) format in the warm-up call and keeps it on the graph; ours keeps nothing between calls.
+
+Run:
+    python benchmarks/aggregation.py
+    python benchmarks/aggregation.py --graphs amazon-computers --hidden 64 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import common  # this folder
+import numpy as np
+import torch
+from common import int_list, markdown_table, name_list
+from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder
+
+WEIGHTINGS = ("mean", "gcn", "sum", "weighted")
+
+
+def timed(run, repeat: int) -> list[float]:
+    """CPU milliseconds of each of ``repeat`` calls of ``run``."""
+    times = []
+    for _ in range(repeat):
+        start = time.process_time()
+        run()
+        times.append((time.process_time() - start) * 1e3)
+    return times
+
+
+def load_arrays(folder: Path) -> dict[str, torch.Tensor]:
+    return {path.stem: torch.from_numpy(np.load(path, allow_pickle=False)) for path in folder.glob("*.npy")}
+
+
+class DGLSide:
+    """DGL's half (run with DGL's Python by :class:`~dgl_channel.DGLProcess`): the graph as a ``dgl.Block`` built
+    from the CSC arrays, the passes as DGL's layers run them."""
+
+    def __init__(self) -> None:
+        import dgl
+
+        self.dgl = dgl
+        self.cases: dict[str, tuple] = {}
+
+    def load(self, key: str, folder: str) -> dict:
+        arrays = load_arrays(Path(folder))
+        indptr, indices = arrays["indptr"].long(), arrays["indices"].long()
+        block = self.dgl.create_block(("csc", (indptr, indices, torch.arange(indices.numel()))),
+                                      num_src_nodes=arrays["h"].shape[0], num_dst_nodes=indptr.numel() - 1)
+        self.cases[key] = (block, arrays)
+        return {}
+
+    def run(self, key: str, weighting: str, repeat: int) -> dict:
+        block, arrays = self.cases[key]
+        fn, ops = self.dgl.function, self.dgl.ops
+        h = arrays["h"].clone().requires_grad_(True)
+
+        def forward():
+            if weighting == "mean":
+                with block.local_scope():
+                    block.srcdata["h"] = h
+                    block.update_all(fn.copy_u("h", "m"), fn.mean("m", "neigh"))
+                    return block.dstdata["neigh"]
+            if weighting == "gcn":
+                with block.local_scope():
+                    block.srcdata["h"] = h * arrays["col_scale"].unsqueeze(1)
+                    block.update_all(fn.copy_u("h", "m"), fn.sum("m", "h"))
+                    return block.dstdata["h"] * arrays["row_scale"].unsqueeze(1)
+            if weighting == "sum":
+                return ops.copy_u_sum(block, h)
+            return ops.u_mul_e_sum(block, h, arrays["weight"].unsqueeze(1))
+
+        def step():
+            h.grad = None
+            forward().backward(arrays["grad"])
+
+        times = timed(step, repeat)
+        return {"ms": times, "out": forward().double().sum().item(), "grad": h.grad.double().sum().item()}
+
+
+class OurSide:
+    """Ours, in this process, on the same arrays."""
+
+    def __init__(self, arrays: dict[str, torch.Tensor]) -> None:
+        from betty_trainer import Block
+
+        self.arrays = arrays
+        num_src = arrays["h"].shape[0]
+        self.block = Block(torch.arange(num_src), arrays["indptr"].numel() - 1, arrays["indptr"], arrays["indices"])
+
+    def run(self, weighting: str, repeat: int) -> dict:
+        from betty_trainer.models.aggregate import aggregate, mean_neighbours
+
+        block, arrays = self.block, self.arrays
+        h = arrays["h"].clone().requires_grad_(True)
+
+        def forward():
+            if weighting == "mean":
+                return mean_neighbours(block, h)
+            if weighting == "gcn":
+                return aggregate(block, h, row_scale=arrays["row_scale"], col_scale=arrays["col_scale"])
+            return aggregate(block, h, arrays["weight"] if weighting == "weighted" else None)
+
+        def step():
+            h.grad = None
+            forward().backward(arrays["grad"])
+
+        times = timed(step, repeat)
+        return {"ms": times, "out": forward().double().sum().item(), "grad": h.grad.double().sum().item()}
+
+
+def export(name: str, hidden: int, folder: Path) -> None:
+    """The block's arrays for both sides: CSC structure, ``h`` and the output gradient (seeded normals), one
+    weight per edge (uniform in [0.5, 1.5)) and GCN's scales ``(deg + 1)^-1/2``."""
+    graph = common.load_graph(name)
+    generator = torch.Generator().manual_seed(0)
+    n = graph.num_nodes
+    norm = (graph.in_degrees().float() + 1).rsqrt()
+    arrays = {"indptr": graph.indptr, "indices": graph.indices, "h": torch.randn(n, hidden, generator=generator),
+              "grad": torch.randn(n, hidden, generator=generator), "row_scale": norm, "col_scale": norm,
+              "weight": torch.rand(graph.indices.numel(), generator=generator) + 0.5}
+    folder.mkdir(parents=True)
+    for key, value in arrays.items():
+        np.save(folder / f"{key}.npy", value.numpy())
+
+
+def agree(ours: dict, theirs: dict) -> bool:
+    """The two sides' output and gradient sums agree to float32 reassociation."""
+    return all(abs(ours[k] - theirs[k]) <= 1e-4 * max(1.0, abs(theirs[k])) for k in ("out", "grad"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graphs", type=name_list, default=["amazon-computers", "sbm-30k"])
+    parser.add_argument("--hidden", type=int_list, default=[64, 256])
+    parser.add_argument("--weightings", type=name_list, default=list(WEIGHTINGS))
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (ours, DGL) per case")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per side per round")
+    parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON))
+    parser.add_argument("--serve", action="store_true", help="serve DGL's side (run with DGL's Python)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    if args.serve:
+        serve(DGLSide())
+        return
+    import numba
+
+    numba.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="aggregation-") as tmp:
+        tmp = Path(tmp)
+        dgl = DGLProcess(args.dgl_python, Path(__file__).resolve(), ["--serve"], 1, tmp / "dgl-side.log")
+        try:
+            hello = dgl("hello")
+            print(f"ours (torch {torch.__version__}, {torch.get_num_threads()} thread, numba {numba.get_num_threads()}) "
+                  f"vs DGL {hello['dgl']} (torch {hello['torch']}, {hello['threads']} thread); CPU ms of one "
+                  f"forward + backward, median of {args.rounds} interleaved rounds × {args.repeat} calls")
+            for name in args.graphs:
+                for hidden in args.hidden:
+                    key = f"{name}-{hidden}"
+                    export(name, hidden, tmp / key)
+                    dgl("load", key=key, folder=str(tmp / key))
+                    ours = OurSide(load_arrays(tmp / key))
+                    for weighting in args.weightings:
+                        mine, theirs = ours.run(weighting, 1), dgl("run", key=key, weighting=weighting, repeat=1)
+                        checked = agree(mine, theirs)
+                        ms = {"ours": [], "dgl": []}
+                        for _ in range(args.rounds):
+                            ms["ours"] += ours.run(weighting, args.repeat)["ms"]
+                            ms["dgl"] += dgl("run", key=key, weighting=weighting, repeat=args.repeat)["ms"]
+                        a, b = statistics.median(ms["ours"]), statistics.median(ms["dgl"])
+                        rows.append([name, str(hidden), weighting, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}",
+                                     "yes" if checked else "NO"])
+                        print(" | ".join(rows[-1]), flush=True)
+        finally:
+            dgl.close()
+    print()
+    print(markdown_table(["graph", "hidden", "weighting", "ours ms", "DGL ms", "ours/DGL", "same result"], rows))
+
+
+if __name__ == "__main__":
+    main()

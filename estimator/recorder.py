@@ -1,0 +1,321 @@
+"""The memory of a training step recorded from the code that runs it, and the closed form fitted to recordings
+(issue 24, docs/design.md › Memory estimate).
+
+:class:`Recorder` runs a step (forward, loss, backward, optimizer step: whatever callable it is handed) on fake
+tensors (``FakeTensorMode``: shapes, dtypes and storages, no data, no compute) under a recording
+``TorchDispatchMode``. Every operator output whose storage is new is an allocation of ``storage.nbytes()`` bytes;
+a ``weakref`` callback on that storage (storages keep their Python object while the tensor lives, so the callback
+fires when the last tensor or view on it dies: autograd's saved tensors, gradients and optimizer temporaries
+included) records its free, as ``torch.distributed._tools.mem_tracker.MemTracker`` does. Replaying the
+allocations and frees in order gives the step's peak: the quantity :func:`estimator.measure.measure_peak` measures
+on the CPU (bytes requested from torch's CPU allocator, one request per storage).
+
+:func:`solve` turns recordings of one model at a few sizes into a :class:`RecordedModel`'s moments: each allocation's bytes
+solved exactly as an integer linear function of the micro-batch's counts (no least squares: a recording more than
+the unknowns must agree to the byte), and the peak as the maximum, over the moments right after an allocation,
+of the bytes live then: a maximum of linear functions of the counts, evaluated per candidate micro-batch without
+recording again.
+
+Exact where every allocation goes through PyTorch's dispatcher and its bytes are linear in the counts. Not
+covered, and refused with a :class:`RecordingRefused` that names the cause in one line: data-dependent shapes
+(``unique``, ``nonzero``, boolean masks, ``repeat_interleave`` without ``output_size``), tensor values read by
+the model (``.item()``, ``.tolist()``, ``.numpy()`` for a numba kernel), and allocation sequences or sizes that
+change with the counts in another way, as far as the recorded sizes show: a branch on a size threshold larger
+than they are (e.g. work split into chunks past a million elements) is not caught. Not seen at all: scratch
+memory a CPU kernel allocates inside one operator and frees before returning (the profiler sees it; the recorder
+only operator outputs), a storage an operator grows in place (``resize_`` of an ``out=`` tensor), and memory
+allocated outside torch (``malloc`` in MKL or numba); CPU requests are not rounded (a CUDA caching allocator
+rounds to 512 bytes: not modelled here).
+
+Private PyTorch API: ``torch._subclasses.fake_tensor.FakeTensorMode``, ``torch.utils._python_dispatch`` and
+``torch._C._current_autograd_node``; the recorder is tested on the torch versions in :data:`TESTED_TORCH` and
+refuses others.
+
+This module never imports ``betty_trainer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from estimator.counts import LayerCounts, block_structure_bytes
+
+TESTED_TORCH = ("2.13",)  # major.minor versions whose FakeTensorMode the recorder is tested with
+
+
+class RecordingRefused(ValueError):
+    """The step cannot be recorded exactly; the message names why in one line."""
+
+
+@dataclass(frozen=True)
+class Recording:
+    """The allocations of one recorded step, in order.
+
+    Attributes:
+        ops: per allocation, the ATen operator that made it (e.g. ``"aten.mm.default"``).
+        nbytes: per allocation, its storage's ``nbytes()`` (bytes).
+        events: ``+i + 1`` for allocation ``i``, ``-(i + 1)`` for its free, in the order they happened; an
+            allocation still live when the step returned has no free.
+    """
+
+    ops: tuple[str, ...]
+    nbytes: tuple[int, ...]
+    events: tuple[int, ...]
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes live at once during the step, counting only what the step allocated."""
+        current = peak = 0
+        for event in self.events:
+            current += self.nbytes[abs(event) - 1] if event > 0 else -self.nbytes[-event - 1]
+            peak = max(peak, current)
+        return peak
+
+    def same_sequence(self, other: Recording) -> bool:
+        """Whether ``other`` made the same operators' allocations and frees in the same order (sizes aside)."""
+        return self.ops == other.ops and self.events == other.events
+
+
+class _Recording(TorchDispatchMode):
+    """Records the operators' new storages and, by weakref callbacks, their frees (see the module)."""
+
+    def __init__(self, reads_refused: Callable[[], str | None]):
+        super().__init__()
+        self.reads_refused = reads_refused
+        self.ops: list[str] = []
+        self.nbytes: list[int] = []
+        self.events: list[int] = []
+        self.known: dict[int, weakref.ref] = {}  # id(storage) → weak reference, for the storages recorded
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(t), int(t): no data to read
+            node = torch._C._current_autograd_node()  # the backward node running, if any
+            where = f"the backward of {node.name()}" if node is not None else self.reads_refused()
+            if where is not None:
+                raise RecordingRefused(f"{where} reads a tensor's value (.item(), .tolist(), int(t), if t: ...), "
+                                       "which a recording without data cannot follow")
+            return True if args[0].dtype == torch.bool else 1  # a finite loss, a first optimizer step
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, Tensor):
+                self._track(tensor.untyped_storage(), str(func), inputs)
+        return out
+
+    def _track(self, storage: torch.UntypedStorage, op: str, inputs: set[int]) -> None:
+        key = id(storage)
+        if key in inputs or (key in self.known and self.known[key]() is storage):
+            return  # a view, an in-place result or an output seen before
+        index = len(self.nbytes)
+        self.ops.append(op)
+        self.nbytes.append(storage.nbytes())
+        self.events.append(index + 1)
+        self.known[key] = weakref.ref(storage, lambda _, index=index: self.events.append(-index - 1))
+
+
+class Recorder:
+    """A fake-tensor world to record training steps in: ``with Recorder() as recorder:`` make the step's tensors
+    with :meth:`fake` and :meth:`fake_module` (or torch factories, which make fake tensors inside the block), then
+    :meth:`record` the step.
+
+    Raises:
+        RecordingRefused: on entering, under a torch version not in :data:`TESTED_TORCH`.
+    """
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._scope = contextlib.ExitStack()
+
+    def __enter__(self) -> Recorder:
+        version = ".".join(torch.__version__.split(".")[:2])
+        if version not in TESTED_TORCH:
+            raise RecordingRefused(f"the recorder is tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}")
+        self._scope.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # an address is never used
+        fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # logs the errors a refusal names anyway
+        self._scope.callback(fake_log.setLevel, fake_log.level)
+        fake_log.setLevel(logging.CRITICAL)
+        self._scope.enter_context(self.mode)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._scope.close()
+
+    def fake(self, tensor: Tensor) -> Tensor:
+        """A fake tensor with ``tensor``'s shape, dtype, device and strides (no data)."""
+        return self.mode.from_tensor(tensor, static_shapes=True)
+
+    def fake_module(self, module: nn.Module) -> nn.Module:
+        """A copy of ``module`` whose parameters and buffers are fake (tied ones stay tied; no real tensor is
+        copied); anything else is deep-copied."""
+        memo: dict[int, Any] = {}
+        for parameter in module.parameters():
+            memo[id(parameter)] = nn.Parameter(self.fake(parameter.detach()), parameter.requires_grad)
+        for buffer in module.buffers():
+            memo[id(buffer)] = self.fake(buffer)
+        return copy.deepcopy(module, memo)
+
+    def record(self, step: Callable[[], object], reads_refused: Callable[[], str | None] = lambda: None) -> Recording:
+        """Run ``step()`` once on fake tensors and return what it allocated and freed.
+
+        A read of a tensor's value returns ``True`` for a bool and ``1`` otherwise (a loss checked finite, an
+        optimizer's step count), unless it happens in backward or ``reads_refused()`` names the code running
+        (e.g. ``"the forward of M"``).
+
+        Raises:
+            RecordingRefused: a refused read, a data-dependent output shape, an operator fake tensors do not
+                support, or any exception of the step (data asked of a fake tensor by ``.numpy()``: a kernel
+                outside the dispatcher; or a bug, which calibration then names); the message names the operator
+                or the exception.
+        """
+        recording = _Recording(reads_refused)
+        try:
+            with recording:
+                step()
+        except RecordingRefused:
+            raise
+        except DynamicOutputShapeException as error:
+            raise RecordingRefused(f"{error.func} has an output shape that depends on the data") from None
+        except DataDependentOutputException as error:
+            raise RecordingRefused(f"{error.func} reads tensor data") from None
+        except UnsupportedOperatorException as error:
+            raise RecordingRefused(f"{error.func} has no fake-tensor implementation") from None
+        except Exception as error:  # noqa: BLE001 - whatever the step raises on fake tensors is named
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RecordingRefused(f"the step failed on fake tensors ({type(error).__name__}: {first}); does it "
+                                   "compute outside PyTorch's operators (.numpy(), a numba or C kernel)?") from None
+        return Recording(tuple(recording.ops), tuple(recording.nbytes), tuple(recording.events))
+
+
+def distinct_storage_bytes(tensors: Sequence[Tensor]) -> int:
+    """Total ``nbytes`` of the distinct storages behind ``tensors`` (bytes; fake ones included, told apart by
+    storage identity, not by address: every fake storage is at address 0)."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def counts_vector(layers: Sequence[LayerCounts]) -> tuple[int, ...]:
+    """``(1, S_0, D_0, E_0, D_1, E_1, …)``: the counts the closed form is linear in. A layer's src count is the
+    previous layer's dst count (``S_{l+1} = D_l``: blocks chain), so only the input layer's is its own."""
+    return (1, layers[0].num_src, *(n for c in layers for n in (c.num_dst, c.num_edges)))
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: numpy arrays have no single truth value
+class RecordedModel:
+    """A model's recorded step as a closed form: per moment that may be the peak, the bytes live then as integer
+    coefficients of :func:`counts_vector` (see the module).
+
+    Attributes:
+        num_layers: blocks the model takes.
+        resident_bytes: bytes live before a step, block structure aside: parameters, buffers, optimizer state and
+            the earlier micro-batches' gradients (a batch's later micro-batches hold them).
+        first_saving_bytes: bytes of the gradients a batch's first micro-batch does not hold before its step.
+        accumulating: ``(moments, 2L + 2)`` int64: a later micro-batch's step, with the gradients resident.
+        first: the same for a batch's first micro-batch, which allocates the gradients in its backward.
+        allocations: allocations per recorded step (both kinds of step; for reports).
+    """
+
+    num_layers: int
+    resident_bytes: int
+    first_saving_bytes: int
+    accumulating: np.ndarray
+    first: np.ndarray
+    allocations: int
+
+    def step_bytes(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
+        """Peak bytes the step adds above the resident bytes and the block structure.
+
+        Raises:
+            ValueError: if the number of layers differs from the model's.
+        """
+        if len(layers) != self.num_layers:
+            raise ValueError(f"the micro-batch has {len(layers)} layers but the model was recorded with {self.num_layers}")
+        moments = self.accumulating if accumulate else self.first
+        return max(0, int((moments @ np.array(counts_vector(layers), dtype=np.int64)).max()))
+
+    def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
+        """Peak bytes of a training step of the micro-batch with counts ``layers`` (input layer first), as
+        :func:`estimator.measure.measure_peak` measures it on the CPU: resident + block structure + step, less
+        ``first_saving_bytes`` for a batch's first micro-batch (``accumulate=False``).
+
+        Raises:
+            ValueError: if the number of layers differs from the model's.
+        """
+        resident = self.resident_bytes - (0 if accumulate else self.first_saving_bytes)
+        return resident + block_structure_bytes(layers) + self.step_bytes(layers, accumulate)
+
+
+def recording_sizes(num_layers: int) -> list[list[LayerCounts]]:
+    """The sizes a model is recorded at: a base, the base with each count of :func:`counts_vector` one larger
+    (what solves the coefficients), and the base doubled (what checks them). Every count is distinct from the
+    others (``D_l < S_l``, no count 0 or 1), so no size takes a branch the others do not."""
+    dst = [5 * 3 ** (num_layers - 1 - layer) + 2 for layer in range(num_layers)]  # 7 at the output, ×3 per layer in
+    base = [3 * dst[0] + 4] + [value for layer in range(num_layers) for value in (dst[layer], 4 * dst[layer] + 3)]
+    bumped = [base[:index] + [value + 1] + base[index + 1:] for index, value in enumerate(base)]
+    return [_layers(values) for values in [base, *bumped, [2 * value for value in base]]]
+
+
+def _layers(values: Sequence[int]) -> list[LayerCounts]:
+    """The :class:`LayerCounts` of ``(S_0, D_0, E_0, D_1, E_1, …)``."""
+    dst, edges = values[1::2], values[2::2]
+    src = [values[0], *dst[:-1]]
+    return [LayerCounts(s, d, e) for s, d, e in zip(src, dst, edges)]
+
+
+def solve(recordings: Sequence[Recording], sizes: Sequence[Sequence[LayerCounts]]) -> np.ndarray:
+    """The closed form of recordings made at :func:`recording_sizes`: the ``(moments, 2L + 2)`` int64 coefficients
+    of the bytes live right after each allocation (duplicate moments dropped).
+
+    Each allocation's bytes are solved from the base and the bumped recordings (the difference a count's +1
+    makes is its integer coefficient) and must then reproduce every recording, the doubled one included, to the
+    byte.
+
+    Raises:
+        RecordingRefused: recordings whose operators or order of allocations and frees differ, or an allocation
+            whose bytes are not an integer linear function of the counts (both name the operator).
+    """
+    base, *bumped, check = recordings
+    for recording in recordings[1:]:
+        if not recording.same_sequence(base):
+            where = next((f"at {a}" for a, b in zip(recording.ops, base.ops) if a != b), "in the order of frees")
+            raise RecordingRefused(f"the step allocates differently at different sizes ({where}): its memory is "
+                                   "not a function of the node and edge counts alone")
+    nbytes = np.array([r.nbytes for r in recordings], dtype=np.int64)  # (recordings, allocations)
+    coefficients = np.empty((nbytes.shape[1], len(bumped) + 1), dtype=np.int64)
+    coefficients[:, 1:] = (nbytes[1:-1] - nbytes[0]).T
+    vectors = np.array([counts_vector(layers) for layers in sizes], dtype=np.int64)
+    coefficients[:, 0] = nbytes[0] - coefficients[:, 1:] @ vectors[0, 1:]
+    wrong = np.nonzero((vectors @ coefficients.T != nbytes).any(axis=0))[0]
+    if wrong.size:
+        raise RecordingRefused(f"{base.ops[wrong[0]]} allocates bytes that are not linear in the node and edge "
+                               f"counts ({nbytes[-1, wrong[0]]} bytes at {_describe(sizes[-1])})")
+    live = np.zeros(coefficients.shape[1], dtype=np.int64)
+    moments = []
+    for event in base.events:
+        live = live + coefficients[event - 1] if event > 0 else live - coefficients[-event - 1]
+        if event > 0:
+            moments.append(live)
+    return np.unique(np.array(moments, dtype=np.int64).reshape(-1, coefficients.shape[1]), axis=0)
+
+
+def _describe(layers: Sequence[LayerCounts]) -> str:
+    return "src/dst/edges per layer " + ", ".join(f"{c.num_src}/{c.num_dst}/{c.num_edges}" for c in layers)
