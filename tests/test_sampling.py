@@ -139,6 +139,7 @@ SAMPLER_CONFIGS = {
     "full": ["sampling.sampler=full"],
     "ns": ["sampling.sampler=ns", "sampling.fanouts=[5,10]"],
     "bulk-ns": ["sampling.sampler=bulk-ns", "sampling.fanouts=[5,10]"],
+    "bulk-ladies": ["sampling.sampler=bulk-ladies", "sampling.fanouts=[64,32]"],
     "labor-0": ["sampling.sampler=labor", "sampling.fanouts=[5,10]"],
     "labor-star-kappa4": ["sampling.sampler=labor", "sampling.fanouts=[5,10]", "sampling.labor.importance_iterations=-1",
                           "sampling.labor.batch_dependency=4", "sampling.labor.layer_dependency=true"],

@@ -57,6 +57,34 @@ class SampleKey:
         return cls(int(torch.randint(0, 2**62, (1,), generator=generator, device=device)))
 
 
+@dataclass(frozen=True)
+class SampleKeys:
+    """``k`` :class:`SampleKey` as tensors, so the keys of every batch of a bulk draw are computed in one pass.
+
+    Attributes:
+        seed, epoch, step: ``(k,)`` int64 (seeds below 2⁶³), on the sampling device.
+    """
+
+    seed: Tensor
+    epoch: Tensor
+    step: Tensor
+
+    @classmethod
+    def of(cls, keys: Sequence[SampleKey], device: torch.device | str) -> SampleKeys:
+        """The stacked ``keys``, on ``device``."""
+        parts = torch.tensor([[key.seed, key.epoch, key.step] for key in keys], dtype=torch.int64).reshape(-1, 3)
+        return cls(*parts.to(device).unbind(1))
+
+    def layer_keys(self, layer: int) -> Tensor:
+        """``(k,)`` int64: batch ``i``'s :meth:`SampleKey.layer_key` of ``layer``."""
+        return mix_key(self.seed, self.epoch, self.step, layer, _SAMPLING_DOMAIN)
+
+    def round_keys(self, layer: int, rounds: int) -> Tensor:
+        """``(k, rounds)`` int64: batch ``i``'s NS round keys of ``layer``, ``mix_key(layer_key, r)``
+        (:func:`~betty_trainer.sampling.neighbor.sample_block`)."""
+        return mix_key(self.layer_keys(layer)[:, None], torch.arange(rounds, device=self.seed.device))
+
+
 class Sampler(Protocol):
     """A sampler (docs/design.md › Seams): ``sample(seeds, key) -> Batch``.
 
@@ -92,9 +120,8 @@ class BlockSampler(ABC):
 wraps another one layer by layer (the cooperative sampler's all-to-all between layers) overrides
 :meth:`sample_layer` only.
 
-    Several batches are sampled together by walking their layers side by side: :meth:`sample_layers` takes
-    every batch's dst nodes of one layer at once (one at a time by default; the bulk sampler overrides it with
-    one stacked sparse product), so :meth:`sample` is :meth:`sample_many` of one batch.
+    :meth:`sample_many` samples several batches, one at a time here; the bulk samplers
+    (:mod:`betty_trainer.sampling.bulk`) override it to walk the layers of all of them at once.
 
     Attributes:
         fanouts: one entry per layer, input layer first; ``None`` keeps every in-edge.
@@ -123,10 +150,6 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
             A :class:`Block` with ``src_nodes[:n] == dst``.
         """
 
-    def sample_layers(self, dsts: Sequence[Tensor], layer: int, keys: Sequence[SampleKey]) -> list[Block]:
-        """Block ``layer`` of several batches: ``sample_layer(dsts[i], layer, keys[i])`` for each ``i``."""
-        return [self.sample_layer(dst, layer, key) for dst, key in zip(dsts, keys, strict=True)]
-
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
         """The batch computing ``seeds`` under ``key``.
 
@@ -137,23 +160,23 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
         Returns:
             A :class:`Batch` of ``len(fanouts) − first_layer`` blocks, input layer first.
         """
-        return self.sample_many([seeds], [key])[0]
+        dst = seeds.long()
+        blocks = []
+        for layer in reversed(range(self.first_layer, len(self.fanouts))):
+            block = self.sample_layer(dst, layer, key)
+            blocks.append(block)
+            dst = block.src_nodes
+        blocks.reverse()
+        return Batch(blocks)
 
     def sample_many(self, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]) -> list[Batch]:
-        """The batches computing ``seed_batches[i]`` under ``keys[i]``, layer by layer from the output layer.
+        """``sample(seed_batches[i], keys[i])`` for each ``i``, one after the other (a bulk sampler overrides it).
 
         Args:
             seed_batches: ``k`` tensors of ``(B_i,)`` int64 distinct output node ids, on the graph's device.
             keys: ``k`` :class:`SampleKey`, one per batch.
 
         Returns:
-            ``k`` :class:`Batch` of ``len(fanouts) − first_layer`` blocks each, input layer first; batch ``i`` is what
-            :meth:`sample` gives for ``(seed_batches[i], keys[i])`` alone.
+            ``k`` :class:`Batch`, batch ``i`` what :meth:`sample` gives for ``(seed_batches[i], keys[i])`` alone.
         """
-        dsts = [seeds.long() for seeds in seed_batches]
-        layers = []
-        for layer in reversed(range(self.first_layer, len(self.fanouts))):
-            blocks = self.sample_layers(dsts, layer, keys)
-            layers.append(blocks)
-            dsts = [block.src_nodes for block in blocks]
-        return [Batch([blocks[i] for blocks in reversed(layers)]) for i in range(len(dsts))]
+        return [self.sample(seeds, key) for seeds, key in zip(seed_batches, keys, strict=True)]

@@ -19,7 +19,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import BlockSampler, SampleKey, Sampler
-from betty_trainer.sampling.bulk import BulkNeighborSampler
+from betty_trainer.sampling.bulk import BulkLadiesSampler, BulkNeighborSampler
 from betty_trainer.sampling.gns import GNSSampler
 from betty_trainer.sampling.labor import LaborSampler
 from betty_trainer.sampling.neighbor import NeighborSampler
@@ -41,7 +41,9 @@ def make_sampler(config: Config, graph: Graph) -> Sampler:
     * ``ns``: uniform neighbour sampling with ``fanouts`` (input layer first; ``None``, the
       default, is the full neighbourhood);
     * ``bulk-ns``: :class:`BulkNeighborSampler`, ``ns``'s batches sampled ``sampling.bulk`` at a time as one
-      stacked sparse product per layer;
+      stacked sparse product per layer, on ``sampling.device``;
+    * ``bulk-ladies``: :class:`BulkLadiesSampler`, LADIES with ``fanouts`` vertices per batch and layer, sampled
+      ``sampling.bulk`` batches at a time, on ``sampling.device``;
     * ``labor``: :class:`LaborSampler` with ``sampling.labor``'s importance iterations, layer and
       batch dependency;
     * ``gns``: :class:`GNSSampler` with ``sampling.gns``'s cache.
@@ -51,6 +53,9 @@ def make_sampler(config: Config, graph: Graph) -> Sampler:
 
     LABOR's batch groups and GNS's cache refreshes run across epochs: the samplers are told how
     many batches an epoch has.
+
+    Raises:
+        ConfigError: ``sampling.device=cuda`` where torch sees no CUDA device.
     """
     sampler = _sampler(config, graph)
     sampler.first_layer = int(config.features.aggregation_cache is not False)  # layer 0 reads the cache: no block
@@ -66,8 +71,11 @@ def _sampler(config: Config, graph: Graph) -> BlockSampler:
         return NeighborSampler(graph, [None] * layers)
     if sampling.sampler == "ns":
         return NeighborSampler(graph, fanouts)
-    if sampling.sampler == "bulk-ns":
-        return BulkNeighborSampler(graph, fanouts, bulk=sampling.bulk)
+    if sampling.sampler.startswith("bulk-"):
+        if sampling.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("sampling.device=cuda, but torch sees no CUDA device here: set sampling.device=cpu")
+        bulk = BulkNeighborSampler if sampling.sampler == "bulk-ns" else BulkLadiesSampler
+        return bulk(graph, fanouts, bulk=sampling.bulk, device=sampling.device)
     batches = batches_per_epoch(config, graph)
     if sampling.sampler == "labor":
         labor = sampling.labor
