@@ -4,25 +4,26 @@
 Each round samples the same sequence of ``--batches`` batches of ``--batch-size`` seeds (an epoch's first batches,
 shuffled by ``--seed``) with every sampler in turn: NS one batch at a time, ``BulkNeighborSampler`` ``k`` at a time
 for each ``k`` of ``--ks`` (``sample_many``; a ``k`` above ``--batches`` is all the batches in one stack), then DGL
-(in its own environment, one warm-up pass and one timed pass per round). Seeds per second are over the CPU time
-of the sampling process (``time.process_time``: the other workers on a shared machine do not count), the median of
-``--reps`` rounds after one warm-up; ``--threads`` (default 1) intra-op threads on both sides. The process's peak
-resident memory after each of our samplers' first round is printed beside it (it only grows: a sampler's own peak
-shows where it exceeds the ones before). ``P`` holds every in-edge of every dst node of ``k`` batches: on ego-Twitter
-``k = 64`` needs more than 20 GB (it was killed on a 23 GB machine), so that command runs ``--ks 1,8,16``.
+(in its own environment, one pass per round). Seeds per second are over the CPU time of the sampling process
+(``time.process_time``, ``--device cpu``: the other workers on a shared machine do not count; wall time,
+synchronised, on a GPU), the median of ``--reps`` rounds after one warm-up round; ``--threads`` (default 1) intra-op
+threads on both sides.
 
-The sampled vertex counts per layer are reported for every sampler: bulk-ns's batches are NS's bit for bit
-(the same keyed draws), which the script checks on every batch; DGL's draws differ, so its counts are close.
+Checked, not only printed: every bulk batch equals NS's bit for bit (the same keyed draws), and so its sampled
+vertex counts per layer are within 1% of NS's (they are equal); DGL's draws are its own, so its counts are close.
+Peak memory is each sampler's own: the process's resident high-water mark (``VmHWM``) is reset
+(``/proc/PID/clear_refs`` ← 5) before the sampler's warm-up round and read after it, for our process and for DGL's;
+both include the graph the process holds. The load average (``/proc/loadavg``) is printed before and after.
 
 Run from the repository root::
 
-    python benchmarks/bulk_sampling.py --graph snap-ego-twitter --data-dir ../shared/datasets/snap-jlg --ks 1,8,16
+    python benchmarks/bulk_sampling.py --graph ego-twitter
     python benchmarks/bulk_sampling.py --graph coauthor-physics --batches 32
 """
 
 from __future__ import annotations
 
-import resource
+import os
 import statistics
 import tempfile
 import time
@@ -36,13 +37,16 @@ from sampling import batch_arguments, epoch_batches  # this folder
 
 from betty_trainer.sampling import BulkNeighborSampler, NeighborSampler, SampleKey
 
+NS = "NS (per batch)"
+DGL = "DGL NeighborSampler"
+
 
 def parse_args(argv=None):
     parser = batch_arguments(__doc__.split("\n\n")[0])
     parser.set_defaults(threads=1, batches=64)
     parser.add_argument("--ks", type=int_list, default=[1, 8, 64], help="batches sampled at once by bulk-ns")
     parser.add_argument("--reps", type=int, default=3, help="timed rounds (after one warm-up round)")
-    parser.add_argument("--device", default="cpu", help="where our samplers run (cuda: the graph on the GPU)")
+    parser.add_argument("--device", default="cpu", help="where bulk-ns samples (cuda: the graph structure on the GPU)")
     parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON), help="'' skips DGL")
     return parser.parse_args(argv)
 
@@ -52,20 +56,69 @@ def counts(batches) -> list[float]:
     return np.mean([[b.num_src for b in batch.blocks] + [batch.blocks[-1].num_dst] for batch in batches], 0).tolist()
 
 
-def timed(sample, device: torch.device) -> tuple[float, list]:
-    """CPU seconds of ``sample()`` (synchronised on a GPU) and what it returned."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    started = time.process_time() if device.type == "cpu" else time.perf_counter()
-    out = sample()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.process_time() if device.type == "cpu" else time.perf_counter()) - started, out
-
-
 def same_batch(a, b) -> bool:
     return all(torch.equal(x.src_nodes, y.src_nodes) and torch.equal(x.indptr, y.indptr)
                and torch.equal(x.indices, y.indices) for x, y in zip(a.blocks, b.blocks, strict=True))
+
+
+def reset_peak(pid: int) -> None:
+    """Reset the process's resident high-water mark (Linux ≥ 4.0)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def peak_gib(pid: int) -> float:
+    """The process's resident high-water mark since the last :func:`reset_peak`, GiB."""
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 2**20  # kB
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def timed(sample, device: torch.device) -> tuple[float, list]:
+    """Seconds of ``sample()``, CPU time of this process (wall time, synchronised, on a GPU), and its batches."""
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = clock()
+    sampled = sample()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return clock() - started, sampled
+
+
+def start_dgl(args, graph, batches, scratch: Path) -> DGLProcess | None:
+    """DGL's side with the graph and the seeds loaded, or ``None`` without DGL's Python."""
+    if not args.dgl_python or not Path(args.dgl_python).exists():
+        return None
+    np.save(scratch / "indptr.npy", graph.indptr.numpy())
+    np.save(scratch / "indices.npy", graph.indices.numpy())
+    np.save(scratch / "seeds.npy", torch.cat(batches).numpy())
+    sampling_script = Path(__file__).resolve().parent / "sampling.py"
+    dgl = DGLProcess(args.dgl_python, sampling_script, ["--dgl-side"], args.threads, scratch / "dgl.log")
+    hello = dgl("hello")
+    dgl("load", folder=str(scratch))
+    print(f"DGL {hello['dgl']} (torch {hello['torch']}, {hello['threads']} thread(s)) side by side", flush=True)
+    return dgl
+
+
+def table(seconds: dict[str, list[float]], layers: dict[str, list[float]], peaks: dict[str, float],
+          seeds: int) -> str:
+    """The printed table; refuses a bulk sampler whose vertices per layer are off NS's by over 1%."""
+    ns_rate = seeds / statistics.median(seconds[NS])
+    rows = []
+    for name, values in seconds.items():
+        if not values:
+            continue
+        rate = seeds / statistics.median(values)
+        deviation = max(abs(a / b - 1) for a, b in zip(layers[name], layers[NS], strict=True))
+        if name.startswith("bulk") and deviation > 0.01:
+            raise SystemExit(f"{name}: sampled vertices per layer {layers[name]} off NS's {layers[NS]} by over 1%")
+        rows.append([name, "/".join(f"{v:,.0f}" for v in layers[name]), f"{deviation:.2%}", f"{rate:,.0f}",
+                     f"{rate / ns_rate:.2f}", f"{peaks[name]:.2f}"])
+    return markdown_table(["sampler", "vertices per layer (input → seeds)", "max Δ vs NS, a layer",
+                           "seeds/s (CPU time)", "× NS", "peak RSS (GiB)"], rows)
 
 
 def main(argv=None) -> None:
@@ -73,78 +126,48 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     graph, _, batches = epoch_batches(args)
-    ours = graph
-    if device.type != "cpu":
-        import dataclasses
-
-        ours = dataclasses.replace(graph, indptr=graph.indptr.to(device), indices=graph.indices.to(device))
-    seeds = [batch.to(device) for batch in batches]
-    keys = [SampleKey(args.seed, 0, step) for step in range(len(seeds))]
-    total = sum(batch.numel() for batch in batches)
+    keys = [SampleKey(args.seed, 0, step) for step in range(len(batches))]
     print(f"{args.graph}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges; fanouts {args.fanouts} (input layer "
-          f"first), {len(batches)} batches of {args.batch_size}, {args.threads} thread(s), ours on {device}", flush=True)
-    samplers = {"NS (per batch)": lambda: [ns.sample(s, k) for s, k in zip(seeds, keys)]}
-    ns = NeighborSampler(ours, args.fanouts)
+          f"first), {len(batches)} batches of {args.batch_size}, {args.threads} thread(s), bulk-ns on {device}; "
+          f"load average {load_average()}", flush=True)
+    ns = NeighborSampler(graph, args.fanouts)
+    samplers = {NS: lambda: [ns.sample(s, k) for s, k in zip(batches, keys)]}
     for k in args.ks:
-        bulk = BulkNeighborSampler(ours, args.fanouts, bulk=k)
+        bulk = BulkNeighborSampler(graph, args.fanouts, bulk=k, device=device)
         samplers[f"bulk-ns k={k}"] = (lambda bulk=bulk, k=k: [
-            batch for start in range(0, len(seeds), k)
-            for batch in bulk.sample_many(seeds[start:start + k], keys[start:start + k])])
-    seconds: dict[str, list[float]] = {name: [] for name in [*samplers, "DGL NeighborSampler"]}
+            batch for start in range(0, len(batches), k)
+            for batch in bulk.sample_many(batches[start:start + k], keys[start:start + k])])
+    seconds: dict[str, list[float]] = {name: [] for name in [*samplers, DGL]}
     layers: dict[str, list[float]] = {}
     peaks: dict[str, float] = {}
+    reference = None
     with tempfile.TemporaryDirectory() as scratch:
-        scratch = Path(scratch)
-        dgl = None
-        if args.dgl_python and Path(args.dgl_python).exists() and device.type == "cpu":
-            np.save(scratch / "indptr.npy", graph.indptr.numpy())
-            np.save(scratch / "indices.npy", graph.indices.numpy())
-            np.save(scratch / "seeds.npy", torch.cat(batches).numpy())
-            sampling_script = Path(__file__).resolve().parent / "sampling.py"
-            dgl = DGLProcess(args.dgl_python, sampling_script, ["--dgl-side"], args.threads, scratch / "dgl.log")
-            hello = dgl("hello")
-            dgl("load", folder=str(scratch))
-            print(f"DGL {hello['dgl']} (torch {hello['torch']}, {hello['threads']} thread(s)) side by side", flush=True)
-        reference = None
+        dgl = start_dgl(args, graph, batches, Path(scratch))
         for rep in range(args.reps + 1):
             for name, sample in samplers.items():
+                reset_peak(os.getpid())
                 spent, sampled = timed(sample, device)
-                if rep == 0:
-                    layers[name] = counts(sampled)
-                    peaks[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
-                    if reference is None:
-                        reference = sampled
-                    elif not all(same_batch(a, b) for a, b in zip(reference, sampled, strict=True)):
+                if rep == 0:  # the warm-up round: peaks, counts and the check against NS
+                    peaks[name], layers[name] = peak_gib(os.getpid()), counts(sampled)
+                    reference = reference or sampled
+                    if not all(same_batch(a, b) for a, b in zip(reference, sampled, strict=True)):
                         raise SystemExit(f"{name}: a batch differs from NS's")
                 else:
                     seconds[name].append(spent)
                 del sampled
             if dgl is not None:
-                theirs = dgl("run", kind="ns", seeds=str(scratch / "seeds.npy"), batch_size=args.batch_size,
+                reset_peak(dgl.process.pid)
+                theirs = dgl("run", kind="ns", seeds=str(Path(scratch) / "seeds.npy"), batch_size=args.batch_size,
                              fanouts=args.fanouts, importance=0, kappa=1, seed=args.seed, reps=1, lru=1)
-                layers["DGL NeighborSampler"] = theirs["nodes_per_layer"]
+                peaks[DGL], layers[DGL] = peak_gib(dgl.process.pid), theirs["nodes_per_layer"]
                 if rep:
-                    seconds["DGL NeighborSampler"].append(theirs["cpu_seconds"][0])
-            print(f"  round {rep}: " + ", ".join(f"{name} {values[-1]:.2f}s" for name, values in seconds.items()
-                                                  if values), flush=True)
+                    seconds[DGL].append(theirs["cpu_seconds"][0])
+            spent = ", ".join(f"{name} {values[-1]:.2f}s" for name, values in seconds.items() if values)
+            print(f"  round {rep}: {spent or 'warm-up'}", flush=True)
         if dgl is not None:
             dgl.close()
-    degree = graph.in_degrees().to(device)
-    nonzeros = np.mean([sum(int(degree[b.dst_nodes].sum()) for b in batch.blocks) for batch in reference])
-    kept = np.mean([sum(b.num_edges for b in batch.blocks) for batch in reference])
-    print(f"per batch: P = Q·A holds {nonzeros:,.0f} nonzeros over the layers (every in-edge of every dst node), "
-          f"the blocks keep {kept:,.0f} ({kept / nonzeros:.0%})")
-    ns_rate = total / statistics.median(seconds["NS (per batch)"])
-    rows = []
-    for name, values in seconds.items():
-        if not values:
-            continue
-        rate = total / statistics.median(values)
-        rows.append([name, "/".join(f"{v:,.0f}" for v in layers[name]), f"{rate:,.0f}", f"{rate / ns_rate:.2f}",
-                     f"{peaks[name]:.2f}" if name in peaks else "-"])
-    print()
-    print(markdown_table(["sampler", "vertices per layer (input → seeds)", "seeds/s (CPU time)", "× NS",
-                          "process peak RSS so far (GiB)"], rows))
+    print(f"\nload average after: {load_average()}\n")
+    print(table(seconds, layers, peaks, sum(batch.numel() for batch in batches)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ layer (§4.1.4 and §4.2.4, Eq. 1: the batches' ``Qᵢ``, ``Pᵢ`` and ``Aᵢ`` 
    column ``dst[r]`` (GraphSAGE, §4.1.1), or batch ``i``'s row ``r`` selects dst node ``r`` of batch ``i`` (LADIES'
    row extraction ``Q_R``, §4.2.3). So the SpGEMM ``Q·A`` is exactly ``A``'s selected rows: its CSR is
    ``crow = (indptr[dst], indptr[dst + 1])`` (row begin and end offsets: the four-array CSR form) over ``A``'s own
-   column indices, which is what is computed; a row's nonzeros are read only where a step needs them.
+   column indices, which is what is computed; a row's nonzeros are read only where a step needs them. (A
+   ``torch.sparse_csr_tensor`` needs one monotone ``crow`` over its own column array, so it could hold this product
+   only by copying every selected row's columns: the in-edges of every dst node, many times what NS keeps.)
 2. NORM (line 3) and the draw (line 4, inverse transform sampling, §4.1.2 and §4.2.2), per sampler below.
 3. EXTRACT (line 5, §4.1.3 and §4.2.3): each batch's kept nonzeros are its block; its empty columns are dropped
    by numbering its src nodes, dst nodes first, then the others ascending (as every sampler numbers them), for all
@@ -16,7 +18,9 @@ layer (§4.1.4 and §4.2.4, Eq. 1: the batches' ``Qᵢ``, ``Pᵢ`` and ``Aᵢ`` 
 
 Every random number is a counter-based hash of ``(seed, epoch, step, layer, node[, round])`` under the batch's
 own key (:class:`~betty_trainer.sampling.base.SampleKeys`), so a batch is the same sampled alone or among ``k``.
-The code is tensor ops only: with ``device="cuda"`` it runs on the GPU (the graph structure is copied there once).
+The steps are tensor ops, so with ``device="cuda"`` they run on the GPU (the graph structure is copied there once);
+on the CPU, NS's numba kernels compute the same per-row draw and the same extraction, one call per layer for the
+whole stack (tensor ops there cost a pass over memory each, a kernel one pass for all of them).
 """
 
 from __future__ import annotations
@@ -135,8 +139,8 @@ class BulkNeighborSampler(BulkSampler):
     dst node under its own batch's round key; a row of degree at most ``s`` keeps all its nonzeros. Only the drawn
     positions' column ids are read from ``A``. EXTRACT (§4.1.3) numbers each batch's src nodes.
 
-    Work per layer O(kept edges + rows + k·N) (the last a flag per ``(batch, node)`` when that is at most
-    ``_DENSE_RELABEL`` times the kept edges and rows, else a sort of them); memory O(kept edges + rows) besides it.
+    Work and memory per layer O(kept edges + rows), plus :func:`extract`'s dense array over the node ids where it
+    is small beside them (``N`` labels on the CPU, ``k·N`` flags with tensor ops).
     """
 
     def _sample_stack(self, dst: Tensor, counts: Tensor, layer: int, keys: SampleKeys) -> StackedBlocks:
