@@ -550,7 +550,7 @@ features, the same for every parameter value (``None``: the architecture has no 
 def _check_aggregation_cache(config: "Config") -> None:
     """``features.aggregation_cache``'s rules (BatchGNN §3, App. B): a model whose layer 0 is a linear aggregation,
     two layers or more, one process, micro-batches; ``true`` (exact) only where layer 0 aggregates the full
-    neighbourhood of unmasked features (fanout ``-1``/null of ``full`` or ``ns``, ``model.dropout: 0``).
+    neighbourhood of unmasked features (fanout ``-1``/null of ``full``, ``ns`` or ``bulk-ns``, ``model.dropout: 0``).
 
     Raises:
         ValueError: the first rule broken, naming the keys.
@@ -572,7 +572,7 @@ def _check_aggregation_cache(config: "Config") -> None:
     if mode == "approximate":
         return
     fanouts = config.sampling.fanouts
-    sampled = config.sampling.sampler not in ("full", "ns") or (fanouts is not None and fanouts[0] != -1)
+    sampled = config.sampling.sampler not in ("full", "ns", "bulk-ns") or (fanouts is not None and fanouts[0] != -1)
     if sampled or model.dropout > 0:
         why = "layer 0 samples its neighbourhood" if sampled else f"model.dropout={model.dropout} masks the input features"
         raise ValueError(f"features.aggregation_cache=true is exact only over the full neighbourhood without dropout, "

@@ -285,3 +285,17 @@ def test_config_names_the_bulk_samplers_and_refuses_bad_values(cora, monkeypatch
         make_sampler(load_config(None, ["sampling.sampler=bulk-ns", "sampling.device=cuda"]), cora)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         BulkNeighborSampler(cora, [4], device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_bulk_samplers_on_a_gpu_give_the_cpu_batches(cora):
+    """sampling.device=cuda: the same tensor code on the GPU; NS's batches exactly (integer hashes), LADIES' sampled
+    vertex counts (its races compare float64 logs, which a GPU may round differently in the last place)."""
+    seeds = list(cora.train_idx[:120].split(40))
+    keys = [SampleKey(6, 0, i) for i in range(3)]
+    ns = NeighborSampler(cora, [5, 10])
+    for batch_seeds, key, batch in zip(seeds, keys, BulkNeighborSampler(cora, [5, 10], device="cuda").sample_many(
+            seeds, keys)):
+        assert_same_batch(ns.sample(batch_seeds, key), batch)
+    cpu, gpu = (BulkLadiesSampler(cora, [64, 32], device=device).sample_many(seeds, keys) for device in ("cpu", "cuda"))
+    assert [[b.num_src for b in x.blocks] for x in cpu] == [[b.num_src for b in x.blocks] for x in gpu]

@@ -446,7 +446,7 @@ def relabel_stack(dst, counts, pointer, src, nodes, dense):
             src_nodes[w:w + n + m] = ids
         src_counts[b] = n + m
         r0, w = r1, w + n + m
-    return src_nodes[:w], src_counts, local
+    return src_nodes[:w].copy(), src_counts, local  # a copy: the blocks must not hold the (rows + E,) buffer
 
 
 @jit
