@@ -11,9 +11,11 @@ threads on both sides.
 
 Checked, not only printed: every bulk batch equals NS's bit for bit (the same keyed draws), and so its sampled
 vertex counts per layer are within 1% of NS's (they are equal); DGL's draws are its own, so its counts are close.
-Peak memory is each sampler's own: the process's resident high-water mark (``VmHWM``) is reset
-(``/proc/PID/clear_refs`` ← 5) before the sampler's warm-up round and read after it, for our process and for DGL's;
-both include the graph the process holds. The load average (``/proc/loadavg``) is printed before and after.
+Peak memory is each sampler's own: how far the process's resident high-water mark (``VmHWM``) rises above its
+resident size when it was reset (``/proc/PID/clear_refs`` ← 5; on our side after ``malloc_trim``, so that memory an
+earlier sampler freed does not count) during the sampler's warm-up round, for our process and for DGL's: the
+sampler's transient memory and the batches the round returns, not the graph. The load average (``/proc/loadavg``)
+is printed before and after.
 
 Run from the repository root::
 
@@ -23,6 +25,7 @@ Run from the repository root::
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import tempfile
@@ -61,15 +64,23 @@ def same_batch(a, b) -> bool:
                and torch.equal(x.indices, y.indices) for x, y in zip(a.blocks, b.blocks, strict=True))
 
 
-def reset_peak(pid: int) -> None:
-    """Reset the process's resident high-water mark (Linux ≥ 4.0)."""
+def reset_peak(pid: int) -> int:
+    """Reset the process's resident high-water mark (Linux ≥ 4.0) and return its resident size then, KiB; for this
+    process, first hand the memory malloc holds freed back to the system."""
+    if pid == os.getpid():
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _status_kib(pid, "VmRSS")
 
 
-def peak_gib(pid: int) -> float:
-    """The process's resident high-water mark since the last :func:`reset_peak`, GiB."""
-    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 2**20  # kB
+def peak_mib(pid: int, start: int) -> float:
+    """How far the process's resident high-water mark rose above ``start`` (KiB) since :func:`reset_peak`, MiB."""
+    return (_status_kib(pid, "VmHWM") - start) / 2**10
+
+
+def _status_kib(pid: int, field: str) -> int:
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1])
 
 
 def load_average() -> str:
@@ -116,9 +127,9 @@ def table(seconds: dict[str, list[float]], layers: dict[str, list[float]], peaks
         if name.startswith("bulk") and deviation > 0.01:
             raise SystemExit(f"{name}: sampled vertices per layer {layers[name]} off NS's {layers[NS]} by over 1%")
         rows.append([name, "/".join(f"{v:,.0f}" for v in layers[name]), f"{deviation:.2%}", f"{rate:,.0f}",
-                     f"{rate / ns_rate:.2f}", f"{peaks[name]:.2f}"])
+                     f"{rate / ns_rate:.2f}", f"{peaks[name]:,.0f}"])
     return markdown_table(["sampler", "vertices per layer (input → seeds)", "max Δ vs NS, a layer",
-                           "seeds/s (CPU time)", "× NS", "peak RSS (GiB)"], rows)
+                           "seeds/s (CPU time)", "× NS", "peak RSS rise (MiB)"], rows)
 
 
 def main(argv=None) -> None:
@@ -132,11 +143,16 @@ def main(argv=None) -> None:
           f"load average {load_average()}", flush=True)
     ns = NeighborSampler(graph, args.fanouts)
     samplers = {NS: lambda: [ns.sample(s, k) for s, k in zip(batches, keys)]}
+    bulks = []
     for k in args.ks:
         bulk = BulkNeighborSampler(graph, args.fanouts, bulk=k, device=device)
+        bulks.append(bulk)
         samplers[f"bulk-ns k={k}"] = (lambda bulk=bulk, k=k: [
             batch for start in range(0, len(batches), k)
             for batch in bulk.sample_many(batches[start:start + k], keys[start:start + k])])
+    for sample_first in (lambda: ns.sample(batches[0][:16], keys[0]),
+                         *(lambda bulk=bulk: bulk.sample_many([batches[0][:16]], keys[:1]) for bulk in bulks)):
+        sample_first()  # compiles or loads the kernels before any peak is read
     seconds: dict[str, list[float]] = {name: [] for name in [*samplers, DGL]}
     layers: dict[str, list[float]] = {}
     peaks: dict[str, float] = {}
@@ -145,10 +161,10 @@ def main(argv=None) -> None:
         dgl = start_dgl(args, graph, batches, Path(scratch))
         for rep in range(args.reps + 1):
             for name, sample in samplers.items():
-                reset_peak(os.getpid())
+                start = reset_peak(os.getpid())
                 spent, sampled = timed(sample, device)
                 if rep == 0:  # the warm-up round: peaks, counts and the check against NS
-                    peaks[name], layers[name] = peak_gib(os.getpid()), counts(sampled)
+                    peaks[name], layers[name] = peak_mib(os.getpid(), start), counts(sampled)
                     reference = reference or sampled
                     if not all(same_batch(a, b) for a, b in zip(reference, sampled, strict=True)):
                         raise SystemExit(f"{name}: a batch differs from NS's")
@@ -156,10 +172,10 @@ def main(argv=None) -> None:
                     seconds[name].append(spent)
                 del sampled
             if dgl is not None:
-                reset_peak(dgl.process.pid)
+                start = reset_peak(dgl.process.pid)
                 theirs = dgl("run", kind="ns", seeds=str(Path(scratch) / "seeds.npy"), batch_size=args.batch_size,
                              fanouts=args.fanouts, importance=0, kappa=1, seed=args.seed, reps=1, lru=1)
-                peaks[DGL], layers[DGL] = peak_gib(dgl.process.pid), theirs["nodes_per_layer"]
+                peaks[DGL], layers[DGL] = peak_mib(dgl.process.pid, start), theirs["nodes_per_layer"]
                 if rep:
                     seconds[DGL].append(theirs["cpu_seconds"][0])
             spent = ", ".join(f"{name} {values[-1]:.2f}s" for name, values in seconds.items() if values)

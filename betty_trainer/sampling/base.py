@@ -71,7 +71,13 @@ class SampleKeys:
 
     @classmethod
     def of(cls, keys: Sequence[SampleKey], device: torch.device | str) -> SampleKeys:
-        """The stacked ``keys``, on ``device``."""
+        """The stacked ``keys``, on ``device``.
+
+        Raises:
+            ValueError: a seed of 2⁶³ or more (an int64 tensor cannot hold it).
+        """
+        if any(key.seed >= 2**63 for key in keys):
+            raise ValueError("bulk sampling keys batches by int64 tensors: use seeds below 2⁶³")
         parts = torch.tensor([[key.seed, key.epoch, key.step] for key in keys], dtype=torch.int64).reshape(-1, 3)
         return cls(*parts.to(device).unbind(1))
 

@@ -92,6 +92,9 @@ class BulkSampler(BlockSampler):
         Returns:
             ``k`` :class:`Batch` of ``len(fanouts) − first_layer`` blocks each, input layer first, on the graph's
             device; batch ``i`` is what :meth:`sample` gives for ``(seed_batches[i], keys[i])`` alone.
+
+        Raises:
+            ValueError: a key's seed of 2⁶³ or more.
         """
         layers = self._walk(seed_batches, keys, range(self.first_layer, len(self.fanouts)))
         return [Batch(list(blocks)) for blocks in zip(*layers, strict=True)] if layers else \

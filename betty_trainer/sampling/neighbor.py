@@ -414,7 +414,7 @@ def relabel_stack(dst, counts, pointer, src, nodes, dense):
     """
     k, total = counts.shape[0], src.shape[0]
     local = np.empty(total, np.int32)
-    src_nodes = np.empty(dst.shape[0] + total, np.int64)  # at most every row and every edge
+    src_nodes = np.empty(dst.shape[0] + min(total, k * nodes), np.int64)  # every row, and each edge or node once
     src_counts = np.empty(k, np.int64)
     label = np.full(nodes if dense else 0, -1, np.int32)
     r0, w = 0, 0
