@@ -13,8 +13,9 @@ Checked, not only printed: every bulk batch equals NS's bit for bit (the same ke
 vertex counts per layer are within 1% of NS's (they are equal); DGL's draws are its own, so its counts are close.
 Peak memory is each sampler's own: how far the process's resident high-water mark (``VmHWM``) rises above its
 resident size when it was reset (``/proc/PID/clear_refs`` ← 5; on our side after ``malloc_trim``, so that memory an
-earlier sampler freed does not count) during the sampler's warm-up round, for our process and for DGL's: the
-sampler's transient memory and the batches the round returns, not the graph. The load average (``/proc/loadavg``)
+earlier sampler freed does not count) during the sampler's warm-up round, for our process and for DGL's (its first
+run: a warm-up pass and a timed one over the batches): the sampler's transient memory and the batches the round
+holds, not the graph. The load average (``/proc/loadavg``)
 is printed before and after.
 
 Run from the repository root::
@@ -75,7 +76,7 @@ def reset_peak(pid: int) -> int:
 
 def peak_mib(pid: int, start: int) -> float:
     """How far the process's resident high-water mark rose above ``start`` (KiB) since :func:`reset_peak`, MiB."""
-    return (_status_kib(pid, "VmHWM") - start) / 2**10
+    return max(0, _status_kib(pid, "VmHWM") - start) / 2**10
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -175,8 +176,9 @@ def main(argv=None) -> None:
                 start = reset_peak(dgl.process.pid)
                 theirs = dgl("run", kind="ns", seeds=str(Path(scratch) / "seeds.npy"), batch_size=args.batch_size,
                              fanouts=args.fanouts, importance=0, kappa=1, seed=args.seed, reps=1, lru=1)
-                peaks[DGL], layers[DGL] = peak_mib(dgl.process.pid, start), theirs["nodes_per_layer"]
-                if rep:
+                if rep == 0:  # its first run: a warm-up pass and a timed one, each holding its batches
+                    peaks[DGL], layers[DGL] = peak_mib(dgl.process.pid, start), theirs["nodes_per_layer"]
+                else:
                     seconds[DGL].append(theirs["cpu_seconds"][0])
             spent = ", ".join(f"{name} {values[-1]:.2f}s" for name, values in seconds.items() if values)
             print(f"  round {rep}: {spent or 'warm-up'}", flush=True)
