@@ -60,8 +60,8 @@ class BulkSampler(BlockSampler):
         bulk: batches the schedule hands :meth:`sample_many` at once (``sampling.bulk``).
         device: where the products and draws run (``sampling.device``): ``"cpu"`` or ``"cuda"``; the graph's
             ``indptr`` and ``indices`` are copied there once unless they are there already.
-        kernel: ``"auto"`` (NS's numba kernels on the CPU for the per-row draw and the extraction, tensor ops
-            elsewhere), ``"tensor"`` or ``"numba"``; all give the same sample.
+        kernel: ``"auto"`` (numba kernels on the CPU: NS's per-row draw for bulk-ns, the extraction for both;
+            tensor ops elsewhere), ``"tensor"`` or ``"numba"``; all give the same sample.
 
     Raises:
         ValueError: a fanout of 0 or below -1, ``bulk < 1``, or ``kernel`` unknown or unavailable.
@@ -198,8 +198,7 @@ class BulkLadiesSampler(BulkSampler):
             rank = torch.arange(race.numel(), device=dst.device) - first[p.batch[race]]
             sampled[race] = rank < fanout
         kept = sampled[p.pair_of_edge]
-        per_row = torch.zeros(dst.numel(), dtype=torch.int64, device=dst.device)
-        per_row.index_add_(0, p.row_of_edge[kept], torch.ones_like(p.row_of_edge[kept]))
+        per_row = torch.bincount(p.row_of_edge[kept], minlength=dst.numel())
         pointer = torch.zeros(dst.numel() + 1, dtype=torch.int64, device=dst.device)
         torch.cumsum(per_row, 0, out=pointer[1:])
         weight = torch.repeat_interleave(1.0 / per_row.clamp(min=1).float(), per_row, output_size=int(pointer[-1]))
