@@ -106,19 +106,20 @@ class DGLSide:
     def run(self, kind: str, seeds: str, batch_size: int, fanouts: list[int], importance: int, kappa: float,
             seed: int, reps: int, lru: int) -> dict:
         batches = torch.from_numpy(np.load(seeds)).split(batch_size)
-        seconds, nodes, edges, inputs = [], [], [], []
+        seconds, cpu_seconds, nodes, edges, inputs = [], [], [], [], []
         for rep in range(reps + 1):
             self.dgl.seed(seed)
             sampler = self._sampler(kind, fanouts, importance, kappa)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             samples = [sampler.sample_blocks(self.graph, batch) for batch in batches]
             seconds.append(time.perf_counter() - started)
+            cpu_seconds.append(time.process_time() - cpu_started)
             if rep == 0:
                 for input_nodes, _, blocks in samples:
                     nodes.append([b.num_src_nodes() for b in blocks] + [blocks[-1].num_dst_nodes()])
                     edges.append(sum(b.num_edges() for b in blocks))
                     inputs.append(input_nodes.numpy())
-        return {"seconds": seconds[1:], **summarize(nodes, edges),
+        return {"seconds": seconds[1:], "cpu_seconds": cpu_seconds[1:], **summarize(nodes, edges),
                 "lru_miss": lru_miss_rate(inputs, self.graph.num_nodes(), lru)}
 
 

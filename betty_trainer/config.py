@@ -183,7 +183,7 @@ ModelConfig = Annotated[
 ``arch`` (:data:`MODEL_SECTIONS`); a key another arch owns (``aggregator`` under ``arch: gcn``) is refused."""
 
 
-SAMPLERS = ("full", "ns", "labor", "gns")
+SAMPLERS = ("full", "ns", "bulk-ns", "bulk-ladies", "labor", "gns")
 """The built-in samplers ``sampling.sampler`` names (betty_trainer/sampling/schedule.py › make_sampler)."""
 
 
@@ -227,9 +227,17 @@ class SamplingConfig(_Section):
     """``sampling``: the sampler, its per-layer fanouts (input layer first) and the seed nodes per batch."""
 
     sampler: Literal[SAMPLERS] = Field("ns", description="full, ns (uniform neighbour sampling; with null fanouts "
-                                                         "the full neighbourhood), labor or gns")
+                                                         "the full neighbourhood), bulk-ns (ns's batches, sampled "
+                                                         "`bulk` at a time as sparse products), bulk-ladies (LADIES' "
+                                                         "layer-wise samples, `bulk` at a time), labor or gns")
     fanouts: list[int] | None = Field(None, description="per layer, input layer first; null or -1 = full neighbourhood")
     batch_size: int | None = Field(None, ge=1, description="seed nodes per mini-batch; null = the full batch")
+    bulk: int = Field(8, ge=1, description="bulk-ns, bulk-ladies: consecutive batches of an epoch sampled together as "
+                                           "one stack per layer (the same batches as one at a time; more batches are "
+                                           "alive at once)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="bulk-ns, bulk-ladies: where the sampling runs (the "
+                                                              "graph structure is copied to the GPU with cuda); the "
+                                                              "blocks come back to the graph's device")
     labor: LaborConfig = LaborConfig()
     gns: GNSConfig = GNSConfig()
 
@@ -254,6 +262,10 @@ class SamplingConfig(_Section):
         if self.sampler == "full" and self.fanouts is not None and any(f != -1 for f in self.fanouts):
             raise ValueError("sampler 'full' takes every in-edge: set sampling.fanouts to null (or -1 per layer), "
                              "or choose sampler ns, labor or gns")
+        if self.device == "cuda" and not self.sampler.startswith("bulk-"):
+            raise ValueError(f"sampling.device=cuda runs the bulk samplers on the GPU; sampler {self.sampler!r} "
+                             "samples on the graph's device: set sampling.sampler to bulk-ns or bulk-ladies, or "
+                             "sampling.device=cpu")
         if self.sampler in ("labor", "gns") and self.fanouts is None:
             raise ValueError(f"sampler {self.sampler!r} needs sampling.fanouts (one per layer, input layer first), "
                              "e.g. sampling.fanouts=[10,10]")
@@ -538,7 +550,7 @@ features, the same for every parameter value (``None``: the architecture has no 
 def _check_aggregation_cache(config: "Config") -> None:
     """``features.aggregation_cache``'s rules (BatchGNN §3, App. B): a model whose layer 0 is a linear aggregation,
     two layers or more, one process, micro-batches; ``true`` (exact) only where layer 0 aggregates the full
-    neighbourhood of unmasked features (fanout ``-1``/null of ``full`` or ``ns``, ``model.dropout: 0``).
+    neighbourhood of unmasked features (fanout ``-1``/null of ``full``, ``ns`` or ``bulk-ns``, ``model.dropout: 0``).
 
     Raises:
         ValueError: the first rule broken, naming the keys.
@@ -560,7 +572,7 @@ def _check_aggregation_cache(config: "Config") -> None:
     if mode == "approximate":
         return
     fanouts = config.sampling.fanouts
-    sampled = config.sampling.sampler not in ("full", "ns") or (fanouts is not None and fanouts[0] != -1)
+    sampled = config.sampling.sampler not in ("full", "ns", "bulk-ns") or (fanouts is not None and fanouts[0] != -1)
     if sampled or model.dropout > 0:
         why = "layer 0 samples its neighbourhood" if sampled else f"model.dropout={model.dropout} masks the input features"
         raise ValueError(f"features.aggregation_cache=true is exact only over the full neighbourhood without dropout, "

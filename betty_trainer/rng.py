@@ -38,11 +38,15 @@ def mix32(x: Tensor | int) -> Tensor | int:
     return x ^ (x >> 16)
 
 
-def mix_key(seed: int, *parts: int) -> int:
+def mix_key(seed: int | Tensor, *parts: int | Tensor) -> int | Tensor:
     """Fold a seed (up to 64 bits) and non-negative integer parts (each up to 64 bits) into one 32-bit key.
 
+    Any of them may be an int64 tensor (values below 2⁶³), the keys of several batches at once (the bulk
+    samplers); tensors broadcast.
+
     Returns:
-        An int in ``[0, 2³²)``; different part sequences give unrelated keys.
+        An int in ``[0, 2³²)``, or an int64 tensor of such keys when an argument is a tensor; different part
+        sequences give unrelated keys.
     """
     key = mix32((seed & MASK32) ^ 0x3C6EF372)
     for part in (seed >> 32, *(half for p in parts for half in (p & MASK32, p >> 32))):
@@ -51,11 +55,12 @@ def mix_key(seed: int, *parts: int) -> int:
     return key
 
 
-def hash_ids(key: int, ids: Tensor) -> Tensor:
+def hash_ids(key: int | Tensor, ids: Tensor) -> Tensor:
     """One 32-bit hash per id under ``key``.
 
     Args:
-        key: a 32-bit key from :func:`mix_key`.
+        key: a 32-bit key from :func:`mix_key`, or an int64 tensor of such keys broadcasting with ``ids``
+            (one key per id: the bulk sampler hashes the rows of several batches at once).
         ids: any-shape int64 (or int32) ids, e.g. global node ids.
 
     Returns:
@@ -63,6 +68,12 @@ def hash_ids(key: int, ids: Tensor) -> Tensor:
     """
     ids = ids.long()
     return mix32(mix32((ids & MASK32) ^ key) ^ ((ids >> 32) & MASK32))
+
+
+def uniforms(key: int | Tensor, ids: Tensor) -> Tensor:
+    """``(hash + ½) / 2³²`` of each id under ``key`` (:func:`hash_ids`): float64 in ``(0, 1)``, never 0 or 1
+    (callers take logs), shaped like ``ids``."""
+    return (hash_ids(key, ids).double() + 0.5) * (1.0 / 2**32)
 
 
 # ---------------------------------------------------------------- the same hashes in numba kernels (CPU)

@@ -138,6 +138,8 @@ def test_block_converts_int64_indices_and_refuses_too_many_src_nodes():
 SAMPLER_CONFIGS = {
     "full": ["sampling.sampler=full"],
     "ns": ["sampling.sampler=ns", "sampling.fanouts=[5,10]"],
+    "bulk-ns": ["sampling.sampler=bulk-ns", "sampling.fanouts=[5,10]"],
+    "bulk-ladies": ["sampling.sampler=bulk-ladies", "sampling.fanouts=[64,32]"],
     "labor-0": ["sampling.sampler=labor", "sampling.fanouts=[5,10]"],
     "labor-star-kappa4": ["sampling.sampler=labor", "sampling.fanouts=[5,10]", "sampling.labor.importance_iterations=-1",
                           "sampling.labor.batch_dependency=4", "sampling.labor.layer_dependency=true"],
@@ -165,7 +167,7 @@ def test_every_sampler_micro_batches_equal_the_batch(cora, sampler, arch):
 
     config = load_config(None, ["model.num_layers=2", *SAMPLER_CONFIGS[sampler]])
     batch = make_sampler(config, cora).sample(cora.train_idx, SampleKey(3, 1, 2))
-    weighted = sampler not in ("full", "ns")
+    weighted = sampler not in ("full", "ns", "bulk-ns")
     assert all((block.edge_weight is not None) == weighted for block in batch.blocks)
     torch.manual_seed(0)
     graph = cora

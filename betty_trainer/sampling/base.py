@@ -6,6 +6,7 @@ cooperative training rely on it)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +57,40 @@ class SampleKey:
         return cls(int(torch.randint(0, 2**62, (1,), generator=generator, device=device)))
 
 
+@dataclass(frozen=True)
+class SampleKeys:
+    """``k`` :class:`SampleKey` as tensors, so the keys of every batch of a bulk draw are computed in one pass.
+
+    Attributes:
+        seed, epoch, step: ``(k,)`` int64 (seeds below 2⁶³), on the sampling device.
+    """
+
+    seed: Tensor
+    epoch: Tensor
+    step: Tensor
+
+    @classmethod
+    def of(cls, keys: Sequence[SampleKey], device: torch.device | str) -> SampleKeys:
+        """The stacked ``keys``, on ``device``.
+
+        Raises:
+            ValueError: a seed of 2⁶³ or more (an int64 tensor cannot hold it).
+        """
+        if any(key.seed >= 2**63 for key in keys):
+            raise ValueError("bulk sampling keys batches by int64 tensors: use seeds below 2⁶³")
+        parts = torch.tensor([[key.seed, key.epoch, key.step] for key in keys], dtype=torch.int64).reshape(-1, 3)
+        return cls(*parts.to(device).unbind(1))
+
+    def layer_keys(self, layer: int) -> Tensor:
+        """``(k,)`` int64: batch ``i``'s :meth:`SampleKey.layer_key` of ``layer``."""
+        return mix_key(self.seed, self.epoch, self.step, layer, _SAMPLING_DOMAIN)
+
+    def round_keys(self, layer: int, rounds: int) -> Tensor:
+        """``(k, rounds)`` int64: batch ``i``'s NS round keys of ``layer``, ``mix_key(layer_key, r)``
+        (:func:`~betty_trainer.sampling.neighbor.sample_block`)."""
+        return mix_key(self.layer_keys(layer)[:, None], torch.arange(rounds, device=self.seed.device))
+
+
 class Sampler(Protocol):
     """A sampler (docs/design.md › Seams): ``sample(seeds, key) -> Batch``.
 
@@ -70,11 +105,18 @@ class Sampler(Protocol):
             (:class:`~betty_trainer.data.cache.NodeSource`), for a sampler that samples
             from a node cache (GNS §3.1); ``None`` for the others. The feature store reads
             it; no caller asks which sampler it holds.
+        bulk: how many consecutive batches of an epoch the schedule hands :meth:`sample_many` at once
+            (``sampling.bulk`` for the bulk sampler, 1 for the others).
     """
 
     node_cache: NodeSource | None
+    bulk: int
 
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch: ...
+
+    def sample_many(self, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]) -> list[Batch]:
+        """The batches of ``seed_batches[i]`` under ``keys[i]``, each the same as :meth:`sample` gives alone."""
+        ...
 
 
 class BlockSampler(ABC):
@@ -84,9 +126,13 @@ class BlockSampler(ABC):
 wraps another one layer by layer (the cooperative sampler's all-to-all between layers) overrides
 :meth:`sample_layer` only.
 
+    :meth:`sample_many` samples several batches, one at a time here; the bulk samplers
+    (:mod:`betty_trainer.sampling.bulk`) override it to walk the layers of all of them at once.
+
     Attributes:
         fanouts: one entry per layer, input layer first; ``None`` keeps every in-edge.
         node_cache: ``None`` (no node cache) unless a subclass samples from one.
+        bulk: batches the schedule samples at once (:class:`Sampler`); 1 unless a subclass samples in bulk.
         first_layer: the first layer :meth:`sample` samples (``0``; ``1`` when layer 0 reads the input-feature
             aggregation cache, BatchGNN §3): layers ``first_layer …`` keep their indices, keys and fanouts, so their
             blocks are the uncached batch's.
@@ -94,6 +140,7 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
 
     fanouts: list[int | None]
     node_cache: NodeSource | None = None
+    bulk: int = 1
     first_layer: int = 0
 
     @abstractmethod
@@ -127,3 +174,15 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
             dst = block.src_nodes
         blocks.reverse()
         return Batch(blocks)
+
+    def sample_many(self, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]) -> list[Batch]:
+        """``sample(seed_batches[i], keys[i])`` for each ``i``, one after the other (a bulk sampler overrides it).
+
+        Args:
+            seed_batches: ``k`` tensors of ``(B_i,)`` int64 distinct output node ids, on the graph's device.
+            keys: ``k`` :class:`SampleKey`, one per batch.
+
+        Returns:
+            ``k`` :class:`Batch`, batch ``i`` what :meth:`sample` gives for ``(seed_batches[i], keys[i])`` alone.
+        """
+        return [self.sample(seeds, key) for seeds, key in zip(seed_batches, keys, strict=True)]

@@ -16,7 +16,7 @@ single-process batch there (its variates do not).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ class CooperativeSampler:
     """
 
     node_cache = None
+    bulk = 1  # each batch is a collective of its own
 
     def __init__(self, sampler: BlockSampler, owners: Tensor, group: dist.ProcessGroup | None = None,
                  row_group: dist.ProcessGroup | None = None, traffic: ExchangeTraffic | None = None) -> None:
@@ -79,6 +80,10 @@ class CooperativeSampler:
         blocks.reverse()
         exchanges.reverse()
         return CooperativeBatch(blocks, exchanges, seeds, key)
+
+    def sample_many(self, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]) -> list[CooperativeBatch]:
+        """This rank's share of each global batch, one after the other (each a collective)."""
+        return [self.sample(seeds, key) for seeds, key in zip(seed_batches, keys, strict=True)]
 
     def rounds(self, seeds: Tensor, key: SampleKey, k: int) -> Iterator[CooperativeBatch]:
         """The global batch in ``k`` micro-batch rounds, sampled one round at a time (a collective).

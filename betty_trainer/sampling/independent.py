@@ -3,6 +3,8 @@ samples its own ``B/P`` share of the global batch's seeds with no communication.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
 
 from betty_trainer.data.block import Batch
@@ -25,10 +27,16 @@ class IndependentSampler:
     def __init__(self, sampler: Sampler, rank: int, world_size: int) -> None:
         self.sampler, self.rank, self.world_size = sampler, rank, world_size
         self.node_cache = sampler.node_cache
+        self.bulk = sampler.bulk
 
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
         """The batch of this rank's part of the global batch ``seeds`` (``(B,)`` int64) under ``key``."""
         return self.sampler.sample(seeds.tensor_split(self.world_size)[self.rank], key)
+
+    def sample_many(self, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]) -> list[Batch]:
+        """This rank's part of each global batch, sampled together by the wrapped sampler."""
+        return self.sampler.sample_many([seeds.tensor_split(self.world_size)[self.rank] for seeds in seed_batches],
+                                        keys)
 
     def __repr__(self) -> str:
         return f"IndependentSampler({self.sampler!r}, rank={self.rank}, world_size={self.world_size})"

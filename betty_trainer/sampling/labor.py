@@ -46,7 +46,7 @@ from torch import Tensor
 
 from betty_trainer.data.block import Block
 from betty_trainer.data.graph import Graph
-from betty_trainer.rng import hash_id_scalar, hash_ids, jit, mix_key
+from betty_trainer.rng import hash_id_scalar, jit, mix_key, uniforms
 from betty_trainer.sampling.base import BlockSampler, SampleKey
 from betty_trainer.sampling.neighbor import (
     _ROWS_PER_THREAD,
@@ -89,19 +89,14 @@ class Variates:
     def of(self, ids: Tensor) -> Tensor:
         """``(n,)`` float64 variates in ``(0, 1)`` of the vertices ``ids`` (int64, any device)."""
         if not self.smooth:
-            return _uniform(self.key1, ids)
+            return uniforms(self.key1, ids)
         x = self.cos_c * _normal(self.key1, ids) + self.sin_c * _normal(self.key2, ids)
         return torch.special.ndtr(x)
 
 
-def _uniform(key: int, ids: Tensor) -> Tensor:
-    """``(hash + ½) / 2³²``: float64 in ``(0, 1)``, never 0 (Box–Muller takes its log)."""
-    return (hash_ids(key, ids).double() + 0.5) * (1.0 / 2**32)
-
-
 def _normal(key: int, ids: Tensor) -> Tensor:
     """A standard normal per id: Box–Muller (1958) on the hashed uniforms of ``key`` and ``key ^ C``."""
-    u1, u2 = _uniform(key, ids), _uniform(key ^ _SECOND_UNIFORM, ids)
+    u1, u2 = uniforms(key, ids), uniforms(key ^ _SECOND_UNIFORM, ids)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
 
 

@@ -166,9 +166,32 @@ def _use_numba(kernel: Kernel, tensor: Tensor) -> bool:
 
 
 def _sample_block_tensor(graph: Graph, dst: Tensor, fanout: int | None, round_keys: list[int]) -> Block:
+    keys = torch.tensor(round_keys, dtype=torch.int64, device=dst.device)
+    pointer, edge_ids = kept_edges(graph.indptr, dst, fanout, keys)
+    src_nodes, local = relabel_dst_first(dst, graph.indices[edge_ids].long())
+    return Block(src_nodes, dst.numel(), pointer, local)
+
+
+def kept_edges(indptr: Tensor, dst: Tensor, fanout: int | None, round_keys: Tensor | None = None,
+               key_of_row: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The in-edges NS keeps for the rows ``dst``: all of a row of degree at most ``fanout``, else Floyd's
+    ``fanout`` offsets (:func:`floyd_offsets`), read from ``indptr`` alone (no in-edge list is touched).
+
+    Args:
+        indptr: ``(N + 1,)`` int64 CSC pointer of the graph.
+        dst: ``(R,)`` int64 global ids of the rows (the hash counters).
+        fanout: at most this many in-edges per row; ``None`` keeps all.
+        round_keys: ``(fanout,)`` int64 32-bit round keys shared by every row, or ``(k, fanout)`` with
+            ``key_of_row``; needed only when ``fanout`` is not ``None``.
+        key_of_row: ``(R,)`` int64: which row of ``round_keys`` keys each row (the bulk sampler's batch of a row).
+
+    Returns:
+        ``pointer`` ``(R + 1,)`` int64 (row ``r`` keeps ``pointer[r + 1] − pointer[r]`` edges) and ``edge_ids``
+        ``(pointer[-1],)`` int64 positions in the graph's ``indices``, in CSC order within each row.
+    """
     device = dst.device
-    start = graph.indptr[dst]
-    degree = graph.indptr[dst + 1] - start
+    start = indptr[dst]
+    degree = indptr[dst + 1] - start
     kept = degree if fanout is None else torch.clamp(degree, max=fanout)
     pointer = torch.zeros(dst.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(kept, 0, out=pointer[1:])
@@ -179,16 +202,15 @@ def _sample_block_tensor(graph: Graph, dst: Tensor, fanout: int | None, round_ke
     if fanout is not None:
         big = torch.nonzero(degree > fanout).flatten()
         if big.numel():
-            offsets = floyd_offsets(dst[big], degree[big], round_keys)
+            keys = round_keys if key_of_row is None else round_keys[key_of_row[big]]
+            offsets = floyd_offsets(dst[big], degree[big], keys)
             steps = torch.arange(fanout, device=device)
             edge_ids[(pointer[big][:, None] + steps).flatten()] = (start[big][:, None] + offsets).flatten()
-    src = graph.indices[edge_ids].long()
-    src_nodes, local = relabel_dst_first(dst, src)
-    return Block(src_nodes, dst.numel(), pointer, local)
+    return pointer, edge_ids
 
 
-def floyd_offsets(ids: Tensor, degree: Tensor, round_keys: Sequence[int]) -> Tensor:
-    """``k = len(round_keys)`` distinct sorted offsets in ``[0, degree)`` per row, keyed by ``ids``.
+def floyd_offsets(ids: Tensor, degree: Tensor, round_keys: Sequence[int] | Tensor) -> Tensor:
+    """``k`` distinct sorted offsets in ``[0, degree)`` per row, keyed by ``ids``.
 
     Floyd's algorithm (Bentley & Floyd, CACM 1987), one vectorised round per kept
     offset; see :func:`sample_block`. Work and memory O(R · k²) / O(R · k).
@@ -196,16 +218,18 @@ def floyd_offsets(ids: Tensor, degree: Tensor, round_keys: Sequence[int]) -> Ten
     Args:
         ids: ``(R,)`` int64 global node ids of the rows (the hash counters).
         degree: ``(R,)`` int64 row degrees, each greater than ``k``.
-        round_keys: ``k`` 32-bit keys, one per round.
+        round_keys: ``k`` 32-bit keys, one per round (a sequence or a ``(k,)`` int64 tensor), or an ``(R, k)``
+            int64 tensor of each row's own round keys.
 
     Returns:
         ``(R, k)`` int64 offsets, strictly increasing along each row.
     """
-    k = len(round_keys)
+    round_keys = torch.as_tensor(round_keys, dtype=torch.int64, device=ids.device)
+    k = round_keys.shape[-1]
     chosen = torch.empty((ids.numel(), k), dtype=torch.int64, device=ids.device)
-    for i, round_key in enumerate(round_keys):
+    for i in range(k):
         j = degree - (k - i)  # the round's upper bound, inclusive
-        t = (hash_ids(round_key, ids) * (j + 1)) >> 32
+        t = (hash_ids(round_keys[..., i], ids) * (j + 1)) >> 32
         if i:
             t = torch.where((chosen[:, :i] == t[:, None]).any(1), j, t)
         chosen[:, i] = t
@@ -216,8 +240,28 @@ def floyd_offsets(ids: Tensor, degree: Tensor, round_keys: Sequence[int]) -> Ten
 
 
 def _sample_block_numba(graph: Graph, dst: Tensor, fanout: int | None, round_keys: list[int]) -> Block:
-    indptr, indices, ids = graph.indptr.numpy(), graph.indices.numpy(), dst.numpy()
-    keys = np.asarray(round_keys, dtype=np.int64)
+    keys = torch.tensor([round_keys], dtype=torch.int64)
+    pointer, src = kept_sources_numba(graph.indptr, graph.indices, dst, fanout, keys, torch.empty(0, dtype=torch.int64))
+    src_nodes, local = _relabel(dst.numpy(), src.numpy())
+    return Block(torch.from_numpy(src_nodes), dst.numel(), pointer, torch.from_numpy(local))
+
+
+def kept_sources_numba(indptr: Tensor, indices: Tensor, dst: Tensor, fanout: int | None, round_keys: Tensor,
+                       key_of_row: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`kept_edges`'s sample by the CPU kernel, the kept edges' sources read in the same pass.
+
+    Args:
+        indptr, indices: the graph's CSC (CPU tensors).
+        dst: ``(R,)`` int64 global ids of the rows.
+        fanout: at most this many in-edges per row; ``None`` keeps all.
+        round_keys: ``(k, fanout)`` int64 round keys (``(1, fanout)`` or ``(1, 0)`` when every row shares them).
+        key_of_row: ``(R,)`` int64 the row of ``round_keys`` keying each row, or empty: row 0 for every row.
+
+    Returns:
+        ``pointer`` ``(R + 1,)`` int64 and ``src`` ``(pointer[-1],)`` int64 the kept edges' source ids, in CSC
+        order within each row: ``indices[kept_edges(...)[1]]``.
+    """
+    indptr, indices, ids, keys, key_row = (t.numpy() for t in (indptr, indices, dst, round_keys, key_of_row))
     fanout = -1 if fanout is None else fanout
     pointer = _kept_pointer(indptr, ids, fanout)
     src = np.empty(int(pointer[-1]), np.int64)
@@ -225,12 +269,11 @@ def _sample_block_numba(graph: Graph, dst: Tensor, fanout: int | None, round_key
     if threads > 1:  # the kernel releases the GIL: rows split over Python threads, no second OpenMP pool
         bounds = np.linspace(0, ids.size, threads + 1).astype(np.int64)
         pool = _thread_pool()
-        list(pool.map(lambda lo, hi: _sample_rows(indptr, indices, ids, fanout, keys, pointer, src, lo, hi),
+        list(pool.map(lambda lo, hi: _sample_rows(indptr, indices, ids, fanout, keys, key_row, pointer, src, lo, hi),
                       bounds[:-1], bounds[1:]))
     else:
-        _sample_rows(indptr, indices, ids, fanout, keys, pointer, src, 0, ids.size)
-    src_nodes, local = _relabel(ids, src)
-    return Block(torch.from_numpy(src_nodes), dst.numel(), torch.from_numpy(pointer), torch.from_numpy(local))
+        _sample_rows(indptr, indices, ids, fanout, keys, key_row, pointer, src, 0, ids.size)
+    return torch.from_numpy(pointer), torch.from_numpy(src)
 
 
 _ROWS_PER_THREAD = 4096  # below this a thread's share is not worth the hand-off
@@ -260,9 +303,10 @@ def _kept_pointer(indptr, dst, fanout):
 
 
 @jit
-def _sample_rows(indptr, indices, dst, fanout, keys, pointer, src, lo, hi):
+def _sample_rows(indptr, indices, dst, fanout, keys, key_row, pointer, src, lo, hi):
     """Rows ``lo … hi − 1``: write the kept sources of row ``r`` into ``src[pointer[r]:pointer[r + 1]]``,
-    the same offsets as the tensor path (:func:`floyd_offsets`)."""
+    the same offsets as the tensor path (:func:`floyd_offsets`), under round keys ``keys[key_row[r]]``
+    (``keys[0]`` when ``key_row`` is empty)."""
     chosen = np.empty(max(fanout, 1), np.int64)
     for r in range(lo, hi):
         start = indptr[dst[r]]
@@ -272,9 +316,10 @@ def _sample_rows(indptr, indices, dst, fanout, keys, pointer, src, lo, hi):
             for e in range(d):
                 src[out + e] = indices[start + e]
             continue
+        row_keys = key_row[r] if key_row.shape[0] else 0
         for i in range(fanout):  # Floyd's algorithm: t uniform in [0, j], or j if t is taken
             j = d - (fanout - i)
-            t = np.int64((hash_id_scalar(keys[i], dst[r]) * np.uint64(j + 1)) >> np.uint64(32))
+            t = np.int64((hash_id_scalar(keys[row_keys, i], dst[r]) * np.uint64(j + 1)) >> np.uint64(32))
             for q in range(i):
                 if chosen[q] == t:
                     t = j
@@ -351,6 +396,57 @@ def _radix_sort(values):
         out, buffer = buffer, out
         shift += 11
     return out
+
+
+@jit
+def relabel_stack(dst, counts, pointer, src, nodes, dense):
+    """:func:`partition.slicing.relabel_dst_first` of each batch of a stack, in one call (the bulk samplers).
+
+    Batch ``b``'s rows are the ``counts[b]`` after batch ``b − 1``'s, its edges ``pointer[first row]`` to
+    ``pointer[last row + 1]``. With ``dense``, one ``(nodes,)`` int32 label array serves every batch in turn (two
+    passes over a batch's edges, its new ids radix-sorted, only its touched labels reset), else each batch gets
+    :func:`_relabel`'s hash table.
+
+    Returns:
+        ``(src_nodes, src_counts, local)``: ``(S,)`` int64 the batches' src nodes one after the other, each
+        batch's dst nodes first then its other ids ascending; ``(k,)`` int64 src nodes per batch; ``(E,)`` int32
+        each edge's position in its own batch's src nodes.
+    """
+    k, total = counts.shape[0], src.shape[0]
+    local = np.empty(total, np.int32)
+    src_nodes = np.empty(dst.shape[0] + min(total, k * nodes), np.int64)  # every row, and each edge or node once
+    src_counts = np.empty(k, np.int64)
+    label = np.full(nodes if dense else 0, -1, np.int32)
+    r0, w = 0, 0
+    for b in range(k):
+        r1 = r0 + counts[b]
+        e0, e1, n = pointer[r0], pointer[r1], r1 - r0
+        if dense:
+            for i in range(n):
+                label[dst[r0 + i]] = i
+            m = 0
+            for e in range(e0, e1):  # new ids, once each (-2: seen)
+                if label[src[e]] == -1:
+                    label[src[e]] = -2
+                    src_nodes[w + n + m] = src[e]
+                    m += 1
+            ascending = _radix_sort(src_nodes[w + n:w + n + m])
+            for i in range(m):
+                label[ascending[i]] = n + i
+                src_nodes[w + n + i] = ascending[i]
+            for e in range(e0, e1):
+                local[e] = label[src[e]]
+            for i in range(n + m):  # reset what this batch touched
+                label[src_nodes[w + i] if i >= n else dst[r0 + i]] = -1
+            src_nodes[w:w + n] = dst[r0:r1]
+        else:
+            ids, part = _relabel(dst[r0:r1], src[e0:e1])
+            local[e0:e1] = part
+            m = ids.shape[0] - n
+            src_nodes[w:w + n + m] = ids
+        src_counts[b] = n + m
+        r0, w = r1, w + n + m
+    return src_nodes[:w].copy(), src_counts, local  # a copy: the blocks must not hold the (rows + E,) buffer
 
 
 @jit

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from torch import Tensor
@@ -18,6 +19,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import BlockSampler, SampleKey, Sampler
+from betty_trainer.sampling.bulk import BulkLadiesSampler, BulkNeighborSampler
 from betty_trainer.sampling.gns import GNSSampler
 from betty_trainer.sampling.labor import LaborSampler
 from betty_trainer.sampling.neighbor import NeighborSampler
@@ -38,6 +40,10 @@ def make_sampler(config: Config, graph: Graph) -> Sampler:
     * ``full``: every in-edge (:class:`NeighborSampler` with no fanouts);
     * ``ns``: uniform neighbour sampling with ``fanouts`` (input layer first; ``None``, the
       default, is the full neighbourhood);
+    * ``bulk-ns``: :class:`BulkNeighborSampler`, ``ns``'s batches sampled ``sampling.bulk`` at a time as one
+      stacked sparse product per layer, on ``sampling.device``;
+    * ``bulk-ladies``: :class:`BulkLadiesSampler`, LADIES with ``fanouts`` vertices per batch and layer, sampled
+      ``sampling.bulk`` batches at a time, on ``sampling.device``;
     * ``labor``: :class:`LaborSampler` with ``sampling.labor``'s importance iterations, layer and
       batch dependency;
     * ``gns``: :class:`GNSSampler` with ``sampling.gns``'s cache.
@@ -47,6 +53,9 @@ def make_sampler(config: Config, graph: Graph) -> Sampler:
 
     LABOR's batch groups and GNS's cache refreshes run across epochs: the samplers are told how
     many batches an epoch has.
+
+    Raises:
+        ConfigError: ``sampling.device=cuda`` where torch sees no CUDA device.
     """
     sampler = _sampler(config, graph)
     sampler.first_layer = int(config.features.aggregation_cache is not False)  # layer 0 reads the cache: no block
@@ -62,6 +71,11 @@ def _sampler(config: Config, graph: Graph) -> BlockSampler:
         return NeighborSampler(graph, [None] * layers)
     if sampling.sampler == "ns":
         return NeighborSampler(graph, fanouts)
+    if sampling.sampler.startswith("bulk-"):
+        if sampling.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("sampling.device=cuda, but torch sees no CUDA device here: set sampling.device=cpu")
+        bulk = BulkNeighborSampler if sampling.sampler == "bulk-ns" else BulkLadiesSampler
+        return bulk(graph, fanouts, bulk=sampling.bulk, device=sampling.device)
     batches = batches_per_epoch(config, graph)
     if sampling.sampler == "labor":
         labor = sampling.labor
@@ -145,14 +159,18 @@ def batch_rounds(config: Config, sampler: Sampler, seed_batches: Sequence[Tensor
     nothing (its micro-batches gather as without macro-batching), so a staged macro-batch never holds more than
     the budget.
 
-    Memory: with macro-batching ``M`` sampled batches are alive at once.
+    Batches are sampled ``sampler.bulk`` at a time (:meth:`Sampler.sample_many`; the bulk sampler's stacked
+    product), independently of how they are grouped into rounds: a batch is the same either way.
+
+    Memory: with macro-batching ``M`` sampled batches are alive at once, and up to ``sampler.bulk`` more.
     """
     group = max(1, config.features.macro_batch)
     staging = config.features.macro_batch > 0
     budget = config.features.macro_batch_budget
-    for start in range(0, len(seed_batches), group):
-        keys = [SampleKey(config.seed, epoch, i) for i in range(start, min(start + group, len(seed_batches)))]
-        batches = [sampler.sample(seed_batches[key.step], key) for key in keys]
+    sampled = _sampled(sampler, seed_batches, [SampleKey(config.seed, epoch, i) for i in range(len(seed_batches))])
+    while chunk := list(islice(sampled, group)):
+        keys, batches = [key for key, _ in chunk], [batch for _, batch in chunk]
+        del chunk
         rounds = staging_rounds([batch.input_nodes for batch in batches], row_bytes, budget) \
             if staging else [range(m, m + 1) for m in range(len(batches))]
         for members in rounds:
@@ -161,6 +179,14 @@ def batch_rounds(config: Config, sampler: Sampler, seed_batches: Sequence[Tensor
                 nodes = None  # a batch over the budget on its own is gathered per micro-batch, not staged
             yield BatchRound([(keys[m], seed_batches[keys[m].step], batches[m]) for m in members], nodes)
         del batches
+
+
+def _sampled(sampler: Sampler, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]
+             ) -> Iterator[tuple[SampleKey, Batch]]:
+    """``(key, batch)`` of each of ``keys`` in order, sampled ``sampler.bulk`` consecutive batches at a time."""
+    for start in range(0, len(keys), sampler.bulk):
+        some = keys[start:start + sampler.bulk]
+        yield from zip(some, sampler.sample_many([seed_batches[key.step] for key in some], some), strict=True)
 
 
 def staging_rounds(inputs: Sequence[Tensor], row_bytes: int, budget: int | None) -> list[range]:
