@@ -12,6 +12,7 @@ from torch import Tensor
 
 from betty_trainer.data.block import Block
 from betty_trainer.models.lstm import LSTM, lstm_terms
+from betty_trainer.models.operators import kernel_operator
 from betty_trainer.rng import compiled_kernels, jit, numba
 from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts
 from estimator.tape import AGG, GRAD, OVER, SharedGradient, StepTape
@@ -63,9 +64,8 @@ def _transposed_matmul(block: Block, grad: Tensor, values: Tensor | None, row_sc
     this call and freed after it), the two scales swapping sides."""
     if compiled_kernels(grad.device, grad.dtype) and grad.shape[1] <= SCATTER_MAX_WIDTH:
         out = grad.new_zeros(block.num_src, grad.shape[1])
-        _scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(values, grad.dtype),
-                        _numpy(row_scale, grad.dtype), _numpy(col_scale, grad.dtype), grad.contiguous().numpy(),
-                        out.numpy(), _column_step(grad.shape[1]))
+        _csr_scatter(block.indptr, block.indices, _in_dtype(values, grad.dtype), _in_dtype(row_scale, grad.dtype),
+                     _in_dtype(col_scale, grad.dtype), grad.contiguous(), out, _column_step(grad.shape[1]))
         return out
     pointer, positions, transposed = _transpose(block, values, grad.dtype)
     return _csr_matmul(pointer, positions, grad, transposed, col_scale, row_scale)
@@ -81,8 +81,7 @@ def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype) -> tuple
         pointer = torch.empty(block.num_src + 1, dtype=torch.int32)
         positions = torch.empty(block.num_edges, dtype=torch.int32)
         transposed = None if values is None else torch.empty(block.num_edges, dtype=dtype)
-        _counting_transpose(block.indptr.numpy(), block.indices.numpy(), _numpy(values, dtype), pointer.numpy(),
-                            positions.numpy(), _numpy(transposed, dtype))
+        _counting_transpose(block.indptr, block.indices, _in_dtype(values, dtype), pointer, positions, transposed)
         return pointer, positions, transposed
     order = torch.argsort(block.indices, stable=True)
     pointer = torch.zeros(block.num_src + 1, dtype=torch.int64, device=device)
@@ -91,7 +90,7 @@ def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype) -> tuple
 
 
 @jit
-def _counting_transpose(indptr, indices, values, pointer, positions, transposed):  # pragma: no cover - compiled
+def _counting_transpose_kernel(indptr, indices, values, pointer, positions, transposed):  # pragma: no cover - compiled
     pointer[:] = 0
     for e in range(indices.shape[0]):  # row sizes, then their prefix sums: pointer[s] = start of row s
         pointer[indices[e] + 1] += 1
@@ -109,9 +108,15 @@ def _counting_transpose(indptr, indices, values, pointer, positions, transposed)
     pointer[0] = 0
 
 
-def _numpy(tensor: Tensor | None, dtype: torch.dtype):
-    """``tensor`` in ``dtype`` as a numpy array for a compiled kernel, or ``None`` (the kernel compiles without it)."""
-    return None if tensor is None else tensor.to(dtype).numpy()
+_counting_transpose = kernel_operator(
+    "counting_transpose(Tensor indptr, Tensor indices, Tensor? values, Tensor(a!) pointer, Tensor(b!) positions, "
+    "Tensor(c!)? transposed) -> ()", _counting_transpose_kernel)
+
+
+def _in_dtype(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``tensor`` in ``dtype`` (itself when it is already) for a compiled kernel, or ``None`` (the kernel compiles
+    without it)."""
+    return None if tensor is None else tensor.to(dtype)
 
 
 def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor | None = None,
@@ -127,8 +132,8 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor |
     rows = indptr.shape[0] - 1
     if compiled_kernels(dense.device, dense.dtype):
         out = dense.new_empty(rows, dense.shape[1])
-        _gather_kernel(indptr.numpy(), indices.numpy(), _numpy(values, dense.dtype), _numpy(row_scale, dense.dtype),
-                       _numpy(col_scale, dense.dtype), dense.detach().contiguous().numpy(), out.numpy())
+        _csr_gather(indptr, indices, _in_dtype(values, dense.dtype), _in_dtype(row_scale, dense.dtype),
+                    _in_dtype(col_scale, dense.dtype), dense.detach().contiguous(), out)
         return out
     if col_scale is not None:
         coefficients = col_scale.to(dense.dtype).index_select(0, indices)
@@ -154,6 +159,11 @@ def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  
             scale = row_scale[row]
             for f in range(width):
                 acc[f] *= scale
+
+
+_csr_gather = kernel_operator(
+    "csr_gather(Tensor indptr, Tensor indices, Tensor? values, Tensor? row_scale, Tensor? col_scale, Tensor dense, "
+    "Tensor(a!) out) -> ()", _gather_kernel)
 
 
 @jit(inline="always")
@@ -221,6 +231,11 @@ def _scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, st
     for block in numba.prange(-(-width // step)):
         _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, block * step,
                          min(width, block * step + step))
+
+
+_csr_scatter = kernel_operator(
+    "csr_scatter(Tensor indptr, Tensor indices, Tensor? values, Tensor? row_scale, Tensor? col_scale, Tensor grad, "
+    "Tensor(a!) out, int step) -> ()", _scatter_kernel)
 
 
 @jit
@@ -293,8 +308,8 @@ def aggregate_rows(block: Block, begin: int, end: int, z: Tensor, self_loop: boo
     """
     _require_compiled(z)
     out = z.new_empty(end - begin, z.shape[1])
-    _rows_gather_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, z.dtype), begin,
-                        self_loop, z.detach().contiguous().numpy(), out.numpy())
+    _rows_gather(block.indptr, block.indices, _in_dtype(block.edge_weight, z.dtype), begin, self_loop,
+                 z.detach().contiguous(), out)
     return out
 
 
@@ -313,8 +328,8 @@ def aggregate_rows_transpose_(block: Block, begin: int, grad: Tensor, out: Tenso
         ValueError: where the compiled kernels do not run.
     """
     _require_compiled(grad)
-    _rows_scatter_kernel(block.indptr.numpy(), block.indices.numpy(), _numpy(block.edge_weight, grad.dtype), begin,
-                         self_loop, grad.contiguous().numpy(), out.numpy(), _column_step(grad.shape[1]))
+    _rows_scatter(block.indptr, block.indices, _in_dtype(block.edge_weight, grad.dtype), begin, self_loop,
+                  grad.contiguous(), out, _column_step(grad.shape[1]))
 
 
 def _require_compiled(tensor: Tensor) -> None:
@@ -352,6 +367,11 @@ def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out): 
                 acc[f] += own[f] * scale
 
 
+_rows_gather = kernel_operator(
+    "rows_gather(Tensor indptr, Tensor indices, Tensor? values, int begin, bool self_loop, Tensor dense, "
+    "Tensor(a!) out) -> ()", _rows_gather_kernel)
+
+
 @jit(parallel=True)
 def _rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step):  # pragma: no cover - compiled
     width = grad.shape[1]
@@ -368,6 +388,11 @@ def _rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, s
                 own = out[row, first:last]
                 for f in range(last - first):
                     own[f] += scaled[f]
+
+
+_rows_scatter = kernel_operator(
+    "rows_scatter(Tensor indptr, Tensor indices, Tensor? values, int begin, bool self_loop, Tensor grad, "
+    "Tensor(a!) out, int step) -> ()", _rows_scatter_kernel)
 
 
 def aggregate(block: Block, h_src: Tensor, values: Tensor | None = None, self_scale: Tensor | None = None,
@@ -454,8 +479,7 @@ class _SegmentMax(torch.autograd.Function):
         out = h_src.new_empty(block.num_dst, h_src.shape[1])
         argmax = torch.empty(block.num_dst, h_src.shape[1], dtype=torch.int32, device=h_src.device)
         if compiled_kernels(h_src.device, h_src.dtype):
-            _segment_max_kernel(block.indptr.numpy(), block.indices.numpy(), h_src.detach().numpy(),
-                                out.numpy(), argmax.numpy())
+            _segment_max(block.indptr, block.indices, h_src.detach(), out, argmax)
         else:
             _segment_max_chunks(block, h_src, out, argmax)
         ctx.save_for_backward(argmax)
@@ -467,7 +491,7 @@ class _SegmentMax(torch.autograd.Function):
         (argmax,) = ctx.saved_tensors
         grad_src = grad.new_zeros(ctx.num_src + 1, grad.shape[1])
         if compiled_kernels(grad.device, grad.dtype):
-            _scatter_max_grad_kernel(argmax.numpy(), grad.contiguous().numpy(), grad_src.numpy())
+            _scatter_max_grad(argmax, grad.contiguous(), grad_src)
         else:
             grad_src.scatter_add_(0, argmax.long(), grad)
         return grad_src[: ctx.num_src], None
@@ -525,11 +549,20 @@ def _segment_max_kernel(indptr, indices, h, out, argmax):  # pragma: no cover - 
                     argmax[d, f] = s
 
 
+_segment_max = kernel_operator(
+    "segment_max(Tensor indptr, Tensor indices, Tensor h, Tensor(a!) out, Tensor(b!) argmax) -> ()",
+    _segment_max_kernel)
+
+
 @jit
 def _scatter_max_grad_kernel(argmax, grad, grad_src):  # pragma: no cover - compiled
     for d in range(argmax.shape[0]):
         for f in range(argmax.shape[1]):
             grad_src[argmax[d, f], f] += grad[d, f]
+
+
+_scatter_max_grad = kernel_operator("scatter_max_grad(Tensor argmax, Tensor grad, Tensor(a!) grad_src) -> ()",
+                                    _scatter_max_grad_kernel)
 
 
 def in_degree_groups(block: Block) -> list[tuple[int, Tensor]]:

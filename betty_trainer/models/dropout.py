@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from betty_trainer.models.operators import kernel_operator
 from betty_trainer.rng import (
     MASK32,
     compiled_kernels,
@@ -87,8 +88,8 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
     out = src if inplace else torch.empty_like(src)
     threshold = round(p * (1 << 24))
     if compiled_kernels(src.device, src.dtype):
-        _keyed_mask_kernel(src.detach().numpy(), out.detach().numpy(), node_ids.numpy(),
-                           mix_key(seed, step, layer), threshold, np.float32(1.0 / (1.0 - p)))
+        _keyed_mask(None if inplace else src, out, node_ids, mix_key(seed, step, layer), threshold,
+                    1.0 / (1.0 - p))
         return out
     rows = max(1, MASK_CHUNK_ELEMENTS // max(src.shape[1], 1))
     for start in range(0, src.shape[0], rows):
@@ -114,6 +115,12 @@ def _keyed_mask_kernel(src, out, node_ids, key, threshold, scale):  # pragma: no
         for f in range(width):  # 32-bit hashing (mix32_u32): one pass at memory speed
             keep = np.uint32(mix32_u32(np.uint32(row ^ columns[f])) >> np.uint32(8)) >= threshold
             out[r, f] = src[r, f] * (scale if keep else dropped)
+
+
+_keyed_mask = kernel_operator(
+    "keyed_mask(Tensor? src, Tensor(a!) out, Tensor node_ids, int key, int threshold, float scale) -> ()",
+    lambda src, out, node_ids, key, threshold, scale: _keyed_mask_kernel(
+        out if src is None else src, out, node_ids, key, threshold, np.float32(scale)))
 
 
 class _KeyedDropout(torch.autograd.Function):
