@@ -88,7 +88,7 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
     out = src if inplace else torch.empty_like(src)
     threshold = round(p * (1 << 24))
     if compiled_kernels(src.device, src.dtype):
-        _keyed_mask(None if inplace else src, out, node_ids, mix_key(seed, step, layer), threshold,
+        _keyed_mask(None if inplace else src.detach(), out.detach(), node_ids, mix_key(seed, step, layer), threshold,
                     1.0 / (1.0 - p))
         return out
     rows = max(1, MASK_CHUNK_ELEMENTS // max(src.shape[1], 1))

@@ -26,8 +26,10 @@ def kernel_operator(schema: str, kernel: Callable[..., None]) -> torch._ops.OpOv
     Args:
         schema: ``"<name>(<arguments>) -> ()"``; each tensor the kernel writes is annotated as mutated
             (``Tensor(a!) out``, a letter of its own each), optional tensors are ``Tensor?``.
-        kernel: called with the operator's arguments in order, tensors as numpy arrays (detached, sharing their
-            memory; ``None`` stays ``None``), scalars as they are; writes into the mutated ones, returns nothing.
+        kernel: called with the operator's arguments in order, tensors as numpy arrays (sharing their memory;
+            ``None`` stays ``None``), scalars as they are; writes into the mutated ones, returns nothing. The
+            operator's tensor arguments must not require grad (``.detach()`` those that do): ``.numpy()`` raises a
+            ``RuntimeError`` on them.
 
     Returns:
         The operator (``torch.ops.betty.<name>.default``).
@@ -37,13 +39,9 @@ def kernel_operator(schema: str, kernel: Callable[..., None]) -> torch._ops.OpOv
     """
     name = schema.split("(", 1)[0]
     LIBRARY.define(schema)
-    LIBRARY.impl(name, lambda *args: kernel(*(_array(a) for a in args)), "CPU")
+    LIBRARY.impl(name, lambda *args: kernel(*[a.numpy() if isinstance(a, Tensor) else a for a in args]), "CPU")
     _register_fake(f"betty::{name}", lambda *args: None)
     return getattr(torch.ops.betty, name).default
-
-
-def _array(argument):
-    return argument.detach().numpy() if isinstance(argument, Tensor) else argument
 
 
 def _register_fake(qualname: str, implementation: Callable[..., None]) -> None:
