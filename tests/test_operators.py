@@ -10,16 +10,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from betty_trainer import plan_micro_batches, sample_batch
+from benchmarks.recorder_vs_terms import peaks
 from betty_trainer.config import load_config
-from betty_trainer.data.feature_store import HostFeatureStore
-from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.recorded import record_model
-from betty_trainer.memory.spec import spec_of
-from betty_trainer.models import aggregate, build_model, dropout, set_dropout_key
+from betty_trainer.models import aggregate, build_model, dropout
 from betty_trainer.rng import mix_key
-from estimator.counts import counts_of
-from estimator.estimate import estimate_micro_batch
 from estimator.recorder import RecordingRefused
 from tests.test_aggregate import CLOSE, random_block
 
@@ -168,8 +163,7 @@ def test_aggregate_rows_dispatch_the_operators_and_equal_mean_neighbours():
 
 # ----- the recorder on the built-in models (betty_trainer.memory.recorded) --------------------------------------
 
-MODELS = {"sage-mean": ["model.arch=sage", "model.aggregator=mean"], "sage-gcn": ["model.arch=sage", "model.aggregator=gcn"],
-          "sage-pool": ["model.arch=sage", "model.aggregator=pool"], "gcn": ["model.arch=gcn"], "gin": ["model.arch=gin"]}
+BUILT_IN = ["sage-mean", "sage-gcn", "sage-pool", "gcn", "gin"]
 
 LOSS_SCALARS = 8
 """Bytes the hand-written terms leave out (``estimator.tape.StepTape.cross_entropy``): the loss (``aten.div``,
@@ -185,40 +179,16 @@ with K = 4, whose 1433 × 1433 pool weights make the optimizer's step the peak).
 RECORDED_SHORT = {("sage-pool", 4): ADAM_SCALAR_TEMPORARIES}
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def built_in(request, cora):
-    """(name, model, config, recorded) for a built-in model on Cora, 64 hidden, dropout 0.5."""
-    config = load_config(None, [*MODELS[request.param], "dataset.name=cora", "model.num_layers=2", "model.hidden=64",
-                                "model.dropout=0.5", "optim.weight_decay=0.0005"])
-    torch.manual_seed(0)
-    model = build_model(config.model, cora)
-    set_dropout_key(model, 0, 0)
-    return request.param, model, config, record_model(model, cora, 2, config.optim.make_optimizer)
-
-
 @pytest.mark.parametrize("k", [1, 4])
-def test_recorded_estimate_equals_the_measured_peak_and_the_hand_written_terms(cora, built_in, k):
-    """Cora's full training batch in ``k`` REG micro-batches, Adam warmed by one step, later micro-batches
-    accumulating: per micro-batch the recorded estimate equals the measured peak to the byte, except where the
-    peak holds what no operator's output shows (:data:`ADAM_SCALAR_TEMPORARIES`), and the hand-written terms equal
-    it or are :data:`LOSS_SCALARS` short. The table is printed (``-s``)."""
-    name, model, config, recorded = built_in
-    spec = spec_of(model, config, "cpu")
-    optimizer = config.optim.make_optimizer(model.parameters())
-    features = HostFeatureStore(cora.x, pin=False)
-    batch = sample_batch(cora, cora.train_idx, [None, None])
-    micro_batches = plan_micro_batches(batch, k, "reg", 0)
-    measure_training_step(model, optimizer, micro_batches[0], features, cora.y, "cpu")  # Adam state exists
-    for index, micro_batch in enumerate(micro_batches):
-        layers = counts_of(micro_batch.blocks)
-        estimate = recorded.estimate(layers, accumulate=index > 0)
-        terms = estimate_micro_batch(layers, spec, accumulate=index > 0).peak_bytes
-        measured = measure_training_step(model, optimizer, micro_batch, features, cora.y, "cpu",
-                                         num_outputs=batch.output_nodes.numel(), accumulate=index > 0).peak_bytes
-        print(f"| {name} | {k} | {index} | {estimate} | {terms} | {measured} | {estimate - measured:+d} | "
-              f"{terms - measured:+d} |")
-        assert measured - estimate == RECORDED_SHORT.get((name, k), 0), (name, k, index, estimate, measured)
-        assert estimate - terms in (0, LOSS_SCALARS), (name, k, index, estimate, terms)
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_recorded_estimate_equals_the_measured_peak_and_the_hand_written_terms(cora, name, k):
+    """Cora's full training batch in ``k`` REG micro-batches, hidden 64, dropout 0.5, Adam warmed by one step, later
+    micro-batches accumulating (``benchmarks/recorder_vs_terms.py``'s table): per micro-batch the recorded estimate
+    equals the measured peak to the byte, except where the peak holds what no operator's output shows
+    (:data:`ADAM_SCALAR_TEMPORARIES`), and the hand-written terms equal it or are :data:`LOSS_SCALARS` short."""
+    for index, (recorded, terms, measured) in enumerate(peaks(cora, name, 64, 0.5, k)):
+        assert measured - recorded == RECORDED_SHORT.get((name, k), 0), (name, k, index, recorded, measured)
+        assert recorded - terms in (0, LOSS_SCALARS), (name, k, index, recorded, terms)
 
 
 @pytest.mark.parametrize("overrides, reason", [
