@@ -107,8 +107,9 @@ class Operators(TorchDispatchMode):
         self.seen: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "betty":
-            self.seen.add(func._opname)
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace == "betty":
+            self.seen.add(name)
         return func(*args, **(kwargs or {}))
 
 
