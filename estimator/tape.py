@@ -227,8 +227,9 @@ class StepTape:
 
         Single-tensor (CPU's default), parameter by parameter: with weight decay the gradient
         plus decay is a new tensor, freed at the end of that parameter's update; ``denom =
-        sqrt(v) / c`` is made (sqrt, then div) while the previous parameter's ``denom`` is
-        still referenced. ``foreach`` (CUDA's default), all parameters at once: with weight
+        sqrt(v) / c`` is made (sqrt, then div, whose Python-float divisor becomes a double scalar
+        tensor and its copy in the parameter's dtype inside the op) while the previous parameter's
+        ``denom`` is still referenced. ``foreach`` (CUDA's default), all parameters at once: with weight
         decay a copy of every gradient (freed before the moments' square roots), then
         ``sqrt(v)`` of every parameter, divided and used in place."""
         if OPTIMIZER_STATES[self.model.optimizer] == 0:
@@ -245,7 +246,10 @@ class StepTape:
             for numel in layer:
                 decayed = r.alloc(numel * f, OVER) if self.model.weight_decay else None
                 root = r.alloc(numel * f, OVER)
+                # `/ bias_correction2_sqrt` wraps the Python float in a double scalar tensor and casts it to the
+                # parameter's dtype inside the div: both live while the div makes its output
+                scalars = r.alloc(8 + f, OVER)
                 denom = r.alloc(numel * f, OVER)
-                r.drop(root, previous, decayed)
+                r.drop(scalars, root, previous, decayed)
                 previous = denom
         r.drop(previous)
