@@ -91,10 +91,15 @@ def weighted(batch, seed=0):
                   for block in batch.blocks])
 
 
-# Worst relative error now achieved (CPU, profiler ground truth): GAT's op-by-op replay is within 2.4%
-# (README), every other built-in model within 0.05%.
+# Worst error now achieved (CPU, profiler ground truth): every built-in model but GAT to the byte on the compiled
+# CPU path with single-tensor Adam (the terms count the loss scalar, autograd's seed gradient and the scalars inside
+# Adam's division); GAT's op-by-op replay within 2.4% (README).
 TOLERANCE = {"gat": 0.025}
-DEFAULT_TOLERANCE = 0.001
+DEFAULT_TOLERANCE = 0.0
+SCALAR_BYTES = 16
+"""Bytes of 0-d scalars that the tensor-op kernels' path and foreach Adam make inside single operators (a Python
+number wrapped as a double tensor and its copy in the parameters' dtype, 4–8 bytes each) and the terms do not
+follow there: measured 8 and 12 bytes."""
 
 MATRIX_MODELS = [
     ["model.arch=sage", "model.aggregator=mean"],
@@ -200,7 +205,7 @@ def test_estimate_of_the_tensor_op_kernels(cora64, monkeypatch, model):
         estimate = estimate_micro_batch(counts_of(micro_batch.blocks), spec, accumulate=index > 0).peak_bytes
         measured = measure_training_step(net, optimizer, micro_batch, HostFeatureStore(cora64.x, pin=False), cora64.y, "cpu",
                                          num_outputs=batch.output_nodes.numel(), accumulate=index > 0).peak_bytes
-        assert abs(estimate - measured) <= DEFAULT_TOLERANCE * measured, (index, estimate, measured)
+        assert 0 <= measured - estimate <= SCALAR_BYTES, (index, estimate, measured)
 
 
 @pytest.mark.parametrize("model", [MATRIX_MODELS[0], MATRIX_MODELS[5]], ids=["mean", "gat"])
@@ -218,6 +223,7 @@ def test_estimate_of_adams_foreach_path(cora64, model):
     foreach = dataclasses.replace(model_spec(config, cora64), foreach=True)
     single = dataclasses.replace(foreach, foreach=False)
     tolerance = TOLERANCE.get(config.model.arch, DEFAULT_TOLERANCE)
-    assert abs(estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes - measured) <= tolerance * measured
+    assert abs(estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes - measured) <= \
+        tolerance * measured + SCALAR_BYTES
     assert estimate_micro_batch(counts_of(batch.blocks), single).peak_bytes != \
         estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes  # the two paths are told apart

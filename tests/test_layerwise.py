@@ -23,7 +23,7 @@ from estimator.counts import counts_of
 from estimator.layerwise import estimate_layerwise
 from estimator.peaks import PeakEstimator
 from partition.chunks import chunk_floor, chunk_layers
-from tests.test_estimator import DEFAULT_TOLERANCE  # the micro-batch estimator's bound (0.1%)
+from tests.test_estimator import DEFAULT_TOLERANCE  # the micro-batch estimator's bound (0: to the byte)
 
 CPU = torch.device("cpu")
 # the micro-batch exactness bound of tests/test_exactness.py (1e-5 of the largest entry), taken over the whole
@@ -31,8 +31,8 @@ CPU = torch.device("cpu")
 # (2⁻²⁴ per addition) into a relative error of 1e-5 on its own
 BOUND = 1e-5
 # DEFAULT_TOLERANCE, the micro-batch estimator's bound, holds layer-wise too: measured on the CPU, the layer-wise
-# estimate equals the peak to the byte for every built-in model but SAGE-pool at 4 and 16 chunks, 12 bytes under
-# (2e-7 relative)
+# estimate equals the peak to the byte for every built-in model (SAGE-pool at 4 and 16 chunks was 12 bytes under
+# until the terms counted the scalars inside Adam's division)
 
 
 def layerwise_peak(planner: Planner, batch, chunks, host_outputs: bool | None = None) -> int:
