@@ -91,10 +91,10 @@ def weighted(batch, seed=0):
                   for block in batch.blocks])
 
 
-# Worst error now achieved (CPU, profiler ground truth): every built-in model but GAT to the byte on the compiled
-# CPU path with single-tensor Adam (the terms count the loss scalar, autograd's seed gradient and the scalars inside
-# Adam's division); GAT's op-by-op replay within 2.4% (README).
-TOLERANCE = {"gat": 0.025}
+# Worst error now achieved (CPU, profiler ground truth): every built-in model to the byte on the compiled CPU path
+# with single-tensor Adam (the terms count the loss scalar, autograd's seed gradient and the scalars inside Adam's
+# division; GAT's was 2.4% over until its terms dropped forward's reference to z).
+TOLERANCE: dict[str, float] = {}
 DEFAULT_TOLERANCE = 0.0
 SCALAR_BYTES = 16
 """Bytes of 0-d scalars that the tensor-op kernels' path and foreach Adam make inside single operators (a Python
@@ -211,7 +211,8 @@ def test_estimate_of_the_tensor_op_kernels(cora64, monkeypatch, model):
 @pytest.mark.parametrize("model", [MATRIX_MODELS[0], MATRIX_MODELS[5]], ids=["mean", "gat"])
 def test_estimate_of_adams_foreach_path(cora64, model):
     """Adam's multi-tensor (foreach) step, CUDA's default, run here on the CPU where it is opt-in, with a
-    hidden width where the optimizer step sets the peak (its square roots of every moment at once)."""
+    hidden width where the optimizer step sets SAGE's peak (its square roots of every moment at once). GAT's peak
+    stays in its backward (its attention's per-edge tensors), where the two paths are the same bytes."""
     config = load_config(None, model + ["model.hidden=256", "model.dropout=0.5"])
     torch.manual_seed(0)
     net = build_model(config.model, cora64)
@@ -225,5 +226,6 @@ def test_estimate_of_adams_foreach_path(cora64, model):
     tolerance = TOLERANCE.get(config.model.arch, DEFAULT_TOLERANCE)
     assert abs(estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes - measured) <= \
         tolerance * measured + SCALAR_BYTES
-    assert estimate_micro_batch(counts_of(batch.blocks), single).peak_bytes != \
-        estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes  # the two paths are told apart
+    if config.model.arch != "gat":  # the two paths are told apart where the optimizer step sets the peak
+        assert estimate_micro_batch(counts_of(batch.blocks), single).peak_bytes != \
+            estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes

@@ -127,6 +127,7 @@ class GATConv(nn.Module):
         block's and one self edge per dst node."""
         z, linear_bwd = self.project_terms(tape, c.num_src, hd, hd_grad)
         result, propagate_bwd = self.propagate_terms(tape, c, z)
+        tape.r.drop(z)  # forward's own reference (a temporary of propagate(block, project(h))); autograd keeps z
 
         def backward(grad: int) -> int | None:
             return linear_bwd(propagate_bwd(grad))
