@@ -47,7 +47,8 @@ def layers_of(pyproject: Path) -> list[tuple[str, ...]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=REPO_ROOT / "configs" / "quickstart.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=["optim.epochs=2"], metavar="KEY=VALUE")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config overrides, after optim.epochs=2")
     args = parser.parse_args()
     layers = layers_of(REPO_ROOT / "pyproject.toml")
     root = f"{REPO_ROOT}/"
@@ -74,7 +75,7 @@ def main() -> None:
             planner[pair] += 1
 
     run_dir = Path(tempfile.mkdtemp(prefix="call-trace-"))
-    config = load_config(args.config, [*args.overrides, f"train.run_dir={run_dir / 'run'}"])
+    config = load_config(args.config, ["optim.epochs=2", *args.overrides, f"train.run_dir={run_dir / 'run'}"])
     sys.setprofile(on_call)
     try:
         train(config)

@@ -34,7 +34,7 @@ from betty_trainer.training.trainer import TrainResult, train
 
 __version__ = "0.1.0"
 
-use_huge_pages()  # before this process's first large CPU tensor, when it imports betty_trainer first
+use_huge_pages()  # before this process's first CPU tensor, when it imports betty_trainer first
 
 __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",

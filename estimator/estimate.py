@@ -136,16 +136,14 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     x = replay.alloc(layers[0].num_src * model.input_width * f, "input_features")
     labels = replay.alloc(layers[-1].num_dst * INDEX_BYTES, "labels")
     logits, forward_bwd = model.forward_terms(step, layers, x)
-    loss_bwd = step.cross_entropy(layers[-1].num_dst, model.widths[-1], labels)
-    loss = replay.alloc(f, OVER)  # Σ CE / |V|, the scalar the step holds until it returns
+    loss_bwd, scalars = step.loss(layers[-1].num_dst, model.widths[-1], labels)
 
     replay.phase = "backward"
-    seed = replay.alloc(f, GRAD)  # loss.backward()'s starting gradient (ones_like), alive through the backward
     grad = forward_bwd(loss_bwd())
     predictions = replay.alloc(layers[-1].num_dst * INDEX_BYTES, OVER)  # (logits.argmax(1) == y).sum()
     hits = replay.alloc(layers[-1].num_dst, OVER)
     replay.drop(predictions, hits)
-    replay.drop(grad, x, labels, logits, loss, seed)  # the micro-batch's tensors die before the optimizer step
+    replay.drop(grad, x, labels, logits, *scalars())  # the micro-batch's tensors die before the optimizer step
     replay.phase = "optimizer"
     step.optimizer_step()
     return MemoryEstimate.of(replay, resident)

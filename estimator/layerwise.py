@@ -47,6 +47,7 @@ class ProjectedTerms(Protocol):
     width: int  # z's width (columns)
     reads_dst_input: bool  # propagate also reads the chunk's dst input rows (SAGE mean's self term)
     affine: bool  # propagate is affine in z: z is freed after the forward, and backward recomputes from zeros
+    runs_rows: bool  # the layer has the row methods below (an affine one then runs off the whole block on the CPU)
 
     def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool) -> tuple[int, Callable[[], int | None]]:
         """``W·dropout(h)`` on ``rows`` rows of the layer input ``h`` (a handle for layer 1's gathered rows,
@@ -77,7 +78,7 @@ def runs_off_whole_block(model: ModelSpec, projections: Sequence[ProjectedTerms 
     compiled CPU kernels run (``betty_trainer.execution.layerwise``). Its chunks' dst sets do not matter then: it
     runs in as many contiguous dst row blocks (:func:`row_blocks`), reading no chunk slice."""
     projections = projections if projections is not None else [None] * model.num_layers
-    return [terms is not None and terms.affine and model.compiled_kernels for terms in projections]
+    return [terms is not None and terms.affine and terms.runs_rows and model.compiled_kernels for terms in projections]
 
 
 def row_blocks(num_rows: int, parts: int) -> list[tuple[int, int]]:
@@ -254,11 +255,11 @@ class _LayerwiseReplay:
         and the predictions die here)."""
         replay, outputs = self.replay, self.layers[-1].num_dst
         labels = replay.alloc(outputs * INDEX_BYTES, "labels")
-        loss_bwd = self.tape.cross_entropy(outputs, self.model.widths[-1], labels)
+        loss_bwd, scalars = self.tape.loss(outputs, self.model.widths[-1], labels)
         replay.phase = "backward"
         grad_out = loss_bwd()
         predictions, hits = replay.alloc(outputs * INDEX_BYTES, OVER), replay.alloc(outputs, OVER)
-        replay.drop(predictions, hits, labels, stored[-1])  # logits and labels die here, ∂L/∂logits stays
+        replay.drop(predictions, hits, labels, stored[-1], *scalars())  # logits and labels die here, ∂L/∂logits stays
         return grad_out
 
     def backward(self, index: int, grad_out: int, stored: list[int | None], projected: list[int | None]) -> int | None:
@@ -275,9 +276,10 @@ class _LayerwiseReplay:
         z_all = projected[index]
         grad_z = (replay.alloc(self.layers[index].num_src * projection.width * f, GRAD)
                   if projection is not None else None)
-        for c in self.pieces(index):
-            self.chunk_backward(index, c)
-        if self.whole_block[index]:  # the parameters' gradients from ∂L/∂z and ∂L/∂h_l, nothing recomputed
+        if not self.whole_block[index]:
+            for c in self.chunks[index]:
+                self.chunk_backward(index, c)
+        else:  # the transpose into ∂L/∂z allocates nothing; the gradients from ∂L/∂z and ∂L/∂h_l, nothing recomputed
             self.projection(index, grad=True)
         replay.drop(grad_out)
         if projection is not None:
@@ -303,12 +305,9 @@ class _LayerwiseReplay:
         return self.replay.alloc(rows * self.model.widths[0] * self.model.dtype_bytes, "input_features")
 
     def chunk_backward(self, index: int, c: LayerCounts) -> None:
-        """One chunk of layer ``index`` recomputed with autograd and backpropagated from its rows of ``∂L/∂h_l``
-        (an affine layer's run off the whole block: only the part reading its dst input rows is recomputed)."""
+        """One chunk of layer ``index`` recomputed with autograd and backpropagated from its rows of ``∂L/∂h_l``."""
         replay = self.replay
         mark = replay.mark()
-        if self.whole_block[index]:  # the aggregation's transpose into ∂L/∂z allocates nothing
-            return
         if self.projections[index] is not None:
             out, backward = self.propagated(index, c, grad=True)
         else:

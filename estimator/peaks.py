@@ -127,8 +127,8 @@ class LayerwiseEstimate:
     def work(self, chunks: Sequence[Sequence[Any]]) -> float:
         """The work of the step in ``chunks``, in multiply-adds (:func:`~estimator.work.step_work`): a projected
         layer projects its block's src rows once per pass, and a layer run off the whole block reads each edge and
-        row of its block once per pass, whatever its chunks."""
+        row of its block once per pass, whatever its chunks, and recomputes nothing."""
         projections = self.spec.projections or [None] * len(self.layers)
         rows = [counts.num_src if terms is not None else None for counts, terms in zip(self.layers, projections)]
         pieces = [[counts] if ranged else layer for layer, counts, ranged in zip(chunks, self.layers, self.ranged)]
-        return step_work(self.spec, pieces, True, rows)
+        return step_work(self.spec, pieces, True, rows, [not ranged for ranged in self.ranged])

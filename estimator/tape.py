@@ -222,6 +222,21 @@ class StepTape:
 
         return backward
 
+    def loss(self, rows: int, classes: int, labels: int):
+        """The step's loss ``Σ CE / |V|`` on ``rows`` logits of ``classes`` columns: :meth:`cross_entropy`, then the
+        loss scalar (the division's output, which the step holds until it returns). Returns ``(backward,
+        scalars)``: ``backward()`` first makes autograd's seed gradient (``ones_like`` of the loss, alive through
+        the backward), then returns ``∂L/∂logits`` as :meth:`cross_entropy`'s does; ``scalars()`` the handles of
+        the loss and the seed, for the caller to free where the step's tensors die."""
+        loss_bwd = self.cross_entropy(rows, classes, labels)
+        held = [self.r.alloc(self.f, OVER)]
+
+        def backward() -> int:
+            held.append(self.r.alloc(self.f, GRAD))
+            return loss_bwd()
+
+        return backward, lambda: tuple(held)
+
     def optimizer_step(self) -> None:
         """Adam/AdamW, on the path PyTorch takes (:attr:`ModelSpec.foreach`).
 
@@ -247,8 +262,8 @@ class StepTape:
                 decayed = r.alloc(numel * f, OVER) if self.model.weight_decay else None
                 root = r.alloc(numel * f, OVER)
                 # `/ bias_correction2_sqrt` wraps the Python float in a double scalar tensor and casts it to the
-                # parameter's dtype inside the div: both live while the div makes its output
-                scalars = r.alloc(8 + f, OVER)
+                # parameter's dtype inside the div (no copy for float64): both live while the div makes its output
+                scalars = r.alloc(8 + (f if f != 8 else 0), OVER)
                 denom = r.alloc(numel * f, OVER)
                 r.drop(scalars, root, previous, decayed)
                 previous = denom

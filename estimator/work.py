@@ -67,7 +67,7 @@ MASK_COST = 4  # multiply-adds one input element's gather and node-keyed dropout
 
 
 def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
-              projected_rows: Sequence[int | None] = ()) -> float:
+              projected_rows: Sequence[int | None] = (), recomputes: Sequence[bool] = ()) -> float:
     """Estimated multiply-adds of one training step over ``layers`` (per layer, the pieces it runs: a layer-wise
     plan's chunks, or every micro-batch's slice of that layer, or their sizes: anything with ``num_src``,
     ``num_dst`` and ``num_edges``), which ``micro_batch.mode=auto`` compares.
@@ -80,7 +80,8 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
 
     Passes: a micro-batch runs a forward and a backward (two more of each linear map above layer 1, one at
     layer 1, whose input takes no gradient); a layer-wise step runs a forward without autograd, the
-    recomputed forward and the backward, so one pass more of each term (and one more gather and mask). A
+    recomputed forward and the backward, so one pass more of each term (and one more gather and mask), except a
+    layer whose ``recomputes`` entry is false (an affine layer run off the whole block: no recompute). A
     layer with ``projected_rows`` (layer-wise GAT, and SAGE ``mean``/``gcn`` when it projects first: its
     block's src rows) projects those once per pass, not each chunk's src rows. With the aggregation cache
     (``spec.aggregated_width``, one layer fewer in ``layers``) layer 0 is one linear map of each cached row.
@@ -103,6 +104,7 @@ def step_work(spec: ModelSpec, layers: Sequence[Sequence[Any]], layerwise: bool,
                          projected=projected_rows[index] if index < len(projected_rows) else None)
         layer = work(spec, size)
         backward_linear = 1 if index == 0 else 2
-        passes = 1 + backward_linear + (1 if layerwise else 0)
+        recomputed = layerwise and (recomputes[index] if index < len(recomputes) else True)
+        passes = 1 + backward_linear + (1 if recomputed else 0)
         total += passes * (layer.linear + layer.aggregate) + (2 if layerwise else 1) * layer.gathered * MASK_COST
     return total

@@ -17,6 +17,7 @@ from betty_trainer.memory.spec import spec_of
 from betty_trainer.models import set_dropout_key
 from betty_trainer.models.capabilities import affine_layers, projected_terms
 from betty_trainer.models.gat import GAT
+from betty_trainer.models.sage import SAGEConv
 from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.rng import compiled_kernels
 from estimator.counts import counts_of
@@ -528,3 +529,42 @@ def test_an_affine_layer_runs_off_the_whole_block_in_row_blocks_split_by_range(c
     gat = make("gat", cora)
     with pytest.raises(AssertionError, match="was sliced"):
         layerwise_gradients(gat, batch, cora, 2)
+
+
+class _ScaledProjection(SAGEConv):
+    """A SAGE layer whose projection is its own (``2·W_neigh·h``): not SAGE's affine form, whose backward writes
+    ``W_neigh``'s gradient as SAGE's projection makes it."""
+
+    def project(self, h):
+        return 2.0 * self.fc_neigh(h)
+
+    def forward(self, block, h_src):
+        return self.propagate(block, self.project(h_src), block.dst_rows(h_src))
+
+
+def test_a_sage_layer_that_changes_what_the_affine_backward_assumes_is_not_run_off_the_whole_block(cora):
+    """A subclass overriding ``project``, a parametrized weight, and a frozen one: the first two lose the affine
+    flag (layer-wise recomputes them from the kept ``z``, the gradients stay the full batch's), and the backward
+    that writes gradients itself leaves a frozen parameter's ``.grad`` alone."""
+    model = make("sage-mean", cora)
+    for index, layer in enumerate(model.layers):
+        scaled = _ScaledProjection(layer.in_feats, layer.out_feats, "mean")
+        scaled.load_state_dict(layer.state_dict())
+        model.layers[index] = scaled
+    assert affine_layers(model) == [False, False]
+    set_dropout_key(model, seed=3, step=1)
+    batch = sample_batch(cora, cora.train_idx, [None, None])
+    assert_same(full_batch_gradients(model, batch, cora), layerwise_gradients(model, batch, cora, 4))
+
+    plain = make("sage-mean", cora)
+    torch.nn.utils.parametrize.register_parametrization(plain.layers[1].fc_neigh, "weight", torch.nn.Identity())
+    assert affine_layers(plain) == [True, False]
+
+    frozen = make("sage-mean", cora)
+    frozen.layers[0].fc_self.weight.requires_grad_(False)
+    set_dropout_key(frozen, seed=3, step=1)
+    frozen.zero_grad(set_to_none=True)
+    layerwise_backward(frozen, batch, chunk_layers(batch.blocks, 4, "metis", seed=1),
+                       HostFeatureStore(cora.x, pin=False), cora.y, CPU)
+    assert frozen.layers[0].fc_self.weight.grad is None
+    assert frozen.layers[0].fc_neigh.weight.grad is not None

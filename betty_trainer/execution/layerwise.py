@@ -56,7 +56,7 @@ from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import training_state
 from betty_trainer.execution.plan import StepResult, held_bytes, piece_row, plan_report
-from betty_trainer.models.capabilities import affine_layers, projected_layers
+from betty_trainer.models.capabilities import AffineLayer, affine_layers, projected_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.rng import compiled_kernels
 from estimator.layerwise import row_blocks
@@ -211,9 +211,11 @@ class _LayerPass:
         return len(self.blocks) - 1
 
     def runs_rows(self, index: int) -> bool:
-        """Whether layer ``index``'s chunks run off the whole block (an affine layer where the compiled CPU kernels
-        run: :class:`~betty_trainer.models.capabilities.AffineLayer`), without slices or gathered rows of ``z``."""
-        return self.affine[index] and compiled_kernels(self.device, self.dtype)
+        """Whether layer ``index``'s chunks run off the whole block (an affine layer implementing
+        :class:`~betty_trainer.models.capabilities.AffineLayer`, where the compiled CPU kernels run), without slices
+        or gathered rows of ``z``, and backpropagate without recomputing."""
+        return (self.affine[index] and isinstance(self.model.layers[index], AffineLayer)
+                and compiled_kernels(self.device, self.dtype))
 
     def forward(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
         """Layers 1 … L without autograd: each layer's output ``h_l`` (the last one the logits), and each
@@ -262,8 +264,10 @@ class _LayerPass:
                  output_nodes: Tensor) -> StepResult:
         """The loss (:meth:`loss_backward`), then layers L … 1: each layer frees its ``h_l`` (``stored``) and
         ``z`` (``projected``), recomputes its chunks with autograd and backpropagates their rows
-        (:meth:`chunks_backward`), frees ``∂L/∂h_l``, then backpropagates a projected layer's projection;
-        ``∂L/∂h_{l−1}`` is the next layer's ``grad_out``. Returns the loss and the correct outputs."""
+        (:meth:`chunks_backward`), frees ``∂L/∂h_l``, then backpropagates a projected layer's projection; a layer
+        run off the whole block (:meth:`runs_rows`) recomputes nothing: the aggregation's transpose, then
+        :meth:`projection_backward` before ``∂L/∂h_l`` is freed. ``∂L/∂h_{l−1}`` is the next layer's ``grad_out``.
+        Returns the loss and the correct outputs."""
         grad_out, result = self.loss_backward(stored, labels, output_nodes)
         for index in range(self.last, -1, -1):
             if self.affine[index] and index < self.last:  # the stack's ReLU backward, from h_l (chunks skip the ReLU)
@@ -292,7 +296,9 @@ class _LayerPass:
                         grad_rows: Tensor | None, grad_in: Tensor | None) -> None:
         """Layer ``index``'s chunks, each recomputed with autograd and backpropagated from its rows of
         ``grad_out``: parameter gradients into ``.grad``, the input rows' gradients into ``grad_rows``
-        (``∂L/∂z`` for a projected layer, else ``∂L/∂h_{l−1}``) and the dst input rows' into ``grad_in``."""
+        (``∂L/∂z`` for a projected layer, else ``∂L/∂h_{l−1}``) and the dst input rows' into ``grad_in``. A layer
+        run off the whole block (:meth:`runs_rows`) only adds ``Aᵀ·∂L/∂h_l`` into ``grad_rows``, row block by row
+        block, recomputing nothing."""
         if self.runs_rows(index):  # ∂L/∂z by the aggregation's transpose; the rest in projection_backward
             for begin, end in self.pieces(index):
                 self.model.layers[index].propagate_rows_backward(self.blocks[index], begin, grad_out[begin:end],

@@ -88,6 +88,7 @@ class ProjectedLayer(Protocol):
         ...
 
 
+@runtime_checkable
 class AffineLayer(ProjectedLayer, Protocol):
     """A :class:`ProjectedLayer` whose ``propagate_is_affine`` is true also runs a chunk's dst rows off the whole
     block (layer-wise execution, where the compiled CPU kernels run: no chunk slice, no gathered rows of ``z``),
@@ -151,6 +152,11 @@ class ProjectedLayerTerms:
     @property
     def affine(self) -> bool:  # the class exists only for projected layers
         return self.model.layers[self.index].propagate_is_affine
+
+    @property
+    def runs_rows(self) -> bool:
+        """Whether the layer can run off the whole block: it implements :class:`AffineLayer`'s row methods."""
+        return isinstance(self.model.layers[self.index], AffineLayer)
 
     def _dropped(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
         """The stack's node-keyed dropout on ``rows`` input rows ``h``: ``(dropped, backward or None)``."""

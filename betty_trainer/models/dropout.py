@@ -177,9 +177,10 @@ class NodeDropout(nn.Module):
         return _KeyedDropout.apply(h, node_ids, self.seed, self.step, layer, self.p)
 
     def backward_(self, grad: Tensor, node_ids: Tensor, layer: int) -> Tensor:
-        """:meth:`forward`'s backward without autograd, in place on ``grad`` (its output's gradient, ``(N, F)``):
-        the same keyed mask and scale, as the dropout is diagonal (what ``_KeyedDropout.backward`` computes).
-        Returns ``grad``."""
+        """:meth:`forward`'s backward without autograd, in place on ``grad`` (its output's gradient, ``(N, F)``
+        float, of the rows of ``node_ids``, ``(N,)`` int64 global node ids, under layer ``layer``'s key): the same
+        keyed mask and scale, as the dropout is diagonal (what ``_KeyedDropout.backward`` computes). Returns
+        ``grad``."""
         if not self.training or self.p == 0.0:
             return grad
         return apply_keyed_mask(grad, node_ids, self.seed, self.step, layer, self.p, inplace=True)

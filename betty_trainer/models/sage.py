@@ -3,12 +3,14 @@ aggregators."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from pydantic import Field
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.nn.utils import parametrize
 
 from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import (
@@ -112,11 +114,15 @@ class SAGEConv(nn.Module):
     def propagate_is_affine(self) -> bool:
         """Whether :meth:`propagate` is ``A·z + g(h_dst)`` with ``A`` from the block alone (its structure and edge
         weights) and nothing learnable touching ``A·z``, so that no gradient reads ``z``'s values: true when the
-        layer projects first (``mean``/``gcn`` with ``F_in > F_out``) and a subclass overrides neither
-        :meth:`propagate` nor :meth:`aggregate` (one that does states it itself). Layer-wise execution then does
-        not keep ``z`` for the layer's backward."""
-        own = type(self).propagate is SAGEConv.propagate and type(self).aggregate is SAGEConv.aggregate
-        return self.projected_width is not None and own
+        layer projects first (``mean``/``gcn`` with ``F_in > F_out``), a subclass overrides none of
+        :meth:`project`, :meth:`propagate`, :meth:`aggregate` and the self term and bias (one that does states it
+        itself), and no weight is parametrized (``torch.nn.utils.parametrize``): :meth:`projection_backward` writes
+        the gradients of ``fc_neigh``, ``fc_self`` and the bias as this class computes them. Layer-wise execution then
+        does not keep ``z`` for the layer's backward."""
+        own = all(getattr(type(self), name) is getattr(SAGEConv, name)
+                  for name in ("project", "propagate", "aggregate", "_plus_self_and_bias"))
+        plain = not any(parametrize.is_parametrized(module) for module in self.modules())
+        return self.projected_width is not None and own and plain
 
     @property
     def reads_dst_input(self) -> bool:
@@ -242,17 +248,13 @@ class SAGEConv(nn.Module):
         """
         x = x.detach()
         with torch.no_grad():
-            _add_product(self.fc_neigh.weight, grad_z, x)
+            _accumulate(self.fc_neigh.weight, lambda: grad_z.t().mm(x), lambda grad: grad.addmm_(grad_z.t(), x))
             dst = grad_dst.shape[0]
             if dst:
-                total = grad_dst.sum(0)
-                if self.bias.grad is None:
-                    self.bias.grad = total
-                else:
-                    self.bias.grad.add_(total)
-                del total
+                _accumulate(self.bias, lambda: grad_dst.sum(0), lambda grad: grad.add_(grad_dst.sum(0)))
                 if self.fc_self is not None:
-                    _add_product(self.fc_self.weight, grad_dst, x[:dst])
+                    _accumulate(self.fc_self.weight, lambda: grad_dst.t().mm(x[:dst]),
+                                lambda grad: grad.addmm_(grad_dst.t(), x[:dst]))
             if not input_grad:
                 return None
             grad_x = grad_z.mm(self.fc_neigh.weight)
@@ -437,13 +439,16 @@ class SAGEConv(nn.Module):
         return f"SAGEConv({self.in_feats}, {self.out_feats}, aggregator={self.aggregator!r})"
 
 
-def _add_product(parameter: nn.Parameter, grad: Tensor, x: Tensor) -> None:
-    """``parameter.grad += gradᵀ·x`` in place (``gradᵀ·x`` when ``.grad`` is ``None``): a linear map's weight
-    gradient from ``R`` rows of its output's gradient ``grad`` ``(R, F_out)`` and of its input ``x`` ``(R, F_in)``."""
+def _accumulate(parameter: nn.Parameter, make: Callable[[], Tensor], add_: Callable[[Tensor], object]) -> None:
+    """A gradient contribution added as autograd's ``AccumulateGrad`` adds it: into ``parameter.grad`` in place
+    (``add_(parameter.grad)``), or, when ``.grad`` is ``None``, as a new tensor (``make()``); nothing for a frozen
+    parameter (``requires_grad=False``)."""
+    if not parameter.requires_grad:
+        return
     if parameter.grad is None:
-        parameter.grad = grad.t().mm(x)
+        parameter.grad = make()
     else:
-        parameter.grad.addmm_(grad.t(), x)
+        add_(parameter.grad)
 
 
 def _slice_backward_terms(tape: StepTape, c: LayerCounts, width: int, grad_dst: int | None) -> int | None:
