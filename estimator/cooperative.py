@@ -96,7 +96,7 @@ def estimate_cooperative_share(layers: Sequence[LayerCounts], exchanges: Sequenc
         owned = out
         backwards.append((layer_backward, exchange, width))
     labels = replay.alloc(layers[-1].num_dst * INDEX_BYTES, "labels")
-    loss_backward = step.cross_entropy(layers[-1].num_dst, model.widths[-1], labels)
+    loss_backward, scalars = step.loss(layers[-1].num_dst, model.widths[-1], labels)
     predictions = replay.alloc(layers[-1].num_dst * INDEX_BYTES, OVER)  # the correct count, before backward
     hits = replay.alloc(layers[-1].num_dst, OVER)
     replay.drop(predictions, hits)
@@ -113,7 +113,7 @@ def estimate_cooperative_share(layers: Sequence[LayerCounts], exchanges: Sequenc
         owned_grad = replay.alloc(exchange.owned * width, GRAD)
         replay.drop(back, grad)
         grad = owned_grad
-    replay.drop(grad, labels, owned)  # the share's tensors die before the optimizer step
+    replay.drop(grad, labels, owned, *scalars())  # the share's tensors die before the optimizer step
     replay.phase = "optimizer"
     step.optimizer_step()
     return MemoryEstimate.of(replay, resident)
