@@ -15,7 +15,7 @@ from betty_trainer.execution.layerwise import LayerwisePlan, layerwise_backward,
 from betty_trainer.memory.planner import Planner
 from betty_trainer.memory.spec import spec_of
 from betty_trainer.models import set_dropout_key
-from betty_trainer.models.capabilities import affine_layers, projected_terms
+from betty_trainer.models.capabilities import affine_layers, projected_terms, whole_block_layers
 from betty_trainer.models.gat import GAT
 from betty_trainer.models.sage import SAGEConv
 from betty_trainer.models.stack import runs_layer_by_layer
@@ -143,7 +143,7 @@ def test_a_projecting_layer_projects_its_block_s_src_rows_once_per_pass(cora, ar
             return project(h)
         monkeypatch.setattr(layer, "project", counting)
     layerwise_backward(model, batch, chunks, HostFeatureStore(cora.x, pin=False), cora.y, CPU)
-    whole_block = [affine and compiled_kernels(CPU, torch.float32) for affine in affine_layers(model)]
+    whole_block = [rows and compiled_kernels(CPU, torch.float32) for rows in whole_block_layers(model)]
     assert whole_block == [arch != "gat"] * 2
     assert projected_rows == [(1 if whole else 2) * block.num_src for whole, block in zip(whole_block, batch.blocks)]
     assert all(sum(piece.num_src for piece in pieces) > block.num_src for block, pieces in zip(batch.blocks, chunks.layers))

@@ -56,7 +56,7 @@ from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.errors import TrainingError
 from betty_trainer.execution.micro_batches import training_state
 from betty_trainer.execution.plan import StepResult, held_bytes, piece_row, plan_report
-from betty_trainer.models.capabilities import AffineLayer, affine_layers, projected_layers
+from betty_trainer.models.capabilities import affine_layers, projected_layers, whole_block_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.rng import compiled_kernels
 from estimator.layerwise import row_blocks
@@ -185,8 +185,10 @@ def layerwise_backward(
     if len(chunks.layers) != len(blocks) or len(blocks) != len(model.layers):
         raise ValueError(f"{len(chunks.layers)} chunked layers for a batch of {len(blocks)} blocks and a model of "
                          f"{len(model.layers)} layers")
+    dtype = next(model.parameters()).dtype
+    whole_block = [rows and compiled_kernels(device, dtype) for rows in whole_block_layers(model)]
     layer_pass = _LayerPass(model, blocks, chunks, features, device, projected_layers(model),
-                            affine_layers(model), next(model.parameters()).dtype)
+                            affine_layers(model), whole_block, dtype)
     stored, projected = layer_pass.forward()
     return layer_pass.backward(stored, projected, labels, batch.output_nodes)
 
@@ -194,8 +196,9 @@ def layerwise_backward(
 @dataclass
 class _LayerPass:
     """One batch's layer-by-layer pass (:func:`layerwise_backward`): the model and blocks its chunk steps read,
-    per layer whether it is projected or affine (:mod:`betty_trainer.models.capabilities`), and ``dtype``,
-    the parameters' (of ``z``, its zeros and ``∂L/∂z``)."""
+    per layer whether it is projected, affine, and run off the whole block (an affine
+    :class:`~betty_trainer.models.capabilities.AffineLayer` where the compiled CPU kernels run:
+    :mod:`betty_trainer.models.capabilities`), and ``dtype``, the parameters' (of ``z``, its zeros and ``∂L/∂z``)."""
 
     model: LayerStack
     blocks: list[Block]
@@ -204,6 +207,7 @@ class _LayerPass:
     device: torch.device
     projects: list[bool]
     affine: list[bool]
+    whole_block: list[bool]
     dtype: torch.dtype
 
     @property
@@ -211,11 +215,9 @@ class _LayerPass:
         return len(self.blocks) - 1
 
     def runs_rows(self, index: int) -> bool:
-        """Whether layer ``index``'s chunks run off the whole block (an affine layer implementing
-        :class:`~betty_trainer.models.capabilities.AffineLayer`, where the compiled CPU kernels run), without slices
-        or gathered rows of ``z``, and backpropagate without recomputing."""
-        return (self.affine[index] and isinstance(self.model.layers[index], AffineLayer)
-                and compiled_kernels(self.device, self.dtype))
+        """Whether layer ``index``'s chunks run off the whole block (:attr:`whole_block`), without slices or gathered
+        rows of ``z``, and backpropagate without recomputing."""
+        return self.whole_block[index]
 
     def forward(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
         """Layers 1 … L without autograd: each layer's output ``h_l`` (the last one the logits), and each

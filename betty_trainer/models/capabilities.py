@@ -132,6 +132,12 @@ def affine_layers(model: LayerStack) -> list[bool]:
     return [projected and layer.propagate_is_affine for projected, layer in zip(projected_layers(model), model.layers)]
 
 
+def whole_block_layers(model: LayerStack) -> list[bool]:
+    """Per layer, whether layer-wise execution can run it off the whole block where the compiled CPU kernels run:
+    an affine layer (:func:`affine_layers`) that implements :class:`AffineLayer`'s row methods."""
+    return [affine and isinstance(layer, AffineLayer) for affine, layer in zip(affine_layers(model), model.layers)]
+
+
 @dataclass(frozen=True)
 class ProjectedLayerTerms:
     """:class:`estimator.layerwise.ProjectedTerms` of layer ``index`` of ``model``: what
