@@ -243,8 +243,8 @@ class SAGEConv(nn.Module):
         in place (made when ``None``), as autograd accumulates them.
 
         Source: the gradients of GraphSAGE's ``W·CONCAT(h_v, h_N(v))`` (Hamilton et al. 2017, Alg. 1 line 5) split
-        into ``W_self`` and ``W_neigh``, as ``torch.nn.Linear``'s backward computes them (float32, same dtype as
-        ``x``; a dtype mismatch raises torch's ``RuntimeError``).
+        into ``W_self`` and ``W_neigh``, as ``torch.nn.Linear``'s backward computes them, in the parameters' dtype
+        (inputs of another dtype raise torch's ``RuntimeError``).
 
         Returns:
             With ``input_grad``, ``∂L/∂x`` ``(R, F_in)`` (``grad_z·W_neigh``, plus ``grad_dst·W_self`` on its first
