@@ -27,8 +27,13 @@ Both sides run with the CPU allocator setting ``import betty_trainer`` makes (``
 ``betty_trainer.memory.device.use_huge_pages``), as a user's process gets it: this file imports the package before
 its first tensor, and DGL's process inherits the environment.
 
+On a GPU (``--device cuda``; no DGL there) ours runs its tensor path (``torch.sparse`` CSR products, ``Aᵀ`` built
+per backward) against PyG's ``spmm`` on a ``torch.sparse`` CSR made before the clock, wall time with the device
+synchronised, plus each side's ``max_memory_allocated`` peak above its inputs.
+
 Run:
     python benchmarks/aggregation.py
+    python benchmarks/aggregation.py --device cuda        # on a GPU machine: ours against PyG's spmm
     python benchmarks/aggregation.py --graphs amazon-computers --hidden 64 --rounds 5
 """
 
@@ -38,6 +43,7 @@ import argparse
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import common  # this folder
@@ -52,15 +58,23 @@ from common import int_list, markdown_table, name_list
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder
 
 WEIGHTINGS = ("mean", "gcn", "sum", "weighted")
+CPU = torch.device("cpu")
 
 
-def timed(run, repeat: int) -> list[float]:
-    """CPU milliseconds of each of ``repeat`` calls of ``run``."""
+def timed(run, repeat: int, device: torch.device = CPU) -> list[float]:
+    """Milliseconds of each of ``repeat`` calls of ``run``: CPU time on the CPU; on a GPU wall time, the device
+    synchronised before and after each call."""
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
     times = []
     for _ in range(repeat):
-        start = time.process_time()
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = clock()
         run()
-        times.append((time.process_time() - start) * 1e3)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append((clock() - start) * 1e3)
     return times
 
 
@@ -115,14 +129,15 @@ class DGLSide:
 
 
 class OurSide:
-    """Ours, in this process, on the same arrays."""
+    """Ours, in this process, on the same arrays (moved to ``device``)."""
 
-    def __init__(self, arrays: dict[str, torch.Tensor]) -> None:
+    def __init__(self, arrays: dict[str, torch.Tensor], device: torch.device = CPU) -> None:
         from betty_trainer import Block
 
-        self.arrays = arrays
+        self.arrays, self.device = {key: value.to(device) for key, value in arrays.items()}, device
         num_src = arrays["h"].shape[0]
-        self.block = Block(torch.arange(num_src), arrays["indptr"].numel() - 1, arrays["indptr"], arrays["indices"])
+        self.block = Block(torch.arange(num_src), arrays["indptr"].numel() - 1, arrays["indptr"],
+                           arrays["indices"]).to(device)
 
     def run(self, weighting: str, repeat: int) -> dict:
         from betty_trainer.models.aggregate import aggregate, mean_neighbours
@@ -137,12 +152,53 @@ class OurSide:
                 return aggregate(block, h, row_scale=arrays["row_scale"], col_scale=arrays["col_scale"])
             return aggregate(block, h, arrays["weight"] if weighting == "weighted" else None)
 
-        def step():
-            h.grad = None
-            forward().backward(arrays["grad"])
+        return measured(forward, h, arrays["grad"], repeat, self.device)
 
-        times = timed(step, repeat)
-        return {"ms": times, "out": forward().double().sum().item(), "grad": h.grad.double().sum().item()}
+
+class SparseMMSide:
+    """PyG's ``torch_geometric.utils.spmm`` on a ``torch.sparse`` CSR of ``A`` made once, before the clock (as a PyG
+    model holds its adjacency): ``sum``, ``mean`` (its sum divided by the in-degree), and ``gcn`` and ``weighted``
+    as the sum over a CSR whose values are the edges' factors (``row_scale[d]·col_scale[s]``, or the weights). On
+    CUDA its sum is ``torch.sparse.mm`` (cuSPARSE; the backward transposes the CSR per call)."""
+
+    def __init__(self, arrays: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.arrays, self.device = {key: value.to(device) for key, value in arrays.items()}, device
+        indptr, indices = self.arrays["indptr"], self.arrays["indices"].long()
+        dst = torch.repeat_interleave(torch.arange(indptr.numel() - 1, device=device), indptr.diff())
+        factors = {"sum": None, "mean": None, "weighted": self.arrays["weight"],
+                   "gcn": self.arrays["row_scale"][dst] * self.arrays["col_scale"][indices]}
+        shape = (indptr.numel() - 1, self.arrays["h"].shape[0])
+        with warnings.catch_warnings():  # "sparse CSR support is in beta"
+            warnings.simplefilter("ignore", UserWarning)
+            self.matrices = {weighting: torch.sparse_csr_tensor(
+                indptr, indices, torch.ones_like(indices, dtype=torch.float32) if values is None else values, shape)
+                for weighting, values in factors.items()}
+
+    def run(self, weighting: str, repeat: int) -> dict:
+        from torch_geometric.utils import spmm
+
+        matrix, h = self.matrices[weighting], self.arrays["h"].clone().requires_grad_(True)
+        return measured(lambda: spmm(matrix, h, "mean" if weighting == "mean" else "sum"), h, self.arrays["grad"],
+                        repeat, self.device)
+
+
+def measured(forward, h: torch.Tensor, grad: torch.Tensor, repeat: int, device: torch.device) -> dict:
+    """Times of ``repeat`` forward + backward calls (:func:`timed`), the output's and ``h``'s gradient's sums, and
+    on a GPU the step's peak: ``max_memory_allocated`` above what was allocated before it (bytes)."""
+
+    def step():
+        h.grad = None
+        forward().backward(grad)
+
+    times = timed(step, repeat, device)
+    peak = None
+    if device.type == "cuda":
+        h.grad = None
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        peak = torch.cuda.max_memory_allocated(device) - before
+    return {"ms": times, "out": forward().double().sum().item(), "grad": h.grad.double().sum().item(), "peak": peak}
 
 
 def export(name: str, hidden: int, folder: Path) -> None:
@@ -173,6 +229,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (ours, DGL) per case")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per side per round")
     parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON))
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (against DGL), or cuda: ours against PyG's spmm on torch.sparse, wall time, peaks")
     parser.add_argument("--serve", action="store_true", help="serve DGL's side (run with DGL's Python)")
     return parser.parse_args(argv)
 
@@ -182,6 +240,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     if args.serve:
         serve(DGLSide())
+        return
+    if args.device != "cpu":
+        on_device(args, torch.device(args.device))
         return
     import numba
 
@@ -216,6 +277,38 @@ def main(argv=None) -> None:
             dgl.close()
     print()
     print(markdown_table(["graph", "hidden", "weighting", "ours ms", "DGL ms", "ours/DGL", "same result"], rows))
+
+
+def mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def on_device(args: argparse.Namespace, device: torch.device) -> None:
+    """Ours against PyG's ``spmm`` (:class:`SparseMMSide`) on ``device``, rounds interleaved: wall milliseconds of one
+    forward + backward (median) and each side's peak above its inputs (issue 23 item 1, on a GPU)."""
+    rows = []
+    print(f"ours vs PyG spmm on {torch.cuda.get_device_name(device)} (torch {torch.__version__}); wall ms of one "
+          f"forward + backward, median of {args.rounds} interleaved rounds × {args.repeat} calls; peak MiB above inputs")
+    with tempfile.TemporaryDirectory(prefix="aggregation-") as tmp:
+        for name in args.graphs:
+            for hidden in args.hidden:
+                export(name, hidden, Path(tmp) / f"{name}-{hidden}")
+                arrays = load_arrays(Path(tmp) / f"{name}-{hidden}")
+                sides = {"ours": OurSide(arrays, device), "pyg": SparseMMSide(arrays, device)}
+                for weighting in args.weightings:
+                    first = {side: runner.run(weighting, 1) for side, runner in sides.items()}
+                    ms = {side: [] for side in sides}
+                    for _ in range(args.rounds):
+                        for side, runner in sides.items():
+                            ms[side] += runner.run(weighting, args.repeat)["ms"]
+                    a, b = statistics.median(ms["ours"]), statistics.median(ms["pyg"])
+                    rows.append([name, str(hidden), weighting, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}",
+                                 *(mib(first[side]["peak"]) for side in sides),
+                                 "yes" if agree(first["ours"], first["pyg"]) else "NO"])
+                    print(" | ".join(rows[-1]), flush=True)
+    print()
+    print(markdown_table(["graph", "hidden", "weighting", "ours ms", "PyG spmm ms", "ours/PyG", "ours peak MiB",
+                          "PyG peak MiB", "same result"], rows))
 
 
 if __name__ == "__main__":
