@@ -521,7 +521,7 @@ def _extract_bytes(stack: _Stack, *, numba: bool) -> int:
         return 4 * edges + 8 * (rows + min(edges, k * nodes)) + 8 * k + dense + largest + 8 * src
     keys = rows + edges
     flags = 5 * k * nodes if k * nodes <= _DENSE_RELABEL * keys else 0
-    sort = 45 * min(keys, k * nodes // _DENSE_RELABEL + 1)
+    sort = 45 * (keys if _DENSE_RELABEL * keys < k * nodes else -(-k * nodes // _DENSE_RELABEL))  # fewer keys run
     return 88 * rows + 104 * src + 20 * edges + max(flags, sort)
 
 
