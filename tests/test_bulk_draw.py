@@ -200,5 +200,5 @@ def test_betty_train_plan_shows_the_draw(cora, planetoid_dir):
                                 "sampling.fanouts=[5,10]", "sampling.batch_size=16", "train.device=cpu"])
     draw = dry_run(config, graph=cora)["sampling"]
     sampler = BulkNeighborSampler(cora, [5, 10])
-    assert draw == {"bulk": 9, "bulk_memory": 256 * 2**20, "batch_size": 16, "draw_bytes": sampler.draw_bytes(9, 16),
+    assert draw == {"bulk": 9, "bulk_memory": 128 * 2**20, "batch_size": 16, "draw_bytes": sampler.draw_bytes(9, 16),
                     "structure_bytes": 0, "device": "cpu", "device_bytes": 0}
