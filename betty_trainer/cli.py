@@ -210,6 +210,15 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
     run's plan as one such table per rank."""
     for part in report.get("ranks") or [report]:
         _print_piece_table(console, {**report, **part}, args)
+    draw = report.get("sampling")
+    if draw is not None:
+        chosen = (f"the most of the epoch's batches under sampling.bulk_memory {_mib(draw['bulk_memory'])} MiB"
+                  if draw["bulk_memory"] is not None else "sampling.bulk")
+        where = (f"on the GPU, taken off the step's budget with the graph structure's {_mib(draw['structure_bytes'])} "
+                 "MiB there" if draw["device_bytes"] else "in host memory")
+        batches = f"{draw['bulk']} batch{'es' if draw['bulk'] != 1 else ''} of {draw['batch_size']} seeds"
+        console.print(f"bulk sampling: {batches} a draw ({chosen}), at most {_mib(draw['draw_bytes'])} MiB {where}",
+                      highlight=False, soft_wrap=True)
     cache = report.get("aggregation_cache")
     if cache is not None:
         use = ("layer 0 reads the cached rows of its dst nodes" if cache["used"] else
@@ -291,7 +300,8 @@ def _written(output: Path | None) -> str:
 
 def _budget_text(report: dict) -> str:
     """The plan's budget for a training step, term by term (``memory_terms``: the configured or free device memory,
-    the allocator's margin, the feature store's device bytes), and what every estimate holds resident."""
+    the allocator's margin, the feature store's device bytes, a bulk sampler's device bytes), and what every estimate
+    holds resident."""
     terms = report["memory_terms"]
     resident = (f"resident in every estimate: parameters {_mib(terms['parameters'])} MiB, optimizer state "
                 f"{_mib(terms['optimizer_state'])} MiB, device_workspace {_mib(terms['device_workspace'])} MiB")
@@ -305,7 +315,8 @@ def _budget_text(report: dict) -> str:
     allocator = terms["allocator"] or ("PyTorch's default allocator" if report.get("device", "cpu") != "cpu" else "cpu")
     return (f"{_mib(terms['step_bytes'])} MiB per step = {source} − allocator margin "
             f"{_mib(terms['allocator_margin'])} MiB ({allocator}) − feature store {_mib(terms['feature_store_bytes'])} "
-            f"MiB (node cache, staged macro-batch); {resident}")
+            f"MiB (node cache, staged macro-batch) − sampler {_mib(terms['sampler_bytes'])} MiB (bulk draw on the GPU); "
+            f"{resident}")
 
 
 def _validate(args: argparse.Namespace, console: Console) -> None:

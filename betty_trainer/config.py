@@ -232,9 +232,15 @@ class SamplingConfig(_Section):
                                                          "layer-wise samples, `bulk` at a time), labor or gns")
     fanouts: list[int] | None = Field(None, description="per layer, input layer first; null or -1 = full neighbourhood")
     batch_size: int | None = Field(None, ge=1, description="seed nodes per mini-batch; null = the full batch")
-    bulk: int = Field(8, ge=1, description="bulk-ns, bulk-ladies: consecutive batches of an epoch sampled together as "
-                                           "one stack per layer (the same batches as one at a time; more batches are "
-                                           "alive at once)")
+    bulk: int | Literal["auto"] = Field(
+        "auto", description="bulk-ns, bulk-ladies: consecutive batches of an epoch sampled together as one stack per "
+                            "layer (the same batches as one at a time; more batches are alive at once); auto: as many "
+                            "of the epoch's batches as fit bulk_memory (at least 1)")
+    bulk_memory: int = Field(
+        128 * 2**20, description="bulk-ns, bulk-ladies with bulk: auto: the bytes a draw of k batches may take (the "
+                                 "sampler's upper bound of its peak, on sampling.device: '128MiB' works); 128 MiB "
+                                 "gives k = 8, the fastest k measured on the CPU, for 1024 seeds and fanouts 10,10,10 "
+                                 "on ego-Twitter, and is 1.6% of an 8 GiB GPU")
     device: Literal["cpu", "cuda"] = Field("cpu", description="bulk-ns, bulk-ladies: where the sampling runs (the "
                                                               "graph structure is copied to the GPU with cuda); the "
                                                               "blocks come back to the graph's device")
@@ -249,6 +255,20 @@ class SamplingConfig(_Section):
         if isinstance(value, int):
             return [value]
         return value
+
+    @field_validator("bulk", mode="before")
+    @classmethod
+    def _bulk(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"expected auto or a number of batches of at least 1, got {value!r}")
+        return value
+
+    @field_validator("bulk_memory", mode="before")
+    @classmethod
+    def _bulk_memory(cls, value: Any) -> Any:
+        return parse_bytes(value)
 
     @field_validator("fanouts")
     @classmethod

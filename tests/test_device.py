@@ -118,6 +118,10 @@ def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):
     assert resolve_budget(load_config(None, []).micro_batch, torch.device("cpu")).step_bytes is None
     explicit = load_config(None, ["micro_batch.budget=64MiB", "micro_batch.safety_margin=8MiB"]).micro_batch
     assert resolve_budget(explicit, torch.device("cpu")).step_bytes == 56 * MIB, "a margin given is a margin kept"
+    with_sampler = resolve_budget(config, torch.device("cpu"), feature_store_bytes=4 * MIB, sampler_bytes=8 * MIB)
+    assert (with_sampler.sampler_bytes, with_sampler.step_bytes) == (8 * MIB, 52 * MIB)
+    with pytest.raises(ConfigError, match=rf"the bulk sampler on the GPU \({60 * MIB} bytes\).*sampling.bulk_memory"):
+        resolve_budget(config, torch.device("cpu"), feature_store_bytes=4 * MIB, sampler_bytes=60 * MIB)
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         resolve_budget(load_config(None, ["micro_batch.budget=auto"]).micro_batch, torch.device("cpu"))
     with pytest.raises(ConfigError, match="takes all of the 67108864-byte micro_batch.budget"):
@@ -132,4 +136,7 @@ def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):
     assert (auto.nvml_free, auto.process_reserved, auto.device_bytes) == (10 * 2**30, 300 * MIB, held)
     assert auto.allocator_margin == allocator_margin(held, CUDA, EXPANDABLE_SEGMENTS) == int(0.05 * held)
     assert auto.step_bytes == held - auto.allocator_margin - MIB
+    sampled = resolve_budget(load_config(None, ["micro_batch.budget=auto"]).micro_batch, CUDA, feature_store_bytes=MIB,
+                             sampler_bytes=3 * MIB)  # a bulk sampler's structure and draw on the GPU
+    assert sampled.step_bytes == auto.step_bytes - 3 * MIB and sampled.report()["sampler_bytes"] == 3 * MIB
     assert auto.report()["step_bytes"] == auto.step_bytes and auto.report()["allocator"] == EXPANDABLE_SEGMENTS

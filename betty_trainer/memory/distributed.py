@@ -107,9 +107,9 @@ class DistributedPlanner:
 
     def report(self, plan: StepPlan, measured: list[int] | None = None) -> dict:
         """``plan.json``'s content on rank 0: every rank's plan report (a collective over the ranks' CPU group),
-        under ``ranks``, beside the budget's terms."""
+        under ``ranks``, beside the budget's terms and a bulk sampler's draw (:meth:`Planner.memory_report`)."""
         reports: list[dict | None] = [None] * self.processes.world_size
         with collective("the gathering of plans", self.processes.cpu_group):
             dist.all_gather_object(reports, plan.report(measured), group=self.processes.cpu_group)
         return {"mode": plan.method, "world_size": self.processes.world_size, "ranks": reports,
-                "memory_terms": self.local.memory_terms()}
+                **self.local.memory_report()}

@@ -32,6 +32,7 @@ from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.recorded import record_model
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models.stack import runs_layer_by_layer
+from betty_trainer.sampling.bulk import BulkDraw
 from estimator.calibrate import CalibratedModel
 from estimator.peaks import PeakEstimator
 from estimator.recorder import RecordedModel, RecordingRefused
@@ -62,6 +63,9 @@ class Planner:
             layer, or whose calibrated fit models micro-batches only); else ``mode`` is ``micro_batches``.
         graph_partition: the run's :class:`~partition.GraphPartition` (``micro_batch.assignment`` resolved to
             ``graph``: :func:`make_planner`), or ``None`` to partition each batch's outputs.
+        bulk_draw: the run's sampler's :class:`~betty_trainer.sampling.bulk.BulkDraw` (``None``: one batch at a
+            time on the graph's device): reported, and its ``device_bytes`` (on a CUDA device) are taken off the
+            budget as the feature store's are.
 
     Assignment by the graph: with a ``graph_partition``, a batch's micro-batches are its outputs grouped by their
     nodes' parts in the graph's K-way partition (made once per K for the run) and counted; no REG and no METIS
@@ -91,13 +95,15 @@ class Planner:
 
     def __init__(self, config: MicroBatchConfig, estimator: PeakEstimator | None, device: torch.device,
                  feature_store_bytes: int = 0, seed: int = 0, layerwise_allowed: bool = True,
-                 graph_partition: GraphPartition | None = None):
+                 graph_partition: GraphPartition | None = None, bulk_draw: BulkDraw | None = None):
         self.config = config
         self.seed = seed
         self.feature_store_bytes = feature_store_bytes
         self.device = torch.device(device)
         self.layerwise_allowed = layerwise_allowed
-        self.budget_terms = resolve_budget(config, device, feature_store_bytes)
+        self.bulk_draw = bulk_draw
+        self.budget_terms = resolve_budget(config, device, feature_store_bytes,
+                                           bulk_draw.device_bytes if bulk_draw is not None else 0)
         self.budget = self.budget_terms.step_bytes
         if self.budget is not None and estimator is None:
             raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "
@@ -118,8 +124,16 @@ class Planner:
         """``plan.json``'s content: ``plan``'s report (:meth:`~betty_trainer.execution.plan.StepPlan.report`) and
         ``memory_terms``, every term of the budget (:meth:`BudgetTerms.report
         <betty_trainer.memory.budget.BudgetTerms.report>`) and what every estimate holds resident: ``parameters``,
-        ``optimizer_state`` and ``device_workspace`` (bytes; 0 for a custom model, whose calibrated fit measured them)."""
-        return {**plan.report(measured), "memory_terms": self.memory_terms()}
+        ``optimizer_state`` and ``device_workspace`` (bytes; 0 for a custom model, whose calibrated fit measured them);
+        with a bulk sampler, ``sampling``: its draw (:meth:`BulkDraw.report
+        <betty_trainer.sampling.bulk.BulkDraw.report>`: ``bulk``, ``bulk_memory``, ``batch_size``, ``draw_bytes``,
+        ``structure_bytes``, ``device``, and ``device_bytes``, the budget's ``sampler_bytes``)."""
+        return {**plan.report(measured), **self.memory_report()}
+
+    def memory_report(self) -> dict:
+        """:meth:`report`'s ``memory_terms`` and, with a bulk sampler, ``sampling``."""
+        sampling = {} if self.bulk_draw is None else {"sampling": self.bulk_draw.report()}
+        return {"memory_terms": self.memory_terms(), **sampling}
 
     def memory_terms(self) -> dict:
         """``plan.json``'s ``memory_terms`` (see :meth:`report`), bytes by term."""
@@ -284,10 +298,12 @@ def plan_micro_batches(batch: Batch, num_micro_batches: int, partitioner: str, s
 
 
 def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: torch.device,
-                 features: FeatureStore, seed: int = 0, partition: GraphPartition | None = None) -> Planner:
+                 features: FeatureStore, seed: int = 0, partition: GraphPartition | None = None,
+                 bulk_draw: BulkDraw | None = None) -> Planner:
     """The planner of a training run on ``graph`` whose input rows come from ``features``: the budget a step
     may use is ``micro_batch.budget`` less the store's ``max_device_bytes`` (its node cache and staged
-    macro-batch; :class:`~betty_trainer.data.feature_store.FeatureStore`). The estimate is the closed form for the built-in model
+    macro-batch; :class:`~betty_trainer.data.feature_store.FeatureStore`) and what the sampler's ``bulk_draw``
+    holds on the GPU (:class:`Planner`). The estimate is the closed form for the built-in model
     (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is recorded first, once
     (:func:`~betty_trainer.memory.recorded.record_model`: exact), or where the recorder refuses it (the reason is
     logged) calibrated (:func:`~betty_trainer.memory.custom.calibrate_model`), both with the run's optimizer and
@@ -318,7 +334,7 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
         estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False
     return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer,
-                   partition or graph_partition(config, graph))
+                   partition or graph_partition(config, graph), bulk_draw)
 
 
 def graph_partition(config: Config, graph: Graph) -> GraphPartition | None:

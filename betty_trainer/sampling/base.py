@@ -8,7 +8,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -16,6 +16,9 @@ from torch import Tensor
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.cache import NodeSource
 from betty_trainer.rng import mix_key
+
+if TYPE_CHECKING:  # the bulk samplers' record; bulk.py imports this module
+    from betty_trainer.sampling.bulk import BulkDraw
 
 _SAMPLING_DOMAIN = 0x4E53  # "NS": keeps sampling keys apart from dropout's mix_key(seed, step, layer)
 
@@ -107,10 +110,14 @@ class Sampler(Protocol):
             it; no caller asks which sampler it holds.
         bulk: how many consecutive batches of an epoch the schedule hands :meth:`sample_many` at once
             (``sampling.bulk`` for the bulk sampler, 1 for the others).
+        bulk_draw: what a draw of ``bulk`` batches holds and where
+            (:class:`~betty_trainer.sampling.bulk.BulkDraw`; the planner counts it), or ``None``: the sampler draws
+            one batch at a time on the graph's device.
     """
 
     node_cache: NodeSource | None
     bulk: int
+    bulk_draw: BulkDraw | None
 
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch: ...
 
@@ -133,6 +140,7 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
         fanouts: one entry per layer, input layer first; ``None`` keeps every in-edge.
         node_cache: ``None`` (no node cache) unless a subclass samples from one.
         bulk: batches the schedule samples at once (:class:`Sampler`); 1 unless a subclass samples in bulk.
+        bulk_draw: ``None`` unless a subclass samples in bulk (:class:`Sampler`).
         first_layer: the first layer :meth:`sample` samples (``0``; ``1`` when layer 0 reads the input-feature
             aggregation cache, BatchGNN §3): layers ``first_layer …`` keep their indices, keys and fanouts, so their
             blocks are the uncached batch's.
@@ -141,6 +149,7 @@ wraps another one layer by layer (the cooperative sampler's all-to-all between l
     fanouts: list[int | None]
     node_cache: NodeSource | None = None
     bulk: int = 1
+    bulk_draw: BulkDraw | None = None
     first_layer: int = 0
 
     @abstractmethod

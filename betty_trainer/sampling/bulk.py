@@ -25,9 +25,10 @@ whole stack (tensor ops there cost a pass over memory each, a kernel one pass fo
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
@@ -45,6 +46,42 @@ from betty_trainer.sampling.neighbor import (
     relabel_stack,
 )
 from partition.slicing import LOCAL_INDEX
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BulkDraw:
+    """How a bulk sampler draws an epoch's batches, and the memory that takes (``plan.json``'s ``sampling``).
+
+    Attributes:
+        bulk: ``k``, the batches drawn at once (``sampling.bulk``, resolved).
+        bulk_memory: the cap ``k`` was fitted to (``sampling.bulk_memory``, bytes) under ``sampling.bulk: auto``;
+            ``None`` for an explicit ``k``.
+        batch_size: seed nodes per batch the bound assumes (``sampling.batch_size``; the training nodes for the
+            full batch).
+        draw_bytes: :meth:`BulkSampler.draw_bytes` of ``k`` such batches: bytes on ``device`` while a draw runs.
+        structure_bytes: the graph's ``indptr`` and ``indices`` copied to ``device`` for the whole run (0 where
+            they are there already).
+        device: where the draws run (``sampling.device``), ``"cpu"`` or ``"cuda"``.
+    """
+
+    bulk: int
+    bulk_memory: int | None
+    batch_size: int
+    draw_bytes: int
+    structure_bytes: int
+    device: str
+
+    @property
+    def device_bytes(self) -> int:
+        """What sampling holds on a CUDA device beside the training step (its structure and a draw's peak), which
+        the step's budget leaves room for; 0 when sampling runs on the CPU (its bytes are host memory)."""
+        return self.structure_bytes + self.draw_bytes if self.device == "cuda" else 0
+
+    def report(self) -> dict:
+        """The fields and ``device_bytes``, as ``plan.json`` holds them."""
+        return {**asdict(self), "device_bytes": self.device_bytes}
 
 
 class BulkSampler(BlockSampler):
@@ -81,6 +118,122 @@ class BulkSampler(BlockSampler):
         self.device = device
         self._indptr, self._indices = graph.indptr.to(device), graph.indices.to(device)
         self._numba = _use_numba(kernel, self._indptr)  # refuses an unknown or unavailable kernel now
+        self._degrees: Tensor | None = None  # in-degrees, descending (draw_bytes' bound), made on first use
+        self._sizes: dict[tuple[int, int], list[_Sizes]] = {}  # by (batch_size, first_layer)
+
+    def fit(self, bulk: int | str, batch_size: int, batches: int, cap: int) -> BulkDraw:
+        """Set :attr:`bulk` to ``bulk``, or under ``"auto"`` to the most of the epoch's ``batches`` whose draw fits
+        ``cap`` (:meth:`bulk_for_cap`; 1, with a warning, where one batch's is over it), and say what it draws.
+
+        Args:
+            bulk: ``k`` or ``"auto"`` (``sampling.bulk``).
+            batch_size: seed nodes per batch; ``batches``: batches per epoch (``≥ 1``); ``cap``: bytes.
+
+        Returns:
+            The :class:`BulkDraw` (its ``bulk_memory`` is ``cap`` under ``auto``, else ``None``).
+        """
+        auto = bulk == "auto"
+        if auto:
+            bulk = self.bulk_for_cap(cap, batch_size, batches)
+            if bulk == 0:
+                bulk = 1
+                logger.warning("sampling.bulk=auto: one batch's draw may take %d bytes, above sampling.bulk_memory "
+                               "(%d bytes); drawing one batch at a time", self.draw_bytes(1, batch_size), cap)
+        self.bulk = int(bulk)
+        moved = [t for t, source in ((self._indptr, self.graph.indptr), (self._indices, self.graph.indices))
+                 if t is not source]
+        return BulkDraw(self.bulk, cap if auto else None, batch_size, self.draw_bytes(self.bulk, batch_size),
+                        sum(t.numel() * t.element_size() for t in moved), self.device.type)
+
+    def draw_bytes(self, k: int, batch_size: int) -> int:
+        """An upper bound of the bytes :meth:`sample_many` allocates on ``device`` for ``k`` batches of at most
+        ``batch_size`` seeds each, **any** seeds: the peak, over the draw, of its live tensors (the blocks it has
+        made so far, held to the end, and the layer in progress with every intermediate of ``P = Q·A``, the draw
+        and :func:`extract`), not counting the graph, the copy of its structure on ``device`` or the seeds passed in.
+        The blocks are counted on ``device`` even where they are copied to the graph's (``cuda``: an overcount).
+
+        Units: bytes, as requested from the allocator (torch's for tensor ops; the numba kernels' arrays, which
+        CPython's allocator gives numba's runtime, on the CPU).
+
+        Where it is an upper bound, and why it is sound:
+
+        * **Counts** (:meth:`_batch_sizes`): per batch and layer, ``n`` rows, the in-edges read and kept and the src
+          nodes are bounded by the worst seeds there are: the rows are the ``n`` nodes of highest in-degree (each
+          row keeping ``min(degree, fanout)``), every kept source a new src node, at most ``N`` of them.
+        * **Bytes per element** (:meth:`_layer_bytes`, :func:`_extract_bytes`): the int64/int32/bool/float tensors
+          of the code, read off it; where a step's temporaries are freed before the next is made, its phase's live
+          set, else the sum of its allocations. The extraction's dense-array branch (``k·N`` flags) and its sort
+          branch are both counted where the bounds cannot rule one out. Sorts, ``unique`` and ``argsort`` are
+          counted by what torch's CPU implementations allocate (outputs and temporaries: ``unique`` with inverse
+          and counts six int64 per element, a stable ``argsort`` three); on CUDA their temporaries are of the same
+          order (sorts double-buffer keys and values), which is not measured here.
+        * A fixed :data:`_SLACK_BYTES` (scalars, the keys, the Python-side lists) per draw and per batch.
+
+        Its looseness is mostly in the counts: ``tests/test_bulk_draw.py`` measures draws at
+        ``measured ≤ stated ≤ 3.5 × measured`` on a graph whose counts the bound reaches; on skewed graphs the
+        highest-degree rows it assumes are far from a random batch's (ego-Twitter, 1024 seeds, fanouts 10, 10, 10:
+        2.5× with the numba kernels, 3.2× with tensor ops; LADIES, which reads every in-edge of its rows, 4–5×).
+
+        Args:
+            k: batches drawn at once, ``k ≥ 1``.
+            batch_size: seed nodes per batch (``sampling.batch_size``; the epoch's last batch may have fewer).
+
+        Returns:
+            Bytes (int).
+        """
+        index = self._indices.element_size()
+        nodes = self.graph.num_nodes
+        retained = 8 * k * batch_size  # the stacked seeds
+        peak = 0
+        for layer, size in zip(reversed(range(self.first_layer, len(self.fanouts))), self._batch_sizes(batch_size),
+                               strict=True):
+            stack = _Stack(k, nodes, size, self.fanouts[layer])
+            peak = max(peak, retained + self._layer_bytes(stack, index))
+            retained += stack.block_bytes(self._WEIGHTED)
+        return max(peak, retained) + _SLACK_BYTES + k * _SLACK_PER_BATCH
+
+    def bulk_for_cap(self, cap: int, batch_size: int, batches: int) -> int:
+        """The largest ``k ≤ batches`` whose :meth:`draw_bytes` fit ``cap`` bytes (a binary search: the bound
+        grows with ``k``), or 0 when one batch's draw is over it.
+
+        Args:
+            cap: bytes (``sampling.bulk_memory``).
+            batch_size: seed nodes per batch; ``batches``: the epoch's batch count, ``≥ 1``.
+        """
+        low, high = 0, batches  # draw_bytes(low) fits (0: nothing drawn), high + 1 is out of bounds
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.draw_bytes(middle, batch_size) <= cap:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _batch_sizes(self, batch_size: int) -> list[_Sizes]:
+        """Upper bounds of one batch's counts per sampled layer, **output layer first** (:meth:`draw_bytes`)."""
+        if (batch_size, self.first_layer) not in self._sizes:
+            if self._degrees is None:
+                self._degrees = torch.sort(self.graph.indptr.diff().cpu(), descending=True).values
+            nodes, rows, sizes = self.graph.num_nodes, batch_size, []
+            for layer in reversed(range(self.first_layer, len(self.fanouts))):
+                size = self._layer_size(min(rows, nodes), self.fanouts[layer], self._degrees)
+                sizes.append(size)
+                rows = size.src
+            self._sizes[batch_size, self.first_layer] = sizes
+        return self._sizes[batch_size, self.first_layer]
+
+    _WEIGHTED = False
+    """Whether the blocks carry ``(E,)`` float32 edge weights."""
+
+    @staticmethod
+    @abstractmethod
+    def _layer_size(rows: int, fanout: int | None, degrees: Tensor) -> _Sizes:
+        """One batch's counts in a layer of ``rows`` dst nodes (``degrees``: the graph's, descending)."""
+
+    @abstractmethod
+    def _layer_bytes(self, stack: _Stack, index: int) -> int:
+        """The most bytes live at once while :meth:`_sample_stack` makes ``stack``'s layer, beyond the dst nodes it
+        is handed and the blocks made before (``index``: the bytes of one of the graph's ``indices``)."""
 
     def sample_many(self, seed_batches: Sequence[Tensor], keys: Sequence[SampleKey]) -> list[Batch]:
         """The batches of ``seed_batches[i]`` under ``keys[i]``, all ``k`` sampled as one stack per layer.
@@ -157,6 +310,30 @@ class BulkNeighborSampler(BulkSampler):
             src = self._indices[edge_ids].long()
         return extract(dst, counts, batch_of_row, pointer, src, self.graph.num_nodes, numba=self._numba)
 
+    @staticmethod
+    def _layer_size(rows: int, fanout: int | None, degrees: Tensor) -> _Sizes:
+        """Each row keeps ``min(degree, fanout)`` in-edges: at most the ``rows`` highest in-degrees' sum, so clipped."""
+        top = degrees[:rows]
+        kept = int((top if fanout is None else top.clamp(max=fanout)).sum())
+        return _Sizes(rows, kept, 0, kept, min(degrees.numel(), rows + kept))
+
+    def _layer_bytes(self, stack: _Stack, index: int) -> int:
+        """int64 unless said (``R`` rows, ``E`` kept edges): ``batch_of_row`` (``R``) and the ``(k, fanout)`` round
+        keys (4 at once while made) throughout, then the largest phase. Numba: the kernel's ``(R + 1)`` pointer and
+        ``E`` sources, then :func:`extract`. Tensor ops: :func:`~betty_trainer.sampling.neighbor.kept_edges`, every
+        ``R``-sized allocation summed (25: ``start``, ``degree``, ``kept``, ``pointer``, the rows above the fanout,
+        their ids, degrees and keys, Floyd's per-round temporaries) and at most 41 bytes per kept edge live
+        (``edge_ids``, and for the rows above the fanout, ``(rows, fanout)`` keys, Floyd's ``chosen``, the sort's
+        values and indices, its compare mask); then the kept edges' sources gathered from ``indices`` and widened to
+        int64 (``edge_ids`` still live); then :func:`extract` with ``pointer``, ``edge_ids`` and the sources live."""
+        rows, edges = stack.rows, stack.kept
+        always = 8 * rows + 32 * stack.k * (stack.fanout or 0)
+        if self._numba:
+            return always + 8 * (rows + 1) + 8 * edges + _extract_bytes(stack, numba=True)
+        draw = 200 * rows + (41 if stack.fanout is not None else 16) * edges
+        gather = 8 * rows + 16 * edges + (index * edges if index < 8 else 0)
+        return always + max(draw, gather, 8 * rows + 16 * edges + _extract_bytes(stack, numba=False))
+
 
 class BulkLadiesSampler(BulkSampler):
     """LADIES (layer-dependent importance sampling, Zou et al. 2019) of ``bulk`` batches at once, as sparse
@@ -205,6 +382,38 @@ class BulkLadiesSampler(BulkSampler):
         return extract(dst, counts, p.batch_of_row, pointer, p.node[p.pair_of_edge[kept]], self.graph.num_nodes,
                        weight, numba=self._numba)
 
+    _WEIGHTED = True
+
+    @staticmethod
+    def _layer_size(rows: int, fanout: int | None, degrees: Tensor) -> _Sizes:
+        """Every in-edge of the rows is read (at most the ``rows`` highest in-degrees' sum); ``P``'s nonzeros are
+        at most those and ``N``; ``s`` of them sampled, each keeping at most one edge per row; the src nodes are the
+        rows and the sampled vertices."""
+        nodes = degrees.numel()
+        read = int(degrees[:rows].sum())
+        pairs = min(read, nodes)
+        sampled = pairs if fanout is None else min(fanout, pairs)
+        return _Sizes(rows, read, pairs, min(read, rows * sampled), min(nodes, rows + sampled))
+
+    def _layer_bytes(self, stack: _Stack, index: int) -> int:
+        """int64 unless said (``R`` rows, ``A`` in-edges read, ``M`` nonzeros of ``P``, ``E`` kept edges); the largest
+        of three phases. :meth:`_distribution`: its ``R``-sized allocations summed (12), and live either ``edge_ids``,
+        ``edge_keys`` and ``unique``'s outputs and temporaries (48 bytes per edge), or after it ``edge_ids``,
+        ``edge_keys``, ``pair_of_edge``, ``row_of_edge`` and six ``M``-sized (pairs, counts, batch, node, a
+        temporary, weight). Then ``P`` (``8R + 16A + 32M``) stays live to the end. The race: the mask (``M`` bool) and
+        at most 65 bytes per nonzero (the hashes, the variates, two stable ``argsort`` of three each, the ranks).
+        Then :func:`extract`, with ``P``, the variates, race and ranks, the mask, ``kept`` (``A`` bool), five
+        ``R``-sized (per-row counts, pointer, weights' temporaries), the weights (``E`` float32) and the sources with
+        their temporaries (``3E``) live."""
+        rows, read, pairs, edges = stack.rows, stack.read, stack.pairs, stack.kept
+        distribution = 96 * rows + max(64 * read, 32 * read + 48 * pairs) + (index * read if index < 8 else 0)
+        p = 8 * rows + 16 * read + 32 * pairs
+        drawn = stack.fanout is not None
+        race = p + 65 * pairs if drawn else 0
+        last = (p + (24 * pairs if drawn else 0) + pairs + read + 40 * rows + 28 * edges
+                + _extract_bytes(stack, numba=self._numba))
+        return max(distribution, race, last)
+
     def column_probabilities(self, dsts: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
         """LADIES' column probabilities of each batch whose dst nodes are ``dsts[i]`` (the class docstring).
 
@@ -250,6 +459,72 @@ class _Distribution:
     batch_pairs: Tensor  # (k,) nonzeros per batch
     pair_of_edge: Tensor  # (E,) the pair each in-edge adds 1 to
     row_of_edge: Tensor  # (E,) the dst row of each in-edge (CSC order)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Upper bounds of one batch's counts in one layer (:meth:`BulkSampler._batch_sizes`)."""
+
+    rows: int  # dst nodes
+    read: int  # in-edges read: the kept ones (NS), all of the rows' (LADIES' P = Q·A)
+    pairs: int  # LADIES: nonzeros of P, distinct vertices of the aggregated neighbourhood; NS: 0
+    kept: int  # edges of the block
+    src: int  # src nodes, the next layer's rows
+
+
+@dataclass(frozen=True)
+class _Stack:
+    """The bounds of a layer's stack of ``k`` batches (:meth:`BulkSampler.draw_bytes`): counts are ``k`` times a
+    batch's."""
+
+    k: int
+    nodes: int  # N
+    batch: _Sizes
+    fanout: int | None
+
+    rows = property(lambda self: self.k * self.batch.rows)
+    read = property(lambda self: self.k * self.batch.read)
+    pairs = property(lambda self: self.k * self.batch.pairs)
+    kept = property(lambda self: self.k * self.batch.kept)
+    src = property(lambda self: self.k * self.batch.src)
+
+    def block_bytes(self, weighted: bool) -> int:
+        """What the layer's blocks hold to the end of the draw: src nodes (int64), local indices (int32), edge
+        weights (float32) if ``weighted``, the stacked pointer and each block's own (int64, ``R + k`` each)."""
+        return 8 * self.src + (8 if weighted else 4) * self.kept + 16 * (self.rows + self.k)
+
+
+_SLACK_BYTES = 64 * 2**10
+_SLACK_PER_BATCH = 2 * 2**10
+""":meth:`BulkSampler.draw_bytes`' allowance for the scalars, the ``(k,)`` counts and keys and the Python lists of a
+draw (bytes), and per batch."""
+
+
+def _extract_bytes(stack: _Stack, *, numba: bool) -> int:
+    """An upper bound of the bytes :func:`extract` allocates for ``stack`` (its inputs not counted).
+
+    Numba (:func:`~betty_trainer.sampling.neighbor.relabel_stack`): local indices (int32, ``E``), the ``R + min(E,
+    k·N)`` int64 src buffer and its final copy (``S``), the ``N`` int32 labels where the dense branch is possible
+    (``N ≤ 4(R + E)``), and the largest batch's own arrays: the dense branch's radix sort (two int64 per new id), or
+    the hash branch's (int64 new ids and int32 local indices per edge, two int64 per slot of a table of at most
+    ``8 s + 2048`` slots and the half-size one it replaces, the radix sort, the renumbering and the batch's src
+    nodes).
+
+    Tensor ops: every ``R``-sized (11) and ``S``-sized (13) int64 allocation summed, the keys of the edges (two
+    int64 live) and the local indices (int32); then the branch: the dense flags and labels (``k·N`` bool and int32)
+    where ``k·N ≤ 4(R + E)`` is possible, or the sort of the ``R + E`` keys (the concatenation and ``unique``'s
+    four int64 with inverse, then flags and int32 labels per distinct key), which runs only below ``k·N / 4`` keys.
+    """
+    rows, edges, src, k, nodes = stack.rows, stack.kept, stack.src, stack.k, stack.nodes
+    if numba:
+        batch = stack.batch
+        dense = 4 * nodes if nodes <= _DENSE_RELABEL * (rows + edges) else 0
+        largest = max(16 * batch.src, 12 * batch.kept + 24 * (8 * batch.src + 2048) + 40 * batch.src)
+        return 4 * edges + 8 * (rows + min(edges, k * nodes)) + 8 * k + dense + largest + 8 * src
+    keys = rows + edges
+    flags = 5 * k * nodes if k * nodes <= _DENSE_RELABEL * keys else 0
+    sort = 45 * (keys if _DENSE_RELABEL * keys < k * nodes else -(-k * nodes // _DENSE_RELABEL))  # fewer keys run
+    return 88 * rows + 104 * src + 20 * edges + max(flags, sort)
 
 
 @dataclass

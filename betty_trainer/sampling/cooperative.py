@@ -44,10 +44,12 @@ class CooperativeSampler:
         traffic: the bytes this rank sent to the others through every exchange of its shares so far (ids here,
             rows as the shares run; :class:`~betty_trainer.distributed.exchange.ExchangeTraffic`).
         node_cache: ``None``: a rank's feature store caches the rows it owns, with no sampler-given node set.
+        bulk_draw: ``None``: one batch at a time, each a collective of its own.
     """
 
     node_cache = None
     bulk = 1  # each batch is a collective of its own
+    bulk_draw = None
 
     def __init__(self, sampler: BlockSampler, owners: Tensor, group: dist.ProcessGroup | None = None,
                  row_group: dist.ProcessGroup | None = None, traffic: ExchangeTraffic | None = None) -> None:

@@ -27,7 +27,7 @@ class IndependentSampler:
     def __init__(self, sampler: Sampler, rank: int, world_size: int) -> None:
         self.sampler, self.rank, self.world_size = sampler, rank, world_size
         self.node_cache = sampler.node_cache
-        self.bulk = sampler.bulk
+        self.bulk, self.bulk_draw = sampler.bulk, sampler.bulk_draw
 
     def sample(self, seeds: Tensor, key: SampleKey) -> Batch:
         """The batch of this rank's part of the global batch ``seeds`` (``(B,)`` int64) under ``key``."""

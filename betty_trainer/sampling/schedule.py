@@ -19,7 +19,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import BlockSampler, SampleKey, Sampler
-from betty_trainer.sampling.bulk import BulkLadiesSampler, BulkNeighborSampler
+from betty_trainer.sampling.bulk import BulkLadiesSampler, BulkNeighborSampler, BulkSampler
 from betty_trainer.sampling.gns import GNSSampler
 from betty_trainer.sampling.labor import LaborSampler
 from betty_trainer.sampling.neighbor import NeighborSampler
@@ -44,6 +44,9 @@ def make_sampler(config: Config, graph: Graph) -> Sampler:
       stacked sparse product per layer, on ``sampling.device``;
     * ``bulk-ladies``: :class:`BulkLadiesSampler`, LADIES with ``fanouts`` vertices per batch and layer, sampled
       ``sampling.bulk`` batches at a time, on ``sampling.device``;
+
+    a bulk sampler's ``k`` is ``sampling.bulk``, or under ``auto`` the most of the epoch's batches whose draw fits
+    ``sampling.bulk_memory`` (:meth:`BulkSampler.fit`), and its ``bulk_draw`` says what a draw holds;
     * ``labor``: :class:`LaborSampler` with ``sampling.labor``'s importance iterations, layer and
       batch dependency;
     * ``gns``: :class:`GNSSampler` with ``sampling.gns``'s cache.
@@ -59,6 +62,10 @@ def make_sampler(config: Config, graph: Graph) -> Sampler:
     """
     sampler = _sampler(config, graph)
     sampler.first_layer = int(config.features.aggregation_cache is not False)  # layer 0 reads the cache: no block
+    if isinstance(sampler, BulkSampler):  # k, or under auto the most batches whose draw fits the cap
+        sampling = config.sampling
+        sampler.bulk_draw = sampler.fit(sampling.bulk, sampling.batch_size or graph.train_idx.numel(),
+                                        batches_per_epoch(config, graph), sampling.bulk_memory)
     return sampler
 
 
@@ -75,7 +82,7 @@ def _sampler(config: Config, graph: Graph) -> BlockSampler:
         if sampling.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("sampling.device=cuda, but torch sees no CUDA device here: set sampling.device=cpu")
         bulk = BulkNeighborSampler if sampling.sampler == "bulk-ns" else BulkLadiesSampler
-        return bulk(graph, fanouts, bulk=sampling.bulk, device=sampling.device)
+        return bulk(graph, fanouts, device=sampling.device)
     batches = batches_per_epoch(config, graph)
     if sampling.sampler == "labor":
         labor = sampling.labor

@@ -114,7 +114,7 @@ def aggregation_report(config: Config, graph: Graph, device: torch.device, used:
     uncached = without_aggregation_cache(config)
     sampler = make_sampler(uncached, graph)
     planner = make_planner(uncached, graph, None, device, feature_store(uncached, graph, device, sampler),
-                           plan_seed(uncached), partition)
+                           plan_seed(uncached), partition, sampler.bulk_draw)
     try:
         plan = planner.plan(first_batch(uncached, graph, sampler))
     except PlanningError as error:

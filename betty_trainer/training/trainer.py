@@ -334,7 +334,7 @@ def data_path(config: Config, graph: Graph, device: torch.device, model: nn.Modu
         features = feature_store(run_config, graph, device, sampler, None if cached else host)
         with quiet_native_stderr():  # calibrating a custom model profiles steps; the profiler's chatter is hidden
             return sampler, features, make_planner(run_config, graph, model, device, features, plan_seed(run_config),
-                                                   partition)
+                                                   partition, sampler.bulk_draw)
 
     chosen, cached = build(config), config.features.aggregation_cache is not False
     if config.features.aggregation_cache is True and config.micro_batch.mode == "auto":
