@@ -188,7 +188,7 @@ class Planner:
         estimator, budget, config = self.estimator, self.budget, self.config
         closed_form = estimator is not None and estimator.closed_form
         if kind == "micro_batches":
-            weighted = [block.edge_weight is not None for block in batch.blocks]  # the slices planned carry none
+            weighted = [block.edge_weight is not None for block in batch.blocks]  # counted sizes carry none
             estimate = functools.partial(estimator.peak, weighted=weighted) if estimator is not None else None
             split, partitioner = self._graph_split(batch, estimate, min_pieces), GraphPartition.method
             if split is None:
@@ -201,8 +201,9 @@ class Planner:
                     balance=config.balance, splitter=self._splitter), config.partitioner
                 if self.graph_partition is not None and budget is not None:  # the graph tries no fewer next time
                     self.graph_k = max(self.graph_k or 0, split.k)
+            itemise = functools.partial(estimator.itemised, weighted=weighted) if closed_form else None
             return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
-                                  partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
+                                  partitioner, self.feature_store_bytes, itemise)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
         # the whole batch in one micro-batch: less work, so no chunking above it
         whole = (estimator.peak(batch.blocks, weighted=[b.edge_weight is not None for b in batch.blocks])
