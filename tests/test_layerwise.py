@@ -306,6 +306,25 @@ def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
     assert plans["layerwise"].work < plans["micro_batches"].work  # every node an output: Betty's redundancy dominates
 
 
+@pytest.mark.parametrize("budget_share", [None, 0.6])
+def test_auto_estimates_the_whole_batch_once_per_plan(cora, monkeypatch, budget_share):
+    """Both searches of ``micro_batch.mode=auto`` read the whole batch's estimate in one micro-batch (the K search's
+    start, the chunk search's ceiling): it is made once per plan, under a budget and at K = 1 without one."""
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=auto", "micro_batch.num_micro_batches=1"])
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    budget = None if budget_share is None else int(budget_share * estimator.peak(batch.blocks))
+    whole, peak = [], estimator.peak
+    monkeypatch.setattr(estimator, "peak", lambda structures, *args, **kwargs: (
+        whole.append(structures) if structures is batch.blocks else None) or peak(structures, *args, **kwargs))
+    planner = Planner(config.micro_batch.model_copy(update={"budget": budget}), estimator, CPU)
+    planner.plan(batch)
+    assert len(whole) == 1
+    planner.plan(batch, min_pieces=2)  # a re-plan is another plan: once more
+    assert len(whole) == 2
+
+
 def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_path):
     """train() with micro_batch.mode=layerwise (4 chunks per layer) against K = 1: after 3 epochs of dropout
     and Adam the parameters agree to float32 round-off, and the run reports its plan as layer-wise."""
