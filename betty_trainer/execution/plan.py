@@ -147,7 +147,8 @@ def plan_report(plan: StepPlan, rows: list[dict], *, budget: int | None, partiti
         full_batch_estimate: the estimated peak of the unsplit batch, bytes, where the search made one.
         measured_step: the measured peak of the whole step, bytes (the largest piece's, or the one layer-wise
             step's).
-        extra: the kind's own keys (a layer-wise plan's ``layer_outputs_on`` and ``chunks_per_layer``).
+        extra: the kind's own keys (a layer-wise plan's ``layer_outputs_on``, ``chunks_per_layer`` and
+            ``partitioner_per_layer``).
     """
     report = {
         "mode": plan.method,

@@ -228,7 +228,7 @@ class Planner:
                            "ask for more chunks per layer, or set micro_batch.mode=micro_batches or a budget",
                            search.chunks.k, search.peak / 2**20, ceiling / 2**20)
         work = layerwise.work(search.chunks.layers) if layerwise is not None else float(search.chunks.work)
-        return LayerwisePlan(batch, search.chunks, work, search.partitioner, search.peak, budget, search.tried,
+        return LayerwisePlan(batch, search.chunks, work, search.partitioners, search.peak, budget, search.tried,
                              search.seconds, self.feature_store_bytes)
 
     def _graph_split(self, batch: Batch, estimate: Estimate | None, min_pieces: int,
