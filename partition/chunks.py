@@ -155,14 +155,16 @@ class ChunkSearch:
 
     Attributes:
         chunks: the chosen :class:`LayerChunks` (``host_outputs`` set when ``h_l`` must live in host memory).
-        partitioner: what split them (the one asked, or ``range`` for one dst node per chunk).
+        partitioners: per layer (input layer first), what split its chunks: the partitioner asked, or ``range`` for
+            a layer whose chunks' dst sets do not matter (:attr:`ChunkEstimate.ranged`) and for every layer at one
+            dst node per chunk (when the partitioner asked fitted no budget).
         peak: their estimated peak, bytes (0 without an estimate).
         tried: ``(chunks per layer, estimated peak)`` for every chunking evaluated, in order.
         seconds: wall time of the search.
     """
 
     chunks: LayerChunks
-    partitioner: str
+    partitioners: list[str]
     peak: int
     tried: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
@@ -236,7 +238,7 @@ def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | N
     ranged = estimate.ranged if estimate is not None else [False] * len(blocks)
 
     def chunked(index: int, parts: int, method: str) -> list[Chunk]:
-        method = "range" if ranged[index] else method  # only the count matters: no partitioner's work for nothing
+        method = layer_methods(ranged, method)[index]
         if (index, parts, method) not in made:
             made[index, parts, method] = chunk_block(blocks[index], parts, method, seed)
         return made[index, parts, method]
@@ -255,7 +257,7 @@ def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | N
 
     if budget is None:
         chosen, peak = attempt(max(min_k, k), partitioner)
-        return ChunkSearch(chosen, partitioner, peak, tried, time.perf_counter() - started)
+        return ChunkSearch(chosen, layer_methods(ranged, partitioner), peak, tried, time.perf_counter() - started)
     if estimate is None:
         raise BudgetError("a layer-wise plan under a budget needs a built-in model's estimate")
     floor = chunk_floor(blocks, estimate, host_memory)
@@ -291,7 +293,13 @@ def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | N
     if min_k <= 1:  # a re-plan after an out-of-memory error keeps every layer at min_k or more
         peak = _fewer_per_layer(chosen, peak, lambda index, parts: chunked(index, parts, partitioner), estimate,
                                 budget)
-    return ChunkSearch(chosen, partitioner, peak, tried, time.perf_counter() - started)
+    return ChunkSearch(chosen, layer_methods(ranged, partitioner), peak, tried, time.perf_counter() - started)
+
+
+def layer_methods(ranged: Sequence[bool], method: str) -> list[str]:
+    """Per layer, what splits its chunks when ``method`` is asked: ``range`` for a layer whose chunks' dst sets do not
+    matter (``ranged``: :attr:`ChunkEstimate.ranged`; no partitioner's work for nothing), else ``method``."""
+    return ["range" if only_count else method for only_count in ranged]
 
 
 def _fewer_per_layer(chosen: LayerChunks, peak: int, chunked: Callable[[int, int], list[Chunk]],

@@ -126,6 +126,7 @@ def make_split(
     balance: bool = True,
     splitter: Splitter | None = None,
     search: str = "linear",
+    full_batch_estimate: Callable[[], int] | None = None,
 ) -> Split:
     """Split a batch into micro-batches: K given, or the smallest K that fits ``budget``.
 
@@ -165,6 +166,10 @@ def make_split(
             :class:`~partition.partitioners.GraphSplitter`; default: a new ``OutputSplitter``.
         search: ``"linear"`` (the smallest K, exactly) or ``"gallop"`` (galloping then
             bisection; the smallest K when fitting is monotone in K).
+        full_batch_estimate: ``() → estimate(blocks, False)``, the unsplit batch's estimated peak in bytes, called
+            at most once and only where the search needs it: a caller that estimates the whole batch for another
+            search too (the planner's ``micro_batch.mode=auto``) hands both one cached callable; default: ``estimate``
+            asked. Ignored without an ``estimate``.
 
     Returns:
         A :class:`Split`.
@@ -182,7 +187,8 @@ def make_split(
     num_outputs = blocks[-1].num_dst
     # the unsplit batch's estimate: what the search starts from, K = 1's estimate; not made for a batch split into a
     # given K > 1
-    full = functools.cache(lambda: estimate(blocks, False) if estimate is not None else 0)
+    full = functools.cache(lambda: 0 if estimate is None else
+                           full_batch_estimate() if full_batch_estimate is not None else estimate(blocks, False))
     weighted = balance and partitioner in ("reg", "reg_unweighted", "metis")
     # METIS vertex weights, and (with a budget) which output is the hungriest; made when first needed
     costs = functools.cache(lambda: output_costs(blocks))

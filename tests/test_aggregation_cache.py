@@ -22,7 +22,7 @@ from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.sampling.base import SampleKey
 from betty_trainer.sampling.schedule import first_batch, make_sampler
-from betty_trainer.training.aggregation import check_aggregation_cache, input_features
+from betty_trainer.training.aggregation import aggregation_kind, check_aggregation_cache, input_features
 from betty_trainer.training.dry_run import dry_run
 from betty_trainer.training.trainer import train
 from estimator.counts import counts_of
@@ -134,6 +134,23 @@ def test_the_cache_is_kept_on_disk_and_keyed_by_the_features(cora, cache_dir):
     assert aggregation_dir(other, "gcn") != folder
     assert torch.allclose(input_features(config, other), 2 * rows)
     assert aggregation_dir(cora, "sage-mean") != folder
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_the_table_leaves_the_global_rng_as_it_was_and_builds_no_model_when_cached(cora, model_name, monkeypatch):
+    """Computing the table builds the model whose layer 0 aggregates, and reading it back builds nothing; neither
+    draws from torch's global RNG, so a run's parameters and draws are the same whether the table was on disk."""
+    config = cached_config(model_name)
+    built = []
+    monkeypatch.setattr("betty_trainer.training.aggregation.build_model",
+                        lambda *args: built.append(args) or build_model(*args))
+    for on_disk in (False, True):
+        assert aggregation_dir(cora, aggregation_kind(config)).exists() == on_disk
+        torch.manual_seed(5)
+        before = torch.random.get_rng_state()
+        input_features(config, cora)
+        assert torch.equal(torch.random.get_rng_state(), before)
+        assert len(built) == 1, "built once, to compute the table; not again to read it back"
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))

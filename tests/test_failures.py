@@ -191,7 +191,7 @@ def test_a_yaml_alias_bomb_is_refused_in_one_line_at_once(tmp_path, capsys):
                              "reg made {k} (it left parts empty; micro_batch.partitioner=range or random give exactly "
                              "min(K, 100)), so {k} run"),
     ("layerwise", "reg", "asks for 5000 chunks per layer; the batch has 512 dst nodes in its largest layer, at most "
-                         "one per piece; reg made {k} (it left parts empty; micro_batch.partitioner=range or random "
+                         "one per piece; {made} made {k} (it left parts empty; micro_batch.partitioner=range or random "
                          "give exactly min(K, 512)), so {k} run"),
 ])
 def test_k_above_the_outputs_says_what_was_asked_and_what_runs(tmp_path, caplog, mode, partitioner, said):
@@ -201,7 +201,10 @@ def test_k_above_the_outputs_says_what_was_asked_and_what_runs(tmp_path, caplog,
         train(config, run_dir=tmp_path)
     (warning,) = [r.getMessage() for r in caplog.records if "num_micro_batches asks for" in r.getMessage()]
     pieces = metrics(tmp_path)[0]["micro_batches"]
-    assert warning == "micro_batch.num_micro_batches " + said.format(k=pieces)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert partitioner in plan.get("partitioner_per_layer", [plan["partitioner"]])
+    # what split each layer: a layer-wise plan's layers run off the whole block are split by range (on the CPU)
+    assert warning == "micro_batch.num_micro_batches " + said.format(k=pieces, made=plan["partitioner"])
 
 
 def test_plan_hides_components_the_model_lacks_and_writes_plan_json_only_with_output(tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ built-in model, dropout on, full neighbourhood and sampled, on Cora and Amazon C
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -207,7 +208,8 @@ def assert_layerwise_estimate(model, arch: str, graph, fanouts) -> None:
     batch = sample_batch(graph, graph.train_idx, fanouts, torch.Generator().manual_seed(0))
     spec = spec_of(model, config, CPU)
     for index, k in enumerate((1, 4, 16)):
-        work = LayerwisePlan(batch, chunk_layers(batch.blocks, k, "metis", 0), work=0.0, partitioner="metis")
+        work = LayerwisePlan(batch, chunk_layers(batch.blocks, k, "metis", 0), work=0.0,
+                             partitioners=["metis"] * len(batch.blocks))
         set_dropout_key(model, 0, 0)
         features = HostFeatureStore(graph.x, pin=False)
         if index == 0:
@@ -304,6 +306,25 @@ def test_auto_picks_the_plan_with_less_work_among_those_that_fit(cora):
         plans[mode] = Planner(section, PeakEstimator(spec), CPU).plan(batch)
     assert plans["auto"].method == min(("micro_batches", "layerwise"), key=lambda m: plans[m].work)
     assert plans["layerwise"].work < plans["micro_batches"].work  # every node an output: Betty's redundancy dominates
+
+
+@pytest.mark.parametrize("budget_share", [None, 0.6])
+def test_auto_estimates_the_whole_batch_once_per_plan(cora, monkeypatch, budget_share):
+    """Both searches of ``micro_batch.mode=auto`` read the whole batch's estimate in one micro-batch (the K search's
+    start, the chunk search's ceiling): it is made once per plan, under a budget and at K = 1 without one."""
+    model = GraphSAGE(cora.num_features, 64, cora.num_classes, 2, "mean", 0.5)
+    config = load_config(None, ["model.hidden=64", "micro_batch.mode=auto", "micro_batch.num_micro_batches=1"])
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    batch = sample_batch(cora, torch.arange(cora.num_nodes), [None, None])
+    budget = None if budget_share is None else int(budget_share * estimator.peak(batch.blocks))
+    whole, peak = [], estimator.peak
+    monkeypatch.setattr(estimator, "peak", lambda structures, *args, **kwargs: (
+        whole.append(structures) if structures is batch.blocks else None) or peak(structures, *args, **kwargs))
+    planner = Planner(config.micro_batch.model_copy(update={"budget": budget}), estimator, CPU)
+    planner.plan(batch)
+    assert len(whole) == 1
+    planner.plan(batch, min_pieces=2)  # a re-plan is another plan: once more
+    assert len(whole) == 2
 
 
 def test_training_layer_by_layer_ends_with_the_parameters_of_the_full_batch(tmp_path):
@@ -529,6 +550,29 @@ def test_an_affine_layer_runs_off_the_whole_block_in_row_blocks_split_by_range(c
     gat = make("gat", cora)
     with pytest.raises(AssertionError, match="was sliced"):
         layerwise_gradients(gat, batch, cora, 2)
+
+
+@pytest.mark.parametrize("budget_share", [None, 0.6])
+def test_the_plan_names_what_split_each_layer(cora64, budget_share):
+    """A layer run off the whole block is split by ``range`` whatever ``micro_batch.partitioner`` says (only the
+    count of its chunks matters); ``plan.json`` names each layer's partitioner (``partitioner_per_layer``, and
+    ``partitioner`` in words), not the configured one for every layer. SAGE mean, 64 features, hidden 128: layer 0
+    aggregates first (64 < 128), layer 1 projects first and is affine."""
+    pytest.importorskip("numba")
+    config = load_config(None, ["model.hidden=128", "micro_batch.mode=layerwise", "micro_batch.partitioner=metis"])
+    model = GraphSAGE(cora64.num_features, 128, cora64.num_classes, 2, "mean", 0.5)
+    estimator = PeakEstimator(spec_of(model, config, CPU))
+    batch = sample_batch(cora64, torch.arange(cora64.num_nodes), [None, None])
+    assert estimator.layerwise(batch.blocks).ranged == [False, True]
+    whole = layerwise_peak(Planner(config.micro_batch, estimator, CPU), batch, chunk_layers(batch.blocks, 1))
+    budget = None if budget_share is None else int(budget_share * whole)
+    plan = Planner(config.micro_batch.model_copy(update={"budget": budget}), estimator, CPU).plan(batch)
+    assert plan.estimate <= (budget or plan.estimate) and len(plan.chunks.layers[1]) > 1
+    ranges = plan.chunks.layers[1]  # contiguous ranges covering the layer's dst rows in order
+    assert torch.equal(torch.cat([chunk.dst for chunk in ranges]), torch.arange(batch.blocks[1].num_dst))
+    report = json.loads(json.dumps(plan.report()))
+    assert plan.partitioners == report["partitioner_per_layer"] == ["metis", "range"]
+    assert report["partitioner"] == "metis, range"
 
 
 class _ScaledProjection(SAGEConv):

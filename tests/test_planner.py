@@ -406,6 +406,38 @@ def test_sampled_batches_are_split_by_the_graph_partition_with_exact_estimates(s
     assert planner.plans_made == 2 and planner.fallbacks == 0
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_micro_batch_plan_estimates_and_reports_without_slicing(setting, monkeypatch, k):
+    """A plan's estimate and report count each micro-batch from its split (``count_layers``' sizes, the batch's edge
+    weights bound in), slicing none, and give what its micro-batches as they run give: sizes, and per piece the
+    estimate by component (a weighted batch: its slices carry the weights)."""
+    graph, config, *_ = setting
+    by_graph = load_config(None, OVERRIDES + ["micro_batch.assignment=graph", f"micro_batch.num_micro_batches={k}"])
+    estimator = PeakEstimator(model_spec(config, graph))
+    sampled = sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(0))
+    batch = Batch([dataclasses.replace(b, edge_weight=torch.rand(b.num_edges, generator=torch.Generator().manual_seed(1)))
+                   for b in sampled.blocks])
+    planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"), graph_partition=graph_partition(by_graph, graph))
+    plan = planner.plan(batch)
+    assert plan.pieces == k and not plan.split.estimates  # the estimate is made when asked
+
+    sliced = []
+    slice_micro_batch = Batch.micro_batch
+    monkeypatch.setattr(Batch, "micro_batch", lambda self, index: sliced.append(index) or slice_micro_batch(self, index))
+    estimate, report = plan.estimate, json.loads(json.dumps(plan.report()))
+    assert not sliced
+    monkeypatch.undo()
+
+    micro_batches = list(plan.micro_batches)
+    assert all(b.edge_weight is not None for mb in micro_batches for b in mb.blocks)
+    expected = [estimator.itemised(micro_batch.blocks, index > 0) for index, micro_batch in enumerate(micro_batches)]
+    assert estimate == max(e.peak_bytes for e in expected)
+    for row, micro_batch, itemised in zip(report["pieces"], micro_batches, expected, strict=True):
+        assert row["layers"] == [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges}
+                                 for b in micro_batch.blocks]
+        assert row["estimate"] == {"peak_bytes": itemised.peak_bytes, "at_peak": itemised.at_peak}
+
+
 def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_back_where_it_misses(setting):
     """Under a budget the run's first batch is planned per batch (REG), and its K is the graph's: a later batch
     whose graph split fits is split by the graph (its estimates those of its micro-batches as they run); one

@@ -198,7 +198,7 @@ class CooperativePlan:
         provides), and this rank's place (``rank``, ``world_size``, ``global_batch_outputs``)."""
         rows = []
         for index, share in enumerate(self.shares):
-            layers = layer_sizes(share)
+            layers = layer_sizes(share.blocks)
             for sizes, exchange in zip(layers, share.exchanges):
                 sizes.update(rows_received=exchange.rows_received, rows_served=exchange.owned.numel())
             rows.append(estimated_row(piece_row(index, layers), self.estimates[index] if self.estimates else None,

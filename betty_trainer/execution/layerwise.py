@@ -74,8 +74,9 @@ class LayerwisePlan:
         chunks: its :class:`~partition.chunks.LayerChunks` (``chunks.host_outputs``: the hidden layers' outputs are
             kept in host memory, as the device budget does not hold them).
         work: the estimated cost the planner compared (see the protocol).
-        partitioner: what split the chunks (``micro_batch.partitioner``, or ``range`` for one dst node per chunk
-            when that partitioner could not fit the budget).
+        partitioners: per layer (input layer first), what split its chunks (:attr:`partition.chunks.ChunkSearch.partitioners`):
+            ``micro_batch.partitioner``, or ``range`` for a layer run off the whole block (only its number of chunks
+            matters) and for every layer at one dst node per chunk (when that partitioner could not fit the budget).
         estimated_peak: estimated peak bytes (0 without a built-in model's estimate).
         budget: bytes, or ``None`` (K given).
         tried: ``(chunks per layer, estimated peak)`` for every chunking evaluated, in order.
@@ -86,7 +87,7 @@ class LayerwisePlan:
     batch: Batch
     chunks: LayerChunks
     work: float
-    partitioner: str
+    partitioners: list[str]
     estimated_peak: int = 0
     budget: int | None = None
     tried: list[tuple[int, int]] = field(default_factory=list)
@@ -107,6 +108,12 @@ class LayerwisePlan:
         counts = [len(layer) for layer in self.chunks.layers]
         shown = str(counts[0]) if len(set(counts)) == 1 else ", ".join(map(str, counts))
         return f"layer by layer in {shown} chunk{'s' if max(counts) > 1 else ''} per layer"
+
+    @property
+    def partitioner(self) -> str:
+        """What split the chunks, in words (``plan.json``'s ``partitioner``): one name when every layer's chunks were
+        split by it, else each layer's, input layer first (``"range, metis"``)."""
+        return self.partitioners[0] if len(set(self.partitioners)) == 1 else ", ".join(self.partitioners)
 
     @property
     def host_bytes(self) -> int:
@@ -144,7 +151,8 @@ class LayerwisePlan:
                            seconds=self.seconds, feature_store_bytes=self.feature_store_bytes,
                            measured_step=measured[0] if measured is not None else None,
                            layer_outputs_on="host" if self.host_outputs else "device",
-                           chunks_per_layer=[len(layer) for layer in self.chunks.layers])
+                           chunks_per_layer=[len(layer) for layer in self.chunks.layers],
+                           partitioner_per_layer=self.partitioners)
 
 
 def layerwise_backward(

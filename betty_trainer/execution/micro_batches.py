@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import ClassVar, overload
+from typing import Any, ClassVar, overload
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +23,7 @@ from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, 
 from betty_trainer.models.stack import LayerStack
 from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
-from partition import BlockStructure, Split, redundancy
+from partition import Split, redundancy
 
 
 class MicroBatches(Sequence[Batch]):
@@ -167,7 +167,9 @@ def accumulate_gradients(
     return StepResult(loss_sum, correct)
 
 
-Itemise = Callable[[Sequence[BlockStructure], bool], MemoryEstimate]  # (micro-batch, accumulating) → estimate
+Itemise = Callable[[Sequence[Any], bool], MemoryEstimate]
+"""``(a micro-batch's layers, accumulating) → its estimate by component``: the layers are its blocks, or its sizes
+counted without slicing (:attr:`partition.Split.sizes`), input layer first."""
 
 
 @dataclass
@@ -182,7 +184,12 @@ class MicroBatchPlan:
         work: the estimated cost the planner compared (see the protocol).
         partitioner: what split the outputs (``micro_batch.partitioner``).
         feature_store_bytes: device bytes the feature store holds beside the step (taken off the budget).
-        itemise: the estimate by component of a micro-batch (the closed form of a built-in model), or ``None``.
+        itemise: the estimate by component of a micro-batch (the closed form of a built-in model) from its layers
+            (:meth:`counted_layers`; the batch's edge weights, which counted sizes do not carry, bound in), or
+            ``None``.
+
+    Its estimate and report count each micro-batch's layers from the split (:meth:`counted_layers`), slicing none;
+    a micro-batch is sliced only when it runs or is measured.
     """
 
     batch: Batch
@@ -201,12 +208,17 @@ class MicroBatchPlan:
     def estimate(self) -> int | None:
         """The largest micro-batch's estimated peak, bytes: the search's (:attr:`partition.Split.estimates`), or,
         for a split made without estimates (sampled batches assigned by the graph without a budget:
-        :class:`~betty_trainer.memory.planner.Planner`), the closed form of each micro-batch sliced when asked
-        (``None`` without a closed form)."""
+        :class:`~betty_trainer.memory.planner.Planner`), the closed form of each micro-batch's counted layers
+        (:meth:`counted_layers`, none sliced) when asked (``None`` without a closed form)."""
         if self.split.estimates or self.itemise is None:
             return max(self.split.estimates, default=0) or None
-        return max(self.itemise(micro_batch.blocks, index > 0).peak_bytes
-                   for index, micro_batch in enumerate(self.micro_batches))
+        return max(self.itemise(self.counted_layers(index), index > 0).peak_bytes for index in range(self.pieces))
+
+    def counted_layers(self, index: int) -> Sequence[Any]:
+        """Micro-batch ``index``'s layers as its estimate reads them, without slicing it: the split's counted sizes
+        (:func:`partition.slicing.count_layers`, degree histograms included), or at ``K = 1`` the batch's own
+        blocks (the whole batch, whose sizes the split keeps without a histogram)."""
+        return self.batch.blocks if self.split.k == 1 else self.split.sizes[index]
 
     @property
     def summary(self) -> str:
@@ -240,16 +252,18 @@ class MicroBatchPlan:
                 for index, micro_batch in enumerate(micro_batches)]
 
     def report(self, measured: list[int] | None = None) -> dict:
+        """Rows: micro-batch ``i`` is piece ``i``, its sizes and estimate from the split (:meth:`counted_layers`;
+        none sliced)."""
         split = self.split  # its estimates: each micro-batch's peak as the search had it (a custom model's too)
 
-        def estimate(index: int, micro_batch: Batch) -> MemoryEstimate | int | None:
+        def estimate(index: int) -> MemoryEstimate | int | None:
             if self.itemise is not None:
-                return self.itemise(micro_batch.blocks, index > 0)
+                return self.itemise(self.counted_layers(index), index > 0)
             return split.estimates[index] if split.estimates else None
 
-        rows = [estimated_row(piece_row(index, layer_sizes(micro_batch)), estimate(index, micro_batch),
+        rows = [estimated_row(piece_row(index, layer_sizes(split.sizes[index])), estimate(index),
                               measured[index] if measured is not None else None)
-                for index, micro_batch in enumerate(self.micro_batches)]
+                for index in range(self.pieces)]
         return plan_report(self, rows, budget=split.budget, partitioner=self.partitioner, tried=split.tried,
                            seconds=split.seconds, feature_store_bytes=self.feature_store_bytes,
                            full_batch_estimate=split.full_batch_estimate or (

@@ -16,8 +16,8 @@ the same order, so a plan's ``pieces`` must be the same on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import NamedTuple, Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -120,9 +120,11 @@ def held_bytes(held: Iterable[Tensor], beside: Iterable[Tensor] = ()) -> int:
     return sum(nbytes for pointer, nbytes in storages.items() if pointer not in batch_storages)
 
 
-def layer_sizes(batch: Batch) -> list[dict[str, int]]:
-    """Per block of ``batch``: its src nodes, dst nodes and edges (a report's sizes)."""
-    return [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges} for b in batch.blocks]
+def layer_sizes(layers: Sequence[Any]) -> list[dict[str, int]]:
+    """Per layer (input layer first), its src nodes, dst nodes and edges (a report's sizes), from anything with
+    ``num_src``, ``num_dst`` and ``num_edges``: a batch's blocks, or a micro-batch's layers counted without slicing
+    (:attr:`partition.Split.sizes`)."""
+    return [{"src_nodes": b.num_src, "dst_nodes": b.num_dst, "edges": b.num_edges} for b in layers]
 
 
 def relative_error(estimate: int, measured: int) -> float:
@@ -145,7 +147,8 @@ def plan_report(plan: StepPlan, rows: list[dict], *, budget: int | None, partiti
         full_batch_estimate: the estimated peak of the unsplit batch, bytes, where the search made one.
         measured_step: the measured peak of the whole step, bytes (the largest piece's, or the one layer-wise
             step's).
-        extra: the kind's own keys (a layer-wise plan's ``layer_outputs_on`` and ``chunks_per_layer``).
+        extra: the kind's own keys (a layer-wise plan's ``layer_outputs_on``, ``chunks_per_layer`` and
+            ``partitioner_per_layer``).
     """
     report = {
         "mode": plan.method,
@@ -155,7 +158,7 @@ def plan_report(plan: StepPlan, rows: list[dict], *, budget: int | None, partiti
         "feature_store_bytes": feature_store_bytes,
         "partitioner": partitioner,
         "full_batch": {"outputs": plan.batch.output_nodes.numel(), "estimate_peak_bytes": full_batch_estimate,
-                       "layers": layer_sizes(plan.batch)},
+                       "layers": layer_sizes(plan.batch.blocks)},
         "estimate_peak_bytes": plan.estimate,
         "work": plan.work,
         "plan_host_bytes": plan.host_bytes,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -162,9 +163,10 @@ class Planner:
             return last.plan
         mode = self.config.mode if self.layerwise_allowed else "micro_batches"
         candidates, errors, self._splitter = [], [], last.splitter if same_batch else None
+        whole = self._whole_batch_estimate(batch)
         for kind in (("micro_batches", "layerwise") if mode == "auto" else (mode,)):
             try:
-                candidates.append(self._search(kind, batch, min_pieces))
+                candidates.append(self._search(kind, batch, min_pieces, whole))
             except BudgetError as error:
                 errors.append(f"{kind}: {error}")
         if not candidates:
@@ -191,10 +193,19 @@ class Planner:
                         plan.work, max(candidate.work for candidate in candidates))
         return plan
 
-    def _search(self, kind: str, batch: Batch, min_pieces: int) -> StepPlan:
+    def _whole_batch_estimate(self, batch: Batch) -> Callable[[], int]:
+        """``() →`` the estimated peak of ``batch`` in one micro-batch, bytes (0 without an estimator), made when
+        first asked and then kept: what the K search starts from and the chunk search's ceiling, so that
+        ``micro_batch.mode=auto`` estimates it once for both."""
+        estimator = self.estimator
+        return functools.cache(lambda: estimator.peak(batch.blocks, weighted=edge_weighted(batch))
+                               if estimator is not None else 0)
+
+    def _search(self, kind: str, batch: Batch, min_pieces: int, whole: Callable[[], int]) -> StepPlan:
         """One candidate plan of ``kind``, in one call down: the K search (``micro_batches``; the outputs' splitter,
         its REG built once, is kept for the batch's re-plans) or the chunk search (``layerwise``), each handed the
-        estimator's answer for this batch; ``num_micro_batches`` pieces without a budget.
+        estimator's answer for this batch and ``whole``, the batch's estimate in one micro-batch
+        (:meth:`_whole_batch_estimate`); ``num_micro_batches`` pieces without a budget.
 
         Raises:
             BudgetError: nothing of this kind fits the budget.
@@ -202,9 +213,9 @@ class Planner:
         estimator, budget, config = self.estimator, self.budget, self.config
         closed_form = estimator is not None and estimator.closed_form
         if kind == "micro_batches":
-            weighted = [block.edge_weight is not None for block in batch.blocks]  # the slices planned carry none
+            weighted = edge_weighted(batch)
             estimate = functools.partial(estimator.peak, weighted=weighted) if estimator is not None else None
-            split, partitioner = self._graph_split(batch, estimate, min_pieces), GraphPartition.method
+            split, partitioner = self._graph_split(batch, estimate, min_pieces, whole), GraphPartition.method
             if split is None:
                 if self._splitter is None:
                     self._splitter = OutputSplitter(batch.blocks[-1], config.partitioner)
@@ -212,32 +223,34 @@ class Planner:
                     batch.blocks, estimate, budget=budget,
                     k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
                     resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
-                    balance=config.balance, splitter=self._splitter), config.partitioner
+                    balance=config.balance, splitter=self._splitter, full_batch_estimate=whole), config.partitioner
                 if self.graph_partition is not None and budget is not None:  # the graph tries no fewer next time
                     self.graph_k = max(self.graph_k or 0, split.k)
+            itemise = functools.partial(estimator.itemised, weighted=weighted) if closed_form else None
             return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
-                                  partitioner, self.feature_store_bytes, estimator.itemised if closed_form else None)
+                                  partitioner, self.feature_store_bytes, itemise)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
         # the whole batch in one micro-batch: less work, so no chunking above it
-        whole = (estimator.peak(batch.blocks, weighted=[b.edge_weight is not None for b in batch.blocks])
-                 if closed_form else None)
+        ceiling = whole() if closed_form else None
         search = search_chunks(batch.blocks, layerwise, budget=budget, k=config.num_micro_batches, min_k=min_pieces,
                                partitioner=config.partitioner, seed=self.seed, host_memory=self.device.type != "cpu",
-                               ceiling=whole)
-        if budget is None and whole is not None and search.peak > whole and not self._warned_above:
+                               ceiling=ceiling)
+        if budget is None and ceiling is not None and search.peak > ceiling and not self._warned_above:
             self._warned_above = True  # said once per planner
             logger.warning("layer by layer in %d chunks per layer (micro_batch.num_micro_batches) is estimated at %.1f "
                            "MiB, above the whole batch in one micro-batch (%.1f MiB), which also needs less work; "
                            "ask for more chunks per layer, or set micro_batch.mode=micro_batches or a budget",
-                           search.chunks.k, search.peak / 2**20, whole / 2**20)
+                           search.chunks.k, search.peak / 2**20, ceiling / 2**20)
         work = layerwise.work(search.chunks.layers) if layerwise is not None else float(search.chunks.work)
-        return LayerwisePlan(batch, search.chunks, work, search.partitioner, search.peak, budget, search.tried,
+        return LayerwisePlan(batch, search.chunks, work, search.partitioners, search.peak, budget, search.tried,
                              search.seconds, self.feature_store_bytes)
 
-    def _graph_split(self, batch: Batch, estimate: Estimate | None, min_pieces: int) -> Split | None:
-        """``batch``'s outputs split by the run's graph partition (see the class docstring), or ``None``: no graph
-        partition; under a budget, no K yet (the run's first batch) or a split whose largest estimate misses the
-        budget (counted in ``fallbacks``; the graph's K grows for the next batches)."""
+    def _graph_split(self, batch: Batch, estimate: Estimate | None, min_pieces: int,
+                     whole: Callable[[], int]) -> Split | None:
+        """``batch``'s outputs split by the run's graph partition (see the class docstring; ``whole``: the batch's
+        estimate in one micro-batch, as :meth:`_search`'s), or ``None``: no graph partition; under a budget, no K
+        yet (the run's first batch) or a split whose largest estimate misses the budget (counted in ``fallbacks``;
+        the graph's K grows for the next batches)."""
         if self.graph_partition is None or (self.budget is not None and self.graph_k is None):
             return None
         k = self.config.num_micro_batches if self.budget is None else self.graph_k
@@ -245,7 +258,7 @@ class Planner:
         # without a budget nothing is decided by the estimates: the plan estimates its micro-batches when asked
         split = make_split(batch.blocks, estimate if self.budget is not None else None, k=k,
                            resident_bytes=self.resident, partitioner=GraphPartition.method, seed=self.seed,
-                           splitter=self.graph_partition.splitter(batch.output_nodes))
+                           splitter=self.graph_partition.splitter(batch.output_nodes), full_batch_estimate=whole)
         if self.budget is None or max(split.estimates) <= self.budget:
             return split
         # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings the
@@ -260,6 +273,12 @@ class _LastPlan:
     min_pieces: int
     splitter: OutputSplitter | None
     plan: StepPlan
+
+
+def edge_weighted(batch: Batch) -> list[bool]:
+    """Per block of ``batch`` (input layer first), whether it carries edge weights: what the estimate is told of
+    the batch's counted sizes and layer slices, which carry none (:func:`estimator.counts.counts_of`)."""
+    return [block.edge_weight is not None for block in batch.blocks]
 
 
 def same_structure(one: Batch, other: Batch) -> bool:

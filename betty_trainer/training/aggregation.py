@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import Tensor, nn
 
 from betty_trainer.config import Config
+from betty_trainer.data.block import Block
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets.aggregation import aggregation_table
 from betty_trainer.errors import ConfigError
@@ -61,8 +63,18 @@ def input_features(config: Config, graph: Graph) -> Tensor:
     ``features.aggregation_cache`` the cache's ``(N, W)`` float32 table, layer 0's aggregation of ``graph.x`` over
     every node's full neighbourhood (the built-in model's ``aggregated_input``; ``W = 2F`` for SAGE ``mean``, its own
     row beside its neighbours' mean, else ``F``), read from or written to its folder beside the dataset
-    (:func:`~betty_trainer.datasets.aggregation.aggregation_table`)."""
+    (:func:`~betty_trainer.datasets.aggregation.aggregation_table`).
+
+    Leaves torch's global RNG as it was: the model whose layer 0 aggregates is built only when the table is not on
+    disk yet, its parameters (which the aggregation does not read) initialised under a forked RNG, so a run draws
+    the same whether the table was cached or not.
+    """
     if config.features.aggregation_cache is False:
         return graph.x
-    model = build_model(config.model, graph)  # layer 0's aggregation reads no parameter
-    return aggregation_table(graph, aggregation_kind(config), model.aggregated_input)
+
+    def aggregate(block: Block, x: Tensor) -> Tensor:
+        with torch.random.fork_rng(devices=[]):  # initialising the parameters draws from the global RNG
+            model = build_model(config.model, graph)
+        return model.aggregated_input(block, x)  # reads no parameter
+
+    return aggregation_table(graph, aggregation_kind(config), aggregate)
