@@ -57,7 +57,7 @@ def check_cooperative(config: Config) -> None:
         ConfigError: naming the key and what to set instead.
     """
     if config.sampling.sampler == "gns":
-        raise ConfigError("distributed.mode=cooperative samples with ns, labor or full; GNS's node cache is one "
+        raise ConfigError("distributed.mode=cooperative samples with any sampler but gns; GNS's node cache is one "
                           "process's (set sampling.sampler, or distributed.mode=independent)")
     if config.micro_batch.mode != "micro_batches":
         raise ConfigError("distributed.mode=cooperative runs a rank's share in micro-batch rounds; set "
@@ -96,7 +96,7 @@ def distributed_sampler(config: Config, graph: Graph, sampler: Sampler, processe
     if config.distributed.mode == "independent":
         return IndependentSampler(sampler, processes.rank, processes.world_size)
     if not isinstance(sampler, BlockSampler):
-        raise ConfigError("distributed.mode=cooperative needs a per-layer sampler (ns, labor, full)")
+        raise ConfigError("distributed.mode=cooperative needs a per-layer sampler (full, ns, bulk-ns, bulk-ladies, labor)")
     kind, world = config.distributed.ownership, processes.world_size
     if processes.leads:
         owners = load_owners(graph, world, kind, config.seed)

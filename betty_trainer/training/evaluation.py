@@ -35,7 +35,7 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], features: FeatureStore,
     Args:
         model: the model.
         batches: e.g. from :func:`full_neighbourhood_batches`.
-        features: the feature store, or an ``(N, F)`` tensor.
+        features: the feature store (an ``(N, F)`` tensor ``x`` goes in as ``HostFeatureStore(x)``).
         labels: ``(N,)`` int64 labels.
         device: where the model runs.
 
@@ -76,7 +76,7 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: FeatureStore, de
     Args:
         model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`~betty_trainer.models.stack.runs_layer_by_layer`).
         graph: the graph (its CSC in-edges give the neighbourhoods).
-        features: the feature store, or an ``(N, F)`` tensor.
+        features: the feature store (an ``(N, F)`` tensor ``x`` goes in as ``HostFeatureStore(x)``).
         device: where the model runs.
         nodes: ``(n,)`` int64 ids whose logits are returned; default: every node.
         chunk_size: dst nodes per one-layer block.
@@ -127,7 +127,7 @@ def evaluate_splits(model: nn.Module, graph: Graph, features: FeatureStore, devi
     Args:
         model: the model.
         graph: the graph (labels ``graph.y``).
-        features: the feature store, or an ``(N, F)`` tensor.
+        features: the feature store (an ``(N, F)`` tensor ``x`` goes in as ``HostFeatureStore(x)``).
         device: where the model runs.
         splits: name → ``(n,)`` int64 node ids, e.g. ``{"val": graph.val_idx, "test": graph.test_idx}``.
         num_layers: blocks per batch (batch evaluation only).

@@ -121,7 +121,7 @@ def load_model(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Modul
     Example::
 
         model = load_model("runs/cora-sage-20261122-101500")            # best.pt
-        logits = layerwise_logits(model, graph, graph.x, torch.device("cpu"))
+        logits = layerwise_logits(model, graph, HostFeatureStore(graph.x), torch.device("cpu"))
 
     Args:
         run_dir: a run directory written by :func:`~betty_trainer.training.trainer.train`.
