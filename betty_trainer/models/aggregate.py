@@ -610,11 +610,40 @@ def lstm_neighbours(block: Block, h_src: Tensor, lstm: LSTM) -> Tensor:
     return out.index_copy_(0, torch.cat(rows), torch.cat(finals))
 
 
-def edge_softmax(scores: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
-    """Softmax of edge scores over each dst node's in-edges (vectorised).
+class _EdgeSoftmax(torch.autograd.Function):
+    """:func:`edge_softmax` keeping only its result for backward: ``∂L/∂s_e = α_e·(∂L/∂α_e − Σ_{e'→d} α_e'·∂L/∂α_e')``
+    over the edges into ``e``'s dst node ``d``, the softmax's Jacobian applied in one pass, where autograd through
+    its pieces would keep the exponentials and the gathered per-dst sums (two more ``(E, H)`` tensors) and make
+    five ``(E, H)`` temporaries in backward."""
 
-    Subtracts the per-dst max (treated as a constant, so the gradient is the
-    softmax's own), exponentiates, and divides by the per-dst sum.
+    @staticmethod
+    def forward(ctx, scores: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
+        index = edge_dst.unsqueeze(1).expand_as(scores)
+        peak = torch.zeros(num_dst, scores.shape[1], dtype=scores.dtype, device=scores.device)
+        peak.scatter_reduce_(0, index, scores, "amax", include_self=False)
+        alpha = (scores - peak.index_select(0, edge_dst)).exp_()
+        total = torch.zeros_like(peak).index_add_(0, edge_dst, alpha)
+        del peak
+        alpha.div_(total.index_select(0, edge_dst))
+        ctx.num_dst = num_dst
+        ctx.save_for_backward(alpha, edge_dst)
+        return alpha
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        alpha, edge_dst = ctx.saved_tensors
+        grad_scores = alpha * grad
+        sums = grad_scores.new_zeros(ctx.num_dst, grad_scores.shape[1]).index_add_(0, edge_dst, grad_scores)
+        grad_scores.addcmul_(alpha, sums.index_select(0, edge_dst), value=-1)
+        return grad_scores, None, None
+
+
+def edge_softmax(scores: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
+    """Softmax of edge scores over each dst node's in-edges (vectorised; GAT's Eq. 3, Veličković et al. 2018).
+
+    Subtracts the per-dst max (a constant for the gradient, which is the softmax's own), exponentiates, and
+    divides by the per-dst sum, in place on one ``(E, H)`` tensor, which is the result and all autograd keeps
+    (with ``edge_dst``); backward makes one ``(E, H)`` gradient and one ``(E, H)`` temporary.
 
     Args:
         scores: ``(E, H)`` scores, one column per attention head.
@@ -624,12 +653,7 @@ def edge_softmax(scores: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
     Returns:
         ``(E, H)`` weights; those of one dst node sum to 1 in every column.
     """
-    index = edge_dst.unsqueeze(1).expand_as(scores)
-    peak = torch.zeros(num_dst, scores.shape[1], dtype=scores.dtype, device=scores.device)
-    peak.scatter_reduce_(0, index, scores.detach(), "amax", include_self=False)
-    weights = torch.exp(scores - peak.index_select(0, edge_dst))
-    total = torch.zeros_like(peak).index_add_(0, edge_dst, weights)
-    return weights / total.index_select(0, edge_dst)
+    return _EdgeSoftmax.apply(scores, edge_dst, num_dst)
 
 
 ATTENTION_CHUNK_ELEMENTS = 1 << 20  # (edge, head, feature) products made at once by attention_aggregate (4 MiB)

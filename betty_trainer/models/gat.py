@@ -184,19 +184,15 @@ class GATConv(nn.Module):
             summed = r.alloc(e2 * heads * f, AGG)
             r.drop(log_weight, activated)
             activated = summed
-        peak = r.alloc(d * heads * f, AGG)
+        peak = r.alloc(d * heads * f, AGG)  # edge_softmax: the per-dst max, then α in place on one tensor
         peak_gathered = r.alloc(e2 * heads * f, AGG)
-        shifted = r.alloc(e2 * heads * f, AGG)
+        alpha = r.alloc(e2 * heads * f, AGG)  # scores − the max, exponentiated in place
         r.drop(peak_gathered)
-        weights = r.alloc(e2 * heads * f, AGG)  # exp, saved (its result)
-        r.save(weights, weights, edge_dst2)  # ExpBackward; IndexAddBackward of the sum (source, index)
-        r.drop(shifted)
         total = r.alloc(d * heads * f, AGG)
-        total_gathered = r.alloc(e2 * heads * f, AGG)
-        r.save(edge_dst2)
-        alpha = r.alloc(e2 * heads * f, AGG)  # weights / total_gathered, both saved
-        r.save(weights)
-        r.drop(weights, total, peak)
+        r.drop(peak)
+        r.transient(e2 * heads * f, AGG)  # the per-dst sums gathered, divided into α in place
+        r.drop(total)
+        r.save(alpha, edge_dst2)  # the softmax keeps its result and the dst ends
         out = r.alloc(d * hf * f, AGG)  # attention_aggregate: new_zeros, then one chunk's products at a time
         chunk = min(e2, max(1, ATTENTION_CHUNK_ELEMENTS // hf))
         r.transient(chunk * hf * f, AGG)
@@ -225,19 +221,12 @@ class GATConv(nn.Module):
             r.drop(gathered)
             r.transient(chunk * heads * f, GRAD)  # .sum(-1), copied into grad_alpha
             r.drop(product, grad_messages, grad, z, alpha, edge_src2, edge_dst2)
-            grad_weights = r.alloc(e2 * heads * f, GRAD)  # DivBackward: grad / other, and -grad·self/other²
-            temporaries = [r.alloc(e2 * heads * f, GRAD) for _ in range(3)]
-            r.drop(temporaries[0], temporaries[1], grad_alpha)
-            grad_total_gathered = r.alloc(e2 * heads * f, GRAD)
-            r.drop(temporaries[2], total_gathered, weights)
-            grad_total = r.alloc(d * heads * f, GRAD)  # IndexSelectBackward of total_gathered
-            r.drop(grad_total_gathered, edge_dst2)
-            grad_weights = tape.accumulate(grad_weights, r.alloc(e2 * heads * f, GRAD))  # IndexAddBackward
-            r.drop(grad_total, weights, edge_dst2)
-            grad_shifted = r.alloc(e2 * heads * f, GRAD)  # ExpBackward: grad · result
-            r.drop(grad_weights, weights)
+            grad_softmax = r.alloc(e2 * heads * f, GRAD)  # edge_softmax's backward: α · ∂L/∂α, then in place
+            sums = r.alloc(d * heads * f, GRAD)
+            r.transient(e2 * heads * f, GRAD)  # the per-dst sums gathered
+            r.drop(sums, grad_alpha, alpha, edge_dst2)
             grad_scores = r.alloc(e2 * heads * f, GRAD)  # LeakyReluBackward
-            r.drop(grad_shifted, scores)
+            r.drop(grad_softmax, scores)
             grad_score_dst = r.alloc(d * heads * f, GRAD)
             r.drop(edge_dst2)
             grad_score_src = r.alloc(s * heads * f, GRAD)
