@@ -5,6 +5,10 @@ Public API::
     from betty_trainer import Config, load_config, load_dataset, train, GraphSAGE, load_model
 """
 
+from betty_trainer.process import configure_process
+
+configure_process()  # the OpenMP wait policy and huge pages, before the imports below load torch
+
 from betty_trainer.config import Config, load_config
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, TransferStats
@@ -22,7 +26,6 @@ from betty_trainer.errors import (
 from betty_trainer.execution.micro_batches import MicroBatches, accumulate_gradients
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.custom import calibrate_model
-from betty_trainer.memory.device import use_huge_pages
 from betty_trainer.memory.planner import plan_micro_batches
 from betty_trainer.memory.recorded import record_model
 from betty_trainer.models import GCN, GraphSAGE, NodeDropout, build_model
@@ -33,8 +36,6 @@ from betty_trainer.training.inference import load_model
 from betty_trainer.training.trainer import TrainResult, train
 
 __version__ = "0.1.0"
-
-use_huge_pages()  # before this process's first CPU tensor, when it imports betty_trainer first
 
 __all__ = [
     "DATASETS", "GCN", "Batch", "BettyError", "Block", "CalibrationError", "Config", "ConfigError", "DatasetError",

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +21,6 @@ from betty_trainer.memory.device import (
     DEFAULT_MARGIN,
     EXPANDABLE_MARGIN,
     EXPANDABLE_SEGMENTS,
-    HUGE_PAGES,
     allocator_margin,
     configure_allocator,
     device_workspace,
@@ -74,41 +70,6 @@ def test_the_trainer_asks_for_expandable_segments_unless_the_user_chose(monkeypa
     monkeypatch.setenv(ALLOC_CONF_NEW, "max_split_size_mb:64")
     assert configure_allocator(CUDA) == "max_split_size_mb:64"
     assert ALLOC_CONF not in os.environ
-
-
-_PAGE_FAULTS = """
-import resource, sys
-import torch
-if sys.argv[1] == "betty":
-    import betty_trainer  # noqa: F401
-import os
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    torch.empty(2**23).fill_(1.0)  # 32 MiB, written and freed: what a step does with its large tensors
-print(os.environ.get("THP_MEM_ALLOC_ENABLE"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def _page_faults(env: dict, importing: str) -> tuple[str, int]:
-    result = subprocess.run([sys.executable, "-c", _PAGE_FAULTS, importing], env=env, capture_output=True, text=True,
-                            check=True)
-    setting, faults = result.stdout.split()
-    return setting, int(faults)
-
-
-def test_importing_betty_trainer_asks_torch_for_huge_pages_unless_the_user_chose():
-    env = {key: value for key, value in os.environ.items() if key != HUGE_PAGES}
-    setting, faults = _page_faults(env, "betty")
-    assert setting == "1"
-    kept, default_faults = _page_faults({**env, HUGE_PAGES: "0"}, "betty")
-    assert kept == "0", "the user's setting is kept"
-    _, plain_faults = _page_faults(env, "torch only")
-    # 10 × 32 MiB in 4 KiB pages is 81,920 faults; in 2 MiB pages 160 (the kernel may fall back to small pages
-    # for a few). Where the kernel offers no transparent huge pages the setting can change nothing.
-    assert plain_faults >= 10 * 8192 and default_faults >= 10 * 8192
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.is_file() and "[never]" not in thp.read_text():
-        assert faults < plain_faults / 10, (faults, plain_faults)
 
 
 def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):

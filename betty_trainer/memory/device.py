@@ -1,6 +1,6 @@
 """What a CUDA device holds beyond a training step's own tensors: the BLAS workspaces (measured once per process)
-and the caching allocator's fragmentation (a margin off the budget), and the allocator settings the trainer asks
-for (expandable segments on CUDA; huge pages for large CPU tensors).
+and the caching allocator's fragmentation (a margin off the budget), and the allocator setting the trainer asks
+for (expandable segments on CUDA; the CPU's huge pages are :mod:`betty_trainer.process`'s).
 
 On the CPU both are 0: there is no cuBLAS, and torch's CPU allocator hands freed memory back to ``malloc``, so the
 live bytes the estimator models are what the process holds (docs/design.md › Memory estimate).
@@ -23,11 +23,6 @@ ALLOC_CONF_NEW = "PYTORCH_ALLOC_CONF"
 """The newer name of :data:`ALLOC_CONF` (recent PyTorch reads either); a user who set it is left alone too."""
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 """What the trainer sets :data:`ALLOC_CONF` to when the user has set neither variable."""
-
-HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
-"""The environment variable torch's CPU allocator reads once, at the process's first CPU allocation: ``1`` backs
-allocations of 2 MiB or more with transparent huge pages (``madvise(MADV_HUGEPAGE)`` on 2 MiB-aligned memory, Linux
-only)."""
 
 MIB = 2**20
 EXPANDABLE_MARGIN = (0.05, 64 * MIB)
@@ -61,27 +56,6 @@ def configure_allocator(device: torch.device) -> str | None:
         else:
             os.environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
     return allocator_setting()
-
-
-def use_huge_pages() -> str:
-    """Ask torch's CPU allocator for transparent huge pages in this process, unless the user chose: sets
-    ``THP_MEM_ALLOC_ENABLE=1`` when it is unset. ``import betty_trainer`` calls it: the package's one import-time
-    effect beyond definitions, deliberate, as no later point comes before the process's first tensor.
-
-    torch's CPU allocator takes every tensor from ``malloc`` and hands it back on free, and glibc maps a large
-    block afresh each time (above its mmap threshold, and after ``malloc_trim``), so each step's large tensors
-    page-fault in 4 KiB pages the kernel zeroes one by one. With huge pages a 2 MiB page takes one fault: a full-batch
-    GraphSAGE step on Amazon Computers (one thread) went from 0.151 to 0.123 s, with the same peak resident memory
-    (``benchmarks/README.md`` › versus_dgl.py with huge pages). It changes no tensor and no byte the estimator counts.
-    torch reads the variable once, at the process's first CPU allocation (of any size, torch 2.13), so it has no
-    effect in a process that made a CPU tensor before importing betty_trainer; it has none either where the kernel's
-    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``never``. Set ``THP_MEM_ALLOC_ENABLE=0`` before starting
-    to keep 4 KiB pages.
-
-    Returns:
-        The variable's value in effect.
-    """
-    return os.environ.setdefault(HUGE_PAGES, "1")
 
 
 def allocator_setting() -> str | None:

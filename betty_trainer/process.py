@@ -1,0 +1,87 @@
+"""The process-wide settings ``import betty_trainer`` makes before torch loads: the OpenMP threads' wait policy and
+torch's CPU allocator's huge pages. Each is an environment variable the user may set first, which is then left as
+it is. This module imports no torch (``betty_trainer/__init__.py`` runs it before anything that does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
+"""The environment variable torch's CPU allocator reads once, at the process's first CPU allocation: ``1`` backs
+allocations of 2 MiB or more with transparent huge pages (``madvise(MADV_HUGEPAGE)`` on 2 MiB-aligned memory, Linux
+only)."""
+
+WAIT_POLICY = "OMP_WAIT_POLICY"
+"""The environment variable every OpenMP runtime reads once, when it loads: ``PASSIVE`` puts a thread to sleep when
+its parallel region ends, where the default spins for a while first."""
+
+_TORCH_FIRST = "torch" in sys.modules and WAIT_POLICY not in os.environ
+"""Whether torch (and its OpenMP runtime) was loaded before ``import betty_trainer`` with no wait policy set: then
+:func:`passive_openmp` came too late for torch's runtime (:func:`warn_spinning_openmp`)."""
+
+
+def configure_process() -> None:
+    """Make this module's settings (:func:`passive_openmp`, :func:`use_huge_pages`); ``import betty_trainer`` calls it
+    first, the package's one import-time effect beyond definitions, deliberate: no later point comes before torch
+    loads and before the process's first tensor."""
+    passive_openmp()
+    use_huge_pages()
+
+
+def passive_openmp() -> str:
+    """Let OpenMP threads sleep when a parallel region ends, unless the user chose: sets ``OMP_WAIT_POLICY=PASSIVE``
+    when it is unset.
+
+    A betty_trainer process runs two OpenMP runtimes, each with a pool of one thread per core: torch's (its bundled
+    ``libgomp``, for its CPU operators and MKL) and numba's (``libgomp`` of the system, for the compiled kernels:
+    keyed dropout, the sparse aggregation, sampling). With the default policy each pool's threads spin after every
+    parallel region, so on a machine with few cores the two pools spin against each other and against the thread
+    doing the work. Measured on 2 cores, 20 steps of each in fresh processes (one process CPU time per step):
+    GAT on Cora (heads 4, hidden 64) took 0.047–0.93 s a step with the default policy, process to process (bimodal:
+    some processes spin at 0.83–0.93 s throughout), and 0.042–0.044 s with ``PASSIVE``; full-batch GraphSAGE on
+    Amazon Computers 0.094–0.37 s against 0.071–0.085 s (``benchmarks/README.md`` › OpenMP threads). A sleeping
+    thread takes a few microseconds more to wake for the next region. Each runtime reads the variable when it
+    loads (torch's at ``import torch``), so this has no effect on torch's runtime in a process that imported torch
+    before betty_trainer (:func:`warn_spinning_openmp` says so); set ``OMP_WAIT_POLICY`` yourself (``ACTIVE`` keeps
+    the spinning) to choose.
+
+    Returns:
+        The variable's value in effect.
+    """
+    return os.environ.setdefault(WAIT_POLICY, "PASSIVE")
+
+
+def warn_spinning_openmp() -> None:
+    """Warn, once per process, where torch was imported before betty_trainer without ``OMP_WAIT_POLICY`` set, so that
+    torch's OpenMP threads spin (:func:`passive_openmp`): ``train`` calls it."""
+    global _TORCH_FIRST
+    if _TORCH_FIRST:
+        _TORCH_FIRST = False
+        logger.warning("torch was imported before betty_trainer, so its OpenMP threads spin after every operator and "
+                       "compete with numba's (steps can run several times slower on few cores): import betty_trainer "
+                       "first, or set OMP_WAIT_POLICY=PASSIVE before starting Python")
+
+
+def use_huge_pages() -> str:
+    """Ask torch's CPU allocator for transparent huge pages in this process, unless the user chose: sets
+    ``THP_MEM_ALLOC_ENABLE=1`` when it is unset.
+
+    torch's CPU allocator takes every tensor from ``malloc`` and hands it back on free, and glibc maps a large
+    block afresh each time (above its mmap threshold, and after ``malloc_trim``), so each step's large tensors
+    page-fault in 4 KiB pages the kernel zeroes one by one. With huge pages a 2 MiB page takes one fault: a full-batch
+    GraphSAGE step on Amazon Computers (one thread) went from 0.151 to 0.123 s, with the same peak resident memory
+    (``benchmarks/README.md`` › versus_dgl.py with huge pages). It changes no tensor and no byte the estimator counts.
+    torch reads the variable once, at the process's first CPU allocation (of any size, torch 2.13), so it has no
+    effect in a process that made a CPU tensor before importing betty_trainer; it has none either where the kernel's
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``never``. Set ``THP_MEM_ALLOC_ENABLE=0`` before starting
+    to keep 4 KiB pages.
+
+    Returns:
+        The variable's value in effect.
+    """
+    return os.environ.setdefault(HUGE_PAGES, "1")
