@@ -90,6 +90,19 @@ def test_a_graph_built_from_python_is_checked_in_one_line(fields, message):
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("indptr, message", [
+    ([0, 3, 1, 4], "indptr decreases at node 1 (in-degree -2)"),
+    ([1, 2, 3, 4], "indptr must start at 0"),
+])
+def test_a_csc_pointer_that_does_not_start_at_0_or_decreases_is_refused(indptr, message):
+    """A decreasing pointer gives negative in-degrees, which the compiled kernels read past their arrays with (a
+    native heap corruption in training, found by the failure audit)."""
+    with pytest.raises(DatasetError, match=re.escape(message)) as raised:
+        Graph(torch.tensor(indptr), torch.tensor([0, 1, 2, 0]), torch.zeros(3, 2), torch.tensor([0, 1, 0]),
+              torch.tensor([0]), torch.tensor([1]), torch.tensor([2]))
+    assert "\n" not in str(raised.value)
+
+
 def test_a_graph_takes_numpy_arrays_and_infers_num_classes():
     graph = small_graph(x=np.zeros((6, 3), dtype=np.float32), y=np.array([0, 1, 2, 0, 1, -1]),
                         train_idx=np.array([0, 1]))

@@ -80,6 +80,24 @@ def test_bad_fanout_is_rejected(cora):
         sample_batch(cora, cora.train_idx, [0, 5])
 
 
+@pytest.mark.parametrize("bulk", [False, True], ids=["ns", "bulk-ns"])
+def test_a_fanout_above_every_in_degree_is_the_largest_in_degree_and_samples_what_it_samples(cora, bulk):
+    """A fanout of 2⁴⁰ made 2⁴⁰ round keys, one per round, before sampling (a hang, found by the failure audit); any
+    fanout at or above the largest in-degree keeps every in-edge, so NS takes the largest in-degree instead."""
+    from betty_trainer.sampling import BulkNeighborSampler, NeighborSampler, SampleKey
+
+    largest = int(cora.indptr.diff().max())
+    make = BulkNeighborSampler if bulk else NeighborSampler
+    huge, exact = make(cora, [2**40, 5]), make(cora, [largest, 5])
+    assert huge.fanouts == [largest, 5]
+    seeds, key = cora.train_idx[:64], SampleKey(0, 0, 0)
+    ours, theirs = huge.sample(seeds, key), exact.sample(seeds, key)
+    full = sample_batch(cora, seeds, [None, 5], key=key)
+    for mine, other in zip(ours.blocks, theirs.blocks):
+        assert torch.equal(mine.indptr, other.indptr) and torch.equal(mine.indices, other.indices)
+    assert torch.equal(ours.blocks[0].indices, full.blocks[0].indices), "every in-edge, as the full neighbourhood"
+
+
 def test_from_edges_deduplicates_and_symmetrises():
     src, dst = torch.tensor([0, 0, 1, 2, 2]), torch.tensor([1, 1, 2, 2, 0])
     graph = Graph.from_edges(src, dst, 3, x=torch.zeros(3, 1), y=torch.zeros(3, dtype=torch.long),

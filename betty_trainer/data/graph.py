@@ -49,7 +49,8 @@ class Graph:
     boolean features float32.
 
     Raises:
-        DatasetError: shapes or dtypes are inconsistent, a label or split id is out of range, a node is in two
+        DatasetError: shapes or dtypes are inconsistent, ``indptr`` does not start at 0 or decreases, a label
+            or split id is out of range, a node is in two
             splits or twice in one, or a feature is NaN or infinite (the message names the first row and column).
     """
 
@@ -74,8 +75,7 @@ class Graph:
         problems = []
         if self.indptr.dtype != torch.int64 or self.indices.dtype not in (torch.int32, torch.int64):
             problems.append("indptr must be int64 and indices int32 or int64")
-        if n < 0 or int(self.indptr[-1]) != self.indices.numel():
-            problems.append(f"indptr ends at {int(self.indptr[-1]) if n >= 0 else '?'} but there are {self.indices.numel()} edges")
+        problems += _pointer_problems(self.indptr, self.indices.numel())
         if self.x.dim() != 2 or self.x.shape[0] != n:
             problems.append(f"x has shape {tuple(self.x.shape)}, expected ({n}, F)")
         if self.y.shape != (n,):
@@ -278,6 +278,20 @@ def _label_and_split_problems(graph: Graph) -> list[str]:
         first, second = _SPLITS[int(owner[i])], _SPLITS[int(owner[i + 1])]
         where = f"twice in {first}" if first == second else f"in both {first} and {second}"
         return [f"node {int(ids[i])} is {where}; splits must be disjoint and without repeats"]
+    return []
+
+
+def _pointer_problems(indptr: Tensor, num_edges: int) -> list[str]:
+    """What is wrong with a CSC pointer over ``num_edges`` edges: it must start at 0, never decrease (a negative
+    in-degree) and end at ``num_edges``."""
+    if indptr.numel() == 0 or int(indptr[-1]) != num_edges:
+        return [f"indptr ends at {int(indptr[-1]) if indptr.numel() else '?'} but there are {num_edges} edges"]
+    if int(indptr[0]) != 0:
+        return ["indptr must start at 0"]
+    decreasing = torch.nonzero(indptr[1:] < indptr[:-1])
+    if decreasing.numel():
+        node = int(decreasing[0])
+        return [f"indptr decreases at node {node} (in-degree {int(indptr[node + 1] - indptr[node])})"]
     return []
 
 

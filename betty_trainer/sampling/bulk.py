@@ -43,6 +43,7 @@ from betty_trainer.sampling.neighbor import (
     _use_numba,
     kept_edges,
     kept_sources_numba,
+    ns_fanouts,
     relabel_stack,
 )
 from partition.slicing import LOCAL_INDEX
@@ -298,6 +299,10 @@ class BulkNeighborSampler(BulkSampler):
     Work and memory per layer O(kept edges + rows), plus :func:`extract`'s dense array over the node ids where it
     is small beside them (``N`` labels on the CPU, ``k·N`` flags with tensor ops).
     """
+
+    def __init__(self, graph: Graph, fanouts: Sequence[int | None], bulk: int = 8,
+                 device: torch.device | str = "cpu", kernel: Kernel = "auto") -> None:
+        super().__init__(graph, ns_fanouts(graph, fanouts), bulk, device, kernel)  # NS's fanouts, as NS takes them
 
     def _sample_stack(self, dst: Tensor, counts: Tensor, layer: int, keys: SampleKeys) -> StackedBlocks:
         fanout = self.fanouts[layer]

@@ -61,7 +61,7 @@ class NeighborSampler(BlockSampler):
 
     def __init__(self, graph: Graph, fanouts: Sequence[int | None], kernel: Kernel = "auto") -> None:
         self.graph = graph
-        self.fanouts = [_check_fanout(f) for f in fanouts]
+        self.fanouts = ns_fanouts(graph, fanouts)
         _use_numba(kernel, graph.indptr)  # refuses an unknown or unavailable kernel now, not at the first batch
         self.kernel = kernel
 
@@ -145,6 +145,19 @@ def sample_block(
     if _use_numba(kernel, graph.indptr):
         return _sample_block_numba(graph, dst, fanout, round_keys)
     return _sample_block_tensor(graph, dst, fanout, round_keys)
+
+
+def ns_fanouts(graph: Graph, fanouts: Sequence[int | None]) -> list[int | None]:
+    """NS's fanouts on ``graph``, each checked (:func:`sample_block`'s rule) and at most the graph's largest
+    in-degree: a larger fanout keeps every in-edge of every node, as the largest in-degree does, so the batches are
+    the same, and a draw makes one round key per round up to the fanout (a fanout of 2³² would make 2³² of them).
+
+    Raises:
+        ValueError: a fanout of 0 or below -1.
+    """
+    checked = [_check_fanout(f) for f in fanouts]
+    largest = max(1, int(graph.indptr.diff().max())) if graph.num_nodes else 1
+    return [None if f is None else min(f, largest) for f in checked]
 
 
 def _check_fanout(fanout: int | None) -> int | None:
