@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from betty_trainer import GraphSAGE, HostFeatureStore, accumulate_gradients, load_dataset
 from betty_trainer.config import DatasetConfig, load_config
 from betty_trainer.distributed.ownership import _symmetric_adjacency, load_owners, vertex_owners
-from betty_trainer.errors import TrainingError
+from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.execution.cooperative import CooperativePlan, cooperative_step
 from betty_trainer.memory.spec import spec_of
 from betty_trainer.models import set_dropout_key
@@ -216,3 +216,14 @@ def test_a_shares_memory_estimate_matches_its_measured_peak(planetoid_dir, tmp_p
         # Cora's 1433-wide input rows make the input layer's exchange the peak: its buffers are what a
         # micro-batch estimate of the same blocks would miss
         assert min(result["exchange"]) > 0.1 * max(result["measured"])
+
+
+def test_a_cooperative_config_it_cannot_run_is_refused_before_a_process_group_exists():
+    """A refused config left a one-process gloo group to be torn down at exit, which aborted the process now and
+    then (SIGABRT after the one-line error, found by the failure audit); the refusal now comes first."""
+    from betty_trainer.training.distributed import join_run
+
+    config = load_config(None, ["distributed.mode=cooperative", "micro_batch.mode=layerwise"])
+    with pytest.raises(ConfigError, match="set micro_batch.mode=micro_batches"):
+        join_run(config, torch.device("cpu"))
+    assert not dist.is_initialized()

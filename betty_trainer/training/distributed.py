@@ -38,14 +38,17 @@ T = TypeVar("T")
 
 def join_run(config: Config, device: torch.device) -> Processes | None:
     """This process's place in the run (:func:`~betty_trainer.distributed.group.join`), or ``None`` for a
-    single-process run (``distributed.mode: none``).
+    single-process run (``distributed.mode: none``). A cooperative config that mode does not run is refused before
+    any process group exists (:func:`check_cooperative`).
 
     Raises:
-        ConfigError: see ``join``.
+        ConfigError: see ``join`` and :func:`check_cooperative`.
     """
     settings = config.distributed
     if settings.mode == "none":
         return None
+    if settings.mode == "cooperative":
+        check_cooperative(config)
     configure_allocator(device)  # before joining initialises CUDA (check_config does it for a single process)
     return join(device, settings.backend, settings.timeout_s)
 
