@@ -23,9 +23,9 @@ aggregates): Amazon Computers and ``sbm-30k`` (``benchmarks/versus_dgl.py``'s 30
 check each other's results. Each side calls ``torch.set_num_threads(1)`` (ours also numba's); times are CPU time
 (``time.process_time``) of one forward + backward, rounds interleaved (ours, DGL, ours, …), medians. DGL builds
 its out-edge (CSR) format in the warm-up call and keeps it on the graph; ours keeps nothing between calls.
-Both sides run with the CPU allocator setting ``import betty_trainer`` makes (``THP_MEM_ALLOC_ENABLE``,
-``betty_trainer.memory.device.use_huge_pages``), as a user's process gets it: this file imports the package before
-its first tensor, and DGL's process inherits the environment.
+Both sides run with the process settings ``import betty_trainer`` makes (``betty_trainer/process.py``: the OpenMP
+wait policy and huge pages), as a user's process gets them: ``common`` imports the package before torch loads, and
+DGL's process inherits the environment.
 
 On a GPU (``--device cuda``; no DGL there) ours runs its tensor path (``torch.sparse`` CSR products, ``Aᵀ`` built
 per backward) against PyG's ``spmm`` on a ``torch.sparse`` CSR made before the clock, wall time with the device
@@ -39,6 +39,9 @@ Run:
 
 from __future__ import annotations
 
+import common  # this folder
+from common import int_list, markdown_table, name_list
+
 import argparse
 import statistics
 import tempfile
@@ -46,15 +49,9 @@ import time
 import warnings
 from pathlib import Path
 
-import common  # this folder
 import numpy as np
 import torch
 
-try:  # its CPU allocator setting, before this process's first tensor (see the docstring)
-    import betty_trainer  # noqa: F401
-except ImportError:  # DGL's side (--serve): DGL's environment, which inherits the setting from ours
-    pass
-from common import int_list, markdown_table, name_list
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder
 
 WEIGHTINGS = ("mean", "gcn", "sum", "weighted")

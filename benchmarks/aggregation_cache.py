@@ -25,6 +25,8 @@ Run:
 
 from __future__ import annotations
 
+from common import load_graph, markdown_table  # this folder
+
 import argparse
 import os
 import statistics
@@ -32,7 +34,6 @@ import tempfile
 import time
 
 import torch
-from common import load_graph, markdown_table  # this folder
 
 from betty_trainer import HostFeatureStore, load_config
 from betty_trainer.errors import PlanningError

@@ -26,6 +26,8 @@ Run from the repository root::
 
 from __future__ import annotations
 
+from common import int_list, markdown_table  # this folder
+
 import ctypes
 import os
 import statistics
@@ -35,11 +37,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import int_list, markdown_table  # this folder
-from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # this folder
-from sampling import batch_arguments, epoch_batches  # this folder
 
 from betty_trainer.sampling import BulkNeighborSampler, NeighborSampler, SampleKey
+from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # this folder
+from sampling import batch_arguments, epoch_batches  # this folder
 
 NS = "NS (per batch)"
 DGL = "DGL NeighborSampler"

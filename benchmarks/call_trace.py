@@ -17,14 +17,14 @@ Run:
 
 from __future__ import annotations
 
+from common import REPO_ROOT  # this folder
+
 import argparse
 import shutil
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
-
-from common import REPO_ROOT  # this folder
 
 try:
     import tomllib

@@ -1,15 +1,23 @@
 """What the benchmark scripts share: where the repository and the shared datasets are, a graph by name through the
 dataset registry, comma-separated option values, and markdown tables.
 
-The scripts import it as ``from common import ...`` (Python puts a script's own folder first on ``sys.path``).
-DGL's side (``dgl_channel.py``, run with DGL's interpreter) imports it too, so it imports only the standard
-library at the top; the registry is imported where a graph is loaded.
+The scripts import it as ``from common import ...`` (Python puts a script's own folder first on ``sys.path``), first
+of all their imports (``benchmarks/ruff.toml`` keeps it there): importing it imports betty_trainer, whose process
+settings (``betty_trainer/process.py``: the OpenMP wait policy, which torch's runtime reads when torch loads, and huge
+pages) then hold for torch in every benchmark, and for DGL's side, which inherits the environment. DGL's side
+(``dgl_channel.py``, run with DGL's interpreter, which has no betty_trainer) imports it too, so it imports only the
+standard library otherwise; the registry is imported where a graph is loaded.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+try:  # betty_trainer's process settings, before the importing script loads torch
+    import betty_trainer  # noqa: F401
+except ImportError:  # DGL's side: its environment has no betty_trainer, and it inherits the settings from ours
+    pass
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATASETS = REPO_ROOT.parent / "shared" / "datasets"

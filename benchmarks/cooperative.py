@@ -27,6 +27,8 @@ Run:
 
 from __future__ import annotations
 
+from common import load_graph  # this folder
+
 import argparse
 import os
 import socket
@@ -36,7 +38,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import load_graph  # this folder
 from rich.console import Console
 from rich.table import Table
 

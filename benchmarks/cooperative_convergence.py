@@ -25,6 +25,8 @@ Run (2 shared CPU cores, gloo; 29.4 min measured, 24 runs):
 
 from __future__ import annotations
 
+from common import REPO_ROOT, markdown_table, name_list, shared_folder  # this folder
+
 import argparse
 import json
 import os
@@ -39,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from common import REPO_ROOT, markdown_table, name_list, shared_folder  # this folder
 
 SETTINGS = {
     # batch_size >= the training split (Cora 140, Amazon Computers 200): one global batch per epoch

@@ -68,6 +68,8 @@ of cache.)
 
 from __future__ import annotations
 
+from common import markdown_table  # this folder
+
 import argparse
 import json
 import os
@@ -80,7 +82,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from common import markdown_table  # this folder
 
 AVERAGE_DEGREE = 26  # directed edges per node (ogbn-products: 50.5; this keeps 52M edges at 2M nodes)
 FANOUTS = [10, 25]

@@ -9,6 +9,8 @@ its top), so both environments can load it.
 
 from __future__ import annotations
 
+from common import REPO_ROOT  # this folder
+
 import json
 import os
 import subprocess
@@ -16,7 +18,6 @@ import sys
 from pathlib import Path
 
 import torch
-from common import REPO_ROOT  # this folder
 
 # The DGL environment `.ci/dgl` builds or reuses (torch 2.2.1, dgl 2.1.0): every benchmark's --dgl-python default.
 DGL_VENV = Path(os.environ.get("BETTY_DGL_VENV", Path.home() / ".cache" / "betty-trainer" / "dgl-venv"))

@@ -18,6 +18,8 @@ see :func:`main`.
 
 from __future__ import annotations
 
+from common import REPO_ROOT  # this folder
+
 import importlib.util
 import sys
 import time
@@ -26,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import REPO_ROOT  # this folder
-from dgl_channel import serve  # this folder
 from torch import nn
+
+from dgl_channel import serve  # this folder
 
 _MEASURE = REPO_ROOT / "estimator" / "measure.py"
 

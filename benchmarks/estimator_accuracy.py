@@ -52,9 +52,9 @@ from typing import Any, Sequence
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import common  # noqa: E402  (this folder)
-import torch  # noqa: E402
 from common import int_list, name_list  # noqa: E402
-from custom_models import CUSTOM_MODELS  # noqa: E402  (this folder)
+
+import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -69,6 +69,7 @@ from betty_trainer.execution.micro_batches import measure_training_step  # noqa:
 from betty_trainer.memory.recorded import record_model  # noqa: E402
 from betty_trainer.memory.spec import model_spec  # noqa: E402
 from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
+from custom_models import CUSTOM_MODELS  # noqa: E402  (this folder)
 from estimator.counts import counts_of  # noqa: E402
 from estimator.estimate import estimate_micro_batch  # noqa: E402
 

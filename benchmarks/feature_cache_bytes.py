@@ -11,12 +11,14 @@ repository root::
 
 from __future__ import annotations
 
+from common import markdown_table  # this folder
+
 import json
 import time
 from pathlib import Path
 
 import torch
-from common import markdown_table  # this folder
+
 from sampling import batch_arguments, epoch_batches, features  # this folder
 
 

@@ -8,12 +8,13 @@ repository root::
 
 from __future__ import annotations
 
+from common import int_list, load_graph  # this folder
+
 import argparse
 import math
 from pathlib import Path
 
 import torch
-from common import int_list, load_graph  # this folder
 
 
 def gns_bias(args) -> None:

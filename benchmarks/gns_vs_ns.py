@@ -11,13 +11,15 @@ without a cache, NS with a static cache of GNS's size, GNS through its node cach
 
 from __future__ import annotations
 
+from common import int_list, load_graph, markdown_table  # this folder
+
 import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import int_list, load_graph, markdown_table  # this folder
+
 from sampling import features  # this folder
 
 PRODUCTS_NS_INPUT_FRACTION = 433_928 / 2_449_029  # GNS Table 4: NS input nodes per batch / ogbn-products' nodes

@@ -23,6 +23,8 @@ Run:
 
 from __future__ import annotations
 
+from common import REPO_ROOT, int_list, load_graph, markdown_table, name_list  # this folder
+
 import argparse
 import json
 import os
@@ -35,13 +37,12 @@ from operator import attrgetter
 from pathlib import Path
 
 import torch
-from common import REPO_ROOT, int_list, load_graph, markdown_table, name_list  # this folder
-from dgl_channel import DEFAULT_DGL_PYTHON  # this folder
 from torch import nn
 from torch.nn import functional as F
 
 from betty_trainer import GraphSAGE, HostFeatureStore, accumulate_gradients, plan_micro_batches, sample_batch
 from betty_trainer.models.interop import DGLModel, PyGModel
+from dgl_channel import DEFAULT_DGL_PYTHON  # this folder
 
 CPU = torch.device("cpu")
 

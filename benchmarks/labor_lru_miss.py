@@ -14,13 +14,15 @@ The same file is DGL's side (``--dgl-side``, run with DGL's Python; it imports n
 
 from __future__ import annotations
 
+from common import load_graph, markdown_table, shared_folder  # this folder
+
 import math
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import load_graph, markdown_table, shared_folder  # this folder
+
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder: both sides load it
 from sampling import DGLSide, batch_arguments, epoch_batches, lru_miss_rate  # this folder
 

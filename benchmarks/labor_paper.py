@@ -27,6 +27,8 @@ The same file is DGL's side (``--dgl-side``, run with DGL's Python; it imports n
 
 from __future__ import annotations
 
+from common import int_list, load_graph, markdown_table, name_list  # this folder
+
 import argparse
 import math
 import statistics
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import int_list, load_graph, markdown_table, name_list  # this folder
+
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder: both sides load it
 from labor_lru_miss import DGLStudy, our_lru  # this folder
 

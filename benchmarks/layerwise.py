@@ -32,13 +32,14 @@ Run:
 
 from __future__ import annotations
 
+from common import load_graph, markdown_table  # this folder
+
 import argparse
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from common import load_graph, markdown_table  # this folder
 
 from betty_trainer import HostFeatureStore, StepPlan, load_config
 from betty_trainer.errors import PlanningError

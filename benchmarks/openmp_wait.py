@@ -3,10 +3,11 @@ steps in fresh processes under ``OMP_WAIT_POLICY=ACTIVE`` (the runtimes' spinnin
 loads first) and ``PASSIVE`` (what ``import betty_trainer`` sets), interleaved, one process after another.
 
 A process runs two OpenMP runtimes (torch's bundled ``libgomp`` and the system's, which numba's kernels use), each
-with one thread per core; torch and numba run their default threads (one per core). Each process imports
-betty_trainer first, builds the model and the full batch, runs ``--steps`` training steps (forward, cross entropy,
-backward; the model's node-keyed dropout included) and prints each step's process CPU time; the table gives, per
-policy, the median over processes of their median step, the slowest process's median, and the slowest step.
+with one thread per core; torch and numba run their default threads (one per core). Each process is given the
+policy in its environment (every runtime reads it when it loads), builds the model and the full batch, runs
+``--steps`` training steps (forward, cross entropy, backward; the model's node-keyed dropout included) and prints
+each step's process CPU time; the table gives, per policy, the median over processes of their median step, the
+slowest process's median, and the slowest step.
 
 Run:
     python benchmarks/openmp_wait.py
@@ -15,6 +16,9 @@ Run:
 
 from __future__ import annotations
 
+import common  # this folder
+from common import markdown_table
+
 import argparse
 import json
 import os
@@ -22,9 +26,6 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-
-import common  # this folder
-from common import markdown_table
 
 POLICIES = ("ACTIVE", "PASSIVE")
 MODELS = {"gat": ["model.arch=gat", "model.hidden=64", "model.heads=4"], "sage": ["model.arch=sage", "model.hidden=64"]}

@@ -25,6 +25,8 @@ Run:
 
 from __future__ import annotations
 
+from common import int_list, load_graph, name_list  # this folder
+
 import argparse
 import json
 import statistics
@@ -33,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import int_list, load_graph, name_list  # this folder
 from rich.console import Console
 from rich.table import Table
 

@@ -43,8 +43,9 @@ from typing import Any
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
-import torch  # noqa: E402
 from common import int_list, load_graph, markdown_table, name_list  # noqa: E402 (this folder)
+
+import torch  # noqa: E402
 
 from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402

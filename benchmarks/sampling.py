@@ -29,6 +29,8 @@ JSON-line commands and imports nothing from betty-trainer (DGL's environment pin
 
 from __future__ import annotations
 
+from common import int_list, load_graph, markdown_table  # this folder; both sides load it
+
 import argparse
 import dataclasses
 import json
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import int_list, load_graph, markdown_table  # this folder; both sides load it
+
 from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess, serve  # this folder: both sides load it
 
 # --- shared by both sides ----------------------------------------------------------------------------------

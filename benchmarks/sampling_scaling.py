@@ -32,6 +32,8 @@ Run:
 
 from __future__ import annotations
 
+from common import SHARED_DATASETS, load_graph  # this folder
+
 import argparse
 import json
 import os
@@ -44,11 +46,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import SHARED_DATASETS, load_graph  # this folder
-from dgl_channel import DEFAULT_DGL_PYTHON  # this folder
 
 from betty_trainer.data.graph import Graph
 from betty_trainer.sampling import NeighborSampler, SampleKey, sample_block
+from dgl_channel import DEFAULT_DGL_PYTHON  # this folder
 
 FANOUT = 10
 

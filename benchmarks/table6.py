@@ -31,6 +31,8 @@ Run:
 
 from __future__ import annotations
 
+from common import markdown_table  # this folder
+
 import argparse
 import json
 import os
@@ -40,12 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import markdown_table  # this folder
-from dataset_scale import FANOUTS, cached_graph, powerlaw_params  # this folder
 
 from betty_trainer.datasets.cache import load_cached
 from betty_trainer.sampling import sample_batch
 from betty_trainer.sampling.base import SampleKey
+from dataset_scale import FANOUTS, cached_graph, powerlaw_params  # this folder
 from partition import OutputSplitter, make_split
 
 #: Betty Table 6 (ogbn-products): batches → (micro-batch, mini-batch) first-layer input nodes.

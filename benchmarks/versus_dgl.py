@@ -40,8 +40,8 @@ Sections (``--sections``):
     that reuses the plan of an unchanged batch shows it there), the ratios ours/DGL and
     K/K=1, and the planning share of the K step. "K=1 step / DGL block" compares the same work on both
     sides: ours without sampling (plan, run, Adam) against DGL on a block made before its clock starts.
-    The DGL side inherits this process's environment, so both run with the CPU allocator setting
-    ``import betty_trainer`` makes (``THP_MEM_ALLOC_ENABLE``, ``betty_trainer.memory.device.use_huge_pages``).
+    The DGL side inherits this process's environment, so both run with the process settings
+    ``import betty_trainer`` makes (``betty_trainer/process.py``: the OpenMP wait policy and huge pages).
 ``sampling``
     Neighbour-sampling throughput (seeds/s), fanouts ``--sample-fanouts`` (10,10,10),
     batch ``--batch-size`` (1024), the same seed batches (a seeded permutation of all
@@ -82,10 +82,10 @@ from pathlib import Path
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import common  # noqa: E402  (this folder)
+from common import float_list, int_list, name_list  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import float_list, int_list, name_list  # noqa: E402
-from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # noqa: E402  (this folder)
 
 from betty_trainer import HostFeatureStore, NeighborSampler, SampleKey, sample_batch  # noqa: E402
 from betty_trainer.config import load_config  # noqa: E402
@@ -95,6 +95,7 @@ from betty_trainer.models import set_dropout_key  # noqa: E402
 from betty_trainer.rng import derive_seed  # noqa: E402
 from betty_trainer.sampling.schedule import plan_seed, split_seeds  # noqa: E402
 from betty_trainer.training.trainer import init_model  # noqa: E402
+from dgl_channel import DEFAULT_DGL_PYTHON, DGLProcess  # noqa: E402  (this folder)
 
 MIB = 2**20
 CPU = torch.device("cpu")

@@ -214,8 +214,10 @@ def _print_plan(console: Console, report: dict, args: argparse.Namespace) -> Non
     if draw is not None:
         chosen = (f"the most of the epoch's batches under sampling.bulk_memory {_mib(draw['bulk_memory'])} MiB"
                   if draw["bulk_memory"] is not None else "sampling.bulk")
-        where = (f"on the GPU, taken off the step's budget with the graph structure's {_mib(draw['structure_bytes'])} "
-                 "MiB there" if draw["device_bytes"] else "in host memory")
+        where = "in host memory"
+        if draw["device_bytes"]:
+            where = (f"on the GPU, with the graph structure's {_mib(draw['structure_bytes'])} MiB there"
+                     + (", taken off the step's budget" if report["memory_terms"]["sampler_bytes"] else ""))
         batches = f"{draw['bulk']} batch{'es' if draw['bulk'] != 1 else ''} of {draw['batch_size']} seeds"
         console.print(f"bulk sampling: {batches} a draw ({chosen}), at most {_mib(draw['draw_bytes'])} MiB {where}",
                       highlight=False, soft_wrap=True)

@@ -261,3 +261,19 @@ def test_rows_off_the_whole_block_refuse_where_the_compiled_kernels_do_not_run()
     block = random_block()
     with pytest.raises(ValueError, match="compiled CPU kernels"):
         aggregate.aggregate_rows(block, 0, 3, torch.randn(block.num_src, 4, dtype=torch.float64), False)
+
+
+def test_edge_softmax_is_each_dst_nodes_softmax_with_first_and_second_derivatives():
+    """The softmax keeps only its result for backward (one Function, its Jacobian applied in one pass); its values
+    are torch.softmax's per dst node, and its first and second derivatives pass gradcheck (float64)."""
+    edge_softmax = aggregate.edge_softmax
+    torch.manual_seed(0)
+    num_dst, edges, heads = 6, 40, 2
+    dst = torch.sort(torch.randint(0, num_dst, (edges,))).values
+    scores = torch.randn(edges, heads, dtype=torch.float64, requires_grad=True)
+    alpha = edge_softmax(scores, dst, num_dst)
+    for d in range(num_dst):
+        if (dst == d).any():
+            torch.testing.assert_close(alpha[dst == d], torch.softmax(scores[dst == d], 0))
+    assert torch.autograd.gradcheck(lambda s: edge_softmax(s, dst, num_dst), (scores,))
+    assert torch.autograd.gradgradcheck(lambda s: edge_softmax(s, dst, num_dst), (scores,))

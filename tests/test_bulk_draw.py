@@ -13,7 +13,7 @@ import torch
 from betty_trainer import Graph
 from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
-from betty_trainer.memory.planner import make_planner
+from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.sampling import SampleKey
 from betty_trainer.sampling import bulk as bulk_module
 from betty_trainer.sampling.bulk import BulkDraw, BulkLadiesSampler, BulkNeighborSampler
@@ -173,11 +173,12 @@ def test_auto_is_capped_by_the_epoch_and_one_batch_over_the_cap_warns(cora, capl
 # ---------------------------------------------------------------- the memory plan
 
 
-def test_the_plan_takes_a_gpu_draw_off_the_budget_and_reports_a_host_draw(cora):
-    """``sampling.device: cuda`` (its record made here without a GPU): the structure and the draw's bytes are the
-    budget's ``sampler_bytes``; on the CPU they are reported under ``sampling`` and the budget keeps them."""
+def test_the_plan_takes_a_gpu_draw_off_a_gpu_budget_and_reports_a_host_draw(cora):
+    """``sampling.device: cuda`` (its record made here without a GPU): where the step trains on CUDA, the structure
+    and the draw's bytes are the budget's ``sampler_bytes``; a step on the CPU keeps its budget (host memory), as it
+    does with a draw on the CPU, which is reported under ``sampling``."""
     config = load_config(None, ["sampling.sampler=bulk-ns", "sampling.fanouts=[5,10]", "sampling.batch_size=16",
-                                "micro_batch.budget=64MiB", "train.device=cpu"])
+                                "micro_batch.budget=64MiB", "micro_batch.safety_margin=0", "train.device=cpu"])
     sampler = make_sampler(config, cora)
     batch = first_batch(config, cora, sampler)
     features = HostFeatureStore(cora.x)
@@ -189,10 +190,13 @@ def test_the_plan_takes_a_gpu_draw_off_the_budget_and_reports_a_host_draw(cora):
     structure = cora.indptr.nbytes + cora.indices.nbytes
     gpu_draw = BulkDraw(sampler.bulk, config.sampling.bulk_memory, 16, sampler.bulk_draw.draw_bytes, structure, "cuda")
     assert gpu_draw.device_bytes == structure + sampler.bulk_draw.draw_bytes
-    gpu = make_planner(config, cora, None, torch.device("cpu"), features, bulk_draw=gpu_draw)
-    terms = gpu.report(gpu.plan(batch))["memory_terms"]
+    cpu_step = make_planner(config, cora, None, torch.device("cpu"), features, bulk_draw=gpu_draw)
+    assert cpu_step.report(cpu_step.plan(batch))["memory_terms"]["sampler_bytes"] == 0
+    assert cpu_step.budget == 64 * 2**20, "GPU bytes are not taken off a CPU step's budget"
+    gpu = Planner(config.micro_batch, host.estimator, torch.device("cuda"), bulk_draw=gpu_draw)  # no CUDA call
+    terms = gpu.memory_terms()
     assert terms["sampler_bytes"] == gpu_draw.device_bytes
-    assert gpu.budget == terms["step_bytes"] == 64 * 2**20 - gpu_draw.device_bytes
+    assert gpu.budget == terms["step_bytes"] == 64 * 2**20 - terms["allocator_margin"] - gpu_draw.device_bytes
 
 
 def test_betty_train_plan_shows_the_draw(cora, planetoid_dir):

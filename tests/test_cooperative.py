@@ -229,3 +229,19 @@ def test_a_cooperative_config_it_cannot_run_is_refused_before_a_process_group_ex
     with pytest.raises(ConfigError, match="set micro_batch.mode=micro_batches"):
         distributed.join_run(config, torch.device("cpu"))
     assert not joined, "no process group was made"
+
+
+@pytest.mark.parametrize("sampler, refused", [("gns", "node cache is one process's"),
+                                              ("bulk-ladies", "LADIES samples its vertices per batch"),
+                                              ("bulk-ns", None), ("labor", None), ("full", None)])
+def test_cooperative_mode_refuses_the_samplers_whose_sample_is_per_process_or_per_batch(sampler, refused):
+    from betty_trainer.training.distributed import check_cooperative
+
+    fanouts = "null" if sampler == "full" else "[5,5]"
+    config = load_config(None, ["distributed.mode=cooperative", f"sampling.sampler={sampler}",
+                                f"sampling.fanouts={fanouts}", "sampling.batch_size=64"])
+    if refused is None:
+        check_cooperative(config)
+    else:
+        with pytest.raises(ConfigError, match=refused):
+            check_cooperative(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import InitVar, dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -231,6 +232,11 @@ class Graph:
     def in_degrees(self) -> Tensor:
         """``(N,)`` int64 in-degree of every node."""
         return self.indptr[1:] - self.indptr[:-1]
+
+    @functools.cached_property
+    def max_in_degree(self) -> int:
+        """The largest in-degree (0 without nodes), computed once per graph (one pass over ``indptr``)."""
+        return int(self.in_degrees().max()) if self.num_nodes else 0
 
     def out_degrees(self) -> Tensor:
         """``(N,)`` int64 out-degree of every node: the in-neighbour lists that hold it, so how many dst

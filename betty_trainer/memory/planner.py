@@ -65,8 +65,9 @@ class Planner:
         graph_partition: the run's :class:`~partition.GraphPartition` (``micro_batch.assignment`` resolved to
             ``graph``: :func:`make_planner`), or ``None`` to partition each batch's outputs.
         bulk_draw: the run's sampler's :class:`~betty_trainer.sampling.bulk.BulkDraw` (``None``: one batch at a
-            time on the graph's device): reported, and its ``device_bytes`` (on a CUDA device) are taken off the
-            budget as the feature store's are.
+            time on the graph's device): reported, and where the step trains on CUDA its ``device_bytes`` (sampling
+            on the GPU) are taken off the budget as the feature store's are (sampling and training share the
+            current CUDA device).
 
     Assignment by the graph: with a ``graph_partition``, a batch's micro-batches are its outputs grouped by their
     nodes' parts in the graph's K-way partition (made once per K for the run) and counted; no REG and no METIS
@@ -103,8 +104,9 @@ class Planner:
         self.device = torch.device(device)
         self.layerwise_allowed = layerwise_allowed
         self.bulk_draw = bulk_draw
+        on_this_device = bulk_draw is not None and self.device.type == "cuda"  # a CPU step's budget is host memory
         self.budget_terms = resolve_budget(config, device, feature_store_bytes,
-                                           bulk_draw.device_bytes if bulk_draw is not None else 0)
+                                           bulk_draw.device_bytes if on_this_device else 0)
         self.budget = self.budget_terms.step_bytes
         if self.budget is not None and estimator is None:
             raise ConfigError("micro_batch.budget needs a memory estimate of the custom model: calibrate it with "

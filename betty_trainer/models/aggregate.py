@@ -634,6 +634,8 @@ class _EdgeSoftmax(torch.autograd.Function):
         alpha, edge_dst = ctx.saved_tensors
         grad_scores = alpha * grad
         sums = grad_scores.new_zeros(ctx.num_dst, grad_scores.shape[1]).index_add_(0, edge_dst, grad_scores)
+        if torch.is_grad_enabled():  # autograd records this backward (create_graph): out of place, differentiable
+            return grad_scores - alpha * sums.index_select(0, edge_dst), None, None
         grad_scores.addcmul_(alpha, sums.index_select(0, edge_dst), value=-1)
         return grad_scores, None, None
 

@@ -119,7 +119,7 @@ class BulkSampler(BlockSampler):
         self.device = device
         self._indptr, self._indices = graph.indptr.to(device), graph.indices.to(device)
         self._numba = _use_numba(kernel, self._indptr)  # refuses an unknown or unavailable kernel now
-        self._degrees: Tensor | None = None  # in-degrees, descending (draw_bytes' bound), made on first use
+        self._degrees: Tensor | None = None  # in-degrees, descending (draw_bytes' bound), made on use, freed by fit
         self._sizes: dict[tuple[int, int], list[_Sizes]] = {}  # by (batch_size, first_layer)
 
     def fit(self, bulk: int | str, batch_size: int, batches: int, cap: int) -> BulkDraw:
@@ -143,8 +143,10 @@ class BulkSampler(BlockSampler):
         self.bulk = int(bulk)
         moved = [t for t, source in ((self._indptr, self.graph.indptr), (self._indices, self.graph.indices))
                  if t is not source]
-        return BulkDraw(self.bulk, cap if auto else None, batch_size, self.draw_bytes(self.bulk, batch_size),
+        draw = BulkDraw(self.bulk, cap if auto else None, batch_size, self.draw_bytes(self.bulk, batch_size),
                         sum(t.numel() * t.element_size() for t in moved), self.device.type)
+        self._degrees = None  # the (N,) sorted in-degrees the bound read: not kept for the run
+        return draw
 
     def draw_bytes(self, k: int, batch_size: int) -> int:
         """An upper bound of the bytes :meth:`sample_many` allocates on ``device`` for ``k`` batches of at most

@@ -28,7 +28,8 @@ from betty_trainer.sampling.base import BlockSampler, SampleKey
 
 
 class CooperativeSampler:
-    """Alg. 1's sampling on one rank, around a :class:`BlockSampler` (NS, LABOR, GNS) over the whole graph.
+    """Alg. 1's sampling on one rank, around a :class:`BlockSampler` (full, NS, bulk-ns's NS one batch at a time,
+    LABOR) over the whole graph.
 
     Args:
         sampler: the per-layer sampler (each rank holds the graph; it samples only its own dst nodes'

@@ -149,14 +149,17 @@ def sample_block(
 
 def ns_fanouts(graph: Graph, fanouts: Sequence[int | None]) -> list[int | None]:
     """NS's fanouts on ``graph``, each checked (:func:`sample_block`'s rule) and at most the graph's largest
-    in-degree: a larger fanout keeps every in-edge of every node, as the largest in-degree does, so the batches are
-    the same, and a draw makes one round key per round up to the fanout (a fanout of 2³² would make 2³² of them).
+    in-degree (:attr:`Graph.max_in_degree <betty_trainer.data.graph.Graph.max_in_degree>`, computed once per graph):
+    a larger fanout keeps every in-edge of every node, as the largest in-degree does, so the batches are the same,
+    and a draw makes one round key per round up to the fanout (a fanout of 2³² would make 2³² of them).
 
     Raises:
         ValueError: a fanout of 0 or below -1.
     """
     checked = [_check_fanout(f) for f in fanouts]
-    largest = max(1, int(graph.indptr.diff().max())) if graph.num_nodes else 1
+    if all(f is None for f in checked):
+        return checked
+    largest = max(1, graph.max_in_degree)
     return [None if f is None else min(f, largest) for f in checked]
 
 

@@ -59,9 +59,11 @@ def check_cooperative(config: Config) -> None:
     Raises:
         ConfigError: naming the key and what to set instead.
     """
-    if config.sampling.sampler == "gns":
-        raise ConfigError("distributed.mode=cooperative samples with any sampler but gns; GNS's node cache is one "
-                          "process's (set sampling.sampler, or distributed.mode=independent)")
+    if config.sampling.sampler in ("gns", "bulk-ladies"):
+        why = ("GNS's node cache is one process's" if config.sampling.sampler == "gns" else
+               "LADIES samples its vertices per batch, which ranks sampling their own dst nodes would multiply")
+        raise ConfigError(f"distributed.mode=cooperative samples with full, ns, bulk-ns or labor; {why} (set "
+                          "sampling.sampler, or distributed.mode=independent)")
     if config.micro_batch.mode != "micro_batches":
         raise ConfigError("distributed.mode=cooperative runs a rank's share in micro-batch rounds; set "
                           "micro_batch.mode=micro_batches")
@@ -99,7 +101,7 @@ def distributed_sampler(config: Config, graph: Graph, sampler: Sampler, processe
     if config.distributed.mode == "independent":
         return IndependentSampler(sampler, processes.rank, processes.world_size)
     if not isinstance(sampler, BlockSampler):
-        raise ConfigError("distributed.mode=cooperative needs a per-layer sampler (full, ns, bulk-ns, bulk-ladies, labor)")
+        raise ConfigError("distributed.mode=cooperative needs a per-layer sampler (full, ns, bulk-ns, labor)")
     kind, world = config.distributed.ownership, processes.world_size
     if processes.leads:
         owners = load_owners(graph, world, kind, config.seed)
