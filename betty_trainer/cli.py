@@ -24,7 +24,7 @@ from betty_trainer.config import Config, load_config
 from betty_trainer.datasets import cache_dir, list_datasets
 from betty_trainer.errors import BettyError, ConfigError
 from betty_trainer.training.checkpoint import LAST_NAME
-from betty_trainer.training.rundir import write_text
+from betty_trainer.training.rundir import refuse_run_file, write_text
 
 EXIT_USER_ERROR = 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -195,6 +195,8 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     output = args.output
     if output is not None and output.is_dir():
         raise ConfigError(f"--output {output} is a folder; give a file name such as {output / 'plan.json'}")
+    if output is not None:
+        refuse_run_file(output)
     if output is not None and not output.parent.is_dir():
         raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another "
                           "--output")

@@ -262,3 +262,21 @@ def test_ctrl_c_in_another_command_says_interrupted(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(inference, "evaluate_run", _interrupting(None))
     result = betty_in_process(capsys, "evaluate", "--run", str(tmp_path))
     assert (result.returncode, result.stderr) == (130, "interrupted\n")
+
+
+@pytest.mark.parametrize("name", ["best.pt", "last.pt", "last.sha256", "config.yaml", "metrics.jsonl", "plan.json",
+                                  "run.lock"])
+@pytest.mark.parametrize("command", ["predict", "plan"])
+def test_output_never_replaces_a_file_of_a_run_directory(tmp_path, capsys, command, name):
+    run = tmp_path / "run"
+    run.mkdir()
+    for managed in ("environment.json", "config.yaml", "last.pt", "last.sha256", "best.pt", "metrics.jsonl",
+                    "plan.json", "run.lock"):
+        (run / managed).write_bytes(managed.encode())
+    (tmp_path / "link.pt").symlink_to(run / name)
+    for output in (run / name, tmp_path / "link.pt"):
+        args = (["predict", "--run", str(run), "--output", str(output)] if command == "predict" else
+                ["plan", "--config", str(REPO / "configs/quickstart.yaml"), "--output", str(output)])
+        assert_one_line_error(betty_in_process(capsys, *args), f"--output {output} is a file of the run directory",
+                              "choose another file")
+        assert (run / name).read_bytes() == name.encode()

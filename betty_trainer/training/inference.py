@@ -39,6 +39,7 @@ from betty_trainer.training.evaluation import (
     layerwise_logits,
 )
 from betty_trainer.training.preflight import resolve_device
+from betty_trainer.training.rundir import refuse_run_file
 from betty_trainer.training.trainer import init_model
 
 logger = logging.getLogger(__name__)
@@ -198,9 +199,12 @@ def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best
 
     Raises:
         ConfigError: unknown suffix, a missing output folder, or ``.parquet`` without pyarrow.
+        RunDirError: ``output`` is a file the run directory manages (``best.pt``, ``config.yaml``, ...;
+            :func:`~betty_trainer.training.rundir.is_run_file`).
         TrainingError: see :func:`load_run`.
     """
     output = Path(output)
+    refuse_run_file(output)
     suffix = output.suffix.lower()
     if suffix not in PREDICTION_FORMATS:
         raise ConfigError(f"--output {output}: use a .pt, .csv or .parquet file")
