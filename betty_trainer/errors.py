@@ -24,6 +24,10 @@ class TrainingError(BettyError):
     """Training cannot continue (e.g. the loss became NaN, or a checkpoint is unusable)."""
 
 
+class NonFiniteLossError(TrainingError):
+    """A training loss is NaN or infinite: the model diverged (the one failure a lower learning rate may cure)."""
+
+
 class PlanningError(BettyError):
     """No split of a batch fits the memory budget (the message gives the numbers)."""
 

@@ -166,6 +166,26 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(tmp_path):
     assert load_checkpoint(tmp_path)["epoch"] >= 0
 
 
+@pytest.mark.parametrize("failure", ["nan", "collective"])
+def test_only_a_non_finite_loss_is_told_to_lower_the_learning_rate(tmp_path, failure):
+    class Failing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(32, 5))
+
+        def forward(self, blocks, x):
+            out = x[: blocks[-1].num_dst] @ self.weight
+            if failure == "collective":  # what distributed.exchange raises when another rank died
+                raise TrainingError("rank 0: the all-gather of layer 0's rows failed; another rank died")
+            return out * float("nan")
+
+    config = load_config(None, QUICK[1:] + ["optim.epochs=1", "model.num_layers=2"])
+    with pytest.raises(TrainingError) as error:
+        train(config, model=Failing(), run_dir=tmp_path)
+    assert ("lower optim.lr" in str(error.value)) == (failure == "nan"), str(error.value)
+    assert ("loss is nan" in str(error.value)) == (failure == "nan")
+
+
 def test_resume_needs_a_run_directory(tmp_path):
     assert_one_line_error(betty("train", "--resume", str(tmp_path), cwd=tmp_path), "not a run directory")
     with pytest.raises(ConfigError):

@@ -29,7 +29,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset, no_training_nodes_message
 from betty_trainer.distributed.exchange import ExchangeTraffic
 from betty_trainer.distributed.group import Processes, leave
-from betty_trainer.errors import ConfigError, PlanningError, TrainingError
+from betty_trainer.errors import ConfigError, NonFiniteLossError, PlanningError, TrainingError
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
@@ -463,14 +463,17 @@ def _start(directory: RunDirectory, config: Config, run: _Run, device: torch.dev
 
 @contextlib.contextmanager
 def _named_failures(where: str, last_good: str) -> Iterator[None]:
-    """A batch's NaN loss or host out-of-memory error as a :class:`TrainingError` naming the batch and the last
-    good checkpoint (a CUDA out-of-memory error passes: the loop re-plans)."""
+    """A batch's :class:`TrainingError` or host out-of-memory error as a :class:`TrainingError` naming the batch
+    and the last good checkpoint; only a NaN or infinite loss (:class:`NonFiniteLossError`) is told to try a lower
+    learning rate (a CUDA out-of-memory error passes: the loop re-plans)."""
     try:
         yield
     except torch.cuda.OutOfMemoryError:
         raise
+    except NonFiniteLossError as error:
+        raise NonFiniteLossError(f"{where}: {error}; try a lower optim.lr; {last_good}") from None
     except TrainingError as error:
-        raise TrainingError(f"{where}: {error}; try a lower optim.lr; {last_good}") from None
+        raise TrainingError(f"{where}: {error}; {last_good}") from None
     except RuntimeError as error:
         if "can't allocate memory" not in str(error):
             raise
