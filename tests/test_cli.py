@@ -186,6 +186,17 @@ def test_only_a_non_finite_loss_is_told_to_lower_the_learning_rate(tmp_path, fai
     assert ("loss is nan" in str(error.value)) == (failure == "nan")
 
 
+def test_a_checkpoint_written_after_divergence_is_not_offered_as_good(tmp_path, capsys):
+    diverging = ["--config", str(REPO / "configs/quickstart.yaml"), *QUICK, "optim.epochs=3", "optim.lr=1e30",
+                 f"train.run_dir={tmp_path}"]  # epoch 0's one step makes the weights ~1e30: epoch 1's first loss is nan
+    said = betty_in_process(capsys, "train", *diverging)
+    assert_one_line_error(said, "epoch 1, batch 0: loss is nan", f"{tmp_path / 'last.pt'} (epoch 0) is not a good "
+                          "checkpoint", "start the run again with a lower optim.lr", "--overwrite")
+    assert "--resume" not in said.stderr and load_checkpoint(tmp_path)["epoch"] == 0
+    resumed = betty_in_process(capsys, "train", "--resume", str(tmp_path), "optim.lr=0.01")  # as the message said
+    assert_one_line_error(resumed, "epoch 1, batch 0: loss is nan", "is not a good checkpoint")
+
+
 def test_resume_needs_a_run_directory(tmp_path):
     assert_one_line_error(betty("train", "--resume", str(tmp_path), cwd=tmp_path), "not a run directory")
     with pytest.raises(ConfigError):

@@ -198,7 +198,7 @@ def train(
         with EpochProgress(console, f"{graph.name} · {config.micro_batch.partitioner}", config.optim.epochs,
                            run.start_epoch, live=config.train.progress) as progress:
             for epoch in range(run.start_epoch, config.optim.epochs):
-                started, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
+                started, lr, steps = time.perf_counter(), optimizer.param_groups[0]["lr"], 0
                 totals, seed_batches = _EpochTotals.start(run), epoch_seeds(config, graph, epoch)
                 for batch_round in batch_rounds(config, run.sampler, seed_batches, epoch, features.row_bytes):
                     features.prefetch(batch_round.staged_nodes)  # a macro-batch's rows, staged on the device at once
@@ -209,7 +209,7 @@ def train(
                         optimizer.zero_grad(set_to_none=True)
                         while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
                             try:
-                                with _named_failures(where, _last_good(path, epoch)):
+                                with _named_failures(where, path, epoch, since_checkpoint=steps):
                                     result = plan.run(model, features, graph.y, device)
                                 break
                             except torch.cuda.OutOfMemoryError:
@@ -217,6 +217,7 @@ def train(
                             optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
                             plan = _replan(planner, plan, where, device)
                         optimizer.step()
+                        steps += 1
                         if epoch == run.start_epoch and key.step == 0:  # the first batch's plan, as `betty-train plan` shows it
                             _record_plan(directory, console, planner, plan, write=epoch == 0)
                         warned = warned or (plan.pieces > 1 and _warn_torch_dropout(model, plan.pieces))
@@ -462,24 +463,28 @@ def _start(directory: RunDirectory, config: Config, run: _Run, device: torch.dev
 
 
 @contextlib.contextmanager
-def _named_failures(where: str, last_good: str) -> Iterator[None]:
+def _named_failures(where: str, path: Path, epoch: int, since_checkpoint: int) -> Iterator[None]:
     """A batch's :class:`TrainingError` or host out-of-memory error as a :class:`TrainingError` naming the batch
-    and the last good checkpoint; only a NaN or infinite loss (:class:`NonFiniteLossError`) is told to try a lower
-    learning rate (a CUDA out-of-memory error passes: the loop re-plans)."""
+    and the last good checkpoint (:func:`_last_good`); only a NaN or infinite loss (:class:`NonFiniteLossError`) is
+    told to try a lower learning rate, and, when ``since_checkpoint`` (the optimizer steps taken since ``last.pt``
+    was written) is 0, that ``last.pt`` itself gives this loss (a CUDA out-of-memory error passes: the loop
+    re-plans)."""
     try:
         yield
     except torch.cuda.OutOfMemoryError:
         raise
     except NonFiniteLossError as error:
-        raise NonFiniteLossError(f"{where}: {error}; try a lower optim.lr; {last_good}") from None
+        if since_checkpoint == 0 and epoch > 0 and holds_checkpoint(path):
+            raise NonFiniteLossError(f"{where}: {error}; {_diverged_before(path, epoch)}") from None
+        raise NonFiniteLossError(f"{where}: {error}; try a lower optim.lr; {_last_good(path, epoch)}") from None
     except TrainingError as error:
-        raise TrainingError(f"{where}: {error}; {last_good}") from None
+        raise TrainingError(f"{where}: {error}; {_last_good(path, epoch)}") from None
     except RuntimeError as error:
         if "can't allocate memory" not in str(error):
             raise
         raise TrainingError(f"{where}: out of host memory ({str(error).splitlines()[0][-100:]}); lower "
                             "model.hidden or sampling.batch_size, or raise micro_batch.num_micro_batches; "
-                            f"{last_good}") from None
+                            f"{_last_good(path, epoch)}") from None
 
 
 def _replan(planner: Planner, plan: StepPlan, where: str, device: torch.device) -> StepPlan:
@@ -705,6 +710,15 @@ def _last_good(path: Path, epoch: int) -> str:
         return "no checkpoint was written yet"
     return (f"last good checkpoint: {path / LAST_NAME} (epoch {epoch - 1}; continue with betty-train train "
             f"--resume {path} and a lower optim.lr)")
+
+
+def _diverged_before(path: Path, epoch: int) -> str:
+    """What to do when the first batch after ``last.pt`` (epoch ``epoch - 1``) has a NaN or infinite loss: that loss
+    was computed with the checkpoint's own parameters (no optimizer step came between), so the checkpoint is no good
+    and a resume, whatever its learning rate, computes the same loss again (resumes are bit-exact)."""
+    return (f"{path / LAST_NAME} (epoch {epoch - 1}) is not a good checkpoint: this loss comes from its own parameters "
+            "(training diverged before it was written), so a resume would stop here again whatever optim.lr; start "
+            f"the run again with a lower optim.lr (betty-train train --config FILE train.run_dir={path} --overwrite)")
 
 
 def _record_resume(run: RunDirectory, config: Config, start_epoch: int, env: dict) -> None:
