@@ -9,9 +9,11 @@ Evaluation is the one training runs (:func:`~betty_trainer.training.evaluation.e
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from betty_trainer.config import Config, load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
-from betty_trainer.errors import ConfigError, TrainingError
+from betty_trainer.errors import ConfigError, TrainingError, host_allocation_failure
 from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.training.checkpoint import (
     CHECKPOINTS,
@@ -34,6 +36,7 @@ from betty_trainer.training.checkpoint import (
     split_refusal,
 )
 from betty_trainer.training.evaluation import (
+    EVALUATION_HOST_MEMORY,
     evaluate_splits,
     full_neighbourhood_batches,
     layerwise_logits,
@@ -171,6 +174,7 @@ def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "t
 
     Raises:
         ConfigError, TrainingError: see :func:`load_run`; ``splits`` not val, test or all.
+        TrainingError: evaluation ran out of host memory (the message says what it holds).
     """
     names = {"val": ["val"], "test": ["test"], "all": ["train", "val", "test"]}.get(splits)
     if names is None:
@@ -178,8 +182,9 @@ def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "t
     run = load_run(run_dir, checkpoint, device=device if device is not None else run_device(run_dir))
     nodes = {"train": run.graph.train_idx, "val": run.graph.val_idx, "test": run.graph.test_idx}
     features = HostFeatureStore(run.graph.x, pin=run.device.type == "cuda")  # as training builds it
-    accuracy = evaluate_splits(run.model, run.graph, features, run.device, {name: nodes[name] for name in names},
-                               run.config.model.num_layers)
+    with _host_memory(f"evaluating {Path(run_dir) / CHECKPOINTS[checkpoint]}"):
+        accuracy = evaluate_splits(run.model, run.graph, features, run.device, {name: nodes[name] for name in names},
+                                   run.config.model.num_layers)
     return run, accuracy
 
 
@@ -201,7 +206,7 @@ def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best
         ConfigError: unknown suffix, a missing output folder, or ``.parquet`` without pyarrow.
         RunDirError: ``output`` is a file the run directory manages (``best.pt``, ``config.yaml``, ...;
             :func:`~betty_trainer.training.rundir.is_run_file`).
-        TrainingError: see :func:`load_run`.
+        TrainingError: see :func:`load_run`; or the logits ran out of host memory.
     """
     output = Path(output)
     refuse_run_file(output)
@@ -213,7 +218,8 @@ def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best
     if suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError("--output *.parquet needs pyarrow (pip install pyarrow); or write .csv or .pt")
     run = load_run(run_dir, checkpoint)
-    probabilities = torch.softmax(node_logits(run), dim=1).float()
+    with _host_memory(f"predicting with {Path(run_dir) / CHECKPOINTS[checkpoint]}"):
+        probabilities = torch.softmax(node_logits(run), dim=1).float()
     table = {"node": torch.arange(run.graph.num_nodes), "prediction": probabilities.argmax(1),
              "probabilities": probabilities}
     try:
@@ -239,6 +245,20 @@ def node_logits(run: LoadedRun) -> Tensor:
                                             run.config.model.num_layers):
         parts.append(run.model(batch.to(run.device).blocks, features.gather(batch.input_nodes, run.device)).cpu())
     return torch.cat(parts)
+
+
+@contextlib.contextmanager
+def _host_memory(what: str) -> Iterator[None]:
+    """A failed host-memory allocation (:func:`~betty_trainer.errors.host_allocation_failure`) inside the block as
+    a one-line :class:`TrainingError` naming ``what`` and what evaluation holds in host memory."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as error:
+        cause = host_allocation_failure(error)
+        if cause is None:
+            raise
+        raise TrainingError(f"{what}: out of host memory ({cause}); {EVALUATION_HOST_MEMORY}: free host memory or "
+                            "use a machine with more") from None
 
 
 def _write_csv(path: Path, table: dict[str, Tensor]) -> None:
