@@ -75,12 +75,15 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--checkpoint", choices=("best", "last"), default="best",
                           help="best.pt (chosen on validation; default) or last.pt")
     evaluate.add_argument("--split", choices=("val", "test", "all"), default="test", help="nodes to evaluate on")
+    moved = "folder holding the dataset's raw files, if not where the run found them (its dataset.data_dir)"
+    evaluate.add_argument("--data-dir", type=Path, help=moved)
     predict = commands.add_parser("predict", help="write every node's predicted class and probabilities",
                                   parents=[common])
     predict.add_argument("--run", type=Path, required=True, metavar="RUN_DIR", help="the run directory")
     predict.add_argument("--output", type=Path, required=True, metavar="FILE",
                          help="a .pt, .csv or .parquet file (one row per node)")
     predict.add_argument("--checkpoint", choices=("best", "last"), default="best", help="best.pt (default) or last.pt")
+    predict.add_argument("--data-dir", type=Path, help=moved)
     plan = commands.add_parser("plan", help="plan the first batch's micro-batches and their memory; no training",
                                parents=[common])
     add_config_args(plan, required=True)
@@ -167,7 +170,7 @@ def _train(args: argparse.Namespace, console: Console) -> None:
 def _evaluate(args: argparse.Namespace, console: Console) -> None:
     from betty_trainer.training.inference import evaluate_run
 
-    run, accuracy = evaluate_run(args.run, args.checkpoint, args.split)
+    run, accuracy = evaluate_run(args.run, args.checkpoint, args.split, data_dir=args.data_dir)
     shown = "; ".join(f"{name} accuracy {value:.4f}" for name, value in accuracy.items())
     console.print(f"{shown} ({args.checkpoint}.pt, epoch {run.epoch}; run dir {args.run})", highlight=False,
                   soft_wrap=True)
@@ -176,7 +179,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
 def _predict(args: argparse.Namespace, console: Console) -> None:
     from betty_trainer.training.inference import predict_run
 
-    path = predict_run(args.run, args.output, args.checkpoint)
+    path = predict_run(args.run, args.output, args.checkpoint, data_dir=args.data_dir)
     console.print(f"predictions of {args.checkpoint}.pt for every node written to {path}", highlight=False,
                   soft_wrap=True)
 

@@ -311,3 +311,24 @@ def test_output_never_replaces_a_file_of_a_run_directory(tmp_path, capsys, comma
         assert_one_line_error(betty_in_process(capsys, *args), f"--output {output} is a file of the run directory",
                               "choose another file")
         assert (run / name).read_bytes() == name.encode()
+
+
+def test_evaluate_and_predict_find_a_moved_dataset_with_data_dir(planetoid_dir, tmp_path, capsys):
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    for part in planetoid_dir.glob("ind.cora.*"):
+        shutil.copy(part, data)
+    trained = betty_in_process(capsys, "train", "--config", str(REPO / "configs/cora-sage.yaml"), "--data-dir",
+                               str(data), "optim.epochs=1", "train.progress=false", f"train.run_dir={run}")
+    assert trained.returncode == 0, trained.stderr
+    moved = data.rename(tmp_path / "moved")
+    refused = betty_in_process(capsys, "evaluate", "--run", str(run))
+    assert_one_line_error(refused, str(data), "--data-dir")
+    evaluated = betty_in_process(capsys, "evaluate", "--run", str(run), "--data-dir", str(moved))
+    assert evaluated.returncode == 0, evaluated.stderr
+    reported = trained.stdout.split("final test accuracy ")[1].split()[0]
+    assert evaluated.stdout.startswith(f"test accuracy {reported} (best.pt")
+    predicted = betty_in_process(capsys, "predict", "--run", str(run), "--data-dir", str(moved), "--output",
+                                 str(tmp_path / "p.pt"))
+    assert predicted.returncode == 0, predicted.stderr
+    assert torch.load(tmp_path / "p.pt", weights_only=True)["prediction"].numel() == 2708

@@ -73,8 +73,10 @@ class LoadedRun:
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module | None = None,
-             graph: Graph | None = None, device: str | torch.device = "cpu") -> LoadedRun:
-    """Load a run's model from ``best.pt`` or ``last.pt`` (see :func:`load_model`).
+             graph: Graph | None = None, device: str | torch.device = "cpu",
+             data_dir: str | Path | None = None) -> LoadedRun:
+    """Load a run's model from ``best.pt`` or ``last.pt`` (see :func:`load_model`); ``data_dir``, when given, is
+    where the dataset's files are now, instead of the run's recorded ``dataset.data_dir`` (a moved dataset).
 
     Raises:
         ConfigError: unknown ``checkpoint``, or ``run_dir`` is not a run directory.
@@ -87,7 +89,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module 
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(saved)
+    config = load_config(saved, [] if data_dir is None else [f"dataset.data_dir={data_dir}"])
     state = load_checkpoint(run_dir, CHECKPOINTS[checkpoint])
     device = resolve_device(str(device))
     split = config.dataset.split if graph is None else None  # a graph given from Python carries its own split
@@ -158,7 +160,8 @@ def run_device(run_dir: str | Path) -> torch.device:
 
 
 def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "test",
-                 device: str | torch.device | None = None) -> tuple[LoadedRun, dict]:
+                 device: str | torch.device | None = None,
+                 data_dir: str | Path | None = None) -> tuple[LoadedRun, dict]:
     """Accuracy of a run's checkpoint on ``val``, ``test`` or ``all`` (train, val and test).
 
     Args:
@@ -166,6 +169,7 @@ def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "t
         checkpoint: ``"best"`` or ``"last"``.
         splits: ``"val"``, ``"test"`` or ``"all"``.
         device: where to evaluate; default: where the run trained (:func:`run_device`).
+        data_dir: the folder holding the dataset's files (``--data-dir``); default: the run's ``dataset.data_dir``.
 
     Returns:
         The loaded run and ``{split: fraction in [0, 1]}``, computed as training computes them (layer by
@@ -179,7 +183,8 @@ def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "t
     names = {"val": ["val"], "test": ["test"], "all": ["train", "val", "test"]}.get(splits)
     if names is None:
         raise ConfigError(f"--split must be val, test or all, got {splits!r}")
-    run = load_run(run_dir, checkpoint, device=device if device is not None else run_device(run_dir))
+    run = load_run(run_dir, checkpoint, device=device if device is not None else run_device(run_dir),
+                   data_dir=data_dir)
     nodes = {"train": run.graph.train_idx, "val": run.graph.val_idx, "test": run.graph.test_idx}
     features = HostFeatureStore(run.graph.x, pin=run.device.type == "cuda")  # as training builds it
     with _host_memory(f"evaluating {Path(run_dir) / CHECKPOINTS[checkpoint]}"):
@@ -189,7 +194,8 @@ def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "t
 
 
 @torch.no_grad()
-def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best") -> Path:
+def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best",
+                data_dir: str | Path | None = None) -> Path:
     """Write every node's predicted class and class probabilities (softmax of the logits) to ``output``.
 
     Formats, by ``output``'s suffix (one row per node, in node-id order):
@@ -198,6 +204,8 @@ def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best
       ``torch.load(path, weights_only=True)``;
     - ``.csv``: header ``node,prediction,prob_0,…,prob_{C-1}``;
     - ``.parquet``: the same columns (needs ``pyarrow``).
+
+    ``data_dir`` (``--data-dir``) is where the dataset's files are, if not at the run's ``dataset.data_dir``.
 
     Returns:
         ``output``.
@@ -217,7 +225,7 @@ def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best
         raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another")
     if suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError("--output *.parquet needs pyarrow (pip install pyarrow); or write .csv or .pt")
-    run = load_run(run_dir, checkpoint)
+    run = load_run(run_dir, checkpoint, data_dir=data_dir)
     with _host_memory(f"predicting with {Path(run_dir) / CHECKPOINTS[checkpoint]}"):
         probabilities = torch.softmax(node_logits(run), dim=1).float()
     table = {"node": torch.arange(run.graph.num_nodes), "prediction": probabilities.argmax(1),
