@@ -381,14 +381,16 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {named}{error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as error:
-        print(_interrupted(args.command, getattr(error, "run_dir", None)), file=sys.stderr)
+        if rank in (None, 0):  # under torchrun every rank is interrupted; rank 0 says it once
+            print(_interrupted(args.command, getattr(error, "run_dir", None)), file=sys.stderr)
         return 130
     return 0
 
 
 def _interrupted(command: str, run_dir: Path | None) -> str:
     """The line printed on Ctrl-C. ``train`` attaches its run directory to the ``KeyboardInterrupt`` as
-    ``run_dir`` once it has one; a resume needs that directory's ``last.pt``."""
+    ``run_dir`` once it has one; a resume needs that directory's ``last.pt`` and, for a run of several processes,
+    as many processes again (:func:`_launcher`)."""
     if command != "train":
         return "interrupted"
     if run_dir is None:
@@ -396,7 +398,21 @@ def _interrupted(command: str, run_dir: Path | None) -> str:
     if not (Path(run_dir) / LAST_NAME).is_file():
         return (f"interrupted before the first epoch's checkpoint; nothing to resume in {shlex.quote(str(run_dir))}: "
                 "start the run again")
-    return f"interrupted; continue with: betty-train train --resume {shlex.quote(str(run_dir))}"
+    return f"interrupted; continue with: {_launcher()} train --resume {shlex.quote(str(run_dir))}"
+
+
+def _launcher() -> str:
+    """How this command was started: ``betty-train``, or under ``torchrun`` the ``torchrun`` line that starts as many
+    processes (per node, and as many nodes) again."""
+    if _rank() is None:
+        return "betty-train"
+    world = int(os.environ["WORLD_SIZE"])
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(local) if local.isdigit() and int(local) > 0 else world
+    if per_node >= world:
+        return f"torchrun --nproc-per-node {world} -m betty_trainer"
+    return (f"torchrun --nnodes {world // per_node} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
+            "HOST:PORT -m betty_trainer")
 
 
 if __name__ == "__main__":

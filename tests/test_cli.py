@@ -274,6 +274,26 @@ def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, capsys, monkeypatch)
     assert result.stderr.strip() == f"interrupted; continue with: betty-train train --resume '{run}'"
 
 
+@pytest.mark.parametrize("rank, environment, said", [
+    ("0", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "torchrun --nproc-per-node 2 -m betty_trainer train --resume"),
+    ("0", {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, "torchrun --nnodes 2 --nproc-per-node 4 "),
+    ("1", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, None),
+])
+def test_ctrl_c_of_a_torchrun_job_says_once_how_to_resume_it(tmp_path, capsys, monkeypatch, rank, environment, said):
+    import betty_trainer.training.trainer as trainer
+
+    (tmp_path / "last.pt").write_bytes(b"")
+    monkeypatch.setattr(trainer, "train", _interrupting(tmp_path))
+    for name, value in {"RANK": rank, **environment}.items():
+        monkeypatch.setenv(name, value)
+    result = betty_in_process(capsys, "train", "--config", str(REPO / "configs/quickstart.yaml"))
+    assert result.returncode == 130
+    if said is None:  # only rank 0 speaks
+        assert result.stderr == ""
+    else:
+        assert result.stderr.count("\n") == 1 and said in result.stderr and f"--resume {tmp_path}" in result.stderr
+
+
 @pytest.mark.parametrize("has_dir", [True, False])
 def test_ctrl_c_without_a_checkpoint_offers_no_resume(tmp_path, capsys, monkeypatch, has_dir):
     import betty_trainer.training.trainer as trainer
