@@ -352,3 +352,13 @@ def test_evaluate_and_predict_find_a_moved_dataset_with_data_dir(planetoid_dir, 
                                  str(tmp_path / "p.pt"))
     assert predicted.returncode == 0, predicted.stderr
     assert torch.load(tmp_path / "p.pt", weights_only=True)["prediction"].numel() == 2708
+
+
+@pytest.mark.parametrize("overrides", [["model.hidden=99999999999999999999999"], [f"model.hidden={2**62}"],
+                                       ["model.arch=gat", f"model.heads={2**31 - 1}", f"model.hidden={2**31 - 1}"],
+                                       ["model.num_layers=99999999999999999999"]])
+def test_a_model_too_large_to_index_is_one_line(tmp_path, capsys, overrides):
+    result = betty_in_process(capsys, "train", "--config", str(REPO / "configs/quickstart.yaml"), *QUICK, *overrides,
+                              f"train.run_dir={tmp_path / 'run'}")
+    assert_one_line_error(result, "asks for tensors too large to build", "lower model.hidden, model.num_layers")
+    assert not (tmp_path / "run").exists()
