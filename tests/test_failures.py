@@ -259,3 +259,21 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     predicted = betty_in_process(capsys, "predict", "--run", str(run_copy), "--output", str(tmp_path / "p.csv"))
     assert_one_line_error(predicted, f"predicting with {run_copy / 'best.pt'}: out of host memory (")
     assert not (tmp_path / "p.csv").exists()
+
+
+def test_a_rehashed_checkpoint_whose_shapes_do_not_fit_names_the_parameter_in_one_line(run_copy, tmp_path, capsys):
+    from tests.test_runs import rewrite_checkpoint
+
+    for name in (BEST_NAME, "last.pt"):
+        state = torch.load(run_copy / name, weights_only=True)
+        key = next(iter(state["model"]))
+        shape = list(state["model"][key].shape)
+        state["model"][key] = torch.zeros(shape[0] + 1, *shape[1:])
+        rewrite_checkpoint(run_copy / name, state)
+    wrong = f"parameter {key!r} has shape {[shape[0] + 1, *shape[1:]]} in the checkpoint but {shape} in the model"
+    assert_one_line_error(betty_in_process(capsys, "evaluate", "--run", str(run_copy)),
+                          f"cannot load {run_copy / BEST_NAME}: {wrong}")
+    assert_one_line_error(betty_in_process(capsys, "predict", "--run", str(run_copy), "--output",
+                                           str(tmp_path / "p.csv")), wrong)
+    assert_one_line_error(betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=8"),
+                          f"cannot resume {run_copy}: last.pt does not fit this model ({wrong}); start a new run")

@@ -34,6 +34,7 @@ from betty_trainer.training.checkpoint import (
     identity_difference,
     load_checkpoint,
     split_refusal,
+    state_dict_difference,
 )
 from betty_trainer.training.evaluation import (
     EVALUATION_HOST_MEMORY,
@@ -108,6 +109,8 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module 
     model_id = config.model.model_dump(mode="json") if builtin else state["identity"].get("model", {})
     difference = identity_difference(state["identity"], identity(dataset_identity(graph, split), model_id,
                                                                   model.state_dict()))
+    if difference is None:
+        difference = state_dict_difference(model.state_dict(), state["model"])
     if difference is not None:
         raise TrainingError(f"cannot load {run_dir / CHECKPOINTS[checkpoint]}: {difference}")
     model.load_state_dict(state["model"])

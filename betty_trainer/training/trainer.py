@@ -63,6 +63,7 @@ from betty_trainer.training.checkpoint import (
     non_finite,
     save_checkpoint,
     split_refusal,
+    state_dict_difference,
 )
 from betty_trainer.training.distributed import finish_together, join_run, leader_value, rank_metrics, this_rank
 from betty_trainer.training.evaluation import EVALUATION_HOST_MEMORY, evaluate_splits
@@ -447,6 +448,10 @@ def _restore(config: Config, run: _Run, state: dict, path: Path) -> None:
     if (state.get("scheduler") is None) != (scheduler is None):
         raise TrainingError(f"cannot resume {path}: optim.scheduler differs from the run's "
                             f"({config.optim.scheduler!r} here); resume with the run's optim.scheduler")
+    misfit = state_dict_difference(run.model.state_dict(), state["model"])
+    if misfit is not None:
+        raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} does not fit this model ({misfit}); start a "
+                            "new run")
     try:
         run.model.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
