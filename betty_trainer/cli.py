@@ -24,7 +24,7 @@ from betty_trainer.config import Config, load_config
 from betty_trainer.datasets import cache_dir, list_datasets
 from betty_trainer.errors import BettyError, ConfigError
 from betty_trainer.training.checkpoint import LAST_NAME
-from betty_trainer.training.rundir import write_text
+from betty_trainer.training.rundir import refuse_run_file, write_text
 
 EXIT_USER_ERROR = 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -75,12 +75,15 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--checkpoint", choices=("best", "last"), default="best",
                           help="best.pt (chosen on validation; default) or last.pt")
     evaluate.add_argument("--split", choices=("val", "test", "all"), default="test", help="nodes to evaluate on")
+    moved = "folder holding the dataset's raw files, if not where the run found them (its dataset.data_dir)"
+    evaluate.add_argument("--data-dir", type=Path, help=moved)
     predict = commands.add_parser("predict", help="write every node's predicted class and probabilities",
                                   parents=[common])
     predict.add_argument("--run", type=Path, required=True, metavar="RUN_DIR", help="the run directory")
     predict.add_argument("--output", type=Path, required=True, metavar="FILE",
                          help="a .pt, .csv or .parquet file (one row per node)")
     predict.add_argument("--checkpoint", choices=("best", "last"), default="best", help="best.pt (default) or last.pt")
+    predict.add_argument("--data-dir", type=Path, help=moved)
     plan = commands.add_parser("plan", help="plan the first batch's micro-batches and their memory; no training",
                                parents=[common])
     add_config_args(plan, required=True)
@@ -167,7 +170,7 @@ def _train(args: argparse.Namespace, console: Console) -> None:
 def _evaluate(args: argparse.Namespace, console: Console) -> None:
     from betty_trainer.training.inference import evaluate_run
 
-    run, accuracy = evaluate_run(args.run, args.checkpoint, args.split)
+    run, accuracy = evaluate_run(args.run, args.checkpoint, args.split, data_dir=args.data_dir)
     shown = "; ".join(f"{name} accuracy {value:.4f}" for name, value in accuracy.items())
     console.print(f"{shown} ({args.checkpoint}.pt, epoch {run.epoch}; run dir {args.run})", highlight=False,
                   soft_wrap=True)
@@ -176,7 +179,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
 def _predict(args: argparse.Namespace, console: Console) -> None:
     from betty_trainer.training.inference import predict_run
 
-    path = predict_run(args.run, args.output, args.checkpoint)
+    path = predict_run(args.run, args.output, args.checkpoint, data_dir=args.data_dir)
     console.print(f"predictions of {args.checkpoint}.pt for every node written to {path}", highlight=False,
                   soft_wrap=True)
 
@@ -195,6 +198,8 @@ def _plan(args: argparse.Namespace, console: Console) -> None:
     output = args.output
     if output is not None and output.is_dir():
         raise ConfigError(f"--output {output} is a folder; give a file name such as {output / 'plan.json'}")
+    if output is not None:
+        refuse_run_file(output)
     if output is not None and not output.parent.is_dir():
         raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another "
                           "--output")
@@ -378,14 +383,16 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {named}{error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as error:
-        print(_interrupted(args.command, getattr(error, "run_dir", None)), file=sys.stderr)
+        if rank in (None, 0):  # under torchrun every rank is interrupted; rank 0 says it once
+            print(_interrupted(args.command, getattr(error, "run_dir", None)), file=sys.stderr)
         return 130
     return 0
 
 
 def _interrupted(command: str, run_dir: Path | None) -> str:
     """The line printed on Ctrl-C. ``train`` attaches its run directory to the ``KeyboardInterrupt`` as
-    ``run_dir`` once it has one; a resume needs that directory's ``last.pt``."""
+    ``run_dir`` once it has one; a resume needs that directory's ``last.pt`` and, for a run of several processes,
+    as many processes again (:func:`_launcher`)."""
     if command != "train":
         return "interrupted"
     if run_dir is None:
@@ -393,7 +400,21 @@ def _interrupted(command: str, run_dir: Path | None) -> str:
     if not (Path(run_dir) / LAST_NAME).is_file():
         return (f"interrupted before the first epoch's checkpoint; nothing to resume in {shlex.quote(str(run_dir))}: "
                 "start the run again")
-    return f"interrupted; continue with: betty-train train --resume {shlex.quote(str(run_dir))}"
+    return f"interrupted; continue with: {_launcher()} train --resume {shlex.quote(str(run_dir))}"
+
+
+def _launcher() -> str:
+    """How this command was started: ``betty-train``, or under ``torchrun`` the ``torchrun`` line that starts as many
+    processes (per node, and as many nodes) again."""
+    if _rank() is None:
+        return "betty-train"
+    world = int(os.environ["WORLD_SIZE"])
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(local) if local.isdigit() and int(local) > 0 else world
+    if per_node >= world:
+        return f"torchrun --nproc-per-node {world} -m betty_trainer"
+    return (f"torchrun --nnodes {world // per_node} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
+            "HOST:PORT -m betty_trainer")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,18 @@ class BettyError(Exception):
     """Base class of errors caused by user input; the message names the input and the fix."""
 
 
+def host_allocation_failure(error: BaseException) -> str | None:
+    """The cause, in at most 100 characters, when ``error`` is a failed host-memory allocation (``MemoryError``, or
+    torch's ``RuntimeError: … DefaultCPUAllocator: can't allocate memory …``); ``None`` for any other error. The one
+    test every command uses to turn running out of host memory into a one-line error."""
+    line = (str(error).splitlines() or [""])[0]
+    if isinstance(error, MemoryError):
+        return line[:100] or "MemoryError"
+    if isinstance(error, RuntimeError) and "can't allocate memory" in line:
+        return line[line.index("can't allocate memory"):][:100]
+    return None
+
+
 class ConfigError(BettyError):
     """A configuration file or override is malformed or names an unknown key or bad value."""
 
@@ -22,6 +34,10 @@ class DatasetError(BettyError):
 
 class TrainingError(BettyError):
     """Training cannot continue (e.g. the loss became NaN, or a checkpoint is unusable)."""
+
+
+class NonFiniteLossError(TrainingError):
+    """A training loss is NaN or infinite: the model diverged (the one failure a lower learning rate may cure)."""
 
 
 class PlanningError(BettyError):

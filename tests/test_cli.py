@@ -166,6 +166,37 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(tmp_path):
     assert load_checkpoint(tmp_path)["epoch"] >= 0
 
 
+@pytest.mark.parametrize("failure", ["nan", "collective"])
+def test_only_a_non_finite_loss_is_told_to_lower_the_learning_rate(tmp_path, failure):
+    class Failing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(32, 5))
+
+        def forward(self, blocks, x):
+            out = x[: blocks[-1].num_dst] @ self.weight
+            if failure == "collective":  # what distributed.exchange raises when another rank died
+                raise TrainingError("rank 0: the all-gather of layer 0's rows failed; another rank died")
+            return out * float("nan")
+
+    config = load_config(None, QUICK[1:] + ["optim.epochs=1", "model.num_layers=2"])
+    with pytest.raises(TrainingError) as error:
+        train(config, model=Failing(), run_dir=tmp_path)
+    assert ("lower optim.lr" in str(error.value)) == (failure == "nan"), str(error.value)
+    assert ("loss is nan" in str(error.value)) == (failure == "nan")
+
+
+def test_a_checkpoint_written_after_divergence_is_not_offered_as_good(tmp_path, capsys):
+    diverging = ["--config", str(REPO / "configs/quickstart.yaml"), *QUICK, "optim.epochs=3", "optim.lr=1e30",
+                 f"train.run_dir={tmp_path}"]  # epoch 0's one step makes the weights ~1e30: epoch 1's first loss is nan
+    said = betty_in_process(capsys, "train", *diverging)
+    assert_one_line_error(said, "epoch 1, batch 0: loss is nan", f"{tmp_path / 'last.pt'} (epoch 0) is not a good "
+                          "checkpoint", "start the run again with a lower optim.lr", "--overwrite")
+    assert "--resume" not in said.stderr and load_checkpoint(tmp_path)["epoch"] == 0
+    resumed = betty_in_process(capsys, "train", "--resume", str(tmp_path), "optim.lr=0.01")  # as the message said
+    assert_one_line_error(resumed, "epoch 1, batch 0: loss is nan", "is not a good checkpoint")
+
+
 def test_resume_needs_a_run_directory(tmp_path):
     assert_one_line_error(betty("train", "--resume", str(tmp_path), cwd=tmp_path), "not a run directory")
     with pytest.raises(ConfigError):
@@ -243,6 +274,26 @@ def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, capsys, monkeypatch)
     assert result.stderr.strip() == f"interrupted; continue with: betty-train train --resume '{run}'"
 
 
+@pytest.mark.parametrize("rank, environment, said", [
+    ("0", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "torchrun --nproc-per-node 2 -m betty_trainer train --resume"),
+    ("0", {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, "torchrun --nnodes 2 --nproc-per-node 4 "),
+    ("1", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, None),
+])
+def test_ctrl_c_of_a_torchrun_job_says_once_how_to_resume_it(tmp_path, capsys, monkeypatch, rank, environment, said):
+    import betty_trainer.training.trainer as trainer
+
+    (tmp_path / "last.pt").write_bytes(b"")
+    monkeypatch.setattr(trainer, "train", _interrupting(tmp_path))
+    for name, value in {"RANK": rank, **environment}.items():
+        monkeypatch.setenv(name, value)
+    result = betty_in_process(capsys, "train", "--config", str(REPO / "configs/quickstart.yaml"))
+    assert result.returncode == 130
+    if said is None:  # only rank 0 speaks
+        assert result.stderr == ""
+    else:
+        assert result.stderr.count("\n") == 1 and said in result.stderr and f"--resume {tmp_path}" in result.stderr
+
+
 @pytest.mark.parametrize("has_dir", [True, False])
 def test_ctrl_c_without_a_checkpoint_offers_no_resume(tmp_path, capsys, monkeypatch, has_dir):
     import betty_trainer.training.trainer as trainer
@@ -262,3 +313,52 @@ def test_ctrl_c_in_another_command_says_interrupted(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(inference, "evaluate_run", _interrupting(None))
     result = betty_in_process(capsys, "evaluate", "--run", str(tmp_path))
     assert (result.returncode, result.stderr) == (130, "interrupted\n")
+
+
+@pytest.mark.parametrize("name", ["best.pt", "last.pt", "last.sha256", "config.yaml", "metrics.jsonl", "plan.json",
+                                  "run.lock"])
+@pytest.mark.parametrize("command", ["predict", "plan"])
+def test_output_never_replaces_a_file_of_a_run_directory(tmp_path, capsys, command, name):
+    run = tmp_path / "run"
+    run.mkdir()
+    for managed in ("environment.json", "config.yaml", "last.pt", "last.sha256", "best.pt", "metrics.jsonl",
+                    "plan.json", "run.lock"):
+        (run / managed).write_bytes(managed.encode())
+    (tmp_path / "link.pt").symlink_to(run / name)
+    for output in (run / name, tmp_path / "link.pt"):
+        args = (["predict", "--run", str(run), "--output", str(output)] if command == "predict" else
+                ["plan", "--config", str(REPO / "configs/quickstart.yaml"), "--output", str(output)])
+        assert_one_line_error(betty_in_process(capsys, *args), f"--output {output} is a file of the run directory",
+                              "choose another file")
+        assert (run / name).read_bytes() == name.encode()
+
+
+def test_evaluate_and_predict_find_a_moved_dataset_with_data_dir(planetoid_dir, tmp_path, capsys):
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    for part in planetoid_dir.glob("ind.cora.*"):
+        shutil.copy(part, data)
+    trained = betty_in_process(capsys, "train", "--config", str(REPO / "configs/cora-sage.yaml"), "--data-dir",
+                               str(data), "optim.epochs=1", "train.progress=false", f"train.run_dir={run}")
+    assert trained.returncode == 0, trained.stderr
+    moved = data.rename(tmp_path / "moved")
+    refused = betty_in_process(capsys, "evaluate", "--run", str(run))
+    assert_one_line_error(refused, str(data), "--data-dir")
+    evaluated = betty_in_process(capsys, "evaluate", "--run", str(run), "--data-dir", str(moved))
+    assert evaluated.returncode == 0, evaluated.stderr
+    reported = trained.stdout.split("final test accuracy ")[1].split()[0]
+    assert evaluated.stdout.startswith(f"test accuracy {reported} (best.pt")
+    predicted = betty_in_process(capsys, "predict", "--run", str(run), "--data-dir", str(moved), "--output",
+                                 str(tmp_path / "p.pt"))
+    assert predicted.returncode == 0, predicted.stderr
+    assert torch.load(tmp_path / "p.pt", weights_only=True)["prediction"].numel() == 2708
+
+
+@pytest.mark.parametrize("overrides", [["model.hidden=99999999999999999999999"], [f"model.hidden={2**62}"],
+                                       ["model.arch=gat", f"model.heads={2**31 - 1}", f"model.hidden={2**31 - 1}"],
+                                       ["model.num_layers=99999999999999999999"]])
+def test_a_model_too_large_to_index_is_one_line(tmp_path, capsys, overrides):
+    result = betty_in_process(capsys, "train", "--config", str(REPO / "configs/quickstart.yaml"), *QUICK, *overrides,
+                              f"train.run_dir={tmp_path / 'run'}")
+    assert_one_line_error(result, "asks for tensors too large to build", "lower model.hidden, model.num_layers")
+    assert not (tmp_path / "run").exists()

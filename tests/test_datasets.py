@@ -248,3 +248,58 @@ def test_the_no_training_nodes_message_names_what_a_structure_only_dataset_is_fo
     mine = no_training_nodes_message("my-graph")
     assert mine.startswith("dataset 'my-graph' has no training nodes") and "train_idx" in mine
     assert "\n" not in mine + structure_only_message("snap-slashdot")
+
+
+def _cache_test_graph():
+    return make_sbm(num_nodes=200, num_classes=3, num_features=4, num_val=20, num_test=20, seed=0)
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x93NUMPY"])
+def test_an_empty_or_truncated_cache_file_is_rebuilt(tmp_path, monkeypatch, damage):
+    from betty_trainer.datasets.aggregation import aggregation_dir, aggregation_table
+    from betty_trainer.datasets.cache import load_cached, save_graph
+    from betty_trainer.distributed.ownership import load_owners
+
+    monkeypatch.setenv("BETTY_CACHE_DIR", str(tmp_path / "cache"))
+    graph = _cache_test_graph()
+    table = aggregation_table(graph, "test", lambda block, x: x * 2)
+    (aggregation_dir(graph, "test") / "table.npy").write_bytes(damage)
+    assert torch.equal(aggregation_table(graph, "test", lambda block, x: x * 2), table)
+    owners = load_owners(graph, 2)
+    for stored in (tmp_path / "cache" / graph.name / "ownership").glob("*.npy"):
+        stored.write_bytes(damage)
+    assert torch.equal(load_owners(graph, 2), owners)
+    folder = save_graph(graph, tmp_path / "converted", {"test": 1})
+    (folder / "x.npy").write_bytes(damage)
+    assert load_cached(folder, {"test": 1}) is None  # the caller converts the dataset again
+
+
+def test_a_cached_graph_whose_arrays_disagree_is_rebuilt(tmp_path, caplog):
+    from betty_trainer.datasets.cache import load_cached, save_graph
+
+    folder = save_graph(_cache_test_graph(), tmp_path / "converted", {"test": 1})
+    indptr = np.load(folder / "indptr.npy")
+    np.save(folder / "indptr.npy", indptr[::-1].copy())  # same size and header, not a graph
+    assert load_cached(folder, {"test": 1}) is None
+    assert f"cache {folder} is corrupt (invalid graph" in caplog.text and "rebuilding" in caplog.text
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    from betty_trainer.datasets.aggregation import aggregation_table
+    from betty_trainer.distributed.ownership import load_owners
+    from tests.test_cli import assert_one_line_error, betty_in_process
+    from tests.test_runs import QUICKSTART
+
+    cache = tmp_path / "a file"
+    cache.write_text("not a folder")
+    monkeypatch.setenv("BETTY_CACHE_DIR", str(cache))
+    graph = _cache_test_graph()
+    for build in (lambda: aggregation_table(graph, "test", lambda block, x: x), lambda: load_owners(graph, 2)):
+        with pytest.raises(DatasetError, match=f"cannot write the cache folder {cache}/.*Not a directory.*"
+                                               "BETTY_CACHE_DIR .* must be a writable folder"):
+            build()
+    result = betty_in_process(capsys, "train", "--config", QUICKSTART, "dataset.name=powerlaw",
+                              "dataset.powerlaw.num_nodes=300", "dataset.powerlaw.num_edges=1500",
+                              f"train.run_dir={tmp_path / 'run'}")
+    assert_one_line_error(result, f"cannot write the cache folder {cache}/powerlaw/processed/", "(ENOTDIR)",
+                          "BETTY_CACHE_DIR")

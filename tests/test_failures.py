@@ -239,3 +239,54 @@ def test_plan_hides_components_the_model_lacks_and_writes_plan_json_only_with_ou
                          "aggregator_intermediates": "aggr.", "gradients": "grads"}.items():
         assert (column in shown) == any(at_peak[name] for at_peak in rows), column
     assert "written to mine.json" in betty_in_process(capsys, *plan, "--output", "mine.json").stdout
+
+
+NO_HOST_MEMORY = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 400000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict(tmp_path, run_copy, capsys,
+                                                                                  monkeypatch):
+    import betty_trainer.training.evaluation as evaluation
+
+    sample_block, calls = evaluation.sample_block, []
+
+    def failing_after_one_evaluation(graph, chunk, fanout):  # layerwise_logits' first allocation of each layer
+        calls.append(chunk)
+        if len(calls) > 2:  # quickstart's 2 layers: epoch 0's evaluation passes, epoch 1's fails
+            raise RuntimeError(NO_HOST_MEMORY)
+        return sample_block(graph, chunk, fanout)
+
+    monkeypatch.setattr(evaluation, "sample_block", failing_after_one_evaluation)
+    run = tmp_path / "new"
+    trained = betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, "optim.epochs=2", "model.num_layers=2",
+                               f"train.run_dir={run}")
+    assert_one_line_error(trained, "epoch 1, evaluation: out of host memory (", "can't allocate memory",
+                          "num_nodes × model.hidden", "epoch 1's training is not saved",
+                          f"last good checkpoint: {run / 'last.pt'} (epoch 0")
+    assert load_checkpoint(run)["epoch"] == 0 and "optim.lr" not in trained.stderr
+    calls.append(None)  # from now on every evaluation fails
+    evaluated = betty_in_process(capsys, "evaluate", "--run", str(run_copy))
+    assert_one_line_error(evaluated, f"evaluating {run_copy / 'best.pt'}: out of host memory (",
+                          "free host memory")
+    predicted = betty_in_process(capsys, "predict", "--run", str(run_copy), "--output", str(tmp_path / "p.csv"))
+    assert_one_line_error(predicted, f"predicting with {run_copy / 'best.pt'}: out of host memory (")
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_a_rehashed_checkpoint_whose_shapes_do_not_fit_names_the_parameter_in_one_line(run_copy, tmp_path, capsys):
+    from tests.test_runs import rewrite_checkpoint
+
+    for name in (BEST_NAME, "last.pt"):
+        state = torch.load(run_copy / name, weights_only=True)
+        key = next(iter(state["model"]))
+        shape = list(state["model"][key].shape)
+        state["model"][key] = torch.zeros(shape[0] + 1, *shape[1:])
+        rewrite_checkpoint(run_copy / name, state)
+    wrong = f"parameter {key!r} has shape {[shape[0] + 1, *shape[1:]]} in the checkpoint but {shape} in the model"
+    assert_one_line_error(betty_in_process(capsys, "evaluate", "--run", str(run_copy)),
+                          f"cannot load {run_copy / BEST_NAME}: {wrong}")
+    assert_one_line_error(betty_in_process(capsys, "predict", "--run", str(run_copy), "--output",
+                                           str(tmp_path / "p.csv")), wrong)
+    assert_one_line_error(betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=8"),
+                          f"cannot resume {run_copy}: last.pt does not fit this model ({wrong}); start a new run")

@@ -108,3 +108,16 @@ def test_a_run_names_its_epochs_by_the_index_of_metrics_jsonl_and_of_resuming(tm
     assert [line.split(" · ")[0] for line in resumed if line.startswith("epoch ")] == ["epoch 2 (3/3 done)"]
     recorded = [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert recorded == [0, 1, 2]
+
+
+def test_the_eta_of_an_absurd_number_of_epochs_is_printed_not_an_overflow(monkeypatch):
+    import time
+
+    clock = iter(float(t) for t in range(0, 1000, 5))
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))  # rich's clock: 5 s an epoch
+    stream = io.StringIO()
+    with EpochProgress(Console(file=stream, width=200), "synthetic · reg", 10**18, 0, live=False) as progress:
+        for epoch in range(3):
+            progress.advance(epoch, "loss 1.0")
+    etas = [line.rsplit("ETA ", 1)[1] for line in stream.getvalue().splitlines()]
+    assert re.fullmatch(r"\d{7,}:\d\d:\d\d", etas[-1]), etas  # years of hours, as the live bar shows them

@@ -91,7 +91,8 @@ def _load(folder: Path, num_nodes: int) -> Tensor | None:
         return None
     try:
         array = np.load(folder / "table.npy", mmap_mode="c", allow_pickle=False)
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError) as error:  # empty, truncated or not a .npy file
+        log.warning("aggregation cache %s cannot be read (%s); rebuilding", folder, type(error).__name__)
         return None
     if meta.get("aggregation_format") != AGGREGATION_FORMAT \
             or list(array.shape) != meta.get("arrays", {}).get("table", {}).get("shape") \

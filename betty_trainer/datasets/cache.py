@@ -16,16 +16,23 @@ written under a temporary name and renamed into place when complete, so an inter
 conversion never leaves a folder that looks usable.
 
 Where: ``$BETTY_CACHE_DIR`` (default ``~/.cache/betty-trainer``) ``/<dataset>/processed/<variant>``.
+
+Every cache under ``$BETTY_CACHE_DIR`` (converted datasets, aggregation tables, ownerships, downloads) is written
+inside :func:`writing_cache`, so a cache folder that cannot be written (``BETTY_CACHE_DIR`` a file, read-only, a
+full disk) is one :class:`DatasetError` naming the folder and the fix, and a cached file that cannot be read
+(empty, truncated, corrupt) is rebuilt where it is found.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +52,29 @@ ARRAYS = ("indptr", "indices", "x", "y", "train_idx", "val_idx", "test_idx")
 def cache_dir() -> Path:
     """The download and conversion cache: ``$BETTY_CACHE_DIR`` or ``~/.cache/betty-trainer``."""
     return Path(os.environ.get("BETTY_CACHE_DIR", Path.home() / ".cache" / "betty-trainer"))
+
+
+@contextlib.contextmanager
+def writing_cache(folder: Path) -> Iterator[None]:
+    """Write under the cache folder ``folder`` inside this block: an ``OSError`` (the cache is a file, read-only,
+    the disk is full) becomes one line.
+
+    Raises:
+        DatasetError: naming ``folder``, the cause and the fix (a writable ``BETTY_CACHE_DIR``).
+    """
+    try:
+        yield
+    except OSError as error:
+        code = errno.errorcode.get(error.errno, "?") if error.errno else "?"
+        raise DatasetError(f"cannot write the cache folder {folder}: {error.strerror or error} ({code}); "
+                           f"BETTY_CACHE_DIR ({cache_dir()}) must be a writable folder with free space: point it at "
+                           "one, or free space there") from None
+
+
+def cache_corrupt(folder: Path, what: str) -> str:
+    """The message of a cache folder that cannot be used even after rebuilding it: ``what`` happened, deleting
+    ``folder`` rebuilds it."""
+    return f"the cache {folder} {what}; delete {folder} and run again to rebuild it (check the disk's free space)"
 
 
 def processed_dir(name: str, variant: str = "default") -> Path:
@@ -83,7 +113,8 @@ class CacheWriter:
     def __init__(self, folder: Path, required: Sequence[str] = ARRAYS):
         self.folder, self.required = folder, tuple(required)
         self.tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir(parents=True)
+        with writing_cache(folder):
+            self.tmp.mkdir(parents=True)
         self.arrays: dict[str, dict[str, Any]] = {}
 
     def __enter__(self) -> CacheWriter:
@@ -96,28 +127,32 @@ class CacheWriter:
     def open(self, name: str, shape: tuple[int, ...], dtype) -> np.memmap:
         """A writable ``np.memmap`` backed by ``<name>.npy`` (filled by the caller, e.g. chunk by chunk)."""
         self.arrays[name] = {"dtype": np.dtype(dtype).str, "shape": list(shape)}
-        return npy_format.open_memmap(self.tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
+        with writing_cache(self.folder):
+            return npy_format.open_memmap(self.tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
 
     def save(self, name: str, array: np.ndarray) -> None:
         """Write ``array`` as ``<name>.npy``."""
         array = np.ascontiguousarray(array)
         self.arrays[name] = {"dtype": array.dtype.str, "shape": list(array.shape)}
-        np.save(self.tmp / f"{name}.npy", array, allow_pickle=False)
+        with writing_cache(self.folder):
+            np.save(self.tmp / f"{name}.npy", array, allow_pickle=False)
 
     def commit(self, meta: dict[str, Any]) -> Path:
         """Write ``meta.json`` (with the arrays' dtypes and shapes) and move the folder into place.
 
         Raises:
-            DatasetError: a required array (:data:`ARRAYS` by default) was not written.
+            DatasetError: a required array (:data:`ARRAYS` by default) was not written, or the folder cannot be
+                written (:func:`writing_cache`).
         """
         missing = [name for name in self.required if name not in self.arrays]
         if missing:
             raise DatasetError(f"cache of {self.folder} lacks {', '.join(missing)} (a bug in its builder)")
         meta = {**meta, "format": CACHE_FORMAT, "arrays": self.arrays}
-        (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if self.folder.exists():
-            shutil.rmtree(self.folder)
-        os.replace(self.tmp, self.folder)
+        with writing_cache(self.folder):
+            (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            if self.folder.exists():
+                shutil.rmtree(self.folder)
+            os.replace(self.tmp, self.folder)
         return self.folder
 
 
@@ -160,7 +195,7 @@ def _complete(folder: Path, meta: dict[str, Any]) -> bool:
                 shape, _, dtype = header(handle)
                 offset = handle.tell()
             size = path.stat().st_size
-        except (OSError, ValueError):
+        except (OSError, ValueError, EOFError):
             return False
         if list(shape) != spec["shape"] or dtype.str != spec["dtype"]:
             return False
@@ -192,10 +227,15 @@ def load_cached(folder: Path, source: Any, mmap: bool = True) -> Graph | None:
     if not _complete(folder, meta):
         log.warning("cache %s is incomplete or truncated; rebuilding", folder)
         return None
-    arrays = {}
-    for name in ARRAYS:
-        empty = 0 in meta["arrays"][name]["shape"]  # an empty file cannot be mapped
-        arrays[name] = np.load(folder / f"{name}.npy", mmap_mode="c" if mmap and not empty else None,
-                               allow_pickle=False)
-    return Graph(**{name: torch.from_numpy(array) for name, array in arrays.items()},
-                 num_classes=int(meta["num_classes"]), name=str(meta["name"]), check_features=False)
+    try:
+        arrays = {}
+        for name in ARRAYS:
+            empty = 0 in meta["arrays"][name]["shape"]  # an empty file cannot be mapped
+            arrays[name] = np.load(folder / f"{name}.npy", mmap_mode="c" if mmap and not empty else None,
+                                   allow_pickle=False)
+        return Graph(**{name: torch.from_numpy(array) for name, array in arrays.items()},
+                     num_classes=int(meta["num_classes"]), name=str(meta["name"]), check_features=False)
+    except (OSError, ValueError, EOFError, KeyError, TypeError, DatasetError) as error:
+        log.warning("cache %s is corrupt (%s); rebuilding", folder, str(error).splitlines()[0] if str(error) else
+                    type(error).__name__)
+        return None

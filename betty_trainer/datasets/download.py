@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from betty_trainer.datasets.cache import writing_cache
 from betty_trainer.errors import DatasetError
 
 CHUNK_BYTES = 1 << 20
@@ -49,12 +50,15 @@ def download(url: str, target: Path, sha256: str = "", timeout: float = 60.0) ->
     Raises:
         DatasetError: the download fails (offline: the message says to pass ``--data-dir``),
             is shorter than the server announced, or its checksum does not match (the
-            partial file is deleted so the next attempt starts clean).
+            partial file is deleted so the next attempt starts clean), or the cache folder cannot be
+            written (:func:`~betty_trainer.datasets.cache.writing_cache`).
     """
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".part")
+    with writing_cache(target.parent):  # a cache that cannot be written is named before anything is downloaded
+        target.parent.mkdir(parents=True, exist_ok=True)
+        open(partial, "ab").close()
     have = partial.stat().st_size if partial.is_file() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     digest = hashlib.sha256()
@@ -91,7 +95,8 @@ def download(url: str, target: Path, sha256: str = "", timeout: float = 60.0) ->
         partial.unlink()
         raise DatasetError(f"downloaded {url} but its sha256 {actual[:16]}… does not match {expected[:16]}…; "
                            "deleted, not saved")
-    if not sha256:
-        recorded.write_text(f"{actual}  {target.name}\n")
-    os.replace(partial, target)
+    with writing_cache(target.parent):
+        if not sha256:
+            recorded.write_text(f"{actual}  {target.name}\n")
+        os.replace(partial, target)
     return target

@@ -36,7 +36,15 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from betty_trainer.data.graph import Graph, csc_from_edges
-from betty_trainer.datasets.cache import CacheWriter, cache_dir, file_fingerprint, load_cached, processed_dir
+from betty_trainer.datasets.cache import (
+    CacheWriter,
+    cache_corrupt,
+    cache_dir,
+    file_fingerprint,
+    load_cached,
+    processed_dir,
+    writing_cache,
+)
 from betty_trainer.datasets.download import download
 from betty_trainer.datasets.npz import open_archive
 from betty_trainer.errors import DatasetError
@@ -364,7 +372,8 @@ def find_ogb_directory(spec: OgbNodeDataset, data_dir: Path | None, fetch: bool 
             download(spec.url, archive)
     extracted = home / "extracted"
     if not (extracted / spec.folder / "raw").is_dir():
-        home.mkdir(parents=True, exist_ok=True)
+        with writing_cache(home):
+            home.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(extracted, ignore_errors=True)
         _safe_extract(archive, extracted)
     if not (extracted / spec.folder / "raw").is_dir():
@@ -403,5 +412,5 @@ def load_ogb(name: str, data_dir: Path | None = None, *, to_undirected: bool | N
                               binary=spec.binary, source=source)
         graph = load_cached(folder, source, mmap=mmap)
         if graph is None:
-            raise DatasetError(f"the cache {folder} could not be read back after writing it; is the disk full?")
+            raise DatasetError(cache_corrupt(folder, "could not be read back after writing it"))
     return graph

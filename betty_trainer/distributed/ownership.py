@@ -17,6 +17,7 @@ cache, keyed by the graph's structure, ``P``, the kind and the seed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from betty_trainer.data.graph import Graph
-from betty_trainer.datasets.cache import cache_dir
+from betty_trainer.datasets.cache import cache_dir, writing_cache
 from betty_trainer.rng import hash_ids, mix_key
 from partition.metis import metis_kway
 from partition.reg import symmetric_graph
@@ -83,27 +84,33 @@ def structure_fingerprint(graph: Graph) -> str:
 def load_owners(graph: Graph, world_size: int, kind: Ownership = "random", seed: int = 0,
                 folder: Path | None = None) -> Tensor:
     """:func:`vertex_owners`, computed once and kept on disk: ``<folder>/<kind>-P<P>-seed<seed>-<fingerprint>.npy``
-    (default folder ``<cache dir>/<graph name>/ownership``, beside the dataset's converted arrays). A file of the
-    wrong length or with ranks outside ``[0, P)`` is recomputed; a new file is written under a temporary name and
-    renamed into place, so processes computing the same ownership at once never read a partial file (they compute
-    the same array).
+    (default folder ``<cache dir>/<graph name>/ownership``, beside the dataset's converted arrays). A file that cannot
+    be read (empty, truncated), of the wrong length or with ranks outside ``[0, P)`` is recomputed; a new file is
+    written under a temporary name and renamed into place, so processes computing the same ownership at once never
+    read a partial file (they compute the same array).
 
     Raises:
         ValueError: see :func:`vertex_owners`.
+        DatasetError: the folder cannot be written (:func:`~betty_trainer.datasets.cache.writing_cache`).
     """
     folder = folder if folder is not None else cache_dir() / graph.name / "ownership"
     path = folder / f"{kind}-P{world_size}-seed{seed}-{structure_fingerprint(graph)}.npy"
     if path.exists():
         try:
             owners = torch.from_numpy(np.load(path, allow_pickle=False)).long()
-        except (OSError, ValueError):
+        except (OSError, ValueError, EOFError):  # empty, truncated or not a .npy file: recomputed
             owners = None
         if owners is not None and owners.shape == (graph.num_nodes,) and \
                 (owners.numel() == 0 or (int(owners.min()) >= 0 and int(owners.max()) < world_size)):
             return owners
     owners = vertex_owners(graph, world_size, kind, seed)
-    folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{path.stem}.{uuid.uuid4().hex}.npy"
-    np.save(partial, owners.numpy())
-    os.replace(partial, path)
+    try:
+        with writing_cache(folder):
+            folder.mkdir(parents=True, exist_ok=True)
+            np.save(partial, owners.numpy())
+            os.replace(partial, path)
+    finally:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)  # a failed write leaves no partial file
     return owners

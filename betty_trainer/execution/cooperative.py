@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.distributed.exchange import collective, exchange_rows
 from betty_trainer.distributed.share import CooperativeBatch
-from betty_trainer.errors import TrainingError
+from betty_trainer.errors import NonFiniteLossError
 from betty_trainer.execution.micro_batches import measured_step_resident
 from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, layer_sizes, piece_row, plan_report
 from betty_trainer.models.stack import runs_layer_by_layer
@@ -52,8 +52,8 @@ def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: Fe
 
     Raises:
         TypeError: ``model`` cannot run layer by layer.
-        TrainingError: the global loss is NaN or infinite, raised on every rank alike (no gradient is added), or a
-            collective failed because another rank died or left (naming this rank and the collective).
+        NonFiniteLossError: the global loss is NaN or infinite, raised on every rank alike (no gradient is added).
+        TrainingError: a collective failed because another rank died or left (naming this rank and the collective).
     """
     if not runs_layer_by_layer(model):
         raise TypeError(f"cooperative training runs the model layer by layer between exchanges: {type(model).__name__} "
@@ -69,7 +69,7 @@ def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: Fe
     with collective("the all-reduce of the loss", group):
         dist.all_reduce(totals, group=group)
     if not torch.isfinite(totals[0]):  # every rank sees the same sum, so every rank stops here
-        raise TrainingError(f"loss is {totals[0].item()}")
+        raise NonFiniteLossError(f"loss is {totals[0].item()}")
     loss.backward()
     return StepResult(totals[0].item(), int(totals[1].item()))
 

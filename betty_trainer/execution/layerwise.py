@@ -53,7 +53,7 @@ from torch.nn import functional as F
 
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore
-from betty_trainer.errors import TrainingError
+from betty_trainer.errors import NonFiniteLossError
 from betty_trainer.execution.micro_batches import training_state
 from betty_trainer.execution.plan import StepResult, held_bytes, piece_row, plan_report
 from betty_trainer.models.capabilities import affine_layers, projected_layers, whole_block_layers
@@ -184,7 +184,7 @@ def layerwise_backward(
 
     Raises:
         ValueError: ``model`` cannot run layer by layer, or ``chunks`` has another number of layers.
-        TrainingError: the loss is NaN or infinite (no gradient is added).
+        NonFiniteLossError: the loss is NaN or infinite (no gradient is added).
     """
     if not runs_layer_by_layer(model):
         raise ValueError(f"{type(model).__name__} cannot run layer by layer: layer-wise execution needs a "
@@ -259,13 +259,13 @@ class _LayerPass:
         with the loss and the number of correctly classified outputs.
 
         Raises:
-            TrainingError: the loss is NaN or infinite.
+            NonFiniteLossError: the loss is NaN or infinite.
         """
         logits = stored[-1].requires_grad_()
         y = labels[output_nodes].to(self.device)
         loss = F.cross_entropy(logits, y, reduction="sum") / output_nodes.numel()
         if not torch.isfinite(loss):
-            raise TrainingError(f"loss is {loss.item()}")
+            raise NonFiniteLossError(f"loss is {loss.item()}")
         loss.backward()
         stored[-1] = None  # the logits and their gradient die with this frame (and loss's graph)
         return logits.grad, StepResult(loss.item(), int((logits.detach().argmax(1) == y).sum()))
@@ -501,7 +501,7 @@ def measure_layerwise_step(model: LayerStack, optimizer: torch.optim.Optimizer, 
 
     Raises:
         ValueError: the model cannot run layer by layer, or a device other than CPU or CUDA.
-        TrainingError: the loss is NaN or infinite.
+        NonFiniteLossError: the loss is NaN or infinite.
         RuntimeError: a torch profiler is already running (CPU).
     """
     for parameter in model.parameters():

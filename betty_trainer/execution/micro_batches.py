@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, require_store
-from betty_trainer.errors import TrainingError
+from betty_trainer.errors import NonFiniteLossError
 from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, layer_sizes, piece_row, plan_report
 from betty_trainer.models.stack import LayerStack
 from estimator.estimate import MemoryEstimate
@@ -107,7 +107,7 @@ def micro_batch_backward(
         The micro-batch's loss term (float) and its number of correctly classified outputs.
 
     Raises:
-        TrainingError: if the loss is NaN or infinite (then no gradient is added).
+        NonFiniteLossError: if the loss is NaN or infinite (then no gradient is added).
     """
     x = features.gather(micro_batch.input_nodes, device)
     y = labels[micro_batch.output_nodes].to(device, non_blocking=True)
@@ -116,7 +116,7 @@ def micro_batch_backward(
     logits = model(blocks, x, consume_input=True) if isinstance(model, LayerStack) else model(blocks, x)
     loss = F.cross_entropy(logits, y, reduction="sum") / num_outputs
     if not torch.isfinite(loss):
-        raise TrainingError(f"loss is {loss.item()}")
+        raise NonFiniteLossError(f"loss is {loss.item()}")
     loss.backward()
     return loss.item(), int((logits.argmax(1) == y).sum())
 
@@ -147,7 +147,7 @@ def accumulate_gradients(
         The batch's mean loss and its number of correctly classified outputs.
 
     Raises:
-        TrainingError: if a loss is NaN or infinite (naming the micro-batch; no gradient of that batch
+        NonFiniteLossError: if a loss is NaN or infinite (naming the micro-batch; no gradient of that batch
             should be applied).
         TypeError: ``features`` is not a :class:`~betty_trainer.data.feature_store.FeatureStore`.
     """
@@ -160,8 +160,8 @@ def accumulate_gradients(
     for micro_batch in micro_batches:  # not enumerate(), whose cached result tuple keeps the previous item alive
         try:
             loss, right = micro_batch_backward(model, micro_batch, features, labels, device, total)
-        except TrainingError as error:
-            raise TrainingError(f"{error} in micro-batch {index}") from None
+        except NonFiniteLossError as error:
+            raise NonFiniteLossError(f"{error} in micro-batch {index}") from None
         del micro_batch  # gone before the next one is built
         loss_sum, correct, index = loss_sum + loss, correct + right, index + 1
     return StepResult(loss_sum, correct)
@@ -351,7 +351,7 @@ def measure_training_step(
         ValueError: for a device other than CPU or CUDA, or, on CPU, a parameter, buffer
             or optimizer state tensor not on the CPU.
         RuntimeError: if a torch profiler is already running (CPU), or from the model.
-        TrainingError: if the loss is NaN or infinite.
+        NonFiniteLossError: if the loss is NaN or infinite.
     """
     device = torch.device(device)
     divisor = micro_batch.output_nodes.numel() if num_outputs is None else num_outputs

@@ -87,7 +87,7 @@ class StepPlan(Protocol):
         (no optimizer step).
 
         Raises:
-            TrainingError: a loss is NaN or infinite (the message names the piece).
+            NonFiniteLossError: a loss is NaN or infinite (the message names the piece).
             torch.OutOfMemoryError: a piece did not fit on the device (the caller re-plans).
         """
         ...
@@ -99,7 +99,7 @@ class StepPlan(Protocol):
         or the one layer-wise step. Updates ``model`` and ``optimizer``.
 
         Raises:
-            TrainingError: a loss is NaN or infinite.
+            NonFiniteLossError: a loss is NaN or infinite.
             RuntimeError: a torch profiler is already running (CPU).
             ValueError: a device other than CPU or CUDA.
         """

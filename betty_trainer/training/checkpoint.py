@@ -276,6 +276,23 @@ def identity_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) ->
     return None
 
 
+def state_dict_difference(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str | None:
+    """``None`` when the checkpoint's state dict ``saved`` fits the model's ``model`` (the same keys, each tensor of
+    the same shape), else a phrase naming the first parameter that does not and both shapes, e.g. ``"parameter
+    'layers.0.weight' has shape [64, 16] in the checkpoint but [64, 32] in the model"``: what ``load_state_dict``
+    would refuse, said in one line (a checkpoint edited and re-hashed by hand still gets here)."""
+    for key in _keys(model, saved):
+        if key not in saved:
+            return f"the checkpoint lacks parameter {key!r}"
+        if key not in model:
+            return f"the checkpoint holds parameter {key!r}, which the model does not have"
+        here, there = model[key], saved[key]
+        if isinstance(here, Tensor) and isinstance(there, Tensor) and here.shape != there.shape:
+            return (f"parameter {key!r} has shape {list(there.shape)} in the checkpoint but {list(here.shape)} in "
+                    "the model")
+    return None
+
+
 def _keys(one: Mapping[str, Any], two: Mapping[str, Any]) -> Iterable[str]:
     return list(one) + [key for key in two if key not in one]
 

@@ -15,6 +15,9 @@ from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.sampling import sample_batch, sample_block
 
 EVAL_CHUNK = 8192  # dst nodes per block (layer-wise evaluation) or seeds per batch (batch evaluation)
+EVALUATION_HOST_MEMORY = ("evaluation holds two layers' outputs of every node in host memory (num_nodes × "
+                          "model.hidden values each, layerwise_logits)")
+"""Why evaluation runs out of host memory, for the errors that say so."""
 
 
 def full_neighbourhood_batches(graph: Graph, nodes: Tensor, num_layers: int,

@@ -9,9 +9,11 @@ Evaluation is the one training runs (:func:`~betty_trainer.training.evaluation.e
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from betty_trainer.config import Config, load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
-from betty_trainer.errors import ConfigError, TrainingError
+from betty_trainer.errors import ConfigError, TrainingError, host_allocation_failure
 from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.training.checkpoint import (
     CHECKPOINTS,
@@ -32,13 +34,16 @@ from betty_trainer.training.checkpoint import (
     identity_difference,
     load_checkpoint,
     split_refusal,
+    state_dict_difference,
 )
 from betty_trainer.training.evaluation import (
+    EVALUATION_HOST_MEMORY,
     evaluate_splits,
     full_neighbourhood_batches,
     layerwise_logits,
 )
 from betty_trainer.training.preflight import resolve_device
+from betty_trainer.training.rundir import refuse_run_file
 from betty_trainer.training.trainer import init_model
 
 logger = logging.getLogger(__name__)
@@ -69,8 +74,10 @@ class LoadedRun:
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module | None = None,
-             graph: Graph | None = None, device: str | torch.device = "cpu") -> LoadedRun:
-    """Load a run's model from ``best.pt`` or ``last.pt`` (see :func:`load_model`).
+             graph: Graph | None = None, device: str | torch.device = "cpu",
+             data_dir: str | Path | None = None) -> LoadedRun:
+    """Load a run's model from ``best.pt`` or ``last.pt`` (see :func:`load_model`); ``data_dir``, when given, is
+    where the dataset's files are now, instead of the run's recorded ``dataset.data_dir`` (a moved dataset).
 
     Raises:
         ConfigError: unknown ``checkpoint``, or ``run_dir`` is not a run directory.
@@ -83,7 +90,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module 
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(saved)
+    config = load_config(saved, [] if data_dir is None else [f"dataset.data_dir={data_dir}"])
     state = load_checkpoint(run_dir, CHECKPOINTS[checkpoint])
     device = resolve_device(str(device))
     split = config.dataset.split if graph is None else None  # a graph given from Python carries its own split
@@ -102,6 +109,8 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", *, model: nn.Module 
     model_id = config.model.model_dump(mode="json") if builtin else state["identity"].get("model", {})
     difference = identity_difference(state["identity"], identity(dataset_identity(graph, split), model_id,
                                                                   model.state_dict()))
+    if difference is None:
+        difference = state_dict_difference(model.state_dict(), state["model"])
     if difference is not None:
         raise TrainingError(f"cannot load {run_dir / CHECKPOINTS[checkpoint]}: {difference}")
     model.load_state_dict(state["model"])
@@ -154,7 +163,8 @@ def run_device(run_dir: str | Path) -> torch.device:
 
 
 def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "test",
-                 device: str | torch.device | None = None) -> tuple[LoadedRun, dict]:
+                 device: str | torch.device | None = None,
+                 data_dir: str | Path | None = None) -> tuple[LoadedRun, dict]:
     """Accuracy of a run's checkpoint on ``val``, ``test`` or ``all`` (train, val and test).
 
     Args:
@@ -162,6 +172,7 @@ def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "t
         checkpoint: ``"best"`` or ``"last"``.
         splits: ``"val"``, ``"test"`` or ``"all"``.
         device: where to evaluate; default: where the run trained (:func:`run_device`).
+        data_dir: the folder holding the dataset's files (``--data-dir``); default: the run's ``dataset.data_dir``.
 
     Returns:
         The loaded run and ``{split: fraction in [0, 1]}``, computed as training computes them (layer by
@@ -170,20 +181,24 @@ def evaluate_run(run_dir: str | Path, checkpoint: str = "best", splits: str = "t
 
     Raises:
         ConfigError, TrainingError: see :func:`load_run`; ``splits`` not val, test or all.
+        TrainingError: evaluation ran out of host memory (the message says what it holds).
     """
     names = {"val": ["val"], "test": ["test"], "all": ["train", "val", "test"]}.get(splits)
     if names is None:
         raise ConfigError(f"--split must be val, test or all, got {splits!r}")
-    run = load_run(run_dir, checkpoint, device=device if device is not None else run_device(run_dir))
+    run = load_run(run_dir, checkpoint, device=device if device is not None else run_device(run_dir),
+                   data_dir=data_dir)
     nodes = {"train": run.graph.train_idx, "val": run.graph.val_idx, "test": run.graph.test_idx}
     features = HostFeatureStore(run.graph.x, pin=run.device.type == "cuda")  # as training builds it
-    accuracy = evaluate_splits(run.model, run.graph, features, run.device, {name: nodes[name] for name in names},
-                               run.config.model.num_layers)
+    with _host_memory(f"evaluating {Path(run_dir) / CHECKPOINTS[checkpoint]}"):
+        accuracy = evaluate_splits(run.model, run.graph, features, run.device, {name: nodes[name] for name in names},
+                                   run.config.model.num_layers)
     return run, accuracy
 
 
 @torch.no_grad()
-def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best") -> Path:
+def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best",
+                data_dir: str | Path | None = None) -> Path:
     """Write every node's predicted class and class probabilities (softmax of the logits) to ``output``.
 
     Formats, by ``output``'s suffix (one row per node, in node-id order):
@@ -193,14 +208,19 @@ def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best
     - ``.csv``: header ``node,prediction,prob_0,…,prob_{C-1}``;
     - ``.parquet``: the same columns (needs ``pyarrow``).
 
+    ``data_dir`` (``--data-dir``) is where the dataset's files are, if not at the run's ``dataset.data_dir``.
+
     Returns:
         ``output``.
 
     Raises:
         ConfigError: unknown suffix, a missing output folder, or ``.parquet`` without pyarrow.
-        TrainingError: see :func:`load_run`.
+        RunDirError: ``output`` is a file the run directory manages (``best.pt``, ``config.yaml``, ...;
+            :func:`~betty_trainer.training.rundir.is_run_file`).
+        TrainingError: see :func:`load_run`; or the logits ran out of host memory.
     """
     output = Path(output)
+    refuse_run_file(output)
     suffix = output.suffix.lower()
     if suffix not in PREDICTION_FORMATS:
         raise ConfigError(f"--output {output}: use a .pt, .csv or .parquet file")
@@ -208,8 +228,9 @@ def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best
         raise ConfigError(f"--output {output}: folder {output.parent} does not exist; create it or choose another")
     if suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError("--output *.parquet needs pyarrow (pip install pyarrow); or write .csv or .pt")
-    run = load_run(run_dir, checkpoint)
-    probabilities = torch.softmax(node_logits(run), dim=1).float()
+    run = load_run(run_dir, checkpoint, data_dir=data_dir)
+    with _host_memory(f"predicting with {Path(run_dir) / CHECKPOINTS[checkpoint]}"):
+        probabilities = torch.softmax(node_logits(run), dim=1).float()
     table = {"node": torch.arange(run.graph.num_nodes), "prediction": probabilities.argmax(1),
              "probabilities": probabilities}
     try:
@@ -235,6 +256,20 @@ def node_logits(run: LoadedRun) -> Tensor:
                                             run.config.model.num_layers):
         parts.append(run.model(batch.to(run.device).blocks, features.gather(batch.input_nodes, run.device)).cpu())
     return torch.cat(parts)
+
+
+@contextlib.contextmanager
+def _host_memory(what: str) -> Iterator[None]:
+    """A failed host-memory allocation (:func:`~betty_trainer.errors.host_allocation_failure`) inside the block as
+    a one-line :class:`TrainingError` naming ``what`` and what evaluation holds in host memory."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as error:
+        cause = host_allocation_failure(error)
+        if cause is None:
+            raise
+        raise TrainingError(f"{what}: out of host memory ({cause}); {EVALUATION_HOST_MEMORY}: free host memory or "
+                            "use a machine with more") from None
 
 
 def _write_csv(path: Path, table: dict[str, Tensor]) -> None:

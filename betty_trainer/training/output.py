@@ -22,12 +22,12 @@ is passed on.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from datetime import timedelta
 from typing import Protocol
 
 from rich.console import Console, RenderableType
@@ -176,10 +176,19 @@ class EpochProgress:
         self.progress.update(self.task, advance=1, status=f"epoch {epoch} · {status}")
         if not self.live:
             task = self.progress.tasks[0]
-            remaining = task.time_remaining
-            eta = "-" if remaining is None else str(timedelta(seconds=round(remaining)))
+            eta = eta_text(task.time_remaining)
             self.console.print(f"epoch {epoch} ({int(task.completed)}/{self.total} done) · {status} · ETA {eta}",
                                highlight=False, soft_wrap=True)
+
+
+def eta_text(seconds: float | None) -> str:
+    """A time remaining as ``H:MM:SS``, the hours unbounded (as the live bar's column shows it), e.g. ``0:00:05`` or
+    ``30:00:00``, whatever the number of epochs; ``-`` when unknown or not finite."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    minutes, secs = divmod(max(0, round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 @contextlib.contextmanager

@@ -144,11 +144,18 @@ def check_model_size(config: Config, graph, device: torch.device) -> int:
         The number of parameters.
 
     Raises:
-        ConfigError: naming ``model.hidden`` / ``model.num_layers``, the bytes needed and the memory there.
+        ConfigError: naming ``model.hidden`` / ``model.num_layers``, the bytes needed and the memory there; or
+            the model's sizes are past what a tensor can index (e.g. GAT's ``heads × hidden`` rows over 2⁶³).
     """
     available = _memory_bytes(device)
-    with torch.device("meta"):
-        model = build_model(config.model, graph)
+    try:
+        with torch.device("meta"):
+            model = build_model(config.model, graph)
+    except (RuntimeError, OverflowError, TypeError) as error:  # a size past what a tensor can index
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        raise ConfigError(f"the model section {config.model.model_dump(exclude={'arch'})} asks for tensors too large "
+                          f"to build ({cause}); lower model.hidden, model.num_layers or the architecture's "
+                          "own sizes") from None
     numel = sum(p.numel() for layer in model.layers for p in layer.parameters())
     needed = numel * next(model.parameters()).element_size() * _STATE_COPIES
     if available is not None and needed > available:

@@ -243,6 +243,30 @@ def holds_run(path: Path) -> bool:
     return Path(path).is_dir() and bool(run_files(path))
 
 
+def is_run_file(path: Path) -> bool:
+    """Whether ``path`` (or the file a link at ``path`` points to) is a file a run directory manages: one of
+    :data:`RUN_FILES`, the lock or a ``.partial`` leftover of them, in a folder holding a run (or its lock)."""
+    path = Path(path)
+    managed = {LOCK_NAME, *RUN_FILES, *(name + ".partial" for name in RUN_FILES)}
+    for candidate in {path.absolute(), path.resolve()}:
+        folder = candidate.parent
+        if candidate.name in managed and (holds_run(folder) or (folder / LOCK_NAME).is_file()):
+            return True
+    return False
+
+
+def refuse_run_file(path: Path, what: str = "--output") -> None:
+    """Refuse to write ``what`` at ``path`` when it is a run directory's own file (:func:`is_run_file`): writing
+    there would replace a checkpoint, its digest, the run's config or its metrics.
+
+    Raises:
+        RunDirError: naming ``what``, the path and the fix.
+    """
+    if is_run_file(path):
+        raise RunDirError(f"{what} {path} is a file of the run directory {Path(path).resolve().parent} "
+                          "(betty-train writes and reads it), so it is left alone; choose another file")
+
+
 def holds_checkpoint(path: Path) -> bool:
     """Whether the run in ``path`` has a ``last.pt`` (``checkpoint.LAST_NAME``) that ``--resume`` continues from."""
     return (Path(path) / "last.pt").exists()

@@ -29,7 +29,13 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset, no_training_nodes_message
 from betty_trainer.distributed.exchange import ExchangeTraffic
 from betty_trainer.distributed.group import Processes, leave
-from betty_trainer.errors import ConfigError, PlanningError, TrainingError
+from betty_trainer.errors import (
+    ConfigError,
+    NonFiniteLossError,
+    PlanningError,
+    TrainingError,
+    host_allocation_failure,
+)
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
@@ -58,9 +64,10 @@ from betty_trainer.training.checkpoint import (
     non_finite,
     save_checkpoint,
     split_refusal,
+    state_dict_difference,
 )
 from betty_trainer.training.distributed import finish_together, join_run, leader_value, rank_metrics, this_rank
-from betty_trainer.training.evaluation import evaluate_splits
+from betty_trainer.training.evaluation import EVALUATION_HOST_MEMORY, evaluate_splits
 from betty_trainer.training.output import EpochProgress, epoch_status, quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.rundir import (
@@ -175,8 +182,9 @@ def train(
 
     Raises:
         BettyError: bad dataset or config, NaN loss or diverged parameters (:class:`TrainingError`,
-            naming the last good checkpoint), unusable checkpoint, or a resume whose model or dataset
-            differs from the checkpoint's.
+            naming the last good checkpoint), a step or an evaluation out of host memory (:class:`TrainingError`,
+            naming the last good checkpoint; the failed epoch is not saved), unusable checkpoint, or a resume whose
+            model or dataset differs from the checkpoint's.
         RunDirError: the run directory already holds a run (without ``resume`` or ``overwrite``), is held
             by another run (its ``run.lock`` names the holder), is a file, is read-only, or its disk is full
             (the last good checkpoint is kept).
@@ -200,7 +208,7 @@ def train(
         with EpochProgress(console, f"{graph.name} · {config.micro_batch.partitioner}", config.optim.epochs,
                            run.start_epoch, live=config.train.progress) as progress:
             for epoch in range(run.start_epoch, config.optim.epochs):
-                started, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
+                started, lr, steps = time.perf_counter(), optimizer.param_groups[0]["lr"], 0
                 totals, seed_batches = _EpochTotals.start(run), epoch_seeds(config, graph, epoch)
                 for batch_round in batch_rounds(config, run.sampler, seed_batches, epoch, features.row_bytes):
                     features.prefetch(batch_round.staged_nodes)  # a macro-batch's rows, staged on the device at once
@@ -211,7 +219,7 @@ def train(
                         optimizer.zero_grad(set_to_none=True)
                         while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
                             try:
-                                with _named_failures(where, _last_good(path, epoch)):
+                                with _named_failures(where, path, epoch, since_checkpoint=steps):
                                     result = plan.run(model, features, graph.y, device)
                                 break
                             except torch.cuda.OutOfMemoryError:
@@ -219,6 +227,7 @@ def train(
                             optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
                             plan = _replan(planner, plan, where, device)
                         optimizer.step()
+                        steps += 1
                         if epoch == run.start_epoch and key.step == 0:  # the first batch's plan, as `betty-train plan` shows it
                             _record_plan(directory, console, planner, plan, write=epoch == 0)
                         warned = warned or (plan.pieces > 1 and _warn_torch_dropout(model, plan.pieces))
@@ -230,8 +239,12 @@ def train(
                 if diverged:
                     raise TrainingError(f"epoch {epoch}: {diverged} after the optimizer step (training diverged); "
                                         f"try a lower optim.lr; {_last_good(path, epoch)}")
-                last = totals.metrics(epoch, run, features.stats.snapshot(), time.perf_counter() - started, lr,
-                                      _evaluate(config, run, epoch, device))  # the counters before evaluation's
+                counters, seconds = features.stats.snapshot(), time.perf_counter() - started  # before evaluation's
+                with _named_failures(f"epoch {epoch}, evaluation", path, epoch, since_checkpoint=steps,
+                                     host_fix=f"{EVALUATION_HOST_MEMORY}; lower model.hidden, or free host memory; "
+                                              f"epoch {epoch}'s training is not saved"):
+                    accuracy = _evaluate(config, run, epoch, device)
+                last = totals.metrics(epoch, run, counters, seconds, lr, accuracy)
                 diverging = _check_divergence(config, graph, last, path, diverging)
                 best = _end_epoch(directory, run, last, best, board)
                 progress.advance(epoch, epoch_status(last, best))
@@ -437,6 +450,10 @@ def _restore(config: Config, run: _Run, state: dict, path: Path) -> None:
     if (state.get("scheduler") is None) != (scheduler is None):
         raise TrainingError(f"cannot resume {path}: optim.scheduler differs from the run's "
                             f"({config.optim.scheduler!r} here); resume with the run's optim.scheduler")
+    misfit = state_dict_difference(run.model.state_dict(), state["model"])
+    if misfit is not None:
+        raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} does not fit this model ({misfit}); start a "
+                            "new run")
     try:
         run.model.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
@@ -463,22 +480,35 @@ def _start(directory: RunDirectory, config: Config, run: _Run, device: torch.dev
     directory.write_text("config.yaml", config.to_yaml())
 
 
+TRAINING_HOST_MEMORY = "lower model.hidden or sampling.batch_size, or raise micro_batch.num_micro_batches"
+"""What to do when a training step runs out of host memory."""
+
+
 @contextlib.contextmanager
-def _named_failures(where: str, last_good: str) -> Iterator[None]:
-    """A batch's NaN loss or host out-of-memory error as a :class:`TrainingError` naming the batch and the last
-    good checkpoint (a CUDA out-of-memory error passes: the loop re-plans)."""
+def _named_failures(where: str, path: Path, epoch: int, since_checkpoint: int,
+                    host_fix: str = TRAINING_HOST_MEMORY) -> Iterator[None]:
+    """A batch's :class:`TrainingError` or host out-of-memory error as a :class:`TrainingError` naming the batch
+    and the last good checkpoint (:func:`_last_good`); only a NaN or infinite loss (:class:`NonFiniteLossError`) is
+    told to try a lower learning rate, and, when ``since_checkpoint`` (the optimizer steps taken since ``last.pt``
+    was written) is 0, that ``last.pt`` itself gives this loss. Running out of host memory
+    (:func:`~betty_trainer.errors.host_allocation_failure`) says ``host_fix``. A CUDA out-of-memory error passes: the
+    loop re-plans."""
     try:
         yield
     except torch.cuda.OutOfMemoryError:
         raise
+    except NonFiniteLossError as error:
+        if since_checkpoint == 0 and epoch > 0 and holds_checkpoint(path):
+            raise NonFiniteLossError(f"{where}: {error}; {_diverged_before(path, epoch)}") from None
+        raise NonFiniteLossError(f"{where}: {error}; try a lower optim.lr; {_last_good(path, epoch)}") from None
     except TrainingError as error:
-        raise TrainingError(f"{where}: {error}; try a lower optim.lr; {last_good}") from None
-    except RuntimeError as error:
-        if "can't allocate memory" not in str(error):
+        raise TrainingError(f"{where}: {error}; {_last_good(path, epoch)}") from None
+    except (RuntimeError, MemoryError) as error:
+        cause = host_allocation_failure(error)
+        if cause is None:
             raise
-        raise TrainingError(f"{where}: out of host memory ({str(error).splitlines()[0][-100:]}); lower "
-                            "model.hidden or sampling.batch_size, or raise micro_batch.num_micro_batches; "
-                            f"{last_good}") from None
+        raise TrainingError(f"{where}: out of host memory ({cause}); {host_fix}; {_last_good(path, epoch)}") from None
+
 
 
 def _replan(planner: Planner, plan: StepPlan, where: str, device: torch.device) -> StepPlan:
@@ -702,8 +732,16 @@ def _last_good(path: Path, epoch: int) -> str:
     """Where the run can go on from when epoch ``epoch`` fails (the checkpoints hold earlier epochs only)."""
     if epoch == 0 or not holds_checkpoint(path):
         return "no checkpoint was written yet"
-    return (f"last good checkpoint: {path / LAST_NAME} (epoch {epoch - 1}; continue with betty-train train "
-            f"--resume {path} and a lower optim.lr)")
+    return f"last good checkpoint: {path / LAST_NAME} (epoch {epoch - 1}; continue with betty-train train --resume {path})"
+
+
+def _diverged_before(path: Path, epoch: int) -> str:
+    """What to do when the first batch after ``last.pt`` (epoch ``epoch - 1``) has a NaN or infinite loss: that loss
+    was computed with the checkpoint's own parameters (no optimizer step came between), so the checkpoint is no good
+    and a resume, whatever its learning rate, computes the same loss again (resumes are bit-exact)."""
+    return (f"{path / LAST_NAME} (epoch {epoch - 1}) is not a good checkpoint: this loss comes from its own parameters "
+            "(training diverged before it was written), so a resume would stop here again whatever optim.lr; start "
+            f"the run again with a lower optim.lr (betty-train train --config FILE train.run_dir={path} --overwrite)")
 
 
 def _record_resume(run: RunDirectory, config: Config, start_epoch: int, env: dict) -> None:
