@@ -191,7 +191,8 @@ def test_a_checkpoint_written_after_divergence_is_not_offered_as_good(tmp_path, 
                  f"train.run_dir={tmp_path}"]  # epoch 0's one step makes the weights ~1e30: epoch 1's first loss is nan
     said = betty_in_process(capsys, "train", *diverging)
     assert_one_line_error(said, "epoch 1, batch 0: loss is nan", f"{tmp_path / 'last.pt'} (epoch 0) is not a good "
-                          "checkpoint", "start the run again with a lower optim.lr", "--overwrite")
+                          "checkpoint", "start a new run with a lower optim.lr in another train.run_dir",
+                          "--overwrite would remove this run's best.pt")
     assert "--resume" not in said.stderr and load_checkpoint(tmp_path)["epoch"] == 0
     resumed = betty_in_process(capsys, "train", "--resume", str(tmp_path), "optim.lr=0.01")  # as the message said
     assert_one_line_error(resumed, "epoch 1, batch 0: loss is nan", "is not a good checkpoint")
@@ -331,6 +332,17 @@ def test_output_never_replaces_a_file_of_a_run_directory(tmp_path, capsys, comma
         assert_one_line_error(betty_in_process(capsys, *args), f"--output {output} is a file of the run directory",
                               "choose another file")
         assert (run / name).read_bytes() == name.encode()
+
+
+def test_plan_output_may_replace_its_own_earlier_plan_beside_a_users_config(tmp_path, capsys, monkeypatch):
+    """A folder with the user's own ``config.yaml`` and an earlier ``plan.json`` is not a run directory (no
+    ``environment.json``, checkpoint or lock): ``plan --output plan.json`` writes there, again."""
+    shutil.copy(REPO / "configs/quickstart.yaml", tmp_path / "config.yaml")
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        result = betty_in_process(capsys, "plan", "--config", "config.yaml", "--output", "plan.json")
+        assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["mode"]
 
 
 def test_evaluate_and_predict_find_a_moved_dataset_with_data_dir(planetoid_dir, tmp_path, capsys):

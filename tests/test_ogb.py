@@ -176,6 +176,17 @@ def test_a_split_naming_an_unlabelled_node_is_refused(tmp_path, cache):
         load_ogb("ogbn-arxiv", directory)
 
 
+def test_raw_splits_that_overlap_are_the_datasets_fault_not_the_caches(tmp_path, cache):
+    """The graph's own check (a node in two splits) is raised as it is on reading the converted cache back, not taken
+    for a corrupt cache to delete and rebuild (a review finding)."""
+    arrays = make_ogb_arrays()
+    arrays["valid"][0] = arrays["train"][0]
+    directory = write_ogb_dir(tmp_path / "arxiv", arrays)
+    for _ in range(2):  # the same message again: nothing was left to "rebuild"
+        with pytest.raises(DatasetError, match=r"invalid graph 'ogbn-arxiv': node \d+ is in both train_idx and val_idx"):
+            load_ogb("ogbn-arxiv", directory)
+
+
 def test_products_adds_the_reverse_edges_it_stores_once(tmp_path, cache):
     arrays = make_ogb_arrays(seed=1)
     directory = write_ogb_dir(tmp_path / "products", arrays, split="sales_ranking")

@@ -38,11 +38,11 @@ from numpy.lib import format as npy_format
 from betty_trainer.data.graph import Graph, csc_from_edges
 from betty_trainer.datasets.cache import (
     CacheWriter,
-    cache_corrupt,
     cache_dir,
     file_fingerprint,
     load_cached,
     processed_dir,
+    read_back,
     writing_cache,
 )
 from betty_trainer.datasets.download import download
@@ -410,7 +410,5 @@ def load_ogb(name: str, data_dir: Path | None = None, *, to_undirected: bool | N
         log.info("converting %s from %s into %s (once)", name, directory, folder)
         convert_ogb_directory(directory, folder, name=name, split=spec.split, symmetric=symmetric,
                               binary=spec.binary, source=source)
-        graph = load_cached(folder, source, mmap=mmap)
-        if graph is None:
-            raise DatasetError(cache_corrupt(folder, "could not be read back after writing it"))
+        graph = read_back(folder, source, mmap=mmap)
     return graph

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from betty_trainer.data.graph import Graph, csc_from_edges
-from betty_trainer.datasets.cache import CacheWriter, cache_corrupt, load_cached, processed_dir
+from betty_trainer.datasets.cache import CacheWriter, load_cached, processed_dir, read_back
 from betty_trainer.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,5 @@ def make_powerlaw(*, mmap: bool = True, **params) -> Graph:
     if graph is None:
         log.info("generating the power-law graph %s into %s (once)", params, folder)
         write_powerlaw(folder, source=source, **params)
-        graph = load_cached(folder, source, mmap=mmap)
-        if graph is None:
-            raise DatasetError(cache_corrupt(folder, "could not be read back after writing it"))
+        graph = read_back(folder, source, mmap=mmap)
     return graph

@@ -16,7 +16,8 @@ from betty_trainer.sampling import sample_batch, sample_block
 
 EVAL_CHUNK = 8192  # dst nodes per block (layer-wise evaluation) or seeds per batch (batch evaluation)
 EVALUATION_HOST_MEMORY = ("evaluation holds two layers' outputs of every node in host memory (num_nodes × "
-                          "model.hidden values each, layerwise_logits)")
+                          "model.hidden values each, layerwise_logits), or for a model that cannot run layer by "
+                          "layer each chunk's full-neighbourhood batch")
 """Why evaluation runs out of host memory, for the errors that say so."""
 
 

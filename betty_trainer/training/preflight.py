@@ -151,8 +151,10 @@ def check_model_size(config: Config, graph, device: torch.device) -> int:
     try:
         with torch.device("meta"):
             model = build_model(config.model, graph)
-    except (RuntimeError, OverflowError, TypeError) as error:  # a size past what a tensor can index
+    except (RuntimeError, OverflowError, TypeError) as error:
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        if not isinstance(error, OverflowError) and "overflow" not in cause.lower():
+            raise  # a bug in the architecture's build, not a size: its traceback is the report
         raise ConfigError(f"the model section {config.model.model_dump(exclude={'arch'})} asks for tensors too large "
                           f"to build ({cause}); lower model.hidden, model.num_layers or the architecture's "
                           "own sizes") from None

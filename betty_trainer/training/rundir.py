@@ -219,7 +219,7 @@ def foreign_files(path: Path) -> list[str]:
     if not path.is_dir():
         return []
     written = {LOCK_NAME, TENSORBOARD_DIR} | {name + ".partial" for name in RUN_FILES}
-    if any((path / name).is_file() for name in ("environment.json", "last.pt", "checkpoint.pt")):
+    if _written_by_a_run(path):
         written |= set(RUN_FILES)
     return sorted(entry.name for entry in path.iterdir() if entry.name not in written)
 
@@ -238,6 +238,12 @@ def refuse_foreign_files(path: Path) -> None:
                           "run directory and is left alone (--overwrite too); choose a new or empty train.run_dir")
 
 
+def _written_by_a_run(path: Path) -> bool:
+    """Whether the folder ``path`` holds what only a run writes: its ``environment.json`` (the first file every run
+    writes) or a checkpoint; then the :data:`RUN_FILES` names in it are the run's, not the user's."""
+    return any((Path(path) / name).is_file() for name in ("environment.json", "last.pt", "checkpoint.pt"))
+
+
 def holds_run(path: Path) -> bool:
     """Whether ``path`` is a folder holding a run (any of :data:`RUN_FILES`)."""
     return Path(path).is_dir() and bool(run_files(path))
@@ -245,12 +251,14 @@ def holds_run(path: Path) -> bool:
 
 def is_run_file(path: Path) -> bool:
     """Whether ``path`` (or the file a link at ``path`` points to) is a file a run directory manages: one of
-    :data:`RUN_FILES`, the lock or a ``.partial`` leftover of them, in a folder holding a run (or its lock)."""
+    :data:`RUN_FILES`, the lock or a ``.partial`` leftover of them, in a folder a run wrote (its ``environment.json``
+    or a checkpoint; :func:`foreign_files`' rule) or a run holds (its lock). A folder with only the user's own
+    ``config.yaml`` or an earlier ``plan.json`` is not a run directory."""
     path = Path(path)
     managed = {LOCK_NAME, *RUN_FILES, *(name + ".partial" for name in RUN_FILES)}
     for candidate in {path.absolute(), path.resolve()}:
         folder = candidate.parent
-        if candidate.name in managed and (holds_run(folder) or (folder / LOCK_NAME).is_file()):
+        if candidate.name in managed and (_written_by_a_run(folder) or (folder / LOCK_NAME).is_file()):
             return True
     return False
 

@@ -693,11 +693,12 @@ def _allocate(build: Callable[[], nn.Module], device: torch.device) -> nn.Module
     except torch.OutOfMemoryError as error:
         raise TrainingError(f"cannot allocate the model on {device}: {str(error).splitlines()[0]}; "
                             "lower model.hidden or model.num_layers") from None
-    except RuntimeError as error:
-        if "allocate" not in str(error):
+    except (RuntimeError, MemoryError) as error:
+        cause = host_allocation_failure(error)
+        if cause is None:
             raise
-        raise TrainingError(f"cannot allocate the model on {device} ({str(error).splitlines()[0][-120:]}); "
-                            "lower model.hidden or model.num_layers") from None
+        raise TrainingError(f"cannot allocate the model on {device} ({cause}); lower model.hidden or "
+                            "model.num_layers") from None
 
 
 DIVERGENCE_FACTOR = 1000.0
@@ -741,7 +742,7 @@ def _diverged_before(path: Path, epoch: int) -> str:
     and a resume, whatever its learning rate, computes the same loss again (resumes are bit-exact)."""
     return (f"{path / LAST_NAME} (epoch {epoch - 1}) is not a good checkpoint: this loss comes from its own parameters "
             "(training diverged before it was written), so a resume would stop here again whatever optim.lr; start "
-            f"the run again with a lower optim.lr (betty-train train --config FILE train.run_dir={path} --overwrite)")
+            "a new run with a lower optim.lr in another train.run_dir (--overwrite would remove this run's best.pt too)")
 
 
 def _record_resume(run: RunDirectory, config: Config, start_epoch: int, env: dict) -> None:
