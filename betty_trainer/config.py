@@ -150,12 +150,18 @@ class DatasetConfig(_Section):
         return None if value is None else value.expanduser().absolute()
 
 
+MAX_LAYERS = 10_000
+"""The most layers ``model.num_layers`` takes: 10,000 build in seconds; 10⁸ took hours before the first step."""
+
+
 class _ModelSection(_Section):
     """Keys every built-in architecture has; ``arch`` picks the section (see :data:`ModelConfig`)."""
 
     arch: str = Field(description=f"built-in architecture: {', '.join(sorted(ARCHITECTURES))}")
     hidden: int = Field(64, ge=1, description="hidden width (per head for gat)")
-    num_layers: int = Field(2, ge=1)
+    num_layers: int = Field(2, ge=1, le=MAX_LAYERS,
+                            description=f"layers (one block each), at most {MAX_LAYERS:,}: the deepest published GNNs "
+                                        "have about 1,000 (RevGNN), and each layer is a Python module to build")
     dropout: float = Field(0.5, ge=0, lt=1)
 
 
