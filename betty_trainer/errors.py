@@ -7,6 +7,9 @@ its message as one line; the Python API lets it propagate.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 
 class BettyError(Exception):
     """Base class of errors caused by user input; the message names the input and the fix."""
@@ -51,3 +54,20 @@ class CalibrationError(BettyError):
 class RunDirError(BettyError):
     """The run directory cannot be used: another run holds it, or it cannot be created or written
     (read-only, disk full); the message names the path and the cause."""
+
+
+@contextlib.contextmanager
+def host_memory_as_one_line(message: Callable[[str], str]) -> Iterator[None]:
+    """A failed host-memory allocation inside the block (:func:`host_allocation_failure`) becomes a
+    :class:`TrainingError` whose text is ``message(cause)``; any other error passes as it is.
+
+    Raises:
+        TrainingError: ``message(cause)``.
+    """
+    try:
+        yield
+    except (RuntimeError, MemoryError) as error:
+        cause = host_allocation_failure(error)
+        if cause is None:
+            raise
+        raise TrainingError(message(cause)) from None

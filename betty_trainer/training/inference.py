@@ -25,7 +25,7 @@ from betty_trainer.config import Config, load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
-from betty_trainer.errors import ConfigError, TrainingError, host_allocation_failure
+from betty_trainer.errors import ConfigError, TrainingError, host_memory_as_one_line
 from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.training.checkpoint import (
     CHECKPOINTS,
@@ -262,14 +262,9 @@ def node_logits(run: LoadedRun) -> Tensor:
 def _host_memory(what: str) -> Iterator[None]:
     """A failed host-memory allocation (:func:`~betty_trainer.errors.host_allocation_failure`) inside the block as
     a one-line :class:`TrainingError` naming ``what`` and what evaluation holds in host memory."""
-    try:
+    with host_memory_as_one_line(lambda cause: f"{what}: out of host memory ({cause}); {EVALUATION_HOST_MEMORY}: "
+                                 "free host memory or use a machine with more"):
         yield
-    except (RuntimeError, MemoryError) as error:
-        cause = host_allocation_failure(error)
-        if cause is None:
-            raise
-        raise TrainingError(f"{what}: out of host memory ({cause}); {EVALUATION_HOST_MEMORY}: free host memory or "
-                            "use a machine with more") from None
 
 
 def _write_csv(path: Path, table: dict[str, Tensor]) -> None:

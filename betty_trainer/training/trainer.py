@@ -35,6 +35,7 @@ from betty_trainer.errors import (
     PlanningError,
     TrainingError,
     host_allocation_failure,
+    host_memory_as_one_line,
 )
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.planner import Planner, make_planner
@@ -689,16 +690,12 @@ def _no_best() -> dict:
 def _allocate(build: Callable[[], nn.Module], device: torch.device) -> nn.Module:
     """``build()``, with an allocation failure as a one-line error."""
     try:
-        return build()
+        with host_memory_as_one_line(lambda cause: f"cannot allocate the model on {device} ({cause}); lower "
+                                     "model.hidden or model.num_layers"):
+            return build()
     except torch.OutOfMemoryError as error:
         raise TrainingError(f"cannot allocate the model on {device}: {str(error).splitlines()[0]}; "
                             "lower model.hidden or model.num_layers") from None
-    except (RuntimeError, MemoryError) as error:
-        cause = host_allocation_failure(error)
-        if cause is None:
-            raise
-        raise TrainingError(f"cannot allocate the model on {device} ({cause}); lower model.hidden or "
-                            "model.num_layers") from None
 
 
 DIVERGENCE_FACTOR = 1000.0
