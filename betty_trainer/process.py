@@ -44,7 +44,7 @@ def passive_openmp() -> str:
     doing the work. Measured on 2 cores, 20 steps of each in fresh processes (one process CPU time per step):
     GAT on Cora (heads 4, hidden 64) took 0.047–0.93 s a step with the default policy, process to process (bimodal:
     some processes spin at 0.83–0.93 s throughout), and 0.042–0.044 s with ``PASSIVE``; full-batch GraphSAGE on
-    Amazon Computers 0.094–0.37 s against 0.071–0.085 s (``benchmarks/README.md`` › OpenMP threads). A sleeping
+    Amazon Computers 0.094–0.37 s against 0.071–0.085 s (``benchmarks/README.md`` › openmp_wait.py). A sleeping
     thread takes a few microseconds more to wake for the next region. Each runtime reads the variable when it
     loads (torch's at ``import torch``), so this has no effect on torch's runtime in a process that imported torch
     before betty_trainer (:func:`warn_spinning_openmp` says so); set ``OMP_WAIT_POLICY`` yourself (``ACTIVE`` keeps

@@ -216,7 +216,7 @@ class BulkSampler(BlockSampler):
         """Upper bounds of one batch's counts per sampled layer, **output layer first** (:meth:`draw_bytes`)."""
         if (batch_size, self.first_layer) not in self._sizes:
             if self._degrees is None:
-                self._degrees = torch.sort(self.graph.indptr.diff().cpu(), descending=True).values
+                self._degrees = torch.sort(self.graph.in_degrees().cpu(), descending=True).values
             nodes, rows, sizes = self.graph.num_nodes, batch_size, []
             for layer in reversed(range(self.first_layer, len(self.fanouts))):
                 size = self._layer_size(min(rows, nodes), self.fanouts[layer], self._degrees)

@@ -34,7 +34,6 @@ from betty_trainer.errors import (
     NonFiniteLossError,
     PlanningError,
     TrainingError,
-    host_allocation_failure,
     host_memory_as_one_line,
 )
 from betty_trainer.execution.plan import StepPlan, StepResult
@@ -495,20 +494,16 @@ def _named_failures(where: str, path: Path, epoch: int, since_checkpoint: int,
     (:func:`~betty_trainer.errors.host_allocation_failure`) says ``host_fix``. A CUDA out-of-memory error passes: the
     loop re-plans."""
     try:
-        yield
+        with host_memory_as_one_line(lambda cause: f"out of host memory ({cause}); {host_fix}"):
+            yield
     except torch.cuda.OutOfMemoryError:
         raise
     except NonFiniteLossError as error:
         if since_checkpoint == 0 and epoch > 0 and holds_checkpoint(path):
             raise NonFiniteLossError(f"{where}: {error}; {_diverged_before(path, epoch)}") from None
         raise NonFiniteLossError(f"{where}: {error}; try a lower optim.lr; {_last_good(path, epoch)}") from None
-    except TrainingError as error:
+    except TrainingError as error:  # the host out-of-memory one included
         raise TrainingError(f"{where}: {error}; {_last_good(path, epoch)}") from None
-    except (RuntimeError, MemoryError) as error:
-        cause = host_allocation_failure(error)
-        if cause is None:
-            raise
-        raise TrainingError(f"{where}: out of host memory ({cause}); {host_fix}; {_last_good(path, epoch)}") from None
 
 
 
