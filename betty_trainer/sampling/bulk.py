@@ -172,6 +172,9 @@ class BulkSampler(BlockSampler):
           order (sorts double-buffer keys and values), which is not measured here.
         * A fixed :data:`_SLACK_BYTES` (scalars, the keys, the Python-side lists) per draw and per batch.
 
+        Source: the tensors of the bulk paper's Alg. 1 (§4.1, §4.1.4 Eq. 1: ``P = Q·A``, NORM, ITS, extraction; §4.2
+        for LADIES) as this module computes them.
+
         Its looseness is mostly in the counts: ``tests/test_bulk_draw.py`` measures draws at
         ``measured ≤ stated ≤ 3.5 × measured`` on a graph whose counts the bound reaches; on skewed graphs the
         highest-degree rows it assumes are far from a random batch's (ego-Twitter, 1024 seeds, fanouts 10, 10, 10:

@@ -151,7 +151,15 @@ def ns_fanouts(graph: Graph, fanouts: Sequence[int | None]) -> list[int | None]:
     """NS's fanouts on ``graph``, each checked (:func:`sample_block`'s rule) and at most the graph's largest
     in-degree (:attr:`Graph.max_in_degree <betty_trainer.data.graph.Graph.max_in_degree>`, computed once per graph):
     a larger fanout keeps every in-edge of every node, as the largest in-degree does, so the batches are the same,
-    and a draw makes one round key per round up to the fanout (a fanout of 2³² would make 2³² of them).
+    and a draw makes one round key per round up to the fanout (a fanout of 2³² would make 2³² of them). Source: the
+    per-layer sample sizes of GraphSAGE's Alg. 2 (Hamilton et al. 2017), which a node of smaller degree meets in full.
+
+    Args:
+        graph: the graph sampled.
+        fanouts: one per layer, input layer first; ``None`` or ``-1`` for the full neighbourhood.
+
+    Returns:
+        The fanouts, ``None`` for a full neighbourhood, each int at most ``max(1, graph.max_in_degree)``.
 
     Raises:
         ValueError: a fanout of 0 or below -1.
