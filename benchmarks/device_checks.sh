@@ -12,20 +12,24 @@
 #   bash benchmarks/device_checks.sh run
 #       on the device (the call `prepare` prints: carry .device/wheels and the three dataset folders through the
 #       link, timeout_s 600): installs the wheels into /tmp/site, then runs each check under its own time limit,
-#       appending its output to $OUT/log.txt (JSON beside it) and one line per check to $OUT/summary.txt (five
+#       appending its output to $OUT/log.txt (JSON beside it) and one line per check to $OUT/summary.txt (seven
 #       files come back; the device returns at most eight). A check that fails or runs out of time does not stop
-#       the ones after it. The limits add up to 530 s.
+#       the ones after it. The limits add up to 590 s.
 #
 # The checks, in the order the issues ask for them:
-#   test_cuda     tests/test_cuda.py: estimate vs max_memory_allocated for every built-in model at K in {1, 4},
+#   test_cuda     tests/test_cuda.py: estimate vs max_memory_allocated for every built-in model at K in {1, 4}
+#                 and layer-wise (8 chunks per layer),
 #                 a real OOM recovered with the parameters of a run planned with the larger K, budget: auto
 #                 from NVML, the node cache's host->device bytes (issue 22 items 4, 6)
+#   anatomy       benchmarks/cuda_peak_anatomy.py: what is live at the CUDA peak of GAT, SAGE pool and SAGE mean
+#                 on the 100k-node graph, allocation by allocation, beside the estimate's terms (item 5's cause)
 #   estimator     benchmarks/estimator_accuracy.py --device cuda on Cora and CiteSeer, every built-in model but
 #                 the LSTM, 2 and 3 layers, hidden 64 and 256, K 1, 4, 8 (issue 22 item 5)
 #   estimator_100k  the same on the 100k-node SBM, 2 layers (item 5's >= 100k-node graph)
-#   budget        benchmarks/gpu_budget_epoch.py: one products-scale epoch under 0.4x the K = 1 peak (item 7)
-#   bulk          benchmarks/bulk_sampling.py --device cuda on Coauthor Physics (issue 25 item 1's GPU timing)
-#   aggregation   benchmarks/aggregation.py --device cuda: ours against PyG's spmm on torch.sparse (issue 23 item 1)
+#   budget_100k   benchmarks/gpu_budget_epoch.py on a 100k-node power-law graph at 1, 0.5, 0.25 x the K = 1 peak
+#   budget        the same at products scale, then budget: auto beside a process holding half the GPU (item 7)
+# Not run (the 15 minutes hold one call): bulk_sampling.py --device cuda (issue 25's GPU timing) and
+# aggregation.py --device cuda (issue 23 item 1 on a GPU).
 set -u
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -91,15 +95,18 @@ run() {
         python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
         git log -1 --format='commit %H %s' 2>/dev/null
     } | tee "$OUT/summary.txt"
-    check test_cuda 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-    check estimator 130 python3 benchmarks/estimator_accuracy.py --device cuda --datasets cora,citeseer \
+    check test_cuda 150 python3 -m pytest -q -s -rA -p no:cacheprovider tests/test_cuda.py
+    check anatomy 60 python3 benchmarks/cuda_peak_anatomy.py --models gat,sage-pool,sage-mean --hidden 64 \
+        --json "$OUT/anatomy.json"
+    check estimator 120 python3 benchmarks/estimator_accuracy.py --device cuda --datasets cora,citeseer \
         --models sage-mean,sage-gcn,sage-pool,gcn,gat --layers 2,3 --hidden 64,256 --ks 1,4,8 \
         --json "$OUT/estimator.json"
     check estimator_100k 60 python3 benchmarks/estimator_accuracy.py --device cuda --datasets synthetic-100k \
         --models sage-mean,gcn,gat --layers 2 --hidden 64,256 --ks 1,4,8 --json "$OUT/estimator_100k.json"
-    check budget 120 python3 benchmarks/gpu_budget_epoch.py --json "$OUT/gpu_budget_epoch.json"
-    check bulk 30 python3 benchmarks/bulk_sampling.py --device cuda --graph coauthor-physics --batches 32
-    check aggregation 40 python3 benchmarks/aggregation.py --device cuda
+    check budget_100k 40 python3 benchmarks/gpu_budget_epoch.py --nodes 100000 --edges 1.2e6 \
+        --fractions 1,0.5,0.25 --json "$OUT/budget_100k.json"
+    check budget 160 python3 benchmarks/gpu_budget_epoch.py --fractions 1,0.5,0.25 --auto-fill 0.5 \
+        --json "$OUT/gpu_budget_epoch.json"
 }
 
 case "${1:-}" in
