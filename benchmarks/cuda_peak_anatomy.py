@@ -38,7 +38,7 @@ from betty_trainer.training.trainer import init_model
 MODELS = {"sage-mean": ["model.arch=sage", "model.aggregator=mean"],
           "sage-gcn": ["model.arch=sage", "model.aggregator=gcn"],
           "sage-pool": ["model.arch=sage", "model.aggregator=pool"], "gcn": ["model.arch=gcn"],
-          "gat": ["model.arch=gat"]}
+          "gat": ["model.arch=gat"], "sage-lstm": ["model.arch=sage", "model.aggregator=lstm"]}
 OURS = ("betty_trainer", "estimator", "torch/")
 
 
@@ -51,17 +51,17 @@ def _frame(frames: list[dict]) -> str:
     return "(autograd engine)" if not frames else f"{frames[0].get('filename')}:{frames[0].get('line')}"
 
 
-def live_at_peak(trace: list[dict]) -> tuple[int, list[tuple[int, str]]]:
+def live_at_peak(trace: list[dict]) -> tuple[int, list[tuple[int, list[dict]]]]:
     """Replay one device's trace: the largest sum of bytes the traced region allocated and had not freed, and the
-    blocks (size, frame) live then."""
+    blocks (size, stack frames) live then."""
     completed = any(event["action"] == "free_completed" for event in trace)
     release = "free_completed" if completed else "free_requested"
-    live: dict[int, tuple[int, str]] = {}
+    live: dict[int, tuple[int, list[dict]]] = {}
     total = peak = 0
-    at_peak: list[tuple[int, str]] = []
+    at_peak: list[tuple[int, list[dict]]] = []
     for event in trace:
         if event["action"] == "alloc":
-            live[event["addr"]] = (event["size"], _frame(event.get("frames", [])))
+            live[event["addr"]] = (event["size"], event.get("frames", []))
             total += event["size"]
             if total > peak:
                 peak, at_peak = total, list(live.values())
@@ -70,7 +70,7 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[tuple[int, str]]]:
     return peak, at_peak
 
 
-def anatomy(name: str, hidden: int, k: int, graph, fanouts: str) -> dict:
+def anatomy(name: str, hidden: int, k: int, graph, fanouts: str, cpp: bool) -> dict:
     device = torch.device("cuda")
     config = load_config(None, [f"dataset.synthetic.{key}={value}" for key, value in SBM["synthetic-100k"].items()]
                          + MODELS[name] + ["train.device=cuda", "train.progress=false", f"model.hidden={hidden}",
@@ -84,7 +84,7 @@ def anatomy(name: str, hidden: int, k: int, graph, fanouts: str) -> dict:
     plan.measure(model, optimizer, store, graph.y, device)  # warm-up: Adam's state and the workspaces exist
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="all" if cpp else "python")
     try:
         measured = plan.measure(model, optimizer, store, graph.y, device)
         snapshot = torch.cuda.memory._snapshot()
@@ -94,8 +94,11 @@ def anatomy(name: str, hidden: int, k: int, graph, fanouts: str) -> dict:
     index = torch.cuda.current_device()
     peak, blocks = live_at_peak(snapshot["device_traces"][index])
     groups: dict[tuple[str, int], int] = defaultdict(int)
-    for size, frame in blocks:
-        groups[(frame, size)] += 1
+    stacks: dict[tuple[str, int], list[str]] = {}
+    for size, frames in blocks:
+        groups[(_frame(frames), size)] += 1
+        stacks[(_frame(frames), size)] = [f"{frame.get('name')} ({frame.get('filename', '').split('/')[-1]}:"
+                                          f"{frame.get('line')})" for frame in frames[:25]]
     rows = sorted(((size * count, count, size, frame) for (frame, size), count in groups.items()), reverse=True)
     piece = max(report["pieces"], key=lambda row: row["estimate"]["peak_bytes"])
     result = {"model": name, "hidden": hidden, "k": k, "measured_peak_bytes": max(measured),
@@ -110,6 +113,9 @@ def anatomy(name: str, hidden: int, k: int, graph, fanouts: str) -> dict:
     print("estimate at its peak:", {key: value for key, value in piece["estimate"]["at_peak"].items() if value})
     for total, count, size, frame in rows[:40]:
         print(f"  {total:>13,} = {count:>3} × {size:>12,}  {frame}")
+    if cpp:  # the stacks of the largest blocks, C++ frames innermost first
+        for _, _, size, frame in rows[:6]:
+            print(f"\n  stack of the {size:,}-byte block(s) at {frame}:\n    " + "\n    ".join(stacks[(frame, size)]))
     return result
 
 
@@ -119,6 +125,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--k", type=int, default=1)
     parser.add_argument("--fanouts", default="[10,25]")
+    parser.add_argument("--cpp", action="store_true", help="record C++ stacks too and print the largest blocks'")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -128,7 +135,7 @@ def main() -> None:
     results = []
     for name in args.models.split(","):
         try:
-            results.append(anatomy(name, args.hidden, args.k, graph, args.fanouts))
+            results.append(anatomy(name, args.hidden, args.k, graph, args.fanouts, args.cpp))
         except Exception as error:  # a diagnostic: report and go on with the next model
             print(f"{name}: {type(error).__name__}: {error}", flush=True)
     if args.json:

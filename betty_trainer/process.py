@@ -1,6 +1,7 @@
-"""The process-wide settings ``import betty_trainer`` makes before torch loads: the OpenMP threads' wait policy and
-torch's CPU allocator's huge pages. Each is an environment variable the user may set first, which is then left as
-it is. This module imports no torch (``betty_trainer/__init__.py`` runs it before anything that does).
+"""The process-wide settings ``import betty_trainer`` makes before torch loads: the OpenMP threads' wait policy,
+torch's CPU allocator's huge pages and the CUDA caching allocator's expandable segments. Each is an environment
+variable the user may set first, which is then left as it is. This module imports no torch
+(``betty_trainer/__init__.py`` runs it before anything that does).
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
 allocations of 2 MiB or more with transparent huge pages (``madvise(MADV_HUGEPAGE)`` on 2 MiB-aligned memory, Linux
 only)."""
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+"""The environment variable PyTorch's CUDA caching allocator reads its settings from when CUDA initialises."""
+ALLOC_CONF_NEW = "PYTORCH_ALLOC_CONF"
+"""The newer name of :data:`ALLOC_CONF` (recent PyTorch reads either); a user who set it is left alone too."""
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+"""What :func:`expandable_cuda_segments` sets :data:`ALLOC_CONF` to when the user has set neither variable."""
+
 WAIT_POLICY = "OMP_WAIT_POLICY"
 """The environment variable every OpenMP runtime reads once, when it loads: ``PASSIVE`` puts a thread to sleep when
 its parallel region ends, where the default spins for a while first."""
@@ -26,11 +34,12 @@ _TORCH_FIRST = "torch" in sys.modules and WAIT_POLICY not in os.environ
 
 
 def configure_process() -> None:
-    """Make this module's settings (:func:`passive_openmp`, :func:`use_huge_pages`); ``import betty_trainer`` calls it
-    first, the package's one import-time effect beyond definitions, deliberate: no later point comes before torch
-    loads and before the process's first tensor."""
+    """Make this module's settings (:func:`passive_openmp`, :func:`use_huge_pages`, :func:`expandable_cuda_segments`);
+    ``import betty_trainer`` calls it first, the package's one import-time effect beyond definitions, deliberate: no
+    later point comes before torch loads, before the process's first tensor and before CUDA initialises."""
     passive_openmp()
     use_huge_pages()
+    expandable_cuda_segments()
 
 
 def passive_openmp() -> str:
@@ -85,3 +94,35 @@ def use_huge_pages() -> str:
         The variable's value in effect.
     """
     return os.environ.setdefault(HUGE_PAGES, "1")
+
+
+def expandable_cuda_segments() -> str | None:
+    """Ask PyTorch's CUDA caching allocator for expandable segments in this process, unless the user chose: sets
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when neither it nor ``PYTORCH_ALLOC_CONF`` is set and CUDA
+    is not initialised yet.
+
+    The allocator reads the variable once, when CUDA initialises; after that a change has no effect, so none is
+    made (logged at INFO) and the default allocator stays, with the planner's larger margin for it
+    (:func:`betty_trainer.memory.device.allocator_margin`). With expandable segments the allocator maps memory in
+    pages into a range it can grow instead of caching segments of fixed sizes, PyTorch's documented remedy for
+    fragmentation when allocation sizes change from step to step (PyTorch docs › CUDA semantics › Optimizing memory
+    usage with ``PYTORCH_CUDA_ALLOC_CONF``), as micro-batches' do. Measured on an H200 (torch 2.11, 2026-11-27):
+    with the default allocator, one products-scale epoch at K = 10 reserved up to 2.3× the 1.18 GiB its micro-batches
+    allocated, because each micro-batch's differently sized blocks took new segments (``benchmarks/README.md`` ›
+    gpu_budget_epoch.py on an H200). Set by import, not by ``train``: a program that touches CUDA before calling
+    ``train`` (a notebook, a benchmark measuring first) would otherwise get the default allocator. To keep it, set
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (or any other setting) before starting. Child processes
+    inherit the variable.
+
+    Returns:
+        The setting in effect (``None``: PyTorch's defaults).
+    """
+    if ALLOC_CONF in os.environ or ALLOC_CONF_NEW in os.environ:
+        return os.environ.get(ALLOC_CONF, os.environ.get(ALLOC_CONF_NEW))
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        logger.info("CUDA was initialised before betty_trainer was imported, so %s=%s cannot take effect; the "
+                    "default allocator stays", ALLOC_CONF, EXPANDABLE_SEGMENTS)
+        return None
+    os.environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
+    return EXPANDABLE_SEGMENTS

@@ -124,11 +124,12 @@ def test_a_real_out_of_memory_error_is_recovered_exactly(tmp_path):
     _others_bytes()
     base = torch.cuda.memory_reserved(CUDA) - device_workspace(CUDA)
     cap = base + (peaks[1] + peaks[8]) // 2  # K = 1 cannot fit under it; K = 8 fits with room for the allocator
-    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(CUDA).total_memory, CUDA)
+    index = torch.cuda.current_device()  # set_per_process_memory_fraction takes no device without an index
+    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(index).total_memory, index)
     try:
         train(config, run_dir=tmp_path / "recovered")
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
     k = json.loads((tmp_path / "recovered" / "plan.json").read_text())["num_pieces"]
     assert k > 1, "the step ran out of memory with K = 1 and was re-planned"
     print(f"real out-of-memory error with K = 1 under a cap of {cap / 2**20:.1f} MiB: recovered with K = {k}")

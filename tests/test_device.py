@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,17 +18,14 @@ from betty_trainer.errors import ConfigError
 from betty_trainer.memory import budget as budget_module
 from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.device import (
-    ALLOC_CONF,
-    ALLOC_CONF_NEW,
     DEFAULT_MARGIN,
     EXPANDABLE_MARGIN,
-    EXPANDABLE_SEGMENTS,
     allocator_margin,
-    configure_allocator,
     device_workspace,
     expandable_segments,
 )
 from betty_trainer.memory.spec import model_spec
+from betty_trainer.process import ALLOC_CONF, ALLOC_CONF_NEW, EXPANDABLE_SEGMENTS, expandable_cuda_segments
 from estimator import COMPONENTS, estimate_micro_batch
 from estimator.counts import LayerCounts
 
@@ -59,17 +58,26 @@ def test_the_margin_follows_the_allocator_setting(setting, expandable):
     assert allocator_margin(80 * 2**30, CUDA, setting) < 80 * 2**30 // 3
 
 
-def test_the_trainer_asks_for_expandable_segments_unless_the_user_chose(monkeypatch):
+def test_importing_betty_trainer_asks_for_expandable_segments_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv(ALLOC_CONF, raising=False)
     monkeypatch.delenv(ALLOC_CONF_NEW, raising=False)
-    assert configure_allocator(torch.device("cpu")) is None and ALLOC_CONF not in os.environ
-    assert configure_allocator(CUDA) == EXPANDABLE_SEGMENTS  # CUDA is not initialised on this machine
+    assert expandable_cuda_segments() == EXPANDABLE_SEGMENTS == os.environ[ALLOC_CONF]  # CUDA not initialised here
     monkeypatch.setenv(ALLOC_CONF, "expandable_segments:False")
-    assert configure_allocator(CUDA) == "expandable_segments:False", "the user's setting is kept"
+    assert expandable_cuda_segments() == "expandable_segments:False", "the user's setting is kept"
     monkeypatch.delenv(ALLOC_CONF)
     monkeypatch.setenv(ALLOC_CONF_NEW, "max_split_size_mb:64")
-    assert configure_allocator(CUDA) == "max_split_size_mb:64"
+    assert expandable_cuda_segments() == "max_split_size_mb:64"
     assert ALLOC_CONF not in os.environ
+    monkeypatch.delenv(ALLOC_CONF_NEW)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: the allocator has read its setting
+    assert expandable_cuda_segments() is None and ALLOC_CONF not in os.environ
+
+
+def test_a_fresh_process_gets_expandable_segments_from_the_import():
+    environment = {key: value for key, value in os.environ.items() if key not in (ALLOC_CONF, ALLOC_CONF_NEW)}
+    code = "import os, betty_trainer; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    out = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == EXPANDABLE_SEGMENTS
 
 
 def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):

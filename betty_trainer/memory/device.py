@@ -1,6 +1,6 @@
 """What a CUDA device holds beyond a training step's own tensors: the BLAS workspaces (measured once per process)
-and the caching allocator's fragmentation (a margin off the budget), and the allocator setting the trainer asks
-for (expandable segments on CUDA; the CPU's huge pages are :mod:`betty_trainer.process`'s).
+and the caching allocator's fragmentation (a margin off the budget) under the allocator setting in effect (which
+``import betty_trainer`` asks to be expandable segments: :func:`betty_trainer.process.expandable_cuda_segments`).
 
 On the CPU both are 0: there is no cuBLAS, and torch's CPU allocator hands freed memory back to ``malloc``, so the
 live bytes the estimator models are what the process holds (docs/design.md › Memory estimate).
@@ -15,14 +15,9 @@ import os
 import torch
 from torch.nn import functional as F
 
-logger = logging.getLogger(__name__)
+from betty_trainer.process import ALLOC_CONF, ALLOC_CONF_NEW
 
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
-"""The environment variable PyTorch's CUDA caching allocator reads its settings from when CUDA initialises."""
-ALLOC_CONF_NEW = "PYTORCH_ALLOC_CONF"
-"""The newer name of :data:`ALLOC_CONF` (recent PyTorch reads either); a user who set it is left alone too."""
-EXPANDABLE_SEGMENTS = "expandable_segments:True"
-"""What the trainer sets :data:`ALLOC_CONF` to when the user has set neither variable."""
+logger = logging.getLogger(__name__)
 
 MIB = 2**20
 EXPANDABLE_MARGIN = (0.05, 64 * MIB)
@@ -30,32 +25,6 @@ EXPANDABLE_MARGIN = (0.05, 64 * MIB)
 DEFAULT_MARGIN = (0.25, 256 * MIB)
 """``(fraction of the budget, floor in bytes)`` kept free for fragmentation with the default (fixed-segment)
 allocator."""
-
-
-def configure_allocator(device: torch.device) -> str | None:
-    """Ask PyTorch's CUDA caching allocator for expandable segments in this process, unless the user chose.
-
-    For a CUDA ``device`` (nothing is done for another), sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
-    when neither it nor ``PYTORCH_ALLOC_CONF`` is set and CUDA is not initialised yet (the allocator reads the
-    variable when CUDA initialises; after that a change has no effect, so it is not made). With expandable
-    segments the allocator maps memory in pages into a range it can grow, instead of allocating segments of fixed
-    sizes, which PyTorch documents as the remedy for fragmentation when allocation sizes change from step to step
-    (PyTorch docs › CUDA semantics › Optimizing memory usage with ``PYTORCH_CUDA_ALLOC_CONF``). To keep the
-    default allocator, set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (or any other setting) before
-    starting; the planner's margin then follows it (:func:`allocator_margin`).
-
-    Returns:
-        The allocator setting in effect (:func:`allocator_setting`; ``None`` for a device other than CUDA).
-    """
-    if torch.device(device).type != "cuda":
-        return None
-    if os.environ.get(ALLOC_CONF) is None and os.environ.get(ALLOC_CONF_NEW) is None:
-        if torch.cuda.is_initialized():
-            logger.info("CUDA was initialised before the trainer could set %s=%s; the default allocator stays",
-                        ALLOC_CONF, EXPANDABLE_SEGMENTS)
-        else:
-            os.environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
-    return allocator_setting()
 
 
 def allocator_setting() -> str | None:

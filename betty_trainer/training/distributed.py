@@ -26,7 +26,6 @@ from betty_trainer.distributed.exchange import ExchangeTraffic, collective
 from betty_trainer.distributed.group import Processes, agree, digest, join
 from betty_trainer.distributed.ownership import load_owners
 from betty_trainer.errors import ConfigError
-from betty_trainer.memory.device import configure_allocator
 from betty_trainer.memory.distributed import DistributedPlanner
 from betty_trainer.memory.planner import Planner
 from betty_trainer.sampling.base import BlockSampler, Sampler
@@ -49,7 +48,6 @@ def join_run(config: Config, device: torch.device) -> Processes | None:
         return None
     if settings.mode == "cooperative":
         check_cooperative(config)
-    configure_allocator(device)  # before joining initialises CUDA (check_config does it for a single process)
     return join(device, settings.backend, settings.timeout_s)
 
 

@@ -20,7 +20,6 @@ from betty_trainer.config import Config
 from betty_trainer.datasets import DATASETS, require_labels
 from betty_trainer.errors import ConfigError
 from betty_trainer.memory.budget import resolve_budget
-from betty_trainer.memory.device import configure_allocator
 from betty_trainer.models import build_model
 from betty_trainer.sampling.schedule import check_macro_batch_budget
 from betty_trainer.training.distributed import check_cooperative
@@ -59,9 +58,8 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
         config: the run's config.
         dataset: check ``config.dataset`` (``False`` when the caller passes its own graph).
         run_dir: the run directory to check (default ``config.train.run_dir`` when set).
-        strict_device: a CUDA device this machine lacks is an error (``train``, ``plan``), and the device's
-            allocator is configured for the run (:func:`~betty_trainer.memory.device.configure_allocator`, whose
-            setting the budget's margin reads); ``False`` reports it instead (``validate``: a config may be checked
+        strict_device: a CUDA device this machine lacks is an error (``train``, ``plan``); ``False`` reports it
+            instead (``validate``: a config may be checked
             on a laptop and run on a GPU node), and the budget is then checked only as far as the config goes.
 
     Returns:
@@ -80,8 +78,6 @@ def check_config(config: Config, *, dataset: bool = True, run_dir: Path | None =
         checked.append("dataset name")
     try:
         device = resolve_device(config.train.device)
-        if strict_device:  # the run's allocator, set before the budget's margin reads it and before CUDA initialises
-            configure_allocator(device)
         checked.append(f"device ({device})")
     except ConfigError as error:
         if strict_device:
