@@ -165,9 +165,9 @@ def main() -> None:
     print(markdown_table(["budget", "share of K = 1", "K", "largest allocated (GiB)", "largest reserved (GiB)",
                           "all ≤ budget", "epoch (s)"],
                          [[f"{run['budget_bytes'] / 2**30:.2f} GiB" + (" (auto)" if run["fraction"] is None else ""),
-                           "" if run["fraction"] is None else f"{run['fraction']:g}", run["num_micro_batches"],
+                           "" if run["fraction"] is None else f"{run['fraction']:g}", str(run["num_micro_batches"]),
                            f"{max(run['micro_batch_peaks_bytes']) / 2**30:.3f}",
-                           f"{max(run['micro_batch_reserved_bytes']) / 2**30:.3f}", run["all_under_budget"],
+                           f"{max(run['micro_batch_reserved_bytes']) / 2**30:.3f}", str(run["all_under_budget"]),
                            f"{run['train_and_eval_s']:.1f}"] for run in result["runs"]]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))

@@ -148,10 +148,17 @@ class StepTape:
         self.r.drop(*self.pending)
         self.pending.clear()
 
-    def accumulate(self, first: int | None, second: int | None) -> int | None:
-        """Autograd summing two gradients of one tensor in place: the second is freed."""
+    def accumulate(self, first: int | None, second: int | None, custom: bool = False) -> int | None:
+        """Autograd summing two gradients of one tensor: in place, the second freed; out of place where ``custom``
+        (the sum holds a gradient a Python ``autograd.Function`` returned) and the device sums those out of place
+        (:attr:`ModelSpec.sums_custom_grads_out_of_place <estimator.spec.ModelSpec>`): a new tensor of the first's
+        size, then both freed."""
         if first is None or second is None:
             return first if second is None else second
+        if custom and self.model.sums_custom_grads_out_of_place:
+            total = self.r.alloc(self.r.live[first][0], GRAD)
+            self.r.drop(first, second)
+            return total
         self.r.drop(second)
         return first
 

@@ -42,7 +42,6 @@ MODELS = {
     "gcn": ["model.arch=gcn"],
     "gat": ["model.arch=gat"],
 }
-CUDA_TEMPORARIES = {"sage-pool", "gat"}  # segment max and attention take CUDA temporaries not modelled yet
 
 
 def _others_bytes() -> int:
@@ -57,10 +56,7 @@ def _others_bytes() -> int:
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_estimate_matches_max_memory_allocated(name, k, request):
-    if name in CUDA_TEMPORARIES:
-        request.applymarker(pytest.mark.xfail(reason="CUDA kernel temporaries (segment max, attention softmax) are "
-                                                     "not modelled yet (issue 22, item 5)", strict=False))
+def test_estimate_matches_max_memory_allocated(name, k):
     config = load_config(None, BASE + MODELS[name] + [f"micro_batch.num_micro_batches={k}"])
     graph = load_dataset(config.dataset)
     others = _others_bytes()
@@ -77,18 +73,16 @@ def test_estimate_matches_max_memory_allocated(name, k, request):
         estimate, own = row["estimate"]["peak_bytes"], peak - others
         assert row["estimate"]["at_peak"]["device_workspace"] == report["memory_terms"]["device_workspace"]
         errors.append((estimate - own) / own)
-    assert min(errors) >= -0.01, f"{name}, K = {k}: a micro-batch above its estimate by more than 1%: {errors}"
-    # not tightened to the CPU's 0.1%: on the GPU the caching allocator's rounding and cuBLAS/kernel temporaries
-    # are modelled in bulk (device_workspace, allocator margin); not re-measured here (CPU-only session)
+    print(f"{name}, K = {k}: errors {[f'{error:+.2%}' for error in errors]}")
+    # issue 22 item 5's bound: within 2% beyond the measured fixed cost (the CPU's is 0). On an H200 (torch 2.11,
+    # 2026-11-27) every model but GAT was within -0.04%..+1.06% here; GAT was -4.7% (K = 1) and -7.6% (K = 4) before
+    # its ∂z sums were modelled out of place on CUDA (ModelSpec.sums_custom_grads_out_of_place; not re-run on a GPU)
     assert max(abs(error) for error in errors) <= 0.02, f"{name}, K = {k}: errors {errors}"
 
 
 @pytest.mark.parametrize("name", ["sage-mean", "gcn", "gat"])
-def test_layerwise_estimate_matches_max_memory_allocated(name, request):
+def test_layerwise_estimate_matches_max_memory_allocated(name):
     """Layer-wise mode (8 chunks per layer, recomputation in backward): the estimate against the measured step."""
-    if name in CUDA_TEMPORARIES:
-        request.applymarker(pytest.mark.xfail(reason="CUDA kernel temporaries (attention softmax) are not modelled "
-                                                     "yet (issue 22, item 5)", strict=False))
     config = load_config(None, BASE + MODELS[name] + ["micro_batch.mode=layerwise",
                                                       "micro_batch.num_micro_batches=8"])
     graph = load_dataset(config.dataset)

@@ -20,9 +20,9 @@ from betty_trainer.process import ALLOC_CONF, ALLOC_CONF_NEW
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
-EXPANDABLE_MARGIN = (0.05, 64 * MIB)
+EXPANDABLE_MARGIN = (0.06, 64 * MIB)
 """``(fraction of the budget, floor in bytes)`` kept free for fragmentation with expandable segments."""
-DEFAULT_MARGIN = (0.25, 256 * MIB)
+DEFAULT_MARGIN = (0.6, 256 * MIB)
 """``(fraction of the budget, floor in bytes)`` kept free for fragmentation with the default (fixed-segment)
 allocator."""
 
@@ -45,17 +45,21 @@ def allocator_margin(budget: int, device: torch.device, setting: str | None) -> 
     (``torch.cuda.max_memory_reserved``) stays within ``budget`` while the bytes the plan estimates
     (``max_memory_allocated``) stay within ``budget − margin``. 0 on the CPU (no caching allocator in between).
 
-    On CUDA: ``max(floor, fraction × budget)`` with :data:`EXPANDABLE_MARGIN` (5%, at least 64 MiB) when
-    ``setting`` turns expandable segments on, else :data:`DEFAULT_MARGIN` (25%, at least 256 MiB).
+    On CUDA: ``max(floor, fraction × budget)`` with :data:`EXPANDABLE_MARGIN` (6%, at least 64 MiB) when
+    ``setting`` turns expandable segments on, else :data:`DEFAULT_MARGIN` (60%, at least 256 MiB).
 
-    How the constants were chosen, honestly: they are **provisional, not measured**. The one GPU measurement so
-    far (H100, torch 2.11, default allocator; benchmarks/README.md › estimator_accuracy.py on a GPU) found
-    ``max_memory_reserved`` above ``max_memory_allocated`` by 14 MiB to 2.7 GiB (median 194 MiB) without
-    recording the peaks those gaps belong to, so no fraction could be fitted: the default allocator's floor rounds
-    the median up and its fraction is a bound we expect to hold, not one we saw. Expandable segments leave only
-    the free space inside pages that still hold live blocks, which is why their margin is smaller; that too awaits
-    a measurement (``benchmarks/estimator_accuracy.py --device cuda`` records both figures per micro-batch).
-    ``micro_batch.safety_margin`` replaces this rule with a number.
+    How they were chosen (``benchmarks/README.md`` › gpu_budget_epoch.py on an H200; H200, torch 2.11,
+    2026-11-27). If the allocator reserves up to ``(1 + g)`` times what the step allocates, a step planned at
+    ``budget − margin`` keeps the reserved memory within the budget when ``margin ≥ g / (1 + g) × budget``.
+    With expandable segments, products-scale epochs at 1, 0.5 and 0.25 of the K = 1 peak (K = 2, 3, 7) and one
+    K = 1 epoch under ``budget: auto`` reserved at most 3.8%, 3.8%, 4.0% and 5.0% more than their largest
+    micro-batch allocated (g ≤ 0.05: 4.8% of the budget), so 6% keeps a point of headroom; on a 100k-node graph
+    the reserved memory was at most 29 MiB above the allocated, under the 64 MiB floor. With the default allocator
+    the same epochs reserved 1.53× (K = 4) and 2.30× (K = 10) what they allocated, growing with K as each
+    micro-batch's differently sized blocks took new segments: 60% covers the 2.30× seen (g / (1 + g) = 57%),
+    not a bound, which is why ``import betty_trainer`` asks for expandable segments
+    (:func:`betty_trainer.process.expandable_cuda_segments`). ``micro_batch.safety_margin`` replaces this rule
+    with a number.
 
     Args:
         budget: the budget in bytes.

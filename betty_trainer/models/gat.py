@@ -99,13 +99,13 @@ class GATConv(nn.Module):
                   return_attention_weights: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
         """The attention and aggregation of :meth:`forward` (Eq. 2–6) from the projected src rows ``z``
         ``(num_src, H·F_out)`` (:meth:`project`); output as :meth:`forward`'s."""
-        z = z.view(-1, self.heads, self.out_feats)
         edge_src, edge_dst = block.indices, block.edge_dst()
         keep = edge_src != edge_dst
         loops = torch.arange(block.num_dst, device=edge_src.device)
         edge_src, edge_dst = torch.cat([edge_src[keep], loops]), torch.cat([edge_dst[keep], loops])
-        score_src = (z * self.att_src).sum(-1)
-        score_dst = (block.dst_rows(z) * self.att_dst).sum(-1)
+        score_src = z @ _per_head(self.att_src)
+        score_dst = block.dst_rows(z) @ _per_head(self.att_dst)
+        z = z.view(-1, self.heads, self.out_feats)
         scores = score_src.index_select(0, edge_src) + score_dst.index_select(0, edge_dst)
         scores = F.leaky_relu(scores, self.negative_slope)
         if block.edge_weight is not None:  # softmax over w·exp(e): e + log w, self edges weighing 1
@@ -156,13 +156,13 @@ class GATConv(nn.Module):
             r.drop(kept)
         edge_src2, edge_dst2 = ends
         r.drop(edge_dst)
-        product = r.alloc(s * hf * f, AGG)  # z * att_src
+        per_head = []  # z @ _per_head(att_src), then z[:D] @ _per_head(att_dst): (H, H·F), then the (rows, H) scores
+        per_head.append(r.alloc(heads * hf * f, AGG))
         score_src = r.alloc(s * heads * f, AGG)
-        r.save(z, z)  # both score products save z (the dst one a view of it)
-        r.drop(product)
-        product = r.alloc(d * hf * f, AGG)  # z[:D] * att_dst
+        per_head.append(r.alloc(heads * hf * f, AGG))
         score_dst = r.alloc(d * heads * f, AGG)
-        r.drop(product)
+        r.save(z, z, *per_head)  # both products save z (the dst one a view of it) and their (H·F, H) matrix
+        r.drop(*per_head)
         gathered = [r.alloc(e2 * heads * f, AGG) for _ in range(2)]
         scores = r.alloc(e2 * heads * f, AGG)
         r.save(edge_src2, edge_dst2)  # the two IndexSelectBackwards
@@ -231,29 +231,41 @@ class GATConv(nn.Module):
             r.drop(edge_dst2)
             grad_score_src = r.alloc(s * heads * f, GRAD)
             r.drop(grad_scores, edge_src2)
-            grad_z_dst = r.alloc(d * hf * f, GRAD)  # (z[:D] * att_dst).sum backward
-            r.transient(d * hf * f, GRAD)
-            tape.param_grad(hf)
-            tape.settle()
-            r.drop(grad_score_dst)
+            grad_z_dst = score_backward(d, grad_score_dst, per_head[1])
             if d < s:  # SliceBackward of Block.dst_rows (none when every src node is a dst node)
                 sliced = r.alloc(s * hf * f, GRAD)
                 r.drop(grad_z_dst)
                 grad_z_dst = sliced
-            grad_z = tape.accumulate(grad_z, grad_z_dst)
-            grad_z_src = r.alloc(s * hf * f, GRAD)  # (z * att_src).sum backward
-            r.transient(s * hf * f, GRAD)
+            grad_z = tape.accumulate(grad_z, grad_z_dst, custom=True)  # attention_aggregate's ∂z, then a sum
+            grad_z_src = score_backward(s, grad_score_src, per_head[0])
+            return tape.accumulate(grad_z, grad_z_src, custom=True)  # an upper bound: the peak falls at the first
+
+        def score_backward(rows: int, grad_score: int, matrix: int) -> int:
+            """MmBackward of ``z_rows @ _per_head(att)``: ∂(H·F, H) matrix, then ∂z_rows ``(rows, H·F)``; the node
+            releases its saved z and matrix and the incoming gradient; BlockDiagBackward sums each head's
+            ``(F,)`` piece, UnbindBackward stacks them into ∂att. Returns ∂z_rows."""
+            grad_matrix = r.alloc(hf * heads * f, GRAD)
+            grad_rows = r.alloc(rows * hf * f, GRAD)
+            r.drop(matrix, z, grad_score)
+            pieces = [r.alloc(width * f, GRAD) for _ in range(heads)]
+            r.drop(grad_matrix)
             tape.param_grad(hf)
             tape.settle()
-            r.drop(grad_score_src)
-            grad_z = tape.accumulate(grad_z, grad_z_src)
-            r.drop(z, z)
-            return grad_z
+            r.drop(*pieces)
+            return grad_rows
 
         return result, backward
 
     def __repr__(self) -> str:
         return f"GATConv({self.in_feats}, {self.out_feats}, heads={self.heads}, concat={self.concat})"
+
+
+def _per_head(att: Tensor) -> Tensor:
+    """The ``(H·F, H)`` block-diagonal matrix of the attention vectors ``att`` ``(H, F)``, so that ``z @ it`` is
+    ``(z.view(-1, H, F) * att).sum(-1)`` (Eq. 1's ``a^T [W h]`` per head) as one matrix product: neither direction
+    then makes a ``(rows, H, F)`` product, and the backward's ``∂att`` is a product too, where the elementwise form
+    reduces a ``(rows, H, F)`` tensor over its rows (on CUDA through a staging buffer of twice its size)."""
+    return torch.block_diag(*att).t()
 
 
 class GAT(LayerStack):
