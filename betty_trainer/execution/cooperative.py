@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.profiler import record_function
 
 from betty_trainer.data.feature_store import FeatureStore
 from betty_trainer.distributed.exchange import collective, exchange_rows
@@ -29,6 +30,7 @@ from betty_trainer.errors import NonFiniteLossError
 from betty_trainer.execution.micro_batches import measured_step_resident
 from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, layer_sizes, piece_row, plan_report
 from betty_trainer.models.stack import runs_layer_by_layer
+from betty_trainer.phases import GATHER
 from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
 
@@ -59,7 +61,8 @@ def cooperative_backward(model: nn.Module, share: CooperativeBatch, features: Fe
         raise TypeError(f"cooperative training runs the model layer by layer between exchanges: {type(model).__name__} "
                         "must be a LayerStack whose forward is the stack's own")
     group = share.exchanges[0].group
-    h = features.gather(share.input_nodes, device)
+    with record_function(GATHER):
+        h = features.gather(share.input_nodes, device)
     for index, block in enumerate(share.blocks):
         # the exchanged input rows are this step's own: input dropout may overwrite them (consume_input)
         h = model.layer_forward(index, block.to(device), exchange_rows(h, share.exchanges[index]), index == 0)

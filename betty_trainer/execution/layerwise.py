@@ -50,6 +50,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+from torch.profiler import record_function
 
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore
@@ -58,6 +59,7 @@ from betty_trainer.execution.micro_batches import training_state
 from betty_trainer.execution.plan import StepResult, held_bytes, piece_row, plan_report
 from betty_trainer.models.capabilities import affine_layers, projected_layers, whole_block_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
+from betty_trainer.phases import GATHER
 from betty_trainer.rng import compiled_kernels
 from estimator.layerwise import row_blocks
 from estimator.measure import MeasuredPeak, measure_peak
@@ -354,7 +356,8 @@ class _LayerPass:
         gathered features (layer 1, a fresh tensor) or rows of ``h_{l−1}`` (a view for a slice of a
         device-resident ``h_{l−1}``)."""
         if index == 0:
-            return self.store.gather(nodes, self.device)
+            with record_function(GATHER):
+                return self.store.gather(nodes, self.device)
         if isinstance(positions, Tensor):
             positions = positions.to(h_prev.device)
         return h_prev[positions].to(self.device, non_blocking=True)  # host-resident h_l: the rows are copied over

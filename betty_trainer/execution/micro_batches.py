@@ -15,12 +15,14 @@ from typing import Any, ClassVar, overload
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.profiler import record_function
 
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, require_store
 from betty_trainer.errors import NonFiniteLossError
 from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, layer_sizes, piece_row, plan_report
 from betty_trainer.models.stack import LayerStack
+from betty_trainer.phases import GATHER
 from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
 from partition import Split, redundancy
@@ -109,7 +111,8 @@ def micro_batch_backward(
     Raises:
         NonFiniteLossError: if the loss is NaN or infinite (then no gradient is added).
     """
-    x = features.gather(micro_batch.input_nodes, device)
+    with record_function(GATHER):
+        x = features.gather(micro_batch.input_nodes, device)
     y = labels[micro_batch.output_nodes].to(device, non_blocking=True)
     blocks = micro_batch.to(device).blocks
     # x is this step's own gather: a built-in model may overwrite it with its dropped-out copy

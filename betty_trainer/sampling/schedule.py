@@ -12,11 +12,13 @@ from itertools import islice
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from betty_trainer.config import Config
 from betty_trainer.data.block import Batch
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError
+from betty_trainer.phases import SAMPLE
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import BlockSampler, SampleKey, Sampler
 from betty_trainer.sampling.bulk import BulkLadiesSampler, BulkNeighborSampler, BulkSampler
@@ -193,7 +195,9 @@ def _sampled(sampler: Sampler, seed_batches: Sequence[Tensor], keys: Sequence[Sa
     """``(key, batch)`` of each of ``keys`` in order, sampled ``sampler.bulk`` consecutive batches at a time."""
     for start in range(0, len(keys), sampler.bulk):
         some = keys[start:start + sampler.bulk]
-        yield from zip(some, sampler.sample_many([seed_batches[key.step] for key in some], some), strict=True)
+        with record_function(SAMPLE):
+            batches = sampler.sample_many([seed_batches[key.step] for key in some], some)
+        yield from zip(some, batches, strict=True)
 
 
 def staging_rounds(inputs: Sequence[Tensor], row_bytes: int, budget: int | None) -> list[range]:

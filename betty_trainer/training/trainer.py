@@ -21,6 +21,7 @@ import torch
 import yaml
 from rich.console import Console
 from torch import nn
+from torch.profiler import record_function
 
 from betty_trainer.config import Config
 from betty_trainer.data.cache import make_feature_store
@@ -39,6 +40,7 @@ from betty_trainer.errors import (
 from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.phases import EVALUATE, OPTIMIZER, PLAN, PREPARE, STAGE, STEP
 from betty_trainer.process import warn_spinning_openmp
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import Sampler
@@ -194,7 +196,8 @@ def train(
     warn_spinning_openmp()
     device = resolve_device(config.train.device)
     processes = join_run(config, device)  # None in one process; under torchrun rank 0 alone writes and prints
-    directory, path, run = _open(config, model, graph, run_dir, resume, overwrite, device, processes)
+    with record_function(PREPARE):
+        directory, path, run = _open(config, model, graph, run_dir, resume, overwrite, device, processes)
     device, console = run.device, console if console is not None and directory is not None else Console(
         quiet=directory is None)  # ranks other than 0 print nothing
     if directory is not None:
@@ -211,22 +214,25 @@ def train(
                 started, lr, steps = time.perf_counter(), optimizer.param_groups[0]["lr"], 0
                 totals, seed_batches = _EpochTotals.start(run), epoch_seeds(config, graph, epoch)
                 for batch_round in batch_rounds(config, run.sampler, seed_batches, epoch, features.row_bytes):
-                    features.prefetch(batch_round.staged_nodes)  # a macro-batch's rows, staged on the device at once
+                    with record_function(STAGE):  # a macro-batch's rows, staged on the device at once
+                        features.prefetch(batch_round.staged_nodes)
                     for key, seeds, batch in batch_round.batches:
                         features.begin_batch(key)  # a GNS cache takes the batch's node set
                         set_dropout_key(model, config.seed, epoch * len(seed_batches) + key.step)
-                        where, plan = f"epoch {epoch}, batch {key.step}", planner.plan(batch)
+                        with record_function(PLAN):
+                            where, plan = f"epoch {epoch}, batch {key.step}", planner.plan(batch)
                         optimizer.zero_grad(set_to_none=True)
                         while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
                             try:
-                                with _named_failures(where, path, epoch, since_checkpoint=steps):
+                                with _named_failures(where, path, epoch, since_checkpoint=steps), record_function(STEP):
                                     result = plan.run(model, features, graph.y, device)
                                 break
                             except torch.cuda.OutOfMemoryError:
                                 pass  # leaving the handler drops the traceback, and with it the failed piece's tensors
                             optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
                             plan = _replan(planner, plan, where, device)
-                        optimizer.step()
+                        with record_function(OPTIMIZER):
+                            optimizer.step()
                         steps += 1
                         if epoch == run.start_epoch and key.step == 0:  # the first batch's plan, as `betty-train plan` shows it
                             _record_plan(directory, console, planner, plan, write=epoch == 0)
@@ -243,7 +249,8 @@ def train(
                 with _named_failures(f"epoch {epoch}, evaluation", path, epoch, since_checkpoint=steps,
                                      host_fix=f"{EVALUATION_HOST_MEMORY}; lower model.hidden, or free host memory; "
                                               f"epoch {epoch}'s training is not saved"):
-                    accuracy = _evaluate(config, run, epoch, device)
+                    with record_function(EVALUATE):
+                        accuracy = _evaluate(config, run, epoch, device)
                 last = totals.metrics(epoch, run, counters, seconds, lr, accuracy)
                 diverging = _check_divergence(config, graph, last, path, diverging)
                 best = _end_epoch(directory, run, last, best, board)
