@@ -108,7 +108,7 @@ run() {
         --json "$OUT/estimator_100k.json"
     check budget 110 python3 benchmarks/gpu_budget_epoch.py --fractions 0.25 --auto-fill 0.5 \
         --json "$OUT/gpu_budget_epoch.json"
-    check phases 120 python3 benchmarks/epoch_phases.py --device cuda --nodes 500000 --edges 1e7 \
+    check phases 120 python3 benchmarks/epoch_phases.py --device cuda --nodes 200000 --edges 4e6 --epochs 1 \
         --json "$OUT/epoch_phases.json"
     check bulk 30 python3 benchmarks/bulk_sampling.py --device cuda --graph coauthor-physics --batches 32
     check aggregation 40 python3 benchmarks/aggregation.py --device cuda

@@ -60,9 +60,11 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def busy_seconds(prof: profile) -> float:
-    """Seconds the GPU ran kernels or copies: the union of the device events' intervals."""
+    """Seconds the GPU ran kernels or copies: the union of the device events' intervals (the profiler also puts each
+    ``record_function`` range on the GPU's timeline as a user annotation, which spans the gaps: left out)."""
     intervals = sorted((event.time_range.start, event.time_range.end) for event in prof.events()
-                       if event.device_type == torch.autograd.DeviceType.CUDA)
+                       if event.device_type == torch.autograd.DeviceType.CUDA
+                       and not getattr(event, "is_user_annotation", False) and event.name not in PHASES)
     busy, end = 0.0, float("-inf")
     for start, stop in intervals:
         if stop > end:
@@ -72,10 +74,11 @@ def busy_seconds(prof: profile) -> float:
 
 
 def phase_seconds(prof: profile) -> dict[str, float]:
-    """Host wall seconds in each phase's ranges (the ranges of one name summed)."""
+    """Host wall seconds in each phase's ranges (the ranges of one name summed; the GPU timeline's copies of the
+    ranges left out)."""
     totals = dict.fromkeys(PHASES, 0.0)
     for event in prof.events():
-        if event.name in totals:
+        if event.name in totals and event.device_type == torch.autograd.DeviceType.CPU:
             totals[event.name] += (event.time_range.end - event.time_range.start) / 1e6
     return totals
 

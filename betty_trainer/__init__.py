@@ -7,7 +7,7 @@ Public API::
 
 from betty_trainer.process import configure_process
 
-configure_process()  # the OpenMP wait policy and huge pages, before the imports below load torch
+configure_process()  # the OpenMP wait policy, huge pages and expandable segments, before the imports below load torch
 
 from betty_trainer.config import Config, load_config
 from betty_trainer.data.block import Batch, Block

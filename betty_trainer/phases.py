@@ -17,7 +17,9 @@ STAGE = "betty::stage"
 PLAN = "betty::plan"
 """Planning a batch: micro-batches or layer-wise chunks under the budget (the planner's ``plan``)."""
 STEP = "betty::step"
-"""A batch's forward and backward over its micro-batches or chunks (the step plan's ``run``), gathers included."""
+"""A batch's forward and backward over its micro-batches or chunks (the step plan's ``run``), gathers included.
+A failed attempt (a CUDA out-of-memory error) and the redone step are each a range; the re-plan between them
+falls outside every range."""
 GATHER = "betty::gather"
 """Reading a micro-batch's, chunk's or share's input rows from the feature store (host→device on a GPU)."""
 OPTIMIZER = "betty::optimizer"

@@ -33,6 +33,11 @@ _TORCH_FIRST = "torch" in sys.modules and WAIT_POLICY not in os.environ
 :func:`passive_openmp` came too late for torch's runtime (:func:`warn_spinning_openmp`)."""
 
 
+_ALLOCATOR_TOO_LATE = False
+"""Whether CUDA was initialised before ``import betty_trainer`` with neither allocator variable set, so that
+:func:`expandable_cuda_segments` came too late (:func:`warn_default_allocator`)."""
+
+
 def configure_process() -> None:
     """Make this module's settings (:func:`passive_openmp`, :func:`use_huge_pages`, :func:`expandable_cuda_segments`);
     ``import betty_trainer`` calls it first, the package's one import-time effect beyond definitions, deliberate: no
@@ -101,18 +106,19 @@ def expandable_cuda_segments() -> str | None:
     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when neither it nor ``PYTORCH_ALLOC_CONF`` is set and CUDA
     is not initialised yet.
 
-    The allocator reads the variable once, when CUDA initialises; after that a change has no effect, so none is
-    made (logged at INFO) and the default allocator stays, with the planner's larger margin for it
-    (:func:`betty_trainer.memory.device.allocator_margin`). With expandable segments the allocator maps memory in
-    pages into a range it can grow instead of caching segments of fixed sizes, PyTorch's documented remedy for
-    fragmentation when allocation sizes change from step to step (PyTorch docs › CUDA semantics › Optimizing memory
-    usage with ``PYTORCH_CUDA_ALLOC_CONF``), as micro-batches' do. Measured on an H200 (torch 2.11, 2026-11-27):
-    with the default allocator, one products-scale epoch at K = 10 reserved up to 2.3× the 1.18 GiB its micro-batches
-    allocated, because each micro-batch's differently sized blocks took new segments (``benchmarks/README.md`` ›
-    gpu_budget_epoch.py on an H200). Set by import, not by ``train``: a program that touches CUDA before calling
-    ``train`` (a notebook, a benchmark measuring first) would otherwise get the default allocator. To keep it, set
-    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (or any other setting) before starting. Child processes
-    inherit the variable.
+    The allocator reads the variable once, when CUDA initialises; after that a change has no effect, so none is made
+    (``train`` on CUDA warns: :func:`warn_default_allocator`) and the default allocator stays, with the planner's
+    larger margin for it (:func:`betty_trainer.memory.device.allocator_margin`). With expandable segments the
+    allocator maps memory in pages into a range it can grow instead of caching segments of fixed sizes, PyTorch's
+    documented remedy for fragmentation when allocation sizes change from step to step (PyTorch docs › CUDA
+    semantics › Optimizing memory usage with ``PYTORCH_CUDA_ALLOC_CONF``), as micro-batches' do. Measured on an H200
+    (torch 2.11, 2026-11-27): with the default allocator, one products-scale epoch at K = 10 reserved up to 2.3× the
+    1.18 GiB its micro-batches allocated, because each micro-batch's differently sized blocks took new segments
+    (``benchmarks/README.md`` › GPU checks on an H200). Set by import, not by ``train``: a program that
+    touches CUDA before calling ``train`` (a notebook, a benchmark measuring first) would otherwise get the default
+    allocator. To keep it, set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (or any other setting) before
+    ``import betty_trainer``: a ``PYTORCH_ALLOC_CONF`` set after it is overridden by the ``PYTORCH_CUDA_ALLOC_CONF``
+    set here, which PyTorch reads first. Child processes inherit the variable.
 
     Returns:
         The setting in effect (``None``: PyTorch's defaults).
@@ -121,8 +127,21 @@ def expandable_cuda_segments() -> str | None:
         return os.environ.get(ALLOC_CONF, os.environ.get(ALLOC_CONF_NEW))
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is not None and cuda.is_initialized():
-        logger.info("CUDA was initialised before betty_trainer was imported, so %s=%s cannot take effect; the "
-                    "default allocator stays", ALLOC_CONF, EXPANDABLE_SEGMENTS)
+        global _ALLOCATOR_TOO_LATE
+        _ALLOCATOR_TOO_LATE = True
         return None
     os.environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
     return EXPANDABLE_SEGMENTS
+
+
+def warn_default_allocator(device_type: str) -> None:
+    """Warn, once per process, where a run trains on CUDA but CUDA was initialised before ``import betty_trainer``
+    with no allocator setting, so the default allocator runs and the planner keeps its larger margin
+    (:func:`expandable_cuda_segments`): ``train`` calls it."""
+    global _ALLOCATOR_TOO_LATE
+    if _ALLOCATOR_TOO_LATE and device_type == "cuda":
+        _ALLOCATOR_TOO_LATE = False
+        logger.warning("CUDA was initialised before betty_trainer was imported, so the CUDA caching allocator runs "
+                       "without expandable segments and the plan keeps 60%% of the budget free for its "
+                       "fragmentation: import betty_trainer before touching CUDA, or set %s=%s before starting "
+                       "Python", ALLOC_CONF, EXPANDABLE_SEGMENTS)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from betty_trainer import make_sbm
+from betty_trainer import make_sbm, process
 from betty_trainer.config import load_config
 from betty_trainer.errors import ConfigError
 from betty_trainer.memory import budget as budget_module
@@ -28,6 +28,8 @@ from betty_trainer.memory.spec import model_spec
 from betty_trainer.process import ALLOC_CONF, ALLOC_CONF_NEW, EXPANDABLE_SEGMENTS, expandable_cuda_segments
 from estimator import COMPONENTS, estimate_micro_batch
 from estimator.counts import LayerCounts
+from estimator.spec import ModelSpec
+from estimator.tape import GRAD, Replay, StepTape
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
 MIB = 2**20
@@ -109,3 +111,28 @@ def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):
                              sampler_bytes=3 * MIB)  # a bulk sampler's structure and draw on the GPU
     assert sampled.step_bytes == auto.step_bytes - 3 * MIB and sampled.report()["sampler_bytes"] == 3 * MIB
     assert auto.report()["step_bytes"] == auto.step_bytes and auto.report()["allocator"] == EXPANDABLE_SEGMENTS
+
+
+def test_a_custom_functions_gradient_is_summed_out_of_place_where_the_device_does():
+    """StepTape.accumulate(custom=True): in place on the CPU (the second freed), out of place where the spec says
+    the device sums a Python autograd.Function's gradient so (CUDA, measured: a new tensor, then both freed)."""
+    for out_of_place in (False, True):
+        replay = Replay()
+        spec = ModelSpec("sage", (4, 4), parameter_numels=((16,),), sums_custom_grads_out_of_place=out_of_place)
+        tape = StepTape(replay, spec, accumulate=False)
+        first, second = replay.alloc(1000, GRAD), replay.alloc(600, GRAD)
+        total = tape.accumulate(first, second, custom=True)
+        assert replay.current == 1000 and replay.live[total][0] == 1000
+        assert replay.peak == (2600 if out_of_place else 1600), "the sum is made before both are freed"
+        assert (total == first) is not out_of_place
+        assert tape.accumulate(total, replay.alloc(10, GRAD)) == total, "a built-in gradient's sum is in place"
+
+
+def test_train_warns_once_where_cuda_came_before_the_import(monkeypatch, caplog):
+    monkeypatch.setattr(process, "_ALLOCATOR_TOO_LATE", True)
+    with caplog.at_level("WARNING", logger="betty_trainer.process"):
+        process.warn_default_allocator("cpu")  # a CPU run has no CUDA allocator: nothing to say
+        assert not caplog.records
+        process.warn_default_allocator("cuda")
+        process.warn_default_allocator("cuda")
+    assert len(caplog.records) == 1 and "expandable_segments:True" in caplog.records[0].getMessage()

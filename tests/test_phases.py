@@ -1,5 +1,5 @@
 """The training loop marks its phases as torch.profiler ranges (betty_trainer/phases.py): every phase appears in a
-profiled run, once per batch (a gather once per micro-batch), each gather inside a step."""
+profiled run; a step once per batch and a gather once per micro-batch, each gather inside a step."""
 
 from __future__ import annotations
 

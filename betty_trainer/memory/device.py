@@ -48,7 +48,7 @@ def allocator_margin(budget: int, device: torch.device, setting: str | None) -> 
     On CUDA: ``max(floor, fraction × budget)`` with :data:`EXPANDABLE_MARGIN` (6%, at least 64 MiB) when
     ``setting`` turns expandable segments on, else :data:`DEFAULT_MARGIN` (60%, at least 256 MiB).
 
-    How they were chosen (``benchmarks/README.md`` › gpu_budget_epoch.py on an H200; H200, torch 2.11,
+    How they were chosen (``benchmarks/README.md`` › GPU checks on an H200; H200, torch 2.11,
     2026-11-27). If the allocator reserves up to ``(1 + g)`` times what the step allocates, a step planned at
     ``budget − margin`` keeps the reserved memory within the budget when ``margin ≥ g / (1 + g) × budget``.
     With expandable segments, products-scale epochs at 1, 0.5 and 0.25 of the K = 1 peak (K = 2, 3, 7) and one

@@ -238,7 +238,7 @@ class GATConv(nn.Module):
                 grad_z_dst = sliced
             grad_z = tape.accumulate(grad_z, grad_z_dst, custom=True)  # attention_aggregate's ∂z, then a sum
             grad_z_src = score_backward(s, grad_score_src, per_head[0])
-            return tape.accumulate(grad_z, grad_z_src, custom=True)  # an upper bound: the peak falls at the first
+            return tape.accumulate(grad_z, grad_z_src)  # into the first sum's own result: in place
 
         def score_backward(rows: int, grad_score: int, matrix: int) -> int:
             """MmBackward of ``z_rows @ _per_head(att)``: ∂(H·F, H) matrix, then ∂z_rows ``(rows, H·F)``; the node

@@ -41,7 +41,7 @@ from betty_trainer.execution.plan import StepPlan, StepResult
 from betty_trainer.memory.planner import Planner, make_planner
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.phases import EVALUATE, OPTIMIZER, PLAN, PREPARE, STAGE, STEP
-from betty_trainer.process import warn_spinning_openmp
+from betty_trainer.process import warn_default_allocator, warn_spinning_openmp
 from betty_trainer.rng import derive_seed
 from betty_trainer.sampling.base import Sampler
 from betty_trainer.sampling.schedule import (
@@ -195,6 +195,7 @@ def train(
         raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
     warn_spinning_openmp()
     device = resolve_device(config.train.device)
+    warn_default_allocator(device.type)
     processes = join_run(config, device)  # None in one process; under torchrun rank 0 alone writes and prints
     with record_function(PREPARE):
         directory, path, run = _open(config, model, graph, run_dir, resume, overwrite, device, processes)
