@@ -3,10 +3,10 @@ dataset registry, comma-separated option values, and markdown tables.
 
 The scripts import it as ``from common import ...`` (Python puts a script's own folder first on ``sys.path``), first
 of all their imports (``benchmarks/ruff.toml`` keeps it there): importing it imports betty_trainer, whose process
-settings (``betty_trainer/process.py``: the OpenMP wait policy, which torch's runtime reads when torch loads, and huge
-pages) then hold for torch in every benchmark, and for DGL's side, which inherits the environment. DGL's side
-(``dgl_channel.py``, run with DGL's interpreter, which has no betty_trainer) imports it too, so it imports only the
-standard library otherwise; the registry is imported where a graph is loaded.
+settings (``betty_trainer/process.py``: the OpenMP wait policy, which torch's runtime reads when torch loads, huge
+pages and the CUDA allocator's expandable segments) then hold for torch in every benchmark, and for DGL's side, which
+inherits the environment. DGL's side (``dgl_channel.py``, run with DGL's interpreter, which has no betty_trainer)
+imports it too, so it imports only the standard library otherwise; the registry is imported where a graph is loaded.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 #       by git; nothing is copied into the project). Prints the device call to make.
 #
 #   bash benchmarks/device_checks.sh run
-#       on the device (the call `prepare` prints: carry .device/wheels and the three dataset folders through the
+#       on the device (the call `prepare` prints: carry .device/wheels and the two dataset folders through the
 #       link, timeout_s 600): installs the wheels into /tmp/site, then runs each check under its own time limit,
 #       appending its output to $OUT/log.txt (JSON beside it) and one line per check to $OUT/summary.txt (seven
 #       files come back; the device returns at most eight). A check that fails or runs out of time does not stop

@@ -1,8 +1,8 @@
 """The phases of training that the loop marks for ``torch.profiler`` (``torch.profiler.record_function`` ranges), so
-that a profile of a run splits its time into its preparation, sampling, staging, planning, feature gathering (host→device), the
-training step and the optimizer update, on the CPU and, with CUDA activity recorded, on the GPU
-(``benchmarks/epoch_phases.py`` reads them). Outside a profiler a range costs a few microseconds; one is entered a
-handful of times per batch.
+that a profile of a run splits its time into its preparation, sampling, staging, planning, feature gathering
+(host→device), the training step, the optimizer update and evaluation, on the CPU and, with CUDA activity recorded,
+on the GPU (``benchmarks/epoch_phases.py`` reads them). Outside a profiler a range costs a few microseconds; one is
+entered a handful of times per batch.
 """
 
 from __future__ import annotations

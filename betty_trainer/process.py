@@ -117,8 +117,9 @@ def expandable_cuda_segments() -> str | None:
     (``benchmarks/README.md`` › GPU checks on an H200). Set by import, not by ``train``: a program that
     touches CUDA before calling ``train`` (a notebook, a benchmark measuring first) would otherwise get the default
     allocator. To keep it, set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (or any other setting) before
-    ``import betty_trainer``: a ``PYTORCH_ALLOC_CONF`` set after it is overridden by the ``PYTORCH_CUDA_ALLOC_CONF``
-    set here, which PyTorch reads first. Child processes inherit the variable.
+    ``import betty_trainer``, or ``PYTORCH_ALLOC_CONF`` at any time before CUDA starts: PyTorch reads it before
+    ``PYTORCH_CUDA_ALLOC_CONF`` (``c10/core/AllocatorConfig.h``), and so does the margin
+    (:func:`betty_trainer.memory.device.allocator_setting`). Child processes inherit the variable.
 
     Returns:
         The setting in effect (``None``: PyTorch's defaults).

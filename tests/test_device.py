@@ -21,6 +21,7 @@ from betty_trainer.memory.device import (
     DEFAULT_MARGIN,
     EXPANDABLE_MARGIN,
     allocator_margin,
+    allocator_setting,
     device_workspace,
     expandable_segments,
 )
@@ -70,6 +71,9 @@ def test_importing_betty_trainer_asks_for_expandable_segments_unless_the_user_ch
     monkeypatch.setenv(ALLOC_CONF_NEW, "max_split_size_mb:64")
     assert expandable_cuda_segments() == "max_split_size_mb:64"
     assert ALLOC_CONF not in os.environ
+    monkeypatch.setenv(ALLOC_CONF, EXPANDABLE_SEGMENTS)  # both set: PyTorch reads PYTORCH_ALLOC_CONF first
+    assert allocator_setting() == "max_split_size_mb:64"
+    monkeypatch.delenv(ALLOC_CONF)
     monkeypatch.delenv(ALLOC_CONF_NEW)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: the allocator has read its setting
     assert expandable_cuda_segments() is None and ALLOC_CONF not in os.environ

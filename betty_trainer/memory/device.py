@@ -28,10 +28,11 @@ allocator."""
 
 
 def allocator_setting() -> str | None:
-    """The caching allocator's settings as this process's environment gives them (``PYTORCH_CUDA_ALLOC_CONF``,
-    else ``PYTORCH_ALLOC_CONF``), or ``None`` for PyTorch's defaults. Read from the environment: a variable
-    changed after CUDA initialised is reported though the allocator never read it."""
-    return os.environ.get(ALLOC_CONF, os.environ.get(ALLOC_CONF_NEW))
+    """The caching allocator's settings as this process's environment gives them, in PyTorch's order
+    (``c10/core/AllocatorConfig.h``: ``PYTORCH_ALLOC_CONF`` first, ``PYTORCH_CUDA_ALLOC_CONF`` for backward
+    compatibility), or ``None`` for PyTorch's defaults. Read from the environment: a variable changed after CUDA
+    initialised is reported though the allocator never read it."""
+    return os.environ.get(ALLOC_CONF_NEW, os.environ.get(ALLOC_CONF))
 
 
 def expandable_segments(setting: str | None) -> bool:
@@ -54,7 +55,7 @@ def allocator_margin(budget: int, device: torch.device, setting: str | None) -> 
     With expandable segments, products-scale epochs at 1, 0.5 and 0.25 of the K = 1 peak (K = 2, 3, 7) and one
     K = 1 epoch under ``budget: auto`` reserved at most 3.8%, 3.8%, 4.0% and 5.0% more than their largest
     micro-batch allocated (g ≤ 0.05: 4.8% of the budget), so 6% keeps a point of headroom; on a 100k-node graph
-    the reserved memory was at most 29 MiB above the allocated, under the 64 MiB floor. With the default allocator
+    the reserved memory was at most 30 MiB above the allocated, under the 64 MiB floor. With the default allocator
     the same epochs reserved 1.53× (K = 4) and 2.30× (K = 10) what they allocated, growing with K as each
     micro-batch's differently sized blocks took new segments: 60% covers the 2.30× seen (g / (1 + g) = 57%),
     not a bound, which is why ``import betty_trainer`` asks for expandable segments
