@@ -3,6 +3,7 @@ cache; errors that name the file; resumable, checksummed downloads (no network: 
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
@@ -287,3 +288,19 @@ def test_a_zip_member_outside_the_folder_is_refused(tmp_path, cache):
     with pytest.raises(DatasetError, match="unsafe path"):
         load_ogb("ogbn-arxiv", tmp_path)
     assert not (cache / "evil.txt").exists() and not (tmp_path.parent / "evil.txt").exists()
+
+
+def test_a_full_disk_while_extracting_blames_the_cache_and_keeps_the_archive(arxiv, cache, monkeypatch, tmp_path):
+    directory, _ = arxiv
+    archive = tmp_path / "zipped" / "arxiv.zip"
+    archive.parent.mkdir()
+    archive.write_bytes(_zip_dir(directory, "arxiv"))
+
+    def full(self, path=None, members=None, pwd=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(zipfile.ZipFile, "extractall", full)
+    with pytest.raises(DatasetError, match=r"cannot write the cache folder .*No space left on device \(ENOSPC\)"):
+        load_ogb("ogbn-arxiv", archive.parent)
+    assert archive.is_file(), "the archive is fine: nothing tells the user to delete it"
+    assert not any(cache.rglob("*.extracting")), "the partial extraction is removed"

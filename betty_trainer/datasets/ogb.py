@@ -24,6 +24,7 @@ directed citation graphs too (as GraphSAGE-style training on ogbn-arxiv usually 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -323,8 +324,18 @@ def convert_ogb_directory(directory: Path, target: Path, *, name: str, split: st
         return writer.commit({"name": name, "num_classes": num_classes, "source": source})
 
 
+WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+"""``OSError`` numbers that say the cache could not be written (the disk or quota is full, the folder is read-only
+or not ours): an extraction that fails so is the cache's problem, not the archive's."""
+
+
 def _safe_extract(archive_path: Path, into: Path) -> None:
-    """Unzip ``archive_path`` into ``into`` (members must stay inside it), via a temporary folder."""
+    """Unzip ``archive_path`` into ``into`` (members must stay inside it), via a temporary folder.
+
+    Raises:
+        DatasetError: an unsafe member path; an archive that is not a complete zip (delete it to re-download); or
+            a cache that cannot be written (:data:`WRITE_FAILURES`: the archive is kept, the fix is the cache's).
+    """
     tmp = into.with_name(into.name + ".extracting")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -335,6 +346,9 @@ def _safe_extract(archive_path: Path, into: Path) -> None:
             archive.extractall(tmp)
     except (zipfile.BadZipFile, OSError, EOFError) as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, OSError) and error.errno in WRITE_FAILURES:
+            with writing_cache(into.parent):  # the cache's one line: the archive is fine, keep it
+                raise
         raise DatasetError(f"{archive_path} is not a complete zip archive ({error}); delete it to re-download") from None
     tmp.rename(into)
 
