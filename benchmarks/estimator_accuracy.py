@@ -26,8 +26,13 @@ Run:
     python benchmarks/estimator_accuracy.py --datasets cora,citeseer --layers 2 --hidden 64,256 --ks 1,4,8
     python benchmarks/estimator_accuracy.py --models sage-mean,sage-gcn,sage-pool,gcn,gat --json estimator.json
     python benchmarks/estimator_accuracy.py --models sage-lstm --fanouts 10,25 --fanouts3 5,10,15
+    python benchmarks/estimator_accuracy.py --layerwise --models sage-mean,gcn,gat --layers 2 --ks 2,4,8
     python benchmarks/estimator_accuracy.py --custom                 # custom models, recorded (issue 24)
     python benchmarks/estimator_accuracy.py --custom --datasets amazon-computers --fanouts 10,25
+
+``--layerwise``: each row runs layer by layer instead (``micro_batch.mode=layerwise``), K METIS chunks per layer
+(``chunk_layers(batch.blocks, K, "metis", seed)``), estimated by ``estimate_layerwise`` (with the model's projected
+layers) and measured by ``measure_layerwise_step``: one step per row, reported as one "micro-batch".
 
 ``--custom``: the models of ``benchmarks/custom_models.py`` (GIN, JK-Net, a two-head GAT with edge features from
 ``torch_geometric.nn.GATConv``, PyG's GraphSAGE through ``PyGModel``), each recorded once per dataset by
@@ -65,13 +70,17 @@ from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
 from betty_trainer.datasets import DATASETS  # noqa: E402
 from betty_trainer.errors import BettyError  # noqa: E402
+from betty_trainer.execution.layerwise import LayerwisePlan, measure_layerwise_step  # noqa: E402
 from betty_trainer.execution.micro_batches import measure_training_step  # noqa: E402
 from betty_trainer.memory.recorded import record_model  # noqa: E402
 from betty_trainer.memory.spec import model_spec  # noqa: E402
 from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
+from betty_trainer.models.capabilities import projected_terms  # noqa: E402
 from custom_models import CUSTOM_MODELS  # noqa: E402  (this folder)
 from estimator.counts import counts_of  # noqa: E402
 from estimator.estimate import estimate_micro_batch  # noqa: E402
+from estimator.layerwise import estimate_layerwise  # noqa: E402
+from partition.chunks import chunk_layers  # noqa: E402
 
 MIB = 2**20
 CPU = torch.device("cpu")
@@ -111,6 +120,38 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
         return peak.peak_bytes, peak.at_peak
 
     return measured_micro_batches(graph, model, optimizer, estimate, micro_batches, device)
+
+
+def layerwise_row(graph: Graph, overrides: Sequence[str], batch: Batch, k: int, seed: int,
+                  device: torch.device = CPU) -> dict[str, Any]:
+    """One built-in (model, layers, hidden, K) cell run layer by layer in ``k`` METIS chunks per layer: its
+    estimate (``estimate_layerwise``) against the step measured by ``measure_layerwise_step`` after one warm-up
+    step (Adam's state), in :func:`measured_micro_batches`' record with the step as its one "micro-batch"."""
+    config = load_config(None, overrides)
+    spec = model_spec(config, graph, device)
+    torch.manual_seed(seed)
+    model = build_model(config.model, graph).to(device)
+    set_dropout_key(model, seed, 0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    chunks = chunk_layers(batch.blocks, k, "metis", seed)
+    plan = LayerwisePlan(batch, chunks, work=0.0, partitioners=["metis"] * len(batch.blocks))
+    features = HostFeatureStore(graph.x, pin=False)
+    start = time.perf_counter()
+    measure_layerwise_step(model, optimizer, plan, features, graph.y, device)  # Adam's state exists from here on
+    warm_s = time.perf_counter() - start
+    t0 = time.perf_counter()
+    estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
+                                                            for layer in chunks.layers], spec, projected_terms(model))
+    estimate_s = time.perf_counter() - t0
+    measured = measure_layerwise_step(model, optimizer, plan, features, graph.y, device)
+    error = (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes
+    step = {"reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+            "micro_batch": 0, "outputs": batch.output_nodes.numel(), "input_nodes": batch.input_nodes.numel(),
+            "chunks_per_layer": [len(layer) for layer in chunks.layers], "estimate_bytes": estimate.peak_bytes,
+            "measured_bytes": measured.peak_bytes, "error": error, "estimate_at_peak": estimate.at_peak}
+    return {"num_micro_batches": 1, "max_abs_error": abs(error), "worst_error": error, "mean_error": error,
+            "max_measured_bytes": measured.peak_bytes, "seconds": time.perf_counter() - start, "warm_seconds": warm_s,
+            "estimate_ms": estimate_s * 1e3, "micro_batches": [step]}
 
 
 def custom_row(graph: Graph, name: str, hidden: int, micro_batches: Sequence[Batch], seed: int) -> dict[str, Any]:
@@ -216,6 +257,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--custom", action="store_true",
                         help="custom models (benchmarks/custom_models.py) estimated by the recorder, 2 layers "
                              f"(default: {','.join(CUSTOM['datasets'])}, K {','.join(map(str, CUSTOM['ks']))})")
+    parser.add_argument("--layerwise", action="store_true",
+                        help="run each row layer by layer, K METIS chunks per layer (micro_batch.mode=layerwise)")
     parser.add_argument("--layers", type=int_list, default=None, help="numbers of layers (default 2,3)")
     parser.add_argument("--hidden", type=int_list, default=None, help="hidden widths (default 64,256)")
     parser.add_argument("--ks", type=int_list, default=None, help="numbers of micro-batches (default 1,4,8)")
@@ -238,6 +281,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     known = CUSTOM_MODELS if args.custom else MODELS
     args.models = list(known) if args.models is None else args.models
+    if args.custom and args.layerwise:
+        parser.error("--custom models are estimated by the recorder for micro-batches, not layer by layer")
     if args.custom and (args.layers != [2] or args.device != "cpu"):
         parser.error("--custom models have 2 layers and are recorded on the CPU (--layers 2, --device cpu)")
     unknown = [d for d in args.datasets if d not in DATASETS and d not in common.SBM]
@@ -272,6 +317,10 @@ def dataset_rows(name: str, graph: Graph, args: argparse.Namespace) -> tuple[lis
         overrides += args.overrides
         row: dict[str, Any] = {"dataset": name, "model": model_name, "layers": num_layers,
                                "hidden": hidden, "k": k, "overrides": overrides}
+        if args.layerwise:
+            row.update(layerwise_row(graph, overrides, batches[num_layers], k, args.seed, torch.device(args.device)))
+            rows.append(row)
+            continue
         if (num_layers, k) not in splits:
             splits[(num_layers, k)] = plan_micro_batches(batches[num_layers], k, "reg", args.seed)
         if args.custom:
@@ -290,7 +339,8 @@ def rows_table(name: str, rows: list[dict[str, Any]], sizes: dict[int, list[int]
         what = "full neighbourhood" if all(f is None for f in fanouts) else f"fanouts {fanouts}"
         return f"{n} layers: {' → '.join(map(str, sizes[n]))} nodes ({what})"
 
-    table = Table(title=f"{name}: estimated vs measured peak per micro-batch (CPU); error = (est − meas) / meas",
+    unit = "layer-wise step (K chunks per layer)" if args.layerwise else "micro-batch"
+    table = Table(title=f"{name}: estimated vs measured peak per {unit} ({args.device}); error = (est − meas) / meas",
                   caption="full batch, " + "; ".join(describe(n) for n in args.layers))
     for column in ("model", "L", "hidden", "K"):
         table.add_column(column, justify="left" if column == "model" else "right", no_wrap=True)

@@ -48,10 +48,6 @@ class ModelSpec:
         device_workspace: bytes the device keeps allocated from the first training step on beyond the step's
             tensors (CUDA's BLAS workspaces, measured by ``betty_trainer.memory.device.device_workspace``; 0 on
             the CPU), resident in every estimate.
-        sums_custom_grads_out_of_place: autograd adds a gradient into one a Python ``autograd.Function`` returned
-            out of place (a new tensor, then both freed), as measured on CUDA (H200, torch 2.11, 2026-11-27:
-            GAT's ``∂z``, 130 micro-batches within 0.01% modelled so, up to 19% under modelled in place); the CPU
-            adds in place (:meth:`estimator.tape.StepTape.accumulate`).
         aggregated_width: layer 0 reads the input-feature aggregation cache's rows, this many columns each
             (BatchGNN §3; the layer's ``aggregated_width``): a micro-batch has ``L − 1`` blocks (layers 1 … L − 1)
             and its input rows are ``blocks[0]``'s src nodes at this width; ``None``: no cache, ``L`` blocks.
@@ -86,7 +82,6 @@ class ModelSpec:
     foreach: bool = False
     compiled_kernels: bool = False
     device_workspace: int = 0
-    sums_custom_grads_out_of_place: bool = False
     aggregated_width: int | None = None
     forward_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     layer_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)

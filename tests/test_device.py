@@ -117,19 +117,32 @@ def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):
     assert auto.report()["step_bytes"] == auto.step_bytes and auto.report()["allocator"] == EXPANDABLE_SEGMENTS
 
 
-def test_a_custom_functions_gradient_is_summed_out_of_place_where_the_device_does():
-    """StepTape.accumulate(custom=True): in place on the CPU (the second freed), out of place where the spec says
-    the device sums a Python autograd.Function's gradient so (CUDA, measured: a new tensor, then both freed)."""
-    for out_of_place in (False, True):
+def test_a_gradient_through_a_view_is_summed_out_of_place():
+    """StepTape.accumulate: in place into a dense gradient (the second freed), out of place into one that came through
+    a view's backward (first_is_view=True: a new tensor, then both freed), as autograd does."""
+    for custom in (False, True):
         replay = Replay()
-        spec = ModelSpec("sage", (4, 4), parameter_numels=((16,),), sums_custom_grads_out_of_place=out_of_place)
-        tape = StepTape(replay, spec, accumulate=False)
+        tape = StepTape(replay, ModelSpec("sage", (4, 4), parameter_numels=((16,),)), accumulate=False)
         first, second = replay.alloc(1000, GRAD), replay.alloc(600, GRAD)
-        total = tape.accumulate(first, second, custom=True)
+        total = tape.accumulate(first, second, first_is_view=custom)
         assert replay.current == 1000 and replay.live[total][0] == 1000
-        assert replay.peak == (2600 if out_of_place else 1600), "the sum is made before both are freed"
-        assert (total == first) is not out_of_place
-        assert tape.accumulate(total, replay.alloc(10, GRAD)) == total, "a built-in gradient's sum is in place"
+        assert replay.peak == (2600 if custom else 1600), "the sum is made before both are freed"
+        assert (total == first) is not custom
+
+
+@pytest.mark.parametrize("through_a_view", [False, True])
+def test_autograd_adds_into_a_gradient_through_a_view_out_of_place(through_a_view):
+    """What the tape's first_is_view models, measured: a gradient that arrives first through a view's backward is
+    summed with the next one out of place (aten::add); a dense one in place (aten::add_). Which arrives first
+    follows the forward's order (autograd runs the nodes made last first)."""
+    z = torch.randn(1000, 64, requires_grad=True) * 1.0  # a layer's output, as GAT's z
+    dense = (z * 3).sum()  # as GAT's score products: made first, so their backward runs last
+    used = z.view(1000, 4, 16) if through_a_view else z  # as GAT's z.view(-1, H, F), made after them
+    loss = dense + (used * 2).sum()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    names = {event.name for event in prof.events()} & {"aten::add", "aten::add_"}
+    assert names == ({"aten::add"} if through_a_view else {"aten::add_"})
 
 
 def test_train_warns_once_where_cuda_came_before_the_import(monkeypatch, caplog):

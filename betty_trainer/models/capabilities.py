@@ -270,7 +270,6 @@ def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: 
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         weight_decay=weight_decay, foreach=adam_uses_foreach(device),
         compiled_kernels=compiled_kernels(device, parameter.dtype), device_workspace=device_workspace,
-        sums_custom_grads_out_of_place=torch.device(device).type == "cuda",
         aggregated_width=model.aggregated_width if aggregation_cache else None,
         forward_terms=model.memory_terms, layer_terms=model.layer_memory_terms,
         projections=tuple(projected_terms(model)), layer_work=architecture.work)

@@ -236,7 +236,7 @@ class GATConv(nn.Module):
                 sliced = r.alloc(s * hf * f, GRAD)
                 r.drop(grad_z_dst)
                 grad_z_dst = sliced
-            grad_z = tape.accumulate(grad_z, grad_z_dst, custom=True)  # attention_aggregate's ∂z, then a sum
+            grad_z = tape.accumulate(grad_z, grad_z_dst, first_is_view=True)  # ∂z through z.view(-1, H, F)
             grad_z_src = score_backward(s, grad_score_src, per_head[0])
             return tape.accumulate(grad_z, grad_z_src)  # into the first sum's own result: in place
 
