@@ -101,6 +101,16 @@ CUSTOM = dict(datasets=["cora"], layers=[2], hidden=[64], ks=[1, 4])
 """``--custom``'s defaults (issue 24's grid is these and ``--datasets amazon-computers --fanouts 10,25``)."""
 
 
+def built_in(graph: Graph, overrides: Sequence[str], seed: int, device: torch.device):
+    """A built-in model of ``overrides`` on ``device`` (seeded, its dropout key set), its estimator spec and its Adam."""
+    config = load_config(None, overrides)
+    spec = model_spec(config, graph, device)
+    torch.manual_seed(seed)
+    model = build_model(config.model, graph).to(device)
+    set_dropout_key(model, seed, 0)
+    return spec, model, torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+
+
 def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[Batch], seed: int,
                 device: torch.device = CPU) -> dict[str, Any]:
     """Estimate and measure every micro-batch of one built-in (model, layers, hidden, K) cell on ``device`` (CUDA:
@@ -108,12 +118,7 @@ def measure_row(graph: Graph, overrides: Sequence[str], micro_batches: Sequence[
 
     Returns the row's record: the per-micro-batch numbers and aggregates (:func:`measured_micro_batches`).
     """
-    config = load_config(None, overrides)
-    spec = model_spec(config, graph, device)
-    torch.manual_seed(seed)
-    model = build_model(config.model, graph).to(device)
-    set_dropout_key(model, seed, 0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    spec, model, optimizer = built_in(graph, overrides, seed, device)
 
     def estimate(counts, accumulate: bool) -> tuple[int, str | None]:
         peak = estimate_micro_batch(counts, spec, accumulate=accumulate)
@@ -127,12 +132,7 @@ def layerwise_row(graph: Graph, overrides: Sequence[str], batch: Batch, k: int, 
     """One built-in (model, layers, hidden, K) cell run layer by layer in ``k`` METIS chunks per layer: its
     estimate (``estimate_layerwise``) against the step measured by ``measure_layerwise_step`` after one warm-up
     step (Adam's state), in :func:`measured_micro_batches`' record with the step as its one "micro-batch"."""
-    config = load_config(None, overrides)
-    spec = model_spec(config, graph, device)
-    torch.manual_seed(seed)
-    model = build_model(config.model, graph).to(device)
-    set_dropout_key(model, seed, 0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    spec, model, optimizer = built_in(graph, overrides, seed, device)
     chunks = chunk_layers(batch.blocks, k, "metis", seed)
     plan = LayerwisePlan(batch, chunks, work=0.0, partitioners=["metis"] * len(batch.blocks))
     features = HostFeatureStore(graph.x, pin=False)
