@@ -120,14 +120,15 @@ def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):
 def test_a_gradient_through_a_view_is_summed_out_of_place():
     """StepTape.accumulate: in place into a dense gradient (the second freed), out of place into one that came through
     a view's backward (first_is_view=True: a new tensor, then both freed), as autograd does."""
-    for custom in (False, True):
+    for through_a_view in (False, True):
         replay = Replay()
         tape = StepTape(replay, ModelSpec("sage", (4, 4), parameter_numels=((16,),)), accumulate=False)
         first, second = replay.alloc(1000, GRAD), replay.alloc(600, GRAD)
-        total = tape.accumulate(first, second, first_is_view=custom)
+        total = tape.accumulate(first, second, first_is_view=through_a_view)
         assert replay.current == 1000 and replay.live[total][0] == 1000
-        assert replay.peak == (2600 if custom else 1600), "the sum is made before both are freed"
-        assert (total == first) is not custom
+        assert replay.peak == (2600 if through_a_view else 1600), "the sum is made before both are freed"
+        assert (total == first) is not through_a_view
+        assert tape.accumulate(total, replay.alloc(10, GRAD)) == total, "the next sum adds into it in place"
 
 
 @pytest.mark.parametrize("through_a_view", [False, True])

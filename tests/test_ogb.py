@@ -304,3 +304,15 @@ def test_a_full_disk_while_extracting_blames_the_cache_and_keeps_the_archive(arx
         load_ogb("ogbn-arxiv", archive.parent)
     assert archive.is_file(), "the archive is fine: nothing tells the user to delete it"
     assert not any(cache.rglob("*.extracting")), "the partial extraction is removed"
+
+
+def test_an_unreadable_archive_is_the_archives_problem_not_the_caches(tmp_path, cache, monkeypatch):
+    archive = tmp_path / "arxiv.zip"
+    archive.write_bytes(b"PK")
+
+    def unreadable(self, file, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(file))
+
+    monkeypatch.setattr(zipfile.ZipFile, "__init__", unreadable)
+    with pytest.raises(DatasetError, match=r"arxiv.zip is not a complete zip archive \(.*Permission denied"):
+        load_ogb("ogbn-arxiv", tmp_path)

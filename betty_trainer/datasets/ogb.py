@@ -324,9 +324,10 @@ def convert_ogb_directory(directory: Path, target: Path, *, name: str, split: st
         return writer.commit({"name": name, "num_classes": num_classes, "source": source})
 
 
-WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-"""``OSError`` numbers that say the cache could not be written (the disk or quota is full, the folder is read-only
-or not ours): an extraction that fails so is the cache's problem, not the archive's."""
+WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+"""``OSError`` numbers that say the cache could not be written (the disk or quota is full, a file too large for
+the filesystem, the folder read-only or not ours): an extraction that fails so while writing into the cache (the
+error names a path there, or none) is the cache's problem, not the archive's."""
 
 
 def _safe_extract(archive_path: Path, into: Path) -> None:
@@ -346,7 +347,8 @@ def _safe_extract(archive_path: Path, into: Path) -> None:
             archive.extractall(tmp)
     except (zipfile.BadZipFile, OSError, EOFError) as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(error, OSError) and error.errno in WRITE_FAILURES:
+        written = isinstance(error, OSError) and str(tmp) in str(getattr(error, "filename", "") or "")
+        if isinstance(error, OSError) and error.errno in WRITE_FAILURES and (written or error.filename is None):
             with writing_cache(into.parent):  # the cache's one line: the archive is fine, keep it
                 raise
         raise DatasetError(f"{archive_path} is not a complete zip archive ({error}); delete it to re-download") from None
