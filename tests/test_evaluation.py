@@ -55,6 +55,24 @@ def test_layerwise_logits_equal_full_neighbourhood_batch_logits_on_cora(cora, ar
     assert torch.equal(everything[nodes], got)
 
 
+@pytest.mark.parametrize("arch", ["sage-mean", "gat"])
+def test_a_projected_layer_is_projected_once_per_node_over_several_chunks(cora, arch):
+    """In chunks of 300 dst nodes (10 on Cora) layer 0 projects every node once and each chunk propagates its rows of
+    the projection: the features are read once for the projection (and once more for SAGE mean's own dst rows),
+    where the chunks' blocks would read some nodes many times."""
+    torch.manual_seed(0)
+    model = MODELS[arch](cora, 2)
+    store = HostFeatureStore(cora.x, pin=False)
+    got = layerwise_logits(model, cora, store, CPU, chunk_size=300)
+    reads = cora.num_nodes * (2 if arch == "sage-mean" else 1)
+    assert store.stats.misses == reads, (store.stats.misses, reads)
+    blocks = sum(next(full_neighbourhood_batches(cora, chunk, 1)).input_nodes.numel()
+                 for chunk in torch.arange(cora.num_nodes).split(300))
+    assert blocks > reads, "the chunks' blocks read more rows than the projection does"
+    expected = batch_logits(model, cora, torch.arange(cora.num_nodes), 2)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_evaluate_splits_gives_the_batch_evaluations_accuracies(cora, arch):
     torch.manual_seed(1)

@@ -7,17 +7,19 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
-from betty_trainer.data.block import Batch
+from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, require_store
 from betty_trainer.data.graph import Graph
+from betty_trainer.models.capabilities import projected_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.sampling import sample_batch, sample_block
 
 EVAL_CHUNK = 8192  # dst nodes per block (layer-wise evaluation) or seeds per batch (batch evaluation)
 EVALUATION_HOST_MEMORY = ("evaluation holds two layers' outputs of every node in host memory (num_nodes × "
-                          "model.hidden values each, layerwise_logits), or for a model that cannot run layer by "
-                          "layer each chunk's full-neighbourhood batch")
+                          "model.hidden values each, and a layer's projection, layerwise_logits), or for a model "
+                          "that cannot run layer by layer each chunk's full-neighbourhood batch")
 """Why evaluation runs out of host memory, for the errors that say so."""
 
 
@@ -72,10 +74,14 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: FeatureStore, de
     nodes (layer 0: the features, gathered from ``features``). Every node's hidden
     representation is computed once per layer, not once per evaluation batch whose
     ``L``-hop neighbourhood holds it, and no multi-layer batch is built (the layer-wise
-    inference of DGL's GraphSAGE example). The result equals ``model`` applied to
-    full-neighbourhood batches of ``nodes`` up to floating-point reassociation. Each
+    inference of DGL's GraphSAGE example). A layer that projects first
+    (:func:`~betty_trainer.models.capabilities.projected_layers`: ``project`` row by row, then ``propagate``) is
+    projected once for every node when its dst nodes take several chunks, and each chunk propagates its src rows
+    of the projection: a node's ``W·h`` is computed once per layer, not once per chunk whose block reads it (and
+    a layer reading its dst nodes' own rows reads each node's input row twice in all). The result equals
+    ``model`` applied to full-neighbourhood batches of ``nodes`` up to floating-point reassociation. Each
     layer's output for all nodes is kept in host memory (pinned when ``device`` is CUDA):
-    ``N × hidden`` values, two layers at a time.
+    ``N × hidden`` values, two layers at a time, and a projected layer's ``N × projected_width`` beside them.
 
     Args:
         model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`~betty_trainer.models.stack.runs_layer_by_layer`).
@@ -100,23 +106,55 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: FeatureStore, de
         raise ValueError("layerwise_logits needs at least one node")
     store, pin = features, device.type == "cuda"
     last = len(model.layers) - 1
+    projects = projected_layers(model)
     was_training = model.training
     model.eval()
     try:
         for index in range(last + 1):
             dst = nodes if index == last else torch.arange(graph.num_nodes)
+            # projected once for all nodes where the dst nodes take several chunks (with one, its src rows are
+            # every node once anyway)
+            z = _projected(model.layers[index], store, graph.num_nodes, chunk_size, device, pin) \
+                if projects[index] and dst.numel() > chunk_size else None
             out = None
             for chunk in dst.split(chunk_size):
                 block = sample_block(graph, chunk, None)
-                h = model.layer_forward(index, block.to(device), store.gather(block.src_nodes, device))
+                h = _layer_rows(model, index, block.to(device), store, z, device)
                 if out is None:
                     out, start = torch.empty(dst.numel(), h.shape[1], dtype=h.dtype, pin_memory=pin), 0
                 out[start:start + chunk.numel()].copy_(h)
                 start += chunk.numel()
+            del z
             store = HostFeatureStore(out, pin=pin)  # this layer's output is the next layer's input
     finally:
         model.train(was_training)
     return out
+
+
+def _projected(layer: nn.Module, store: FeatureStore, num_nodes: int, chunk_size: int, device: torch.device,
+               pin: bool) -> FeatureStore:
+    """``z = project(h)`` of every node (:class:`~betty_trainer.models.capabilities.ProjectedLayer`), ``chunk_size``
+    rows at a time, kept in host memory (``(N, projected_width)``): each node is projected once per layer, where
+    a chunk's forward would project every src row of its block again (a node is a src row of every chunk holding
+    one of its out-neighbours)."""
+    z = torch.empty(num_nodes, layer.projected_width, dtype=next(layer.parameters()).dtype, pin_memory=pin)
+    for rows in torch.arange(num_nodes).split(chunk_size):
+        z[rows[0]:rows[-1] + 1].copy_(layer.project(store.gather(rows, device)))
+    return HostFeatureStore(z, pin=pin)
+
+
+def _layer_rows(model: LayerStack, index: int, block: Block, store: FeatureStore, z: FeatureStore | None,
+                device: torch.device) -> Tensor:
+    """Layer ``index``'s output rows of ``block``'s dst nodes in eval mode: :meth:`LayerStack.layer_forward` on the
+    gathered src rows, or for a projected layer (``z``: every node's projection) its ``propagate`` on the src
+    nodes' rows of ``z`` (and the dst nodes' input rows where it reads them), then the stack's ReLU."""
+    if z is None:
+        return model.layer_forward(index, block, store.gather(block.src_nodes, device))
+    layer = model.layers[index]
+    rows = z.gather(block.src_nodes, device)
+    h = layer.propagate(block, rows, store.gather(block.src_nodes[: block.num_dst], device)) \
+        if layer.reads_dst_input else layer.propagate(block, rows)
+    return F.relu(h) if index < len(model.layers) - 1 else h
 
 
 def evaluate_splits(model: nn.Module, graph: Graph, features: FeatureStore, device: torch.device,
