@@ -115,10 +115,11 @@ class AffineLayer(ProjectedLayer, Protocol):
 
 def projected_layers(model: LayerStack) -> list[bool]:
     """Per layer, whether layer-wise execution projects its src rows once per pass: the layer is a
-    :class:`ProjectedLayer` whose ``projected_width`` is not ``None``, and the model applies its layers as the
-    stack does. Such a layer's chunks gather rows of ``z`` instead of recomputing ``W·h`` for each chunk's src
-    rows (a src row read by several chunks is projected once, not once per chunk, in forward and in backward)."""
-    plain = type(model).apply_layer is LayerStack.apply_layer
+    :class:`ProjectedLayer` whose ``projected_width`` is not ``None``, and the model applies its layers as the stack
+    does (neither ``apply_layer`` nor ``layer_forward`` overridden). Such a layer's chunks gather rows of ``z``
+    instead of recomputing ``W·h`` for each chunk's src rows (a src row read by several chunks is projected once,
+    not once per chunk, in forward and in backward)."""
+    plain = type(model).apply_layer is LayerStack.apply_layer and type(model).layer_forward is LayerStack.layer_forward
     return [plain and isinstance(layer, ProjectedLayer) and layer.projected_width is not None
             for layer in model.layers]
 

@@ -114,12 +114,15 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: FeatureStore, de
             dst = nodes if index == last else torch.arange(graph.num_nodes)
             # projected once for all nodes where the dst nodes take several chunks (with one, its src rows are
             # every node once anyway)
-            z = _projected(model.layers[index], store, graph.num_nodes, chunk_size, device, pin) \
-                if projects[index] and dst.numel() > chunk_size else None
+            z = None
+            if projects[index] and dst.numel() > chunk_size:  # the rows the chunks' blocks read: every node, or
+                rows = torch.arange(graph.num_nodes) if dst.numel() == graph.num_nodes else \
+                    sample_block(graph, dst, None).src_nodes  # the in-neighbourhood of the output layer's nodes
+                z = _projected(model.layers[index], store, rows, graph.num_nodes, chunk_size, device, pin)
             out = None
             for chunk in dst.split(chunk_size):
                 block = sample_block(graph, chunk, None)
-                h = _layer_rows(model, index, block.to(device), store, z, device)
+                h = _layer_rows(model, index, block, store, z, device)
                 if out is None:
                     out, start = torch.empty(dst.numel(), h.shape[1], dtype=h.dtype, pin_memory=pin), 0
                 out[start:start + chunk.numel()].copy_(h)
@@ -131,29 +134,34 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: FeatureStore, de
     return out
 
 
-def _projected(layer: nn.Module, store: FeatureStore, num_nodes: int, chunk_size: int, device: torch.device,
-               pin: bool) -> FeatureStore:
-    """``z = project(h)`` of every node (:class:`~betty_trainer.models.capabilities.ProjectedLayer`), ``chunk_size``
-    rows at a time, kept in host memory (``(N, projected_width)``): each node is projected once per layer, where
-    a chunk's forward would project every src row of its block again (a node is a src row of every chunk holding
-    one of its out-neighbours)."""
-    z = torch.empty(num_nodes, layer.projected_width, dtype=next(layer.parameters()).dtype, pin_memory=pin)
-    for rows in torch.arange(num_nodes).split(chunk_size):
-        z[rows[0]:rows[-1] + 1].copy_(layer.project(store.gather(rows, device)))
+def _projected(layer: nn.Module, store: FeatureStore, rows: Tensor, num_nodes: int, chunk_size: int,
+               device: torch.device, pin: bool) -> FeatureStore:
+    """``z = project(h)`` of the nodes ``rows`` (:class:`~betty_trainer.models.capabilities.ProjectedLayer`),
+    ``chunk_size`` at a time, kept in host memory as ``(N, projected_width)`` rows by node id (the others are never
+    read): each node is projected once per layer, where a chunk's forward would project every src row of its block
+    again (a node is a src row of every chunk holding one of its out-neighbours)."""
+    z = None
+    for part in rows.split(chunk_size):
+        projected = layer.project(store.gather(part, device))
+        if z is None:
+            z = torch.empty(num_nodes, projected.shape[1], dtype=projected.dtype, pin_memory=pin)
+        z.index_copy_(0, part, projected.to(z.device))
     return HostFeatureStore(z, pin=pin)
 
 
 def _layer_rows(model: LayerStack, index: int, block: Block, store: FeatureStore, z: FeatureStore | None,
                 device: torch.device) -> Tensor:
-    """Layer ``index``'s output rows of ``block``'s dst nodes in eval mode: :meth:`LayerStack.layer_forward` on the
-    gathered src rows, or for a projected layer (``z``: every node's projection) its ``propagate`` on the src
-    nodes' rows of ``z`` (and the dst nodes' input rows where it reads them), then the stack's ReLU."""
+    """Layer ``index``'s output rows of ``block``'s dst nodes (``block`` on the CPU, its node ids read there) in eval
+    mode: :meth:`LayerStack.layer_forward` on the gathered src rows, or for a projected layer (``z``: the nodes'
+    projection) its ``propagate`` on the src nodes' rows of ``z`` (and the dst nodes' input rows where it reads
+    them), then the stack's ReLU."""
+    on_device = block.to(device)
     if z is None:
-        return model.layer_forward(index, block, store.gather(block.src_nodes, device))
+        return model.layer_forward(index, on_device, store.gather(block.src_nodes, device))
     layer = model.layers[index]
     rows = z.gather(block.src_nodes, device)
-    h = layer.propagate(block, rows, store.gather(block.src_nodes[: block.num_dst], device)) \
-        if layer.reads_dst_input else layer.propagate(block, rows)
+    h = layer.propagate(on_device, rows, store.gather(block.src_nodes[: block.num_dst], device)) \
+        if layer.reads_dst_input else layer.propagate(on_device, rows)
     return F.relu(h) if index < len(model.layers) - 1 else h
 
 
