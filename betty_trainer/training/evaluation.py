@@ -81,7 +81,9 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: FeatureStore, de
     a layer reading its dst nodes' own rows reads each node's input row twice in all). The result equals
     ``model`` applied to full-neighbourhood batches of ``nodes`` up to floating-point reassociation. Each
     layer's output for all nodes is kept in host memory (pinned when ``device`` is CUDA):
-    ``N × hidden`` values, two layers at a time, and a projected layer's ``N × projected_width`` beside them.
+    ``N × hidden`` values, two layers at a time; a projected layer's ``N × projected_width`` takes the place of
+    the previous layer's output where ``propagate`` reads the projection alone (GAT), and is kept beside it where
+    it reads the dst nodes' input rows too (SAGE mean).
 
     Args:
         model: a :class:`~betty_trainer.models.stack.LayerStack` (see :func:`~betty_trainer.models.stack.runs_layer_by_layer`).
@@ -119,6 +121,8 @@ def layerwise_logits(model: LayerStack, graph: Graph, features: FeatureStore, de
                 rows = torch.arange(graph.num_nodes) if dst.numel() == graph.num_nodes else \
                     sample_block(graph, dst, None).src_nodes  # the in-neighbourhood of the output layer's nodes
                 z = _projected(model.layers[index], store, rows, graph.num_nodes, chunk_size, device, pin)
+                if not model.layers[index].reads_dst_input:
+                    store = None  # the chunks read the projection alone: the previous layer's output can go
             out = None
             for chunk in dst.split(chunk_size):
                 block = sample_block(graph, chunk, None)
