@@ -119,13 +119,13 @@ def expandable_cuda_segments() -> str | None:
     allocator. To keep it, set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` (or any other setting) before
     ``import betty_trainer``, or ``PYTORCH_ALLOC_CONF`` at any time before CUDA starts: PyTorch reads it before
     ``PYTORCH_CUDA_ALLOC_CONF`` (``c10/core/AllocatorConfig.h``), and so does the margin
-    (:func:`betty_trainer.memory.device.allocator_setting`). Child processes inherit the variable.
+    (:func:`allocator_setting`). Child processes inherit the variable.
 
     Returns:
         The setting in effect (``None``: PyTorch's defaults).
     """
     if ALLOC_CONF in os.environ or ALLOC_CONF_NEW in os.environ:
-        return os.environ.get(ALLOC_CONF, os.environ.get(ALLOC_CONF_NEW))
+        return allocator_setting()
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is not None and cuda.is_initialized():
         global _ALLOCATOR_TOO_LATE
@@ -133,6 +133,14 @@ def expandable_cuda_segments() -> str | None:
         return None
     os.environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
     return EXPANDABLE_SEGMENTS
+
+
+def allocator_setting() -> str | None:
+    """The caching allocator's settings as this process's environment gives them, in PyTorch's order
+    (``c10/core/AllocatorConfig.h``: ``PYTORCH_ALLOC_CONF`` first, ``PYTORCH_CUDA_ALLOC_CONF`` for backward
+    compatibility), or ``None`` for PyTorch's defaults. Read from the environment: a variable changed after CUDA
+    initialised is reported though the allocator never read it."""
+    return os.environ.get(ALLOC_CONF_NEW, os.environ.get(ALLOC_CONF))
 
 
 def warn_default_allocator(device_type: str) -> None:
@@ -143,6 +151,7 @@ def warn_default_allocator(device_type: str) -> None:
     if _ALLOCATOR_TOO_LATE and device_type == "cuda":
         _ALLOCATOR_TOO_LATE = False
         logger.warning("CUDA was initialised before betty_trainer was imported, so the CUDA caching allocator runs "
-                       "without expandable segments and the plan keeps 60%% of the budget free for its "
-                       "fragmentation: import betty_trainer before touching CUDA, or set %s=%s before starting "
+                       "without expandable segments and the plan keeps the default allocator's larger margin of "
+                       "the budget free for its fragmentation: import betty_trainer before touching CUDA, or set "
+                       "%s=%s before starting "
                        "Python", ALLOC_CONF, EXPANDABLE_SEGMENTS)

@@ -18,9 +18,10 @@ from betty_trainer.data.cache import CachedFeatureStore
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.datasets import load_dataset
 from betty_trainer.memory.budget import resolve_budget
-from betty_trainer.memory.device import allocator_margin, allocator_setting, device_workspace
+from betty_trainer.memory.device import allocator_margin, device_workspace
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.models import set_dropout_key
+from betty_trainer.process import allocator_setting
 from betty_trainer.sampling.schedule import first_batch
 from betty_trainer.training.checkpoint import load_checkpoint
 from betty_trainer.training.trainer import init_model, train

@@ -21,12 +21,17 @@ from betty_trainer.memory.device import (
     DEFAULT_MARGIN,
     EXPANDABLE_MARGIN,
     allocator_margin,
-    allocator_setting,
     device_workspace,
     expandable_segments,
 )
 from betty_trainer.memory.spec import model_spec
-from betty_trainer.process import ALLOC_CONF, ALLOC_CONF_NEW, EXPANDABLE_SEGMENTS, expandable_cuda_segments
+from betty_trainer.process import (
+    ALLOC_CONF,
+    ALLOC_CONF_NEW,
+    EXPANDABLE_SEGMENTS,
+    allocator_setting,
+    expandable_cuda_segments,
+)
 from estimator import COMPONENTS, estimate_micro_batch
 from estimator.counts import LayerCounts
 from estimator.spec import ModelSpec

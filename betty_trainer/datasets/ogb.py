@@ -347,8 +347,8 @@ def _safe_extract(archive_path: Path, into: Path) -> None:
             archive.extractall(tmp)
     except (zipfile.BadZipFile, OSError, EOFError) as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        written = isinstance(error, OSError) and str(tmp) in str(getattr(error, "filename", "") or "")
-        if isinstance(error, OSError) and error.errno in WRITE_FAILURES and (written or error.filename is None):
+        if isinstance(error, OSError) and error.errno in WRITE_FAILURES and (
+                error.filename is None or str(tmp) in str(error.filename)):  # writing into the cache, not reading
             with writing_cache(into.parent):  # the cache's one line: the archive is fine, keep it
                 raise
         raise DatasetError(f"{archive_path} is not a complete zip archive ({error}); delete it to re-download") from None

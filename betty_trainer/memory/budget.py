@@ -9,7 +9,8 @@ import torch
 
 from betty_trainer.config import MicroBatchConfig
 from betty_trainer.errors import ConfigError
-from betty_trainer.memory.device import allocator_margin, allocator_setting
+from betty_trainer.memory.device import allocator_margin
+from betty_trainer.process import allocator_setting
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class BudgetTerms:
         device_bytes: the memory the run may hold on the device: the configured bytes, or for ``auto`` NVML's
             free memory plus what this process's caching allocator already reserves (``None`` without a budget).
         nvml_free, process_reserved: the two parts of ``device_bytes`` under ``auto`` (else ``None``).
-        allocator: the CUDA caching allocator's setting (:func:`~betty_trainer.memory.device.allocator_setting`;
+        allocator: the CUDA caching allocator's setting (:func:`~betty_trainer.process.allocator_setting`;
             ``None`` on the CPU or with PyTorch's defaults).
         allocator_margin: kept free for the allocator's fragmentation (``micro_batch.safety_margin``, or
             :func:`~betty_trainer.memory.device.allocator_margin`; 0 on the CPU).

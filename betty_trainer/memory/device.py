@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 from torch.nn import functional as F
-
-from betty_trainer.process import ALLOC_CONF, ALLOC_CONF_NEW
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +22,6 @@ EXPANDABLE_MARGIN = (0.06, 64 * MIB)
 DEFAULT_MARGIN = (0.6, 256 * MIB)
 """``(fraction of the budget, floor in bytes)`` kept free for fragmentation with the default (fixed-segment)
 allocator."""
-
-
-def allocator_setting() -> str | None:
-    """The caching allocator's settings as this process's environment gives them, in PyTorch's order
-    (``c10/core/AllocatorConfig.h``: ``PYTORCH_ALLOC_CONF`` first, ``PYTORCH_CUDA_ALLOC_CONF`` for backward
-    compatibility), or ``None`` for PyTorch's defaults. Read from the environment: a variable changed after CUDA
-    initialised is reported though the allocator never read it."""
-    return os.environ.get(ALLOC_CONF_NEW, os.environ.get(ALLOC_CONF))
 
 
 def expandable_segments(setting: str | None) -> bool:
@@ -65,7 +54,7 @@ def allocator_margin(budget: int, device: torch.device, setting: str | None) -> 
     Args:
         budget: the budget in bytes.
         device: where training runs.
-        setting: the allocator setting (:func:`allocator_setting`).
+        setting: the allocator setting (:func:`betty_trainer.process.allocator_setting`).
     """
     if device.type != "cuda":
         return 0
