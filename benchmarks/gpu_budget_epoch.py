@@ -5,7 +5,7 @@ Issue 9, "On a GPU": the synthetic power-law graph at ogbn-products scale
 float32 features memory-mapped from the on-disk cache, 47 classes, 10% training nodes)
 is trained for one epoch by :func:`betty_trainer.training.trainer.train` with 2-layer
 GraphSAGE, fanouts 10,25 and the full batch (all training nodes). First the full batch is
-run once as one micro-batch (K = 1) on copies of the model and optimizer and its peak
+run once as one micro-batch (K = 1) on a model and optimizer of its own and its peak
 ``torch.cuda.max_memory_allocated`` is measured; then, for each of ``--fractions``, one epoch runs under a
 budget of that share of the need, and the run plans the smallest K whose micro-batches the estimator says
 fit (Betty §4.4.3). Every micro-batch's forward+backward peak, allocated (``torch.cuda.max_memory_allocated``
@@ -37,7 +37,6 @@ from common import float_list, markdown_table  # this folder; first: betty_train
 
 import argparse
 import contextlib
-import copy
 import json
 import subprocess
 import sys
@@ -138,17 +137,14 @@ def main() -> None:
                   train_nodes=graph.train_idx.numel(), features_bytes=graph.x.nbytes)
     print(f"graph {graph} in {result['load_s']:.1f} s", flush=True)
 
-    # the full batch's need: the K = 1 step measured on copies (no update of the run's model)
+    # the full batch's need: the K = 1 step measured on a model of its own (each budgeted epoch builds another)
     batch = first_batch(config, graph)
     model = trainer_module.init_model(config, graph).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.optim.lr)
     store = trainer_module.HostFeatureStore(graph.x, pin=True)
     result["features_memory_mapped"] = store.memory_mapped
-    probe = copy.deepcopy(model)
-    need = measure_training_step(probe, torch.optim.Adam(probe.parameters(), lr=config.optim.lr),
+    need = measure_training_step(model, torch.optim.Adam(model.parameters(), lr=config.optim.lr),
                                  batch, store, graph.y, device).peak_bytes
-    del probe
-    del model, optimizer
+    del model
     torch.cuda.empty_cache()
     result.update(full_batch_input_nodes=batch.blocks[0].num_src, full_batch_peak_bytes=need, runs=[])
     print(f"full batch: {batch.blocks[0].num_src:,} input nodes, measured peak {need / 2**30:.2f} GiB", flush=True)
