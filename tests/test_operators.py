@@ -89,6 +89,46 @@ def test_the_keyed_mask_operator_gives_its_kernel_s_bits(inplace):
     assert torch.equal(out.view(torch.int32), direct.view(torch.int32))
 
 
+SPECIALISED = {  # kernel by column count, its generic compilation, arguments without the written buffer and its shape
+    "csr_gather": (aggregate._gather_kernels, aggregate._make_gather_kernel, lambda b, v, h, g, w: (
+        (b.indptr, b.indices, v[0], v[1], v[2], h), (b.num_dst, w))),
+    "csr_scatter": (aggregate._scatter_kernels, aggregate._make_scatter_kernel, lambda b, v, h, g, w: (
+        (b.indptr, b.indices, v[0], v[1], v[2], g), (b.num_src, w))),
+    "rows_gather": (aggregate._rows_gather_kernels, aggregate._make_rows_gather_kernel, lambda b, v, h, g, w: (
+        (b.indptr, b.indices, v[0], 7, True, h), (20, w))),
+    "rows_scatter": (aggregate._rows_scatter_kernels, aggregate._make_rows_scatter_kernel, lambda b, v, h, g, w: (
+        (b.indptr, b.indices, v[0], 7, True, g[7:27].copy()), (b.num_src, w))),
+}
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize(("kernel", "width"), [(kernel, width) for kernel in SPECIALISED for width in (64, 80)]
+                         + [("csr_scatter", 192), ("rows_scatter", 192)])
+def test_kernels_compiled_for_a_column_count_give_the_generic_kernel_s_bits(kernel, width, weighted):
+    """A kernel compiled for a column count of SPECIALISED_WIDTHS writes the same bits as the generic kernel, which
+    reads the count from the arrays: the same sums in the same order, only unrolled. The scatters are compiled for
+    their column block: the whole width (64, 80), or three blocks of 64 columns (192)."""
+    by_width, make, arguments = SPECIALISED[kernel]
+    assert {64, 80} <= aggregate.SPECIALISED_WIDTHS and 192 not in aggregate.SPECIALISED_WIDTHS
+    block = random_block(num_dst=60, num_src=90, max_degree=12, seed=3)
+    generator = np.random.default_rng(7)
+    values = ((generator.random(block.num_edges, dtype=np.float32) if weighted else None),
+              generator.random(block.num_dst, dtype=np.float32), generator.random(block.num_src, dtype=np.float32))
+    h = generator.standard_normal((block.num_src, width), dtype=np.float32)
+    g = generator.standard_normal((block.num_dst, width), dtype=np.float32)
+    (*inputs,), shape = arguments(block, values, h, g, width)
+    inputs = [a.numpy() if isinstance(a, torch.Tensor) else a for a in inputs]
+    scatter = "scatter" in kernel
+    column_count = 64 if width == 192 else width
+    specialised, generic = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    extra = (column_count,) if scatter else ()  # the scatters' column block
+    assert by_width(column_count) is not by_width(0)
+    by_width(column_count)(*inputs, specialised, *extra)
+    make(0)(*inputs, generic, *extra)
+    assert np.any(specialised != 0)
+    assert np.array_equal(specialised.view(np.int32), generic.view(np.int32))
+
+
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck: torch >= 2.4")
 @pytest.mark.parametrize("case", list(kernel_cases()))
 def test_each_operator_passes_torch_s_operator_checks(case):

@@ -4,6 +4,7 @@ in-degree groups, and edge softmax."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -149,16 +150,44 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor |
     return out if row_scale is None else out.mul_(row_scale.to(dense.dtype).unsqueeze(1))
 
 
-@jit(parallel=True)
-def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
-    width = dense.shape[1]
-    for row in numba.prange(indptr.shape[0] - 1):
-        acc = out[row]
-        _row_sum(indptr, indices, values, col_scale, dense, row, acc)
-        if row_scale is not None:
-            scale = row_scale[row]
-            for f in range(width):
-                acc[f] *= scale
+SPECIALISED_WIDTHS = frozenset(range(64, 129, 16))
+"""Column counts the compiled aggregation kernels are compiled for as a constant (one compilation per count, cached on
+disk like the others), so that LLVM unrolls each row's columns into registers; any other count runs a kernel that
+reads it from the arrays. Chosen by measurement (``benchmarks/README.md`` › aggregation.py, one thread, AMD EPYC
+znver3 with AVX2, the CSR gather on Amazon Computers and a 30k-node SBM, 25 interleaved rounds): 0.77–0.82× the
+time at 64 columns, 0.86× at 80, 0.97× at 96, 0.87–0.94× at 128; slower at 16–48 (1.05–1.28×) and at 256 (1.02×),
+whose rows need more registers than AVX2 has."""
+
+
+def _by_width(make):
+    """``make(columns)`` → a compiled kernel for that many columns (0: read from the arrays). Returns
+    ``kernel(columns)``: the specialised kernel for a count of :data:`SPECIALISED_WIDTHS`, the generic one otherwise;
+    each compiled once per process, on first use."""
+    kernels = functools.cache(make)
+    return lambda columns: kernels(columns if columns in SPECIALISED_WIDTHS else 0)
+
+
+def _make_gather_kernel(columns: int):
+    @jit(parallel=True)
+    def gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
+        width = columns if columns else dense.shape[1]
+        for row in numba.prange(indptr.shape[0] - 1):
+            acc = out[row]
+            _row_sum(indptr, indices, values, col_scale, dense, row, acc, width)
+            if row_scale is not None:
+                scale = row_scale[row]
+                for f in range(width):
+                    acc[f] *= scale
+    return gather_kernel
+
+
+_gather_kernels = _by_width(_make_gather_kernel)
+
+
+def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out) -> None:
+    """``out = diag(row_scale)·M·diag(col_scale)·dense`` (numpy arrays; :func:`_csr_matmul`), by the kernel compiled
+    for ``dense``'s column count where one is (:data:`SPECIALISED_WIDTHS`)."""
+    _gather_kernels(dense.shape[1])(indptr, indices, values, row_scale, col_scale, dense, out)
 
 
 _csr_gather = kernel_operator(
@@ -167,11 +196,12 @@ _csr_gather = kernel_operator(
 
 
 @jit(inline="always")
-def _row_sum(indptr, indices, values, col_scale, dense, row, acc):  # pragma: no cover - compiled
+def _row_sum(indptr, indices, values, col_scale, dense, row, acc, width):  # pragma: no cover - compiled
     """``acc = Σ_{e in row} coefficient_e · dense[indices[e]]`` over CSR row ``row``, in edge order, four edges at
-    a time (one pass over ``acc`` per four src rows)."""
-    width = dense.shape[1]
-    acc[:] = 0.0
+    a time (one pass over ``acc`` per four src rows); ``width``: ``dense``'s columns (a constant where the caller
+    is compiled for one)."""
+    for f in range(width):
+        acc[f] = 0.0
     e, end = indptr[row], indptr[row + 1]
     while e + 3 < end:
         a, b, c, d = dense[indices[e]], dense[indices[e + 1]], dense[indices[e + 2]], dense[indices[e + 3]]
@@ -225,12 +255,27 @@ def _column_step(width: int) -> int:
     return max(SCATTER_COLUMNS, -(-share // SCATTER_COLUMNS) * SCATTER_COLUMNS)
 
 
-@jit(parallel=True)
-def _scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step):  # pragma: no cover - compiled
-    width = grad.shape[1]
-    for block in numba.prange(-(-width // step)):
-        _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, block * step,
-                         min(width, block * step + step))
+def _make_scatter_kernel(columns: int):
+    @jit(parallel=True)
+    def scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step):  # pragma: no cover
+        width = grad.shape[1]
+        for block in numba.prange(-(-width // step)):
+            first = block * step
+            if columns and first + columns <= width:  # a whole block of the compiled-for columns
+                _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, columns)
+            else:
+                _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first,
+                                 min(width, first + step) - first)
+    return scatter_kernel
+
+
+_scatter_kernels = _by_width(_make_scatter_kernel)
+
+
+def _scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step) -> None:
+    """``out += diag(col_scale)·Mᵀ·diag(row_scale)·grad`` (numpy arrays; :func:`_transposed_matmul`), threads taking
+    blocks of ``step`` columns, by the kernel compiled for ``step`` columns where one is (:data:`SPECIALISED_WIDTHS`)."""
+    _scatter_kernels(step)(indptr, indices, values, row_scale, col_scale, grad, out, step)
 
 
 _csr_scatter = kernel_operator(
@@ -238,39 +283,41 @@ _csr_scatter = kernel_operator(
     "Tensor(a!) out, int step) -> ()", _scatter_kernel)
 
 
-@jit
-def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, last):  # pragma: no cover
-    """Columns ``[first, last)`` of :func:`_scatter_kernel`: every dst row's (scaled) gradient added to its
+@jit(inline="always")
+def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, count):  # pragma: no cover
+    """Columns ``[first, first + count)`` of :func:`_scatter_kernel`: every dst row's (scaled) gradient added to its
     edges' src rows (``out``, zeros), in edge order, then the src rows scaled."""
-    scaled = np.empty(last - first, dtype=grad.dtype)
+    last = first + count
+    scaled = np.empty(count, dtype=grad.dtype)
     for d in range(indptr.shape[0] - 1):
         row = grad[d, first:last]
         if row_scale is None:
-            scaled[:] = row
+            for f in range(count):
+                scaled[f] = row[f]
         else:
             scale = row_scale[d]
-            for f in range(last - first):
+            for f in range(count):
                 scaled[f] = row[f] * scale
-        _scatter_row(indptr, indices, values, d, scaled, out, first, last)
+        _scatter_row(indptr, indices, values, d, scaled, out, first, count)
     if col_scale is not None:
         for s in range(out.shape[0]):
             target = out[s, first:last]
             scale = col_scale[s]
-            for f in range(last - first):
+            for f in range(count):
                 target[f] *= scale
 
 
 @jit(inline="always")
-def _scatter_row(indptr, indices, values, d, scaled, out, first, last):  # pragma: no cover - compiled
-    """``out[indices[e], first:last] += value_e · scaled`` along CSR row ``d``'s edges, in edge order, four at a
+def _scatter_row(indptr, indices, values, d, scaled, out, first, count):  # pragma: no cover - compiled
+    """``out[indices[e], first:first + count] += value_e · scaled`` along CSR row ``d``'s edges, in edge order, four at a
     time (one pass over ``scaled`` per four src rows)."""
-    e, end = indptr[d], indptr[d + 1]
+    e, end, last = indptr[d], indptr[d + 1], first + count
     while e + 3 < end:
         a, b = out[indices[e], first:last], out[indices[e + 1], first:last]
         c, g = out[indices[e + 2], first:last], out[indices[e + 3], first:last]
         va, vb = _coefficient(values, None, indices, e), _coefficient(values, None, indices, e + 1)
         vc, vg = _coefficient(values, None, indices, e + 2), _coefficient(values, None, indices, e + 3)
-        for f in range(last - first):
+        for f in range(count):
             a[f] += va * scaled[f]
             b[f] += vb * scaled[f]
             c[f] += vc * scaled[f]
@@ -278,7 +325,7 @@ def _scatter_row(indptr, indices, values, d, scaled, out, first, last):  # pragm
         e += 4
     while e < end:
         a, va = out[indices[e], first:last], _coefficient(values, None, indices, e)
-        for f in range(last - first):
+        for f in range(count):
             a[f] += va * scaled[f]
         e += 1
 
@@ -352,19 +399,29 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
     return np.float32(1.0) / total if total != 0 else np.float32(0.0)
 
 
-@jit(parallel=True)
-def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
-    width = dense.shape[1]
-    for i in numba.prange(out.shape[0]):
-        row, acc = begin + i, out[i]
-        _row_sum(indptr, indices, values, None, dense, row, acc)
-        scale = _rows_scale(indptr, values, row, self_loop)
-        for f in range(width):
-            acc[f] *= scale
-        if self_loop:
-            own = dense[row]
+def _make_rows_gather_kernel(columns: int):
+    @jit(parallel=True)
+    def rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
+        width = columns if columns else dense.shape[1]
+        for i in numba.prange(out.shape[0]):
+            row, acc = begin + i, out[i]
+            _row_sum(indptr, indices, values, None, dense, row, acc, width)
+            scale = _rows_scale(indptr, values, row, self_loop)
             for f in range(width):
-                acc[f] += own[f] * scale
+                acc[f] *= scale
+            if self_loop:
+                own = dense[row]
+                for f in range(width):
+                    acc[f] += own[f] * scale
+    return rows_gather_kernel
+
+
+_rows_gather_kernels = _by_width(_make_rows_gather_kernel)
+
+
+def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out) -> None:
+    """:func:`aggregate_rows` on numpy arrays, by the kernel compiled for ``dense``'s column count where one is."""
+    _rows_gather_kernels(dense.shape[1])(indptr, indices, values, begin, self_loop, dense, out)
 
 
 _rows_gather = kernel_operator(
@@ -372,22 +429,43 @@ _rows_gather = kernel_operator(
     "Tensor(a!) out) -> ()", _rows_gather_kernel)
 
 
-@jit(parallel=True)
-def _rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step):  # pragma: no cover - compiled
-    width = grad.shape[1]
-    for block in numba.prange(-(-width // step)):
-        first, last = block * step, min(width, block * step + step)
-        scaled = np.empty(last - first, dtype=grad.dtype)
-        for i in range(grad.shape[0]):
-            row = begin + i
-            scale = _rows_scale(indptr, values, row, self_loop)
-            for f in range(last - first):
-                scaled[f] = grad[i, first + f] * scale
-            _scatter_row(indptr, indices, values, row, scaled, out, first, last)
-            if self_loop:
-                own = out[row, first:last]
-                for f in range(last - first):
-                    own[f] += scaled[f]
+def _make_rows_scatter_kernel(columns: int):
+    @jit(parallel=True)
+    def rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step):  # pragma: no cover
+        width = grad.shape[1]
+        for block in numba.prange(-(-width // step)):
+            first = block * step
+            if columns and first + columns <= width:  # a whole block of the compiled-for columns
+                _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, first, columns)
+            else:
+                _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, first,
+                                      min(width, first + step) - first)
+    return rows_scatter_kernel
+
+
+_rows_scatter_kernels = _by_width(_make_rows_scatter_kernel)
+
+
+def _rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step) -> None:
+    """:func:`aggregate_rows_transpose_` on numpy arrays, threads taking blocks of ``step`` columns, by the kernel
+    compiled for ``step`` columns where one is."""
+    _rows_scatter_kernels(step)(indptr, indices, values, begin, self_loop, grad, out, step)
+
+
+@jit(inline="always")
+def _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, first, count):  # pragma: no cover
+    """Columns ``[first, first + count)`` of :func:`_rows_scatter_kernel`."""
+    scaled = np.empty(count, dtype=grad.dtype)
+    for i in range(grad.shape[0]):
+        row = begin + i
+        scale = _rows_scale(indptr, values, row, self_loop)
+        for f in range(count):
+            scaled[f] = grad[i, first + f] * scale
+        _scatter_row(indptr, indices, values, row, scaled, out, first, count)
+        if self_loop:
+            own = out[row, first:first + count]
+            for f in range(count):
+                own[f] += scaled[f]
 
 
 _rows_scatter = kernel_operator(
