@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 from torch import Tensor
 
 INDEX_BYTES = 8  # int64 node ids and CSC pointers
@@ -63,6 +64,33 @@ def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None)
     return [LayerCounts(s.num_src, s.num_dst, s.num_edges, s.degree_histogram, w)
             if getattr(s, "degree_histogram", None) is not None else LayerCounts.from_csc(s.indptr, s.num_src, w)
             for s, w in zip(structures, weighted)]
+
+
+LEADING_RANGE_CHUNK = 1 << 16  # ids compared with an arange at a time (numpy scratch of 512 KiB at most)
+
+
+def leading_range(node_ids: Tensor) -> bool:
+    """Whether ``node_ids`` (``(n,)`` int64, any device) are ``0, 1, …, n − 1`` in order: the first ``n`` rows of
+    any per-node tensor, a view of it (a full-graph batch whose outputs are every node in order has these input
+    nodes). ``O(n)``, answered at once when the last id is not ``n − 1``; on the CPU compared in chunks of
+    :data:`LEADING_RANGE_CHUNK` in numpy, so no torch tensor is allocated (the check runs inside measured steps)."""
+    n = node_ids.numel()
+    if n == 0 or int(node_ids[-1]) != n - 1:
+        return False
+    if node_ids.device.type != "cpu":
+        return bool(torch.equal(node_ids, torch.arange(n, dtype=node_ids.dtype, device=node_ids.device)))
+    ids = node_ids.numpy()
+    return all(np.array_equal(ids[start:start + LEADING_RANGE_CHUNK], np.arange(start, min(n, start + LEADING_RANGE_CHUNK)))
+               for start in range(0, n, LEADING_RANGE_CHUNK))
+
+
+def reads_in_place(structure: Any) -> bool:
+    """Whether a micro-batch whose input layer is ``structure`` reads its input rows in place, where the feature
+    store hands them out (``ModelSpec.features_in_place``): a block (it has ``src_nodes``) whose src nodes are a
+    :func:`leading_range`. A layer slice or counted sizes (the K search's candidates) say no: their estimate counts
+    the gather, an upper bound for the rare micro-batch of several that would read in place."""
+    src_nodes = getattr(structure, "src_nodes", None)
+    return src_nodes is not None and leading_range(src_nodes)
 
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:

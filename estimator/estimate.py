@@ -100,7 +100,8 @@ def resident_replay(model: ModelSpec, accumulate: bool, structure_bytes: int) ->
     return replay, step
 
 
-def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumulate: bool = False) -> MemoryEstimate:
+def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumulate: bool = False,
+                         input_in_place: bool = False) -> MemoryEstimate:
     """Estimate the memory of one training step of a micro-batch, itemised (Betty §4.4.3).
 
     The step is the one :func:`betty_trainer.execution.micro_batches.measure_training_step` measures:
@@ -118,6 +119,9 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
         layers: the micro-batch's :class:`LayerCounts`, input layer first (one per block: ``model.num_blocks``).
         model: the model (:class:`ModelSpec`).
         accumulate: estimate a micro-batch after the first of its batch.
+        input_in_place: the step reads the input rows in place instead of gathering them (its input nodes are
+            ``0 … n − 1`` and ``model.features_in_place``: :func:`estimator.counts.reads_in_place`): no
+            ``input_features`` bytes, and input dropout into a new tensor.
 
     Returns:
         A :class:`MemoryEstimate` (bytes).
@@ -133,9 +137,11 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     f, resident = model.dtype_bytes, replay.current
 
     replay.phase = "forward"
-    x = replay.alloc(layers[0].num_src * model.input_width * f, "input_features")
+    x = replay.alloc(0 if input_in_place else layers[0].num_src * model.input_width * f, "input_features")
+    if input_in_place:
+        replay.keep(x)  # the step keeps the store's rows while the model holds them as its input: two references
     labels = replay.alloc(layers[-1].num_dst * INDEX_BYTES, "labels")
-    logits, forward_bwd = model.forward_terms(step, layers, x)
+    logits, forward_bwd = model.forward_terms(step, layers, x, not input_in_place)
     loss_bwd, scalars = step.loss(layers[-1].num_dst, model.widths[-1], labels)
 
     replay.phase = "backward"

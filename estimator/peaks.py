@@ -16,7 +16,7 @@ from typing import Any
 
 from estimator.calibrate import CalibratedModel
 from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
-from estimator.counts import LayerCounts, counts_of
+from estimator.counts import LayerCounts, counts_of, reads_in_place
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
 from estimator.layerwise import estimate_layerwise, layerwise_floor, runs_off_whole_block
 from estimator.recorder import RecordedModel
@@ -63,8 +63,11 @@ class PeakEstimator:
                  weighted: Sequence[bool] | None = None) -> MemoryEstimate:
         """Itemised estimate of one micro-batch's training step (the closed form); ``accumulate``: an earlier
         micro-batch of the batch ran before it; ``weighted``: per layer, whether the blocks carry edge weights
-        (read from the structures when ``None``; see :func:`~estimator.counts.counts_of`)."""
-        return estimate_micro_batch(counts_of(structures, weighted), self.spec, accumulate)
+        (read from the structures when ``None``; see :func:`~estimator.counts.counts_of`). The input rows are read
+        in place where the model's feature store hands them out and the input layer is a block of nodes
+        ``0 … n − 1`` (:func:`~estimator.counts.reads_in_place`)."""
+        in_place = self.spec.features_in_place and bool(structures) and reads_in_place(structures[0])
+        return estimate_micro_batch(counts_of(structures, weighted), self.spec, accumulate, in_place)
 
     def peak(self, structures: Sequence[Any], accumulate: bool = False, weighted: Sequence[bool] | None = None) -> int:
         """Estimated peak bytes of one micro-batch's training step: the closed form, the recorded one, or the

@@ -51,7 +51,11 @@ class ModelSpec:
         aggregated_width: layer 0 reads the input-feature aggregation cache's rows, this many columns each
             (BatchGNN §3; the layer's ``aggregated_width``): a micro-batch has ``L − 1`` blocks (layers 1 … L − 1)
             and its input rows are ``blocks[0]``'s src nodes at this width; ``None``: no cache, ``L`` blocks.
-        forward_terms: ``(tape, layers, x) -> (logits, backward)``: the model's forward written as
+        features_in_place: the training step reads a micro-batch's input rows in place when its input nodes are
+            ``0 … n − 1`` in order (the feature store's ``views_rows``: a host store on the CPU), instead of gathering
+            them: no input tensor, and input dropout writes a new tensor; the estimate of such a micro-batch
+            (:func:`estimator.counts.reads_in_place`) follows.
+        forward_terms: ``(tape, layers, x, consume_input) -> (logits, backward)``: the model's forward written as
             memory terms on an :class:`estimator.tape.StepTape` (a built-in model's
             ``memory_terms``, declared beside its ``forward``); the estimate replays it. Not
             compared: two specs of equal fields describe the same model.
@@ -83,6 +87,7 @@ class ModelSpec:
     compiled_kernels: bool = False
     device_workspace: int = 0
     aggregated_width: int | None = None
+    features_in_place: bool = False
     forward_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     layer_terms: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     projections: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)

@@ -231,9 +231,12 @@ def test_plan_under_a_budget_only_the_cache_meets(cora):
 def test_auto_keeps_the_cache_only_where_the_estimate_is_lower(cora, whole_graph):
     """``micro_batch.mode: auto``, 2 layers, K = 1: the cache stays where layer 0's dst nodes are far fewer than its
     src nodes (Cora's 140 training seeds: 644 against 1664) and is left out where they are all the graph's nodes
-    (every node a seed: 2F columns a node instead of F; BatchGNN Table 5), as the two plans' estimates say."""
+    (every node a seed: 2F columns a node gathered instead of F; BatchGNN Table 5), as the two plans' estimates say.
+    The seeds are shuffled: in order, both plans would read their input rows in place (``FeatureStore.view``), with
+    no gather of either width to compare."""
     none = torch.empty(0, dtype=torch.int64)
-    graph = dataclasses.replace(cora, train_idx=torch.arange(cora.num_nodes), val_idx=none, test_idx=none) \
+    seeds = torch.randperm(cora.num_nodes, generator=torch.Generator().manual_seed(0))
+    graph = dataclasses.replace(cora, train_idx=seeds, val_idx=none, test_idx=none) \
         if whole_graph else cora
     config = cached_config("sage-mean", "micro_batch.mode=auto", "train.device=cpu", "micro_batch.num_micro_batches=1")
     report = dry_run(config, graph=graph)

@@ -17,13 +17,17 @@ from betty_trainer import (
     MicroBatches,
     TransferStats,
     accumulate_gradients,
+    build_model,
     load_config,
     make_sbm,
     plan_micro_batches,
     sample_batch,
 )
 from betty_trainer.data.feature_store import same_device, transfer_bytes
+from betty_trainer.execution.micro_batches import micro_batch_backward
+from betty_trainer.models import set_dropout_key
 from betty_trainer.training import trainer as trainer_module
+from estimator.counts import leading_range
 from partition import make_split
 
 CPU = torch.device("cpu")
@@ -124,6 +128,49 @@ def test_pinned_staging_to_a_gpu_is_exact_and_not_overwritten_while_copying(x):
     assert store._staging.is_pinned()
     assert torch.equal(first.cpu(), x[big]) and torch.equal(second.cpu(), x[small])
     assert store.stats == TransferStats(0, 430, 430 * 7 * 4)
+
+
+def test_the_host_store_hands_out_its_leading_rows_as_a_view_on_the_cpu_only(x):
+    """``view`` gives ``x[:n]`` itself (no copy, counted as n misses and no bytes moved) for ids ``0 … n − 1`` in
+    order on the CPU, and ``None`` for any other ids, another device or a store made with ``in_place=False``."""
+    store = HostFeatureStore(x, pin=False)
+    view = store.view(torch.arange(10), "cpu")
+    assert view.data_ptr() == x.data_ptr() and view.shape == (10, x.shape[1])
+    assert store.stats.misses == 10 and store.stats.host_to_device_bytes == 0
+    for ids in (torch.tensor([0, 2, 1]), torch.arange(1, 5), torch.tensor([], dtype=torch.int64)):
+        assert store.view(ids, "cpu") is None
+    assert store.view(torch.arange(10), "meta") is None and not store.views_rows("cuda")
+    assert HostFeatureStore(x, pin=False, in_place=False).view(torch.arange(10), "cpu") is None
+    assert store.stats.misses == 10
+    swapped = torch.arange(70_000)  # compared in chunks of 2^16 ids: a difference in the second chunk counts
+    swapped[[66_000, 66_001]] = swapped[[66_001, 66_000]]
+    assert leading_range(torch.arange(70_000)) and not leading_range(swapped)
+
+
+@pytest.mark.parametrize("arch", ["model.arch=sage", "model.arch=gat"])
+def test_a_step_reading_the_store_in_place_equals_the_gathering_step_and_leaves_the_features_alone(arch):
+    """A full-graph batch with every node an output in order: the step reads ``x`` in place (dropout 0.5 writes a
+    new tensor, never ``x``), its loss and every gradient have the bits of the same step on a gathered copy, and
+    ``x`` is unchanged."""
+    graph = make_sbm(num_nodes=300, num_features=12, avg_degree=6, train_per_class=20, num_val=20, num_test=20)
+    x = graph.x.clone()
+    batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
+    assert batch.input_nodes.equal(torch.arange(graph.num_nodes))
+    results = []
+    for in_place in (True, False):
+        config = load_config(None, [arch, "model.hidden=16", "model.dropout=0.5"])
+        torch.manual_seed(0)
+        model = build_model(config.model, graph)
+        set_dropout_key(model, 0, 3)
+        store = HostFeatureStore(graph.x, pin=False, in_place=in_place)
+        gathers = []
+        store.gather = lambda *args, calls=gathers, gather=store.gather: calls.append(args) or gather(*args)
+        loss, _ = micro_batch_backward(model, batch, store, graph.y, torch.device("cpu"), graph.num_nodes)
+        results.append((loss, [p.grad.clone() for p in model.parameters()]))
+        assert store.stats.misses == graph.num_nodes and len(gathers) == (0 if in_place else 1)
+    (loss_view, grads_view), (loss_gather, grads_gather) = results
+    assert loss_view == loss_gather and all(torch.equal(a, b) for a, b in zip(grads_view, grads_gather))
+    assert torch.equal(graph.x, x)
 
 
 def test_micro_batches_are_built_when_read_and_equal_the_planned_ones():

@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from estimator.counts import leading_range
+
 STAGING_GROWTH = 1.5  # a staging buffer that is too small is replaced by one this many times larger (or the request)
 
 
@@ -103,6 +105,18 @@ class FeatureStore(Protocol):
         room for beside a training step (the planner reads it); 0 by default."""
         return 0
 
+    def views_rows(self, device: torch.device | str) -> bool:
+        """Whether :meth:`view` hands out the store's own rows on ``device`` (for node ids ``0 … n − 1`` in order);
+        ``False`` by default. The estimate (``ModelSpec.features_in_place``) follows this answer."""
+        return False
+
+    def view(self, node_ids: Tensor, device: torch.device | str) -> Tensor | None:
+        """The ``(len(node_ids), F)`` rows of ``node_ids`` on ``device`` as a view of the store's own features,
+        counted in :attr:`stats` as a gather, when :meth:`views_rows` and ``node_ids`` are ``0, 1, …, n − 1`` in
+        order (:func:`~estimator.counts.leading_range`: a full-graph batch whose outputs are every node); the
+        caller must only read it. ``None`` otherwise (by default): the caller gathers."""
+        return None
+
     def begin_batch(self, key: object) -> None:
         """The batch keyed ``key`` (a :class:`~betty_trainer.sampling.base.SampleKey`) runs next."""
 
@@ -177,6 +191,8 @@ class HostFeatureStore(FeatureStore):
         pin: pin the staging buffer, and ``x`` (a copy of it, unless it is pinned already or
             memory-mapped from a file). Default: ``torch.cuda.is_available()``. Pinning needs
             CUDA; ``x`` must be on the CPU.
+        in_place: hand out views of ``x`` (:meth:`view`) where :meth:`views_rows`; ``False``: every read is a
+            gather (the memory recorder's store: its fake batches say nothing of their node ids).
 
     Attributes:
         x: the stored features.
@@ -188,13 +204,14 @@ class HostFeatureStore(FeatureStore):
         RuntimeError: from torch, if ``pin`` is set without CUDA.
     """
 
-    def __init__(self, x: Tensor, pin: bool | None = None):
+    def __init__(self, x: Tensor, pin: bool | None = None, in_place: bool = True):
         if x.dim() != 2:
             raise ValueError(f"features must be (N, F), got shape {tuple(x.shape)}")
         self.pinned = (torch.cuda.is_available() if pin is None else pin) and x.device.type == "cpu"
         self.memory_mapped = is_file_backed(x)
         self.x = x.pin_memory() if self.pinned and not x.is_pinned() and not self.memory_mapped else x
         self.stats = TransferStats()
+        self.in_place = in_place
         self._staging: Tensor | None = None  # flat buffer of ``capacity`` elements
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of the staging buffer
 
@@ -238,6 +255,21 @@ class HostFeatureStore(FeatureStore):
         self.stats.host_to_device_bytes += moved
         self.stats.gather_seconds += time.perf_counter() - started
         return rows
+
+    def views_rows(self, device: torch.device | str) -> bool:
+        """``True`` for a training step on the CPU with the features in host memory (unless made with
+        ``in_place=False``): there the first ``n`` rows are
+        a view of ``x`` and a copy of them buys nothing (on Amazon Computers a 42 MB copy and 15–30 ms of a
+        120 ms full-graph step, page faults included: ``benchmarks/README.md`` › versus_dgl.py)."""
+        return self.in_place and torch.device(device).type == "cpu" and self.x.device.type == "cpu"
+
+    def view(self, node_ids: Tensor, device: torch.device | str) -> Tensor | None:
+        """``x[:n]`` (a view, no copy) for ``node_ids`` ``0 … n − 1`` in order on the CPU (:meth:`views_rows`),
+        counted as ``n`` misses with no bytes moved, as a gather to the CPU is; ``None`` otherwise."""
+        if not self.views_rows(device) or not leading_range(node_ids):
+            return None
+        self.stats.misses += node_ids.numel()
+        return self.x[: node_ids.numel()]
 
     def _stage(self, ids: Tensor) -> Tensor:
         """``x[ids]`` written into the staging buffer; returns the ``(n, F)`` view of it."""

@@ -89,8 +89,10 @@ def micro_batch_backward(
 ) -> tuple[float, int]:
     """Forward and backward one micro-batch, adding ``∇ Σ_{i∈V_k} CE_i / |V|`` to ``.grad``.
 
-    Gathers the input nodes' features on ``device`` from the feature store, moves the
-    output nodes' labels and the blocks there, runs ``model(blocks, x)`` and backpropagates
+    Gathers the input nodes' features on ``device`` from the feature store (a built-in model, a
+    :class:`~betty_trainer.models.stack.LayerStack`, reads the store's own rows instead where it hands them
+    out: input nodes ``0 … n − 1`` on the CPU, ``FeatureStore.view``), moves the output nodes' labels and the
+    blocks there, runs ``model(blocks, x)`` and backpropagates
     ``Σ CE / num_outputs`` (Betty §4.2.3: with ``num_outputs = |V|`` of the whole batch
     the micro-batches' gradients sum to the full batch's). Everything the micro-batch
     allocated is released when this returns, before the next micro-batch starts: the
@@ -111,12 +113,15 @@ def micro_batch_backward(
     Raises:
         NonFiniteLossError: if the loss is NaN or infinite (then no gradient is added).
     """
-    with record_function(GATHER):
-        x = features.gather(micro_batch.input_nodes, device)
+    stack = isinstance(model, LayerStack)
+    with record_function(GATHER):  # a LayerStack only reads the store's own rows (a custom model gets a gather)
+        x = features.view(micro_batch.input_nodes, device) if stack else None
+        owned = x is None
+        x = features.gather(micro_batch.input_nodes, device) if owned else x
     y = labels[micro_batch.output_nodes].to(device, non_blocking=True)
     blocks = micro_batch.to(device).blocks
-    # x is this step's own gather: a built-in model may overwrite it with its dropped-out copy
-    logits = model(blocks, x, consume_input=True) if isinstance(model, LayerStack) else model(blocks, x)
+    # this step's own gather: a built-in model may overwrite it with its dropped-out copy
+    logits = model(blocks, x, consume_input=owned) if stack else model(blocks, x)
     loss = F.cross_entropy(logits, y, reduction="sum") / num_outputs
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"loss is {loss.item()}")

@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -350,8 +350,8 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
                               "use micro_batch.mode=micro_batches for a custom model")
         resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
     estimator = None  # a fixed K needs no estimate
-    if model is None:  # the closed form, for every kind of plan
-        estimator = PeakEstimator(model_spec(config, graph, device))
+    if model is None:  # the closed form, for every kind of plan; input rows read in place where the store hands them out
+        estimator = PeakEstimator(replace(model_spec(config, graph, device), features_in_place=features.views_rows(device)))
     elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
         estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False
     return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer,

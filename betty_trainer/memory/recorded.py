@@ -101,7 +101,7 @@ def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: 
     with torch.random.fork_rng(devices=[]), Recorder() as recorder:
         fake = recorder.fake_module(model)
         optimizer = optimizer_factory(list(fake.parameters()))
-        features, labels = HostFeatureStore(recorder.fake(graph.x), pin=False), recorder.fake(graph.y)
+        features, labels = HostFeatureStore(recorder.fake(graph.x), pin=False, in_place=False), recorder.fake(graph.y)
         in_forward = []  # non-empty while the model's forward runs: a read of a tensor's value there is refused
         fake.register_forward_pre_hook(lambda *_: in_forward.append(True))
         fake.register_forward_hook(lambda *_: in_forward.clear(), always_call=True)

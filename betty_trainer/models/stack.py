@@ -110,12 +110,12 @@ class LayerStack(nn.Module):
         return F.relu(h) if index < len(self.layers) - 1 else h
 
 
-    def memory_terms(self, tape: StepTape, layers: Sequence[LayerCounts], x: int):
-        """What :meth:`forward` allocates when the training step calls it (``consume_input=True``) on
-        blocks of counts ``layers`` (input layer first) and the gathered features ``x`` (a handle on
-        the tape), op by op: per layer, node-keyed dropout (on the input features in place), the
-        layer's own ``memory_terms``, ReLU (:class:`estimator.tape.StepTape`; the estimate of Betty
-        §4.4.3 replays these).
+    def memory_terms(self, tape: StepTape, layers: Sequence[LayerCounts], x: int, consume_input: bool = True):
+        """What :meth:`forward` allocates when the training step calls it on blocks of counts ``layers`` (input
+        layer first) and the input features ``x`` (a handle on the tape: the step's gather, which it hands over,
+        ``consume_input``; or the feature store's own rows), op by op: per layer, node-keyed dropout (on a
+        handed-over input in place), the layer's own ``memory_terms``, ReLU (:class:`estimator.tape.StepTape`; the
+        estimate of Betty §4.4.3 replays these).
 
         Returns:
             ``(logits handle, backward)``; ``backward(grad)`` emits the stack's backward from the
@@ -125,11 +125,11 @@ class LayerStack(nn.Module):
         h, h_grad, backwards = x, False, []
         first = len(self.layers) - len(layers)  # 1: layer 0 reads the aggregation cache
         if first:
-            h, backward = self.aggregated_memory_terms(tape, layers[0].num_src, x)
+            h, backward = self.aggregated_memory_terms(tape, layers[0].num_src, x, consume_input)
             backwards.append(backward)
             h_grad = True
         for index, counts in enumerate(layers, start=first):
-            h, backward = self.layer_memory_terms(tape, index, counts, h, h_grad, consume_input=index == 0)
+            h, backward = self.layer_memory_terms(tape, index, counts, h, h_grad, consume_input=consume_input and index == 0)
             backwards.append(backward)
             h_grad = True
 
@@ -187,11 +187,12 @@ class LayerStack(nn.Module):
             r.keep(h)
         return h, None
 
-    def aggregated_memory_terms(self, tape: StepTape, rows: int, x: int):
-        """What :meth:`aggregated_forward` allocates on ``rows`` gathered cache rows ``x`` (a handle; the training
-        step's own gather, consumed): dropout, layer 0's ``aggregated_memory_terms``, ReLU. Returns ``(output
-        handle, backward)``; ``backward(grad)`` returns ``None`` (the rows take no gradient)."""
-        hd, _ = self._dropout_terms(tape, rows, self.aggregated_width, x, False, True)
+    def aggregated_memory_terms(self, tape: StepTape, rows: int, x: int, consume_input: bool = True):
+        """What :meth:`aggregated_forward` allocates on ``rows`` cache rows ``x`` (a handle; the training step's own
+        gather, consumed, or with ``consume_input=False`` the store's rows): dropout, layer 0's
+        ``aggregated_memory_terms``, ReLU. Returns ``(output handle, backward)``; ``backward(grad)`` returns ``None``
+        (the rows take no gradient)."""
+        hd, _ = self._dropout_terms(tape, rows, self.aggregated_width, x, False, consume_input)
         out, layer_bwd = self.layers[0].aggregated_memory_terms(tape, rows, hd)
         tape.r.drop(hd)
         relu_bwd = None
