@@ -73,7 +73,9 @@ class FeatureStore(Protocol):
 
     Implementations return ``(len(node_ids), F)`` rows on ``device`` in the order of
     ``node_ids``, as a new tensor the caller owns (the training step lets input dropout
-    overwrite it), and add what the gather cost to ``stats``. The training step, measurement,
+    overwrite it), and add what the gather cost to ``stats``. A store may also hand out its own
+    rows ``0 … n − 1`` as a read-only view (:meth:`view`, where :meth:`views_rows`): a built-in
+    model's training step reads those in place. The training step, measurement,
     calibration and evaluation take a store, never a raw tensor (wrap one in :class:`HostFeatureStore`).
 
     The planner leaves :attr:`max_device_bytes` of the budget to the store. The loop calls, per round of
