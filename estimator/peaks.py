@@ -2,7 +2,7 @@
 layer-wise chunk search (``partition.chunks.search_chunks``) ask of the estimator while they search.
 
 :class:`PeakEstimator` holds a model's description, the closed form's :class:`~estimator.spec.ModelSpec` or a
-custom model's :class:`~estimator.recorder.RecordedModel` or :class:`~estimator.calibrate.CalibratedModel`, and
+custom model's recorded or calibrated estimate (:class:`CustomEstimate`), and
 answers a micro-batch's peak (itemised, for the closed form), the work the planner compares plans by and, for the closed form,
 :meth:`PeakEstimator.layerwise`: one batch's layer-wise chunkings (their peak and the floor below which no
 chunking goes). The searches hand it structures (blocks, layer slices, chunks); it counts them
@@ -12,16 +12,25 @@ chunking goes). The searches hand it structures (blocks, layer slices, chunks); 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from estimator.calibrate import CalibratedModel
 from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
 from estimator.counts import LayerCounts, counts_of, reads_in_place
 from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
 from estimator.layerwise import estimate_layerwise, layerwise_floor, runs_off_whole_block
-from estimator.recorder import RecordedModel
 from estimator.spec import ModelSpec
 from estimator.work import step_work
+
+
+class CustomEstimate(Protocol):
+    """A custom model's micro-batch estimate: a :class:`~estimator.recorder.RecordedModel`, a
+    :class:`~estimator.calibrate.CalibratedModel`, or a set of recordings by pattern of edge-weighted blocks
+    (``betty_trainer.memory.recorded.WeightedRecordings``)."""
+
+    resident_bytes: int
+
+    def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
+        """Peak bytes of a micro-batch's training step with counts ``layers``."""
 
 
 class PeakEstimator:
@@ -29,16 +38,15 @@ class PeakEstimator:
 
     Args:
         model: the closed form's :class:`~estimator.spec.ModelSpec` (a built-in model) or a custom model's
-            :class:`~estimator.recorder.RecordedModel` or :class:`~estimator.calibrate.CalibratedModel`
-            (micro-batches only: recorded or measured micro-batch steps say nothing of layer-wise chunks).
+            :class:`CustomEstimate` (micro-batches only: recorded or measured micro-batch steps say nothing of
+            layer-wise chunks).
 
     Attributes:
         spec: the :class:`ModelSpec`, or ``None`` for a custom model.
-        calibrated: the custom model's :class:`RecordedModel` or :class:`CalibratedModel`, or ``None`` for a
-            built-in one.
+        calibrated: the custom model's :class:`CustomEstimate`, or ``None`` for a built-in one.
     """
 
-    def __init__(self, model: ModelSpec | RecordedModel | CalibratedModel):
+    def __init__(self, model: ModelSpec | CustomEstimate):
         self.spec = model if isinstance(model, ModelSpec) else None
         self.calibrated = None if isinstance(model, ModelSpec) else model
 

@@ -232,6 +232,9 @@ class RecordedModel:
         accumulating: ``(moments, 2L + 2)`` int64: a later micro-batch's step, with the gradients resident.
         first: the same for a batch's first micro-batch, which allocates the gradients in its backward.
         allocations: allocations per recorded step (both kinds of step; for reports).
+        weighted: per block (input layer first), whether the recorded blocks carried ``(E,)`` float32 edge weights
+            (LABOR, GNS and LADIES batches do): a step on blocks weighted otherwise runs other operators, so the
+            closed form holds only for micro-batches of this pattern.
     """
 
     num_layers: int
@@ -240,17 +243,27 @@ class RecordedModel:
     accumulating: np.ndarray
     first: np.ndarray
     allocations: int
+    weighted: tuple[bool, ...] = ()
 
     def step_bytes(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
         """Peak bytes the step adds above the resident bytes and the block structure.
 
         Raises:
-            ValueError: if the number of layers differs from the model's.
+            ValueError: if the number of layers differs from the model's, or the blocks' edge weights from the
+                recorded ones' (:attr:`weighted`).
         """
         if len(layers) != self.num_layers:
             raise ValueError(f"the micro-batch has {len(layers)} layers but the model was recorded with {self.num_layers}")
+        if tuple(layer.weighted for layer in layers) != self.pattern:
+            raise ValueError(f"the micro-batch's blocks carry edge weights {[layer.weighted for layer in layers]}, "
+                             f"the recorded ones {list(self.pattern)}: record the model with that pattern")
         moments = self.accumulating if accumulate else self.first
         return max(0, int((moments @ np.array(counts_vector(layers), dtype=np.int64)).max()))
+
+    @property
+    def pattern(self) -> tuple[bool, ...]:
+        """:attr:`weighted` with one entry per block (``False`` where none was given)."""
+        return self.weighted or (False,) * self.num_layers
 
     def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
         """Peak bytes of a training step of the micro-batch with counts ``layers`` (input layer first), as
@@ -258,27 +271,29 @@ class RecordedModel:
         ``first_saving_bytes`` for a batch's first micro-batch (``accumulate=False``).
 
         Raises:
-            ValueError: if the number of layers differs from the model's.
+            ValueError: as :meth:`step_bytes`.
         """
         resident = self.resident_bytes - (0 if accumulate else self.first_saving_bytes)
         return resident + block_structure_bytes(layers) + self.step_bytes(layers, accumulate)
 
 
-def recording_sizes(num_layers: int) -> list[list[LayerCounts]]:
+def recording_sizes(num_layers: int, weighted: Sequence[bool] = ()) -> list[list[LayerCounts]]:
     """The sizes a model is recorded at: a base, the base with each count of :func:`counts_vector` one larger
     (what solves the coefficients), and the base doubled (what checks them). Every count is distinct from the
-    others (``D_l < S_l``, no count 0 or 1), so no size takes a branch the others do not."""
+    others (``D_l < S_l``, no count 0 or 1), so no size takes a branch the others do not. ``weighted``: per block,
+    whether it carries edge weights (none by default)."""
     dst = [5 * 3 ** (num_layers - 1 - layer) + 2 for layer in range(num_layers)]  # 7 at the output, ×3 per layer in
     base = [3 * dst[0] + 4] + [value for layer in range(num_layers) for value in (dst[layer], 4 * dst[layer] + 3)]
     bumped = [base[:index] + [value + 1] + base[index + 1:] for index, value in enumerate(base)]
-    return [_layers(values) for values in [base, *bumped, [2 * value for value in base]]]
+    pattern = tuple(weighted) or (False,) * num_layers
+    return [_layers(values, pattern) for values in [base, *bumped, [2 * value for value in base]]]
 
 
-def _layers(values: Sequence[int]) -> list[LayerCounts]:
-    """The :class:`LayerCounts` of ``(S_0, D_0, E_0, D_1, E_1, …)``."""
+def _layers(values: Sequence[int], weighted: Sequence[bool]) -> list[LayerCounts]:
+    """The :class:`LayerCounts` of ``(S_0, D_0, E_0, D_1, E_1, …)``, block ``l`` edge-weighted where ``weighted[l]``."""
     dst, edges = values[1::2], values[2::2]
     src = [values[0], *dst[:-1]]
-    return [LayerCounts(s, d, e) for s, d, e in zip(src, dst, edges)]
+    return [LayerCounts(s, d, e, weighted=w) for s, d, e, w in zip(src, dst, edges, weighted)]
 
 
 def solve(recordings: Sequence[Recording], sizes: Sequence[Sequence[LayerCounts]]) -> np.ndarray:

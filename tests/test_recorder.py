@@ -5,6 +5,7 @@ refused in one line naming why, and the planner then calibrates them."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 
@@ -14,17 +15,17 @@ import torch
 from torch import nn
 
 from benchmarks.custom_models import GINStyle, JumpingKnowledge, TwoHeadGAT
-from betty_trainer import plan_micro_batches, sample_batch
+from betty_trainer import Batch, plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.errors import CalibrationError
 from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.planner import make_planner
-from betty_trainer.memory.recorded import record_model
+from betty_trainer.memory.recorded import WeightedRecordings, record_model
 from betty_trainer.models.aggregate import mean_neighbours
 from betty_trainer.training.dry_run import dry_run
 from estimator.calibrate import CalibratedModel
-from estimator.counts import LayerCounts, counts_of
+from estimator.counts import LayerCounts, block_structure_bytes, counts_of
 from estimator.recorder import RecordedModel, Recording, RecordingRefused, recording_sizes, solve
 from tests.test_calibration import LR, WEIGHT_DECAY, adam, train_under_half_its_peak
 
@@ -84,6 +85,43 @@ class MeanOfMeans(nn.Module):
 
     def forward(self, blocks, x):
         return self.linear(mean_neighbours(blocks[1], mean_neighbours(blocks[0], x)))
+
+
+class ProjectedMeans(nn.Module):
+    """Projects, then takes the (edge-weighted, where the blocks carry weights) mean twice: the peak falls in the
+    aggregation, where weighted blocks allocate what unweighted ones do not."""
+
+    def __init__(self, in_feats: int, hidden: int, num_classes: int):
+        super().__init__()
+        self.first, self.second = nn.Linear(in_feats, 8), nn.Linear(8, num_classes)
+
+    def forward(self, blocks, x):
+        return mean_neighbours(blocks[1], self.second(torch.relu(mean_neighbours(blocks[0], self.first(x)))))
+
+
+@pytest.mark.parametrize("pattern", [(True, True), (True, False)], ids=["both-weighted", "input-layer-weighted"])
+def test_blocks_with_edge_weights_are_recorded_with_them(cora, pattern):
+    """LABOR, GNS and LADIES weigh the edges of the layers they sample: a custom model on such blocks gets the
+    recording of that pattern (``WeightedRecordings``), to the measured peak's byte, where the unweighted recording
+    is short by the weighted mean's temporaries; an estimate asked of a recording of another pattern is refused."""
+    torch.manual_seed(0)
+    model = ProjectedMeans(cora.num_features, 8, cora.num_classes)
+    recordings = WeightedRecordings(model, cora, 2, adam, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    batch = sample_batch(cora, cora.train_idx, [None, None], generator)
+    batch = Batch([dataclasses.replace(block, edge_weight=torch.rand(block.num_edges, generator=generator) + 0.5)
+                   if weighted else block for block, weighted in zip(batch.blocks, pattern)])
+    layers = counts_of(batch.blocks)
+    optimizer, features = adam(model.parameters()), HostFeatureStore(cora.x, pin=False, in_place=False)
+    measure_training_step(model, optimizer, batch, features, cora.y, "cpu")  # Adam state exists
+    measured = measure_training_step(model, optimizer, batch, features, cora.y, "cpu").peak_bytes
+    assert recordings.estimate(layers, accumulate=False) == measured
+    unweighted = [dataclasses.replace(layer, weighted=False) for layer in layers]
+    shortfall = measured - block_structure_bytes(layers) + block_structure_bytes(unweighted) \
+        - recordings.unweighted.estimate(unweighted, accumulate=False)
+    assert shortfall > 0  # what recording without the weights missed, beyond the weights' own bytes
+    with pytest.raises(ValueError, match="carry edge weights"):
+        recordings.unweighted.estimate(layers)
 
 
 class ThroughNumpy(MeanOfMeans):

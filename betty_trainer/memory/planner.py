@@ -30,13 +30,13 @@ from betty_trainer.execution.micro_batches import MicroBatches, MicroBatchPlan
 from betty_trainer.execution.plan import StepPlan
 from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.custom import calibrate_model
-from betty_trainer.memory.recorded import record_model
+from betty_trainer.memory.recorded import WeightedRecordings
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.sampling.bulk import BulkDraw
 from estimator.calibrate import CalibratedModel
 from estimator.peaks import PeakEstimator
-from estimator.recorder import RecordedModel, RecordingRefused
+from estimator.recorder import RecordingRefused
 from partition import BudgetError, GraphPartition, OutputSplitter, Split, make_split
 from partition.chunks import search_chunks
 from partition.partitioners import GRAPHS
@@ -325,10 +325,10 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     may use is ``micro_batch.budget`` less the store's ``max_device_bytes`` (its node cache and staged
     macro-batch; :class:`~betty_trainer.data.feature_store.FeatureStore`) and what the sampler's ``bulk_draw``
     holds on the GPU (:class:`Planner`). The estimate is the closed form for the built-in model
-    (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is recorded first, once
-    (:func:`~betty_trainer.memory.recorded.record_model`: exact), or where the recorder refuses it (the reason is
-    logged) calibrated (:func:`~betty_trainer.memory.custom.calibrate_model`), both with the run's optimizer and
-    ``config.model.num_layers`` layers; the time it took is logged at INFO level. ``seed``: the
+    (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is recorded first, once per pattern of
+    edge-weighted blocks (:class:`~betty_trainer.memory.recorded.WeightedRecordings`: exact), or where the recorder
+    refuses it (the reason is logged) calibrated (:func:`~betty_trainer.memory.custom.calibrate_model`), both with
+    the run's optimizer and ``config.model.num_layers`` layers; the time it took is logged at INFO level. ``seed``: the
     partitioner's (:func:`~betty_trainer.sampling.schedule.plan_seed`). ``partition``: another planner's
     :attr:`Planner.graph_partition` of the same run, shared so that its METIS cuts are made once; by default
     :func:`graph_partition`.
@@ -374,7 +374,7 @@ def graph_partition(config: Config, graph: Graph) -> GraphPartition | None:
 
 
 def _custom_estimate(config: Config, graph: Graph, model: nn.Module,
-                     device: torch.device) -> RecordedModel | CalibratedModel:
+                     device: torch.device) -> WeightedRecordings | CalibratedModel:
     """:func:`make_planner`'s estimate of a custom model: recorded, or where the recorder refuses it (the reason
     logged) calibrated, with the time it took logged at INFO level.
 
@@ -384,7 +384,7 @@ def _custom_estimate(config: Config, graph: Graph, model: nn.Module,
     started, name = time.perf_counter(), type(model).__name__
     args = (model, graph, config.model.num_layers, config.optim.make_optimizer, device)
     try:
-        estimate = record_model(*args)
+        estimate = WeightedRecordings(*args)
         logger.info("recorded the memory estimate of %s in %.2f s (%d allocations per step)", name,
                     time.perf_counter() - started, estimate.allocations)
         return estimate

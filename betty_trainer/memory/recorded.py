@@ -10,6 +10,7 @@ to calibration.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
+from betty_trainer.errors import PlanningError
 from betty_trainer.execution.micro_batches import measured_step_resident, micro_batch_backward
 from estimator.counts import LayerCounts
 from estimator.recorder import (
@@ -39,6 +41,7 @@ def record_model(
     num_layers: int,
     optimizer_factory: OptimizerFactory = torch.optim.Adam,
     device: torch.device | str = "cpu",
+    weighted: Sequence[bool] = (),
 ) -> RecordedModel:
     """The exact closed form of ``model``'s training step on ``graph`` with ``optimizer_factory``'s optimizer,
     recorded once per process for each key of :func:`recording_key` (a later call with an equal key returns the
@@ -56,6 +59,9 @@ def record_model(
         num_layers: number of blocks the model takes.
         optimizer_factory: builds the training optimizer from parameters.
         device: where the model trains; only ``cpu`` is recorded.
+        weighted: per block, whether it carries ``(E,)`` float32 edge weights (recorded with fake ones; none by
+            default). The estimate holds for micro-batches weighted alike (:attr:`RecordedModel.weighted`;
+            :class:`WeightedRecordings` records each pattern a run meets).
 
     Returns:
         The :class:`~estimator.recorder.RecordedModel` (bytes as the CPU measurement counts them).
@@ -71,13 +77,56 @@ def record_model(
     parameters = list(model.parameters())
     if not parameters:
         raise RecordingRefused(f"{type(model).__name__} has no parameters to train")
-    key = recording_key(model, graph, num_layers, optimizer_factory(parameters), device)  # no state made yet
+    pattern = tuple(weighted) or (False,) * num_layers
+    key = (*recording_key(model, graph, num_layers, optimizer_factory(parameters), device), pattern)  # no state yet
     if key not in _RECORDED:
-        _RECORDED[key] = _record(model, graph, num_layers, optimizer_factory, device)
+        _RECORDED[key] = _record(model, graph, num_layers, optimizer_factory, device, pattern)
     return _RECORDED[key]
 
 
 _RECORDED: dict[tuple, RecordedModel] = {}
+
+
+class WeightedRecordings:
+    """A custom model's recorded estimate for micro-batches of any pattern of edge-weighted blocks (LABOR, GNS and
+    LADIES weigh the layers they sample): each pattern is recorded by :func:`record_model` when a micro-batch of it
+    is first estimated, and kept there.
+
+    Args:
+        model, graph, num_layers, optimizer_factory, device: as :func:`record_model`'s.
+
+    Raises:
+        RecordingRefused: at construction, as :func:`record_model` (the unweighted pattern is recorded at once).
+    """
+
+    def __init__(self, model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: OptimizerFactory,
+                 device: torch.device | str):
+        self._record = functools.partial(record_model, model, graph, num_layers, optimizer_factory, device)
+        self.unweighted = self._record()
+        self.name = type(model).__name__
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes live before a step, block structure aside (the same for every pattern)."""
+        return self.unweighted.resident_bytes
+
+    @property
+    def allocations(self) -> int:
+        """Allocations per recorded step without edge weights (for reports)."""
+        return self.unweighted.allocations
+
+    def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
+        """:meth:`RecordedModel.estimate` of the recording of ``layers``' pattern of edge weights.
+
+        Raises:
+            PlanningError: the recorder refuses the model on blocks weighted so (the message names why).
+        """
+        pattern = tuple(layer.weighted for layer in layers)
+        try:
+            return self._record(weighted=pattern).estimate(layers, accumulate)
+        except RecordingRefused as refusal:
+            raise PlanningError(f"the memory recorder refused {self.name} on blocks with edge weights "
+                                f"{list(pattern)}: {refusal}") from None
 
 
 def recording_key(model: nn.Module, graph: Graph, num_layers: int, optimizer: torch.optim.Optimizer,
@@ -94,10 +143,10 @@ def recording_key(model: nn.Module, graph: Graph, num_layers: int, optimizer: to
 
 
 def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: OptimizerFactory,
-            device: torch.device) -> RecordedModel:
+            device: torch.device, weighted: tuple[bool, ...]) -> RecordedModel:
     """:func:`record_model`'s recording (see there), uncached."""
     name = type(model).__name__
-    sizes = recording_sizes(num_layers)
+    sizes = recording_sizes(num_layers, weighted)
     with torch.random.fork_rng(devices=[]), Recorder() as recorder:
         fake = recorder.fake_module(model)
         optimizer = optimizer_factory(list(fake.parameters()))
@@ -128,14 +177,16 @@ def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: 
         allocations = len(recordings[0][0].nbytes)
     return RecordedModel(num_layers=num_layers, resident_bytes=resident[True],
                          first_saving_bytes=resident[True] - resident[False], accumulating=solved[True],
-                         first=solved[False], allocations=allocations)
+                         first=solved[False], allocations=allocations, weighted=weighted)
 
 
 def _fake_batch(layers: Sequence[LayerCounts]) -> Batch:
-    """A batch of blocks with ``layers``' counts (made inside the recorder: fake, their values never read)."""
+    """A batch of blocks with ``layers``' counts and edge weights where they have them (made inside the recorder:
+    fake, their values never read)."""
     return Batch([Block(torch.empty(c.num_src, dtype=torch.int64), c.num_dst, torch.empty(c.num_dst + 1, dtype=torch.int64),
-                        torch.empty(c.num_edges, dtype=torch.int32)) for c in layers])
+                        torch.empty(c.num_edges, dtype=torch.int32),
+                        torch.empty(c.num_edges, dtype=torch.float32) if c.weighted else None) for c in layers])
 
 
 def _is_block_tensor(tensor: torch.Tensor, batch: Batch) -> bool:
-    return any(tensor is t for block in batch.blocks for t in (block.src_nodes, block.indptr, block.indices))
+    return any(tensor is t for block in batch.blocks for t in block.tensors())
