@@ -10,6 +10,8 @@ training step of the case's batch at K = 1 and K = 8 (REG micro-batches), withou
   which on these small graphs cover most of the graph;
 - ``all-2``: 2 layers, every node a seed (the full graph): layer 0's dst nodes are the whole graph, as many as its
   src nodes, and the cache reads ``2F`` columns a node instead of ``F`` (BatchGNN Table 5's case): it reads more.
+  The seeds are shuffled (a fixed permutation): in node order a batch's input rows are the store's own rows
+  ``0 … N − 1`` and a built-in model's step reads them in place, with or without the cache, gathering nothing.
 
 Peak: the largest micro-batch's measured peak (``measure_training_step``: the profiler's allocation records on the
 CPU, after a warm-up step so Adam's state is resident; later micro-batches accumulate). Time: the median of
@@ -117,7 +119,8 @@ def main() -> None:
                       f"and write, {again:.2f} s to read back (the features hashed for its key, the file mapped)")
         for case in args.cases.split(","):
             layers, which = CASES[case]
-            seeds = graph.train_idx if which == "train" else torch.arange(graph.num_nodes)
+            seeds = graph.train_idx if which == "train" else \
+                torch.randperm(graph.num_nodes, generator=torch.Generator().manual_seed(0))  # gathered, not in place
             results, batches = {}, {}
             for cached in (False, True):
                 results[cached], batches[cached] = measure(graph, config_of(layers, args.hidden, cached), seeds,

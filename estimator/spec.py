@@ -52,9 +52,10 @@ class ModelSpec:
             (BatchGNN §3; the layer's ``aggregated_width``): a micro-batch has ``L − 1`` blocks (layers 1 … L − 1)
             and its input rows are ``blocks[0]``'s src nodes at this width; ``None``: no cache, ``L`` blocks.
         features_in_place: the training step reads a micro-batch's input rows in place when its input nodes are
-            ``0 … n − 1`` in order (the feature store's ``views_rows``: a host store on the CPU), instead of gathering
-            them: no input tensor, and input dropout writes a new tensor; the estimate of such a micro-batch
-            (:func:`estimator.counts.reads_in_place`) follows.
+            ``0 … n − 1`` in order (the run's feature store says so: ``betty_trainer.data.feature_store.
+            hands_out_rows``, a plain host store on the CPU), instead of gathering them: no input tensor, and input
+            dropout writes a new tensor; the estimate of such a micro-batch (:func:`estimator.counts.reads_in_place`)
+            follows. ``False`` (the default) counts a gather: an upper bound for such a micro-batch.
         forward_terms: ``(tape, layers, x, consume_input) -> (logits, backward)``: the model's forward written as
             memory terms on an :class:`estimator.tape.StepTape` (a built-in model's
             ``memory_terms``, declared beside its ``forward``); the estimate replays it. Not

@@ -11,11 +11,11 @@ from betty_trainer import Batch, plan_micro_batches, sample_batch
 from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.execution.micro_batches import measure_training_step
+from betty_trainer.memory.planner import make_planner
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, sage, set_dropout_key
 from estimator.counts import counts_of
 from estimator.estimate import COMPONENTS, estimate_micro_batch
-from estimator.peaks import PeakEstimator
 
 
 def estimate_and_measure(graph, overrides, k, fanouts=None):
@@ -120,22 +120,26 @@ def test_estimate_on_a_full_graph_where_every_src_node_is_a_dst_node(cora64, mod
     take no slice of their input (``Block.dst_rows``) and autograd makes no zero-filled slice gradient. The input
     nodes are ``0 … N − 1``, so the step reads the store's rows in place (no ``(N, F)`` gather; input dropout into
     a new tensor): the planner's estimate (:meth:`PeakEstimator.itemised`) equals that step's peak to the byte, and
-    the estimate with a gather equals the peak of a store that gathers (``in_place=False``); without dropout the
-    two differ by exactly the gathered ``N × F`` floats."""
+    the estimate with a gather equals the peak of a store that gathers (``in_place=False``), each planner's estimate
+    following its store; without dropout the two differ by exactly the gathered ``N × F`` floats."""
     overrides = model + ["model.hidden=32", "model.num_layers=3", f"model.dropout={dropout}"]
     config = load_config(None, overrides)
     batch = sample_batch(cora64, torch.arange(cora64.num_nodes), [None] * 3)
     assert all(block.num_dst == block.num_src for block in batch.blocks)
+    stores = {in_place: HostFeatureStore(cora64.x, pin=False, in_place=in_place) for in_place in (True, False)}
+    planners = {in_place: make_planner(config, cora64, None, torch.device("cpu"), store)
+                for in_place, store in stores.items()}
+    assert {in_place: planner.estimator.spec.features_in_place for in_place, planner in planners.items()} \
+        == {True: True, False: False}  # the planner's estimate follows the store
+    estimates = {in_place: planner.estimator.itemised(batch.blocks).peak_bytes for in_place, planner in planners.items()}
     spec = model_spec(config, cora64)
-    assert spec.features_in_place
-    estimates = {True: PeakEstimator(spec).itemised(batch.blocks).peak_bytes,
-                 False: estimate_micro_batch(counts_of(batch.blocks), spec).peak_bytes}
+    assert estimates[False] == estimate_micro_batch(counts_of(batch.blocks), spec).peak_bytes
     for in_place, estimate in estimates.items():
         torch.manual_seed(0)
         net = build_model(config.model, cora64)
         set_dropout_key(net, 0, 0)
         optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay)
-        store = HostFeatureStore(cora64.x, pin=False, in_place=in_place)
+        store = stores[in_place]
         measure_training_step(net, optimizer, batch, store, cora64.y, "cpu")  # Adam state exists
         measured = measure_training_step(net, optimizer, batch, store, cora64.y, "cpu").peak_bytes
         assert estimate == measured, (in_place, estimate, measured)

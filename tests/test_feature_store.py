@@ -23,7 +23,7 @@ from betty_trainer import (
     plan_micro_batches,
     sample_batch,
 )
-from betty_trainer.data.feature_store import same_device, transfer_bytes
+from betty_trainer.data.feature_store import hands_out_rows, same_device, transfer_bytes
 from betty_trainer.execution.micro_batches import micro_batch_backward
 from betty_trainer.models import set_dropout_key
 from betty_trainer.training import trainer as trainer_module
@@ -132,7 +132,8 @@ def test_pinned_staging_to_a_gpu_is_exact_and_not_overwritten_while_copying(x):
 
 def test_the_host_store_hands_out_its_leading_rows_as_a_view_on_the_cpu_only(x):
     """``view`` gives ``x[:n]`` itself (no copy, counted as n misses and no bytes moved) for ids ``0 … n − 1`` in
-    order on the CPU, and ``None`` for any other ids, another device or a store made with ``in_place=False``."""
+    order on the CPU, and ``None`` for any other ids, another device or a store made with ``in_place=False``; a step
+    asks only a plain host store (``hands_out_rows``), not a subclass of it."""
     store = HostFeatureStore(x, pin=False)
     view = store.view(torch.arange(10), "cpu")
     assert view.data_ptr() == x.data_ptr() and view.shape == (10, x.shape[1])
@@ -142,6 +143,9 @@ def test_the_host_store_hands_out_its_leading_rows_as_a_view_on_the_cpu_only(x):
     assert store.view(torch.arange(10), "meta") is None and not store.views_rows("cuda")
     assert HostFeatureStore(x, pin=False, in_place=False).view(torch.arange(10), "cpu") is None
     assert store.stats.misses == 10
+    assert hands_out_rows(store, "cpu") and not hands_out_rows(store, "meta")
+    assert not hands_out_rows(HostFeatureStore(x, pin=False, in_place=False), "cpu")
+    assert not hands_out_rows(PretendRemoteStore(x, pin=False), "cpu")  # a subclass may do more in its gather
     swapped = torch.arange(70_000)  # compared in chunks of 2^16 ids: a difference in the second chunk counts
     swapped[[66_000, 66_001]] = swapped[[66_001, 66_000]]
     assert leading_range(torch.arange(70_000)) and not leading_range(swapped)
@@ -171,6 +175,26 @@ def test_a_step_reading_the_store_in_place_equals_the_gathering_step_and_leaves_
     (loss_view, grads_view), (loss_gather, grads_gather) = results
     assert loss_view == loss_gather and all(torch.equal(a, b) for a, b in zip(grads_view, grads_gather))
     assert torch.equal(graph.x, x)
+
+
+class CentringSAGE(GraphSAGE):
+    """A user's GraphSAGE whose layers centre their input in place: a custom model (a subclass), which may write the
+    rows it is given."""
+
+    def apply_layer(self, layer, block, h):
+        return layer(block, h if h.requires_grad else h.sub_(h.mean(0)))  # the input features only
+
+
+def test_a_custom_subclass_of_a_built_in_model_gets_a_gather_it_may_write():
+    """Only a built-in model's step reads the store's rows in place: a subclass that writes its input in place
+    (dropout 0, so nothing copies it first) gets a gathered copy, and the features stay as they were."""
+    graph = make_sbm(num_nodes=300, num_features=12, avg_degree=6, train_per_class=20, num_val=20, num_test=20)
+    x = graph.x.clone()
+    batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
+    model = CentringSAGE(graph.num_features, 16, graph.num_classes, num_layers=2, dropout=0.0)
+    store = HostFeatureStore(graph.x, pin=False)
+    micro_batch_backward(model, batch, store, graph.y, CPU, graph.num_nodes)
+    assert torch.equal(graph.x, x) and store.stats.misses == graph.num_nodes
 
 
 def test_micro_batches_are_built_when_read_and_equal_the_planned_ones():

@@ -73,9 +73,9 @@ class FeatureStore(Protocol):
 
     Implementations return ``(len(node_ids), F)`` rows on ``device`` in the order of
     ``node_ids``, as a new tensor the caller owns (the training step lets input dropout
-    overwrite it), and add what the gather cost to ``stats``. A store may also hand out its own
-    rows ``0 … n − 1`` as a read-only view (:meth:`view`, where :meth:`views_rows`): a built-in
-    model's training step reads those in place. The training step, measurement,
+    overwrite it), and add what the gather cost to ``stats``. (A plain :class:`HostFeatureStore` also
+    hands out its own rows ``0 … n − 1`` as a read-only view, :func:`hands_out_rows`, which a built-in
+    model's training step reads in place.) The training step, measurement,
     calibration and evaluation take a store, never a raw tensor (wrap one in :class:`HostFeatureStore`).
 
     The planner leaves :attr:`max_device_bytes` of the budget to the store. The loop calls, per round of
@@ -106,18 +106,6 @@ class FeatureStore(Protocol):
         """The most device bytes the store holds between gathers over a run: what the memory plan leaves
         room for beside a training step (the planner reads it); 0 by default."""
         return 0
-
-    def views_rows(self, device: torch.device | str) -> bool:
-        """Whether :meth:`view` hands out the store's own rows on ``device`` (for node ids ``0 … n − 1`` in order);
-        ``False`` by default. The estimate (``ModelSpec.features_in_place``) follows this answer."""
-        return False
-
-    def view(self, node_ids: Tensor, device: torch.device | str) -> Tensor | None:
-        """The ``(len(node_ids), F)`` rows of ``node_ids`` on ``device`` as a view of the store's own features,
-        counted in :attr:`stats` as a gather, when :meth:`views_rows` and ``node_ids`` are ``0, 1, …, n − 1`` in
-        order (:func:`~estimator.counts.leading_range`: a full-graph batch whose outputs are every node); the
-        caller must only read it. ``None`` otherwise (by default): the caller gathers."""
-        return None
 
     def begin_batch(self, key: object) -> None:
         """The batch keyed ``key`` (a :class:`~betty_trainer.sampling.base.SampleKey`) runs next."""
@@ -259,15 +247,16 @@ class HostFeatureStore(FeatureStore):
         return rows
 
     def views_rows(self, device: torch.device | str) -> bool:
-        """``True`` for a training step on the CPU with the features in host memory (unless made with
-        ``in_place=False``): there the first ``n`` rows are
+        """Whether :meth:`view` hands out ``x``'s own rows on ``device``: ``True`` for a training step on the CPU
+        with the features in host memory (unless made with ``in_place=False``); there the first ``n`` rows are
         a view of ``x`` and a copy of them buys nothing (on Amazon Computers a 42 MB copy and 15–30 ms of a
         120 ms full-graph step, page faults included: ``benchmarks/README.md`` › versus_dgl.py)."""
         return self.in_place and torch.device(device).type == "cpu" and self.x.device.type == "cpu"
 
     def view(self, node_ids: Tensor, device: torch.device | str) -> Tensor | None:
-        """``x[:n]`` (a view, no copy) for ``node_ids`` ``0 … n − 1`` in order on the CPU (:meth:`views_rows`),
-        counted as ``n`` misses with no bytes moved, as a gather to the CPU is; ``None`` otherwise."""
+        """``x[:n]`` (a view, no copy; the caller must only read it) for ``node_ids`` ``0 … n − 1`` in order
+        (:func:`~estimator.counts.leading_range`) on the CPU (:meth:`views_rows`), counted as ``n`` misses with no
+        bytes moved, as a gather to the CPU is; ``None`` otherwise. Callers ask :func:`hands_out_rows` first."""
         if not self.views_rows(device) or not leading_range(node_ids):
             return None
         self.stats.misses += node_ids.numel()
@@ -291,6 +280,15 @@ class HostFeatureStore(FeatureStore):
         n, f = self.x.shape
         return (f"HostFeatureStore(nodes={n}, features={f}, dtype={self.x.dtype}, pinned={self.pinned}, "
                 f"memory_mapped={self.memory_mapped})")
+
+
+def hands_out_rows(features: FeatureStore, device: torch.device | str) -> bool:
+    """Whether a training step on ``device`` may read ``features``' rows ``0 … n − 1`` in place
+    (:meth:`HostFeatureStore.view`) instead of gathering them: a plain :class:`HostFeatureStore` whose
+    :meth:`~HostFeatureStore.views_rows`. Any other store gathers: a cache or staged macro-batch, a store of the
+    user's own, or a subclass of the host store, which may do more in its ``gather``. The step and the planner's
+    estimate (``ModelSpec.features_in_place``) both ask this."""
+    return type(features) is HostFeatureStore and features.views_rows(device)
 
 
 def require_store(features: object) -> FeatureStore:

@@ -18,9 +18,10 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from betty_trainer.data.block import Batch, Block
-from betty_trainer.data.feature_store import FeatureStore, require_store
+from betty_trainer.data.feature_store import FeatureStore, hands_out_rows, require_store
 from betty_trainer.errors import NonFiniteLossError
 from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, layer_sizes, piece_row, plan_report
+from betty_trainer.models.registry import architecture_of
 from betty_trainer.models.stack import LayerStack
 from betty_trainer.phases import GATHER
 from estimator.estimate import MemoryEstimate
@@ -89,9 +90,9 @@ def micro_batch_backward(
 ) -> tuple[float, int]:
     """Forward and backward one micro-batch, adding ``∇ Σ_{i∈V_k} CE_i / |V|`` to ``.grad``.
 
-    Gathers the input nodes' features on ``device`` from the feature store (a built-in model, a
-    :class:`~betty_trainer.models.stack.LayerStack`, reads the store's own rows instead where it hands them
-    out: input nodes ``0 … n − 1`` on the CPU, ``FeatureStore.view``), moves the output nodes' labels and the
+    Gathers the input nodes' features on ``device`` from the feature store (a built-in model, whose layers never
+    write their input, reads a plain host store's own rows instead where the input nodes are ``0 … n − 1`` on the
+    CPU: :func:`~betty_trainer.data.feature_store.hands_out_rows`), moves the output nodes' labels and the
     blocks there, runs ``model(blocks, x)`` and backpropagates
     ``Σ CE / num_outputs`` (Betty §4.2.3: with ``num_outputs = |V|`` of the whole batch
     the micro-batches' gradients sum to the full batch's). Everything the micro-batch
@@ -113,15 +114,15 @@ def micro_batch_backward(
     Raises:
         NonFiniteLossError: if the loss is NaN or infinite (then no gradient is added).
     """
-    stack = isinstance(model, LayerStack)
-    with record_function(GATHER):  # a LayerStack only reads the store's own rows (a custom model gets a gather)
-        x = features.view(micro_batch.input_nodes, device) if stack else None
+    with record_function(GATHER):  # only a built-in model, which never writes its input, reads the store's rows
+        x = features.view(micro_batch.input_nodes, device) \
+            if architecture_of(model) is not None and hands_out_rows(features, device) else None
         owned = x is None
         x = features.gather(micro_batch.input_nodes, device) if owned else x
     y = labels[micro_batch.output_nodes].to(device, non_blocking=True)
     blocks = micro_batch.to(device).blocks
     # this step's own gather: a built-in model may overwrite it with its dropped-out copy
-    logits = model(blocks, x, consume_input=owned) if stack else model(blocks, x)
+    logits = model(blocks, x, consume_input=owned) if isinstance(model, LayerStack) else model(blocks, x)
     loss = F.cross_entropy(logits, y, reduction="sum") / num_outputs
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"loss is {loss.item()}")

@@ -22,7 +22,7 @@ from torch import nn
 
 from betty_trainer.config import Config, MicroBatchConfig
 from betty_trainer.data.block import Batch
-from betty_trainer.data.feature_store import FeatureStore
+from betty_trainer.data.feature_store import FeatureStore, hands_out_rows
 from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.execution.layerwise import LayerwisePlan
@@ -351,7 +351,8 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
         resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
     estimator = None  # a fixed K needs no estimate
     if model is None:  # the closed form, for every kind of plan; input rows read in place where the store hands them out
-        estimator = PeakEstimator(replace(model_spec(config, graph, device), features_in_place=features.views_rows(device)))
+        spec = model_spec(config, graph, device)
+        estimator = PeakEstimator(replace(spec, features_in_place=hands_out_rows(features, device)))
     elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
         estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False
     return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer,

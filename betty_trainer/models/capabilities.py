@@ -251,8 +251,7 @@ def projected_terms(model: LayerStack) -> list[ProjectedLayerTerms | None]:
 
 
 def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: str, weight_decay: bool,
-                   device: torch.device | str, device_workspace: int, aggregation_cache: bool = False,
-                   features_in_place: bool | None = None) -> ModelSpec:
+                   device: torch.device | str, device_workspace: int, aggregation_cache: bool = False) -> ModelSpec:
     """What a built-in model declares to the estimator (:class:`~estimator.spec.ModelSpec`): its architecture's
     name and work terms, its widths, aggregator, heads and dropout, its parameter tensors (in
     ``model.parameters()`` order) and buffers read off the instance, its memory terms (each layer's
@@ -260,9 +259,9 @@ def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: 
     (:func:`projected_terms`); with the training's ``optimizer`` (and ``weight_decay``) on the foreach or
     single-tensor path PyTorch picks for ``device``, the kernels dropout and aggregation use there, and the
     ``device_workspace`` bytes the caller measured; with ``aggregation_cache``, layer 0 reads the input-feature
-    aggregation cache (its ``aggregated_width``: :attr:`~estimator.spec.ModelSpec.aggregated_width`); the step reads
-    input rows ``0 … n − 1`` in place where ``features_in_place`` (default: on the CPU, as the host feature store
-    does there; :attr:`~estimator.spec.ModelSpec.features_in_place`).
+    aggregation cache (its ``aggregated_width``: :attr:`~estimator.spec.ModelSpec.aggregated_width`). The spec counts
+    a gather of the input rows (:attr:`~estimator.spec.ModelSpec.features_in_place` is ``False``: an upper bound);
+    ``make_planner`` sets what the run's feature store does.
     """
     first = model.layers[0]
     parameter = next(model.parameters())
@@ -275,6 +274,5 @@ def estimator_spec(model: LayerStack, architecture: Architecture, *, optimizer: 
         weight_decay=weight_decay, foreach=adam_uses_foreach(device),
         compiled_kernels=compiled_kernels(device, parameter.dtype), device_workspace=device_workspace,
         aggregated_width=model.aggregated_width if aggregation_cache else None,
-        features_in_place=torch.device(device).type == "cpu" if features_in_place is None else features_in_place,
         forward_terms=model.memory_terms, layer_terms=model.layer_memory_terms,
         projections=tuple(projected_terms(model)), layer_work=architecture.work)

@@ -107,7 +107,8 @@ def aggregation_report(config: Config, graph: Graph, device: torch.device, used:
     and input rows are there) and ``work``, or where no uncached plan fits the budget, ``refused``: the planner's
     message. The cache lowers the peak where layer 0's dst nodes are much fewer than its src nodes (micro-batches,
     3 layers) and raises it where they are about as many (a 2-layer full batch whose first hop covers the graph;
-    BatchGNN Table 5). ``rows``: the cache's table when the caller has it (else it is read); ``partition``: the
+    BatchGNN Table 5), unless the batch's input nodes are ``0 … N − 1`` in order, which the step reads in place on
+    the CPU either way. ``rows``: the cache's table when the caller has it (else it is read); ``partition``: the
     run planner's graph partition, which the uncached plan shares (:func:`~betty_trainer.memory.planner.make_planner`).
     """
     rows = input_features(config, graph) if rows is None else rows
