@@ -27,7 +27,9 @@ class CustomEstimate(Protocol):
     :class:`~estimator.calibrate.CalibratedModel`, or a set of recordings by pattern of edge-weighted blocks
     (``betty_trainer.memory.recorded.WeightedRecordings``)."""
 
-    resident_bytes: int
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes live before any micro-batch."""
 
     def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
         """Peak bytes of a micro-batch's training step with counts ``layers``."""

@@ -232,7 +232,7 @@ def test_auto_keeps_the_cache_only_where_the_estimate_is_lower(cora, whole_graph
     """``micro_batch.mode: auto``, 2 layers, K = 1: the cache stays where layer 0's dst nodes are far fewer than its
     src nodes (Cora's 140 training seeds: 644 against 1664) and is left out where they are all the graph's nodes
     (every node a seed: 2F columns a node gathered instead of F; BatchGNN Table 5), as the two plans' estimates say.
-    The seeds are shuffled: in order, both plans would read their input rows in place (``FeatureStore.view``), with
+    The seeds are shuffled: in order, both plans would read their input rows in place (``HostFeatureStore.view``), with
     no gather of either width to compare."""
     none = torch.empty(0, dtype=torch.int64)
     seeds = torch.randperm(cora.num_nodes, generator=torch.Generator().manual_seed(0))

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from torch import nn
 
 from betty_trainer import (
     FeatureStore,
@@ -26,6 +27,7 @@ from betty_trainer import (
 from betty_trainer.data.feature_store import hands_out_rows, same_device, transfer_bytes
 from betty_trainer.execution.micro_batches import micro_batch_backward
 from betty_trainer.models import set_dropout_key
+from betty_trainer.models.registry import as_built
 from betty_trainer.training import trainer as trainer_module
 from estimator.counts import leading_range
 from partition import make_split
@@ -177,21 +179,47 @@ def test_a_step_reading_the_store_in_place_equals_the_gathering_step_and_leaves_
     assert torch.equal(graph.x, x)
 
 
+class Centring(nn.Module):
+    """Centres the input features in place (a user's layer may write the rows it is given), then runs ``inner``."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, block, h):
+        return self.inner(block, h if h.requires_grad else h.sub_(h.mean(0)))  # the input features only
+
+
 class CentringSAGE(GraphSAGE):
-    """A user's GraphSAGE whose layers centre their input in place: a custom model (a subclass), which may write the
-    rows it is given."""
+    """A user's GraphSAGE subclass whose layers centre their input features in place."""
 
     def apply_layer(self, layer, block, h):
-        return layer(block, h if h.requires_grad else h.sub_(h.mean(0)))  # the input features only
+        return layer(block, h if h.requires_grad else h.sub_(h.mean(0)))
 
 
-def test_a_custom_subclass_of_a_built_in_model_gets_a_gather_it_may_write():
-    """Only a built-in model's step reads the store's rows in place: a subclass that writes its input in place
-    (dropout 0, so nothing copies it first) gets a gathered copy, and the features stay as they were."""
+def _swapped_layer(model: GraphSAGE) -> GraphSAGE:
+    model.layers[0] = Centring(model.layers[0])
+    return model
+
+
+def _patched_method(model: GraphSAGE) -> GraphSAGE:
+    model.apply_layer = lambda layer, block, h: CentringSAGE.apply_layer(model, layer, block, h)
+    return model
+
+
+@pytest.mark.parametrize("make", [lambda *a: CentringSAGE(*a, num_layers=2, dropout=0.0),
+                                  lambda *a: _swapped_layer(GraphSAGE(*a, num_layers=2, dropout=0.0)),
+                                  lambda *a: _patched_method(GraphSAGE(*a, num_layers=2, dropout=0.0))],
+                         ids=["subclass", "swapped-layer", "patched-method"])
+def test_a_model_that_may_write_its_input_gets_a_gather(make):
+    """Only a built-in model as built reads the store's rows in place (``as_built``): a subclass, a built-in model
+    with a layer of the user's or a method set on the instance, each writing its input in place (dropout 0, so
+    nothing copies it first), gets a gathered copy, and the features stay as they were."""
     graph = make_sbm(num_nodes=300, num_features=12, avg_degree=6, train_per_class=20, num_val=20, num_test=20)
     x = graph.x.clone()
     batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
-    model = CentringSAGE(graph.num_features, 16, graph.num_classes, num_layers=2, dropout=0.0)
+    model = make(graph.num_features, 16, graph.num_classes)
+    assert not as_built(model) and as_built(GraphSAGE(graph.num_features, 16, graph.num_classes))
     store = HostFeatureStore(graph.x, pin=False)
     micro_batch_backward(model, batch, store, graph.y, CPU, graph.num_nodes)
     assert torch.equal(graph.x, x) and store.stats.misses == graph.num_nodes

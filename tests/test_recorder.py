@@ -122,6 +122,60 @@ def test_blocks_with_edge_weights_are_recorded_with_them(cora, pattern):
     assert shortfall > 0  # what recording without the weights missed, beyond the weights' own bytes
     with pytest.raises(ValueError, match="carry edge weights"):
         recordings.unweighted.estimate(layers)
+    with pytest.raises(ValueError, match="weighted gives 1 blocks for a model of 2"):
+        record_model(model, cora, 2, adam, weighted=(True,))
+
+
+class DroppedMeans(ProjectedMeans):
+    """ProjectedMeans with dropout on its input: its masks are part of a training step's memory."""
+
+    def __init__(self, in_feats: int, hidden: int, num_classes: int):
+        super().__init__(in_feats, hidden, num_classes)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, blocks, x):
+        return super().forward(blocks, self.dropout(x))
+
+
+def test_a_model_in_eval_mode_is_recorded_as_it_trains(cora):
+    """The recorder records a training step: a model handed over in eval mode (before ``train()`` puts it in
+    training mode) is recorded with its dropout, to the measured training step's byte, not without it."""
+    torch.manual_seed(0)
+    model = DroppedMeans(cora.num_features, 8, cora.num_classes).eval()
+    recorded = record_model(model, cora, 2, adam)
+    assert not model.training
+    batch = sample_batch(cora, cora.train_idx, [None, None], torch.Generator().manual_seed(0))
+    model.train()
+    optimizer, features = adam(model.parameters()), HostFeatureStore(cora.x, pin=False)
+    measure_training_step(model, optimizer, batch, features, cora.y, "cpu")  # Adam state exists
+    measured = measure_training_step(model, optimizer, batch, features, cora.y, "cpu").peak_bytes
+    assert recorded.estimate(counts_of(batch.blocks), accumulate=False) == measured
+
+
+class MasksItsWeights(ProjectedMeans):
+    """Masks its edge weights by their values (a data-dependent shape): recordable without weights, refused with
+    them."""
+
+    def forward(self, blocks, x):
+        if blocks[0].edge_weight is not None:
+            weight = blocks[0].edge_weight
+            x = x + weight[weight > 1].sum()
+        return super().forward(blocks, x)
+
+
+def test_a_weighted_pattern_the_recorder_refuses_is_calibrated_instead(cora, caplog):
+    """The unweighted pattern is recorded; blocks with edge weights make the model read tensor values, so that
+    pattern is calibrated (logged with the reason) and its estimate is the calibrated one."""
+    torch.manual_seed(0)
+    model = MasksItsWeights(cora.num_features, 8, cora.num_classes)
+    recordings = WeightedRecordings(model, cora, 2, adam, "cpu")
+    layers = [dataclasses.replace(layer, weighted=True) for layer in recording_sizes(2)[0]]
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.recorded"):
+        estimate = recordings.estimate(layers)
+    assert "refused MasksItsWeights on blocks with edge weights [True, True]" in caplog.text
+    assert "calibrating it instead" in caplog.text
+    assert estimate == recordings._estimates[(True, True)].estimate(layers)
+    assert isinstance(recordings._estimates[(True, True)], CalibratedModel)
 
 
 class ThroughNumpy(MeanOfMeans):

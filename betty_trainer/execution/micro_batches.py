@@ -21,7 +21,7 @@ from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, hands_out_rows, require_store
 from betty_trainer.errors import NonFiniteLossError
 from betty_trainer.execution.plan import StepResult, estimated_row, held_bytes, layer_sizes, piece_row, plan_report
-from betty_trainer.models.registry import architecture_of
+from betty_trainer.models.registry import as_built
 from betty_trainer.models.stack import LayerStack
 from betty_trainer.phases import GATHER
 from estimator.estimate import MemoryEstimate
@@ -90,9 +90,10 @@ def micro_batch_backward(
 ) -> tuple[float, int]:
     """Forward and backward one micro-batch, adding ``∇ Σ_{i∈V_k} CE_i / |V|`` to ``.grad``.
 
-    Gathers the input nodes' features on ``device`` from the feature store (a built-in model, whose layers never
-    write their input, reads a plain host store's own rows instead where the input nodes are ``0 … n − 1`` on the
-    CPU: :func:`~betty_trainer.data.feature_store.hands_out_rows`), moves the output nodes' labels and the
+    Gathers the input nodes' features on ``device`` from the feature store (a built-in model as built, whose layers
+    never write their input, :func:`~betty_trainer.models.registry.as_built`, reads a plain host store's own rows
+    instead where the input nodes are ``0 … n − 1`` on the CPU: :func:`~betty_trainer.data.feature_store.
+    hands_out_rows`), moves the output nodes' labels and the
     blocks there, runs ``model(blocks, x)`` and backpropagates
     ``Σ CE / num_outputs`` (Betty §4.2.3: with ``num_outputs = |V|`` of the whole batch
     the micro-batches' gradients sum to the full batch's). Everything the micro-batch
@@ -116,7 +117,7 @@ def micro_batch_backward(
     """
     with record_function(GATHER):  # only a built-in model, which never writes its input, reads the store's rows
         x = features.view(micro_batch.input_nodes, device) \
-            if architecture_of(model) is not None and hands_out_rows(features, device) else None
+            if as_built(model) and hands_out_rows(features, device) else None
         owned = x is None
         x = features.gather(micro_batch.input_nodes, device) if owned else x
     y = labels[micro_batch.output_nodes].to(device, non_blocking=True)

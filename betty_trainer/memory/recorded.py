@@ -10,7 +10,8 @@ to calibration.
 
 from __future__ import annotations
 
-import functools
+import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -19,8 +20,9 @@ from torch import nn
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
-from betty_trainer.errors import PlanningError
 from betty_trainer.execution.micro_batches import measured_step_resident, micro_batch_backward
+from betty_trainer.memory.custom import calibrate_model
+from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts
 from estimator.recorder import (
     RecordedModel,
@@ -33,6 +35,7 @@ from estimator.recorder import (
 )
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+logger = logging.getLogger(__name__)
 
 
 def record_model(
@@ -67,6 +70,7 @@ def record_model(
         The :class:`~estimator.recorder.RecordedModel` (bytes as the CPU measurement counts them).
 
     Raises:
+        ValueError: ``weighted`` names another number of blocks than ``num_layers``.
         RecordingRefused: the model cannot be recorded exactly (the message names why in one line): another device
             than the CPU, a forward that reads tensor values, data-dependent shapes, kernels outside PyTorch's
             operators, or bytes not linear in the counts.
@@ -74,6 +78,8 @@ def record_model(
     device = torch.device(device)
     if device.type != "cpu":
         raise RecordingRefused(f"the recorder models the CPU allocator; {device} rounds and caches blocks")
+    if weighted and len(weighted) != num_layers:
+        raise ValueError(f"weighted gives {len(weighted)} blocks for a model of {num_layers}")
     parameters = list(model.parameters())
     if not parameters:
         raise RecordingRefused(f"{type(model).__name__} has no parameters to train")
@@ -89,21 +95,25 @@ _RECORDED: dict[tuple, RecordedModel] = {}
 
 class WeightedRecordings:
     """A custom model's recorded estimate for micro-batches of any pattern of edge-weighted blocks (LABOR, GNS and
-    LADIES weigh the layers they sample): each pattern is recorded by :func:`record_model` when a micro-batch of it
-    is first estimated, and kept there.
+    LADIES weigh the layers they sample): the unweighted pattern is recorded at once, any other when a micro-batch
+    of it is first estimated (logged with the time it took), and each is kept here. Where the recorder refuses the
+    model on a pattern it recorded unweighted (say, a mask on the weights' values), that pattern is calibrated
+    instead (:func:`~betty_trainer.memory.custom.calibrate_model`, logged with the reason; its synthetic
+    micro-batches carry no weights, so it fits within its usual error, not to the byte).
 
     Args:
         model, graph, num_layers, optimizer_factory, device: as :func:`record_model`'s.
 
     Raises:
-        RecordingRefused: at construction, as :func:`record_model` (the unweighted pattern is recorded at once).
+        RecordingRefused: at construction, as :func:`record_model` (the unweighted pattern).
     """
 
     def __init__(self, model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: OptimizerFactory,
                  device: torch.device | str):
-        self._record = functools.partial(record_model, model, graph, num_layers, optimizer_factory, device)
-        self.unweighted = self._record()
-        self.name = type(model).__name__
+        self._args = (model, graph, num_layers, optimizer_factory, device)
+        self.unweighted = record_model(*self._args)
+        self._estimates: dict[tuple[bool, ...], RecordedModel | CalibratedModel] = {
+            (False,) * num_layers: self.unweighted}
 
     @property
     def resident_bytes(self) -> int:
@@ -116,17 +126,20 @@ class WeightedRecordings:
         return self.unweighted.allocations
 
     def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
-        """:meth:`RecordedModel.estimate` of the recording of ``layers``' pattern of edge weights.
-
-        Raises:
-            PlanningError: the recorder refuses the model on blocks weighted so (the message names why).
-        """
+        """The estimate (:meth:`RecordedModel.estimate`) of ``layers``' pattern of edge weights, recorded (or
+        calibrated) on first use."""
         pattern = tuple(layer.weighted for layer in layers)
-        try:
-            return self._record(weighted=pattern).estimate(layers, accumulate)
-        except RecordingRefused as refusal:
-            raise PlanningError(f"the memory recorder refused {self.name} on blocks with edge weights "
-                                f"{list(pattern)}: {refusal}") from None
+        if pattern not in self._estimates:
+            name, started = type(self._args[0]).__name__, time.perf_counter()
+            try:
+                self._estimates[pattern] = record_model(*self._args, weighted=pattern)
+                logger.info("recorded the memory estimate of %s on blocks with edge weights %s in %.2f s", name,
+                            list(pattern), time.perf_counter() - started)
+            except RecordingRefused as refusal:
+                logger.info("the memory recorder refused %s on blocks with edge weights %s (%s); calibrating it "
+                            "instead", name, list(pattern), refusal)
+                self._estimates[pattern] = calibrate_model(*self._args)
+        return self._estimates[pattern].estimate(layers, accumulate)
 
 
 def recording_key(model: nn.Module, graph: Graph, num_layers: int, optimizer: torch.optim.Optimizer,
@@ -148,7 +161,7 @@ def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: 
     name = type(model).__name__
     sizes = recording_sizes(num_layers, weighted)
     with torch.random.fork_rng(devices=[]), Recorder() as recorder:
-        fake = recorder.fake_module(model)
+        fake = recorder.fake_module(model).train()  # a training step, whatever mode the model is in now (dropout)
         optimizer = optimizer_factory(list(fake.parameters()))
         features, labels = HostFeatureStore(recorder.fake(graph.x), pin=False, in_place=False), recorder.fake(graph.y)
         in_forward = []  # non-empty while the model's forward runs: a read of a tensor's value there is refused

@@ -60,3 +60,15 @@ def register(architecture: Architecture) -> Architecture:
 def architecture_of(model: nn.Module) -> Architecture | None:
     """The registered architecture whose class ``model`` is exactly (a subclass is a custom model), else ``None``."""
     return next((known for known in ARCHITECTURES.values() if type(model) is known.model), None)
+
+
+def as_built(model: nn.Module) -> bool:
+    """Whether ``model`` is a built-in model as :attr:`Architecture.build` makes it, which never writes its input
+    features (what a step that reads them in place relies on): its class registered exactly
+    (:func:`architecture_of`), every submodule a class of ``betty_trainer.models`` or a ``Linear``/``ModuleList``, no
+    module with a method set on the instance or a forward pre-hook. A layer swapped in by the user, a subclass or a
+    patched method makes it a custom model here."""
+    return architecture_of(model) is not None and all(
+        (type(module).__module__.startswith("betty_trainer.models.") or type(module) in (nn.Linear, nn.ModuleList))
+        and not module._forward_pre_hooks and not any(callable(value) for value in vars(module).values())
+        for module in model.modules())
