@@ -179,6 +179,24 @@ def test_a_step_reading_the_store_in_place_equals_the_gathering_step_and_leaves_
     assert torch.equal(graph.x, x)
 
 
+@pytest.mark.parametrize("overrides", [["model.arch=sage", "model.aggregator=mean"], ["model.arch=sage", "model.aggregator=lstm"],
+                                       ["model.arch=sage", "model.aggregator=pool"], ["model.arch=gcn"], ["model.arch=gat"],
+                                       ["model.arch=gin"]], ids=["sage", "sage-lstm", "sage-pool", "gcn", "gat", "gin"])
+def test_every_built_in_model_as_built_reads_the_store_in_place(overrides):
+    """``as_built`` holds for every registered architecture as ``build_model`` makes it, so each reads a full-graph
+    batch's features in place (no gather), and the features stay as they were after a step with dropout 0."""
+    graph = make_sbm(num_nodes=200, num_features=10, avg_degree=5, train_per_class=15, num_val=10, num_test=10)
+    x = graph.x.clone()
+    torch.manual_seed(0)
+    model = build_model(load_config(None, [*overrides, "model.hidden=8", "model.dropout=0"]).model, graph)
+    assert as_built(model)
+    store = HostFeatureStore(graph.x, pin=False)
+    store.gather = lambda *args: pytest.fail("a built-in model as built gathered a full-graph batch's rows")
+    batch = sample_batch(graph, torch.arange(graph.num_nodes), [None, None])
+    micro_batch_backward(model, batch, store, graph.y, CPU, graph.num_nodes)
+    assert torch.equal(graph.x, x) and store.stats.misses == graph.num_nodes
+
+
 class Centring(nn.Module):
     """Centres the input features in place (a user's layer may write the rows it is given), then runs ``inner``."""
 
