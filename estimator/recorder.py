@@ -243,7 +243,7 @@ class RecordedModel:
     accumulating: np.ndarray
     first: np.ndarray
     allocations: int
-    weighted: tuple[bool, ...] = ()
+    weighted: tuple[bool, ...]
 
     def step_bytes(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
         """Peak bytes the step adds above the resident bytes and the block structure.
@@ -254,16 +254,11 @@ class RecordedModel:
         """
         if len(layers) != self.num_layers:
             raise ValueError(f"the micro-batch has {len(layers)} layers but the model was recorded with {self.num_layers}")
-        if tuple(layer.weighted for layer in layers) != self.pattern:
+        if tuple(layer.weighted for layer in layers) != self.weighted:
             raise ValueError(f"the micro-batch's blocks carry edge weights {[layer.weighted for layer in layers]}, "
-                             f"the recorded ones {list(self.pattern)}: record the model with that pattern")
+                             f"the recorded ones {list(self.weighted)}: record the model with that pattern")
         moments = self.accumulating if accumulate else self.first
         return max(0, int((moments @ np.array(counts_vector(layers), dtype=np.int64)).max()))
-
-    @property
-    def pattern(self) -> tuple[bool, ...]:
-        """:attr:`weighted` with one entry per block (``False`` where none was given)."""
-        return self.weighted or (False,) * self.num_layers
 
     def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
         """Peak bytes of a training step of the micro-batch with counts ``layers`` (input layer first), as

@@ -113,7 +113,7 @@ class WeightedRecordings:
         self._args = (model, graph, num_layers, optimizer_factory, device)
         self.unweighted = record_model(*self._args)
         self._estimates: dict[tuple[bool, ...], RecordedModel | CalibratedModel] = {
-            (False,) * num_layers: self.unweighted}
+            self.unweighted.weighted: self.unweighted}
 
     @property
     def resident_bytes(self) -> int:
