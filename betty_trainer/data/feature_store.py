@@ -254,9 +254,10 @@ class HostFeatureStore(FeatureStore):
         return self.in_place and torch.device(device).type == "cpu" and self.x.device.type == "cpu"
 
     def view(self, node_ids: Tensor, device: torch.device | str) -> Tensor | None:
-        """``x[:n]`` (a view, no copy; the caller must only read it) for ``node_ids`` ``0 … n − 1`` in order
-        (:func:`~estimator.counts.leading_range`) on the CPU (:meth:`views_rows`), counted as ``n`` misses with no
-        bytes moved, as a gather to the CPU is; ``None`` otherwise. Callers ask :func:`hands_out_rows` first."""
+        """``x[:n]``, ``(n, F)`` in ``x``'s dtype (a view, no copy; the caller must only read it) for ``node_ids``
+        (``(n,)`` int64) ``0 … n − 1`` in order (:func:`~estimator.counts.leading_range`) on the CPU
+        (:meth:`views_rows`), counted as ``n`` misses with no bytes moved, as a gather to the CPU is; ``None``
+        otherwise. Raises nothing. Callers ask :func:`hands_out_rows` first."""
         if not self.views_rows(device) or not leading_range(node_ids):
             return None
         self.stats.misses += node_ids.numel()
