@@ -159,6 +159,15 @@ time at 64 columns, 0.86× at 80, 0.97× at 96, 0.87–0.94× at 128; slower at 
 whose rows need more registers than AVX2 has."""
 
 
+TILE_COLUMNS = 128
+"""The column tile of the compiled gathers on rows wider than :data:`SPECIALISED_WIDTHS` whose width is a multiple of
+it: each row's sum is made one tile at a time (the row's edges read once per tile), by the kernel compiled for this
+many columns. Measured (``benchmarks/README.md`` › aggregation.py, one thread, the raw CSR gather): at 256 columns
+0.88× the untiled kernel's time on a 30k-node SBM and 0.98× on Amazon Computers, at 384 0.95×, at 512 0.98×; tiles
+of 64 columns gain less (1.05×, 1.00×, 0.98×) and of 32 lose (1.37–2.0×). Each column's sum adds the same edges in
+the same order, so the bits equal the untiled kernel's."""
+
+
 def _by_width(make):
     """``make(columns)`` → a compiled kernel for that many columns (0: read from the arrays). Returns
     ``kernel(columns)``: the specialised kernel for a count of :data:`SPECIALISED_WIDTHS`, the generic one otherwise;
@@ -167,13 +176,24 @@ def _by_width(make):
     return lambda columns: kernels(columns if columns in SPECIALISED_WIDTHS else 0)
 
 
+def _gather_tile(width: int) -> int:
+    """The column tile a compiled gather over rows of ``width`` columns runs (0: the whole row, its width read from
+    the arrays): the width itself where it is one of :data:`SPECIALISED_WIDTHS`, :data:`TILE_COLUMNS` where the
+    width is a larger multiple of it."""
+    if width in SPECIALISED_WIDTHS:
+        return width
+    return TILE_COLUMNS if width > TILE_COLUMNS and width % TILE_COLUMNS == 0 else 0
+
+
 def _make_gather_kernel(columns: int):
     @jit(parallel=True)
     def gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
-        width = columns if columns else dense.shape[1]
+        width = dense.shape[1]
+        tile = columns if columns else width
         for row in numba.prange(indptr.shape[0] - 1):
             acc = out[row]
-            _row_sum(indptr, indices, values, col_scale, dense, row, acc, width)
+            for first in range(0, width, tile):
+                _row_sum(indptr, indices, values, col_scale, dense, row, acc, first, tile)
             if row_scale is not None:
                 scale = row_scale[row]
                 for f in range(width):
@@ -181,13 +201,13 @@ def _make_gather_kernel(columns: int):
     return gather_kernel
 
 
-_gather_kernels = _by_width(_make_gather_kernel)
+_gather_kernels = functools.cache(_make_gather_kernel)
 
 
 def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out) -> None:
     """``out = diag(row_scale)·M·diag(col_scale)·dense`` (numpy arrays; :func:`_csr_matmul`), by the kernel compiled
-    for ``dense``'s column count where one is (:data:`SPECIALISED_WIDTHS`)."""
-    _gather_kernels(dense.shape[1])(indptr, indices, values, row_scale, col_scale, dense, out)
+    for ``dense``'s column tile where one is (:func:`_gather_tile`)."""
+    _gather_kernels(_gather_tile(dense.shape[1]))(indptr, indices, values, row_scale, col_scale, dense, out)
 
 
 _csr_gather = kernel_operator(
@@ -196,15 +216,17 @@ _csr_gather = kernel_operator(
 
 
 @jit(inline="always")
-def _row_sum(indptr, indices, values, col_scale, dense, row, acc, width):  # pragma: no cover - compiled
-    """``acc = Σ_{e in row} coefficient_e · dense[indices[e]]`` over CSR row ``row``, in edge order, four edges at
-    a time (one pass over ``acc`` per four src rows); ``width``: ``dense``'s columns (a constant where the caller
-    is compiled for one)."""
+def _row_sum(indptr, indices, values, col_scale, dense, row, out, first, width):  # pragma: no cover - compiled
+    """``out[first:first + width] = Σ_{e in row} coefficient_e · dense[indices[e], first:first + width]`` over CSR row
+    ``row``, in edge order, four edges at a time (one pass over the sum per four src rows); ``width``: the columns
+    summed (a constant where the caller is compiled for one)."""
+    acc, last = out[first:first + width], first + width
     for f in range(width):
         acc[f] = 0.0
     e, end = indptr[row], indptr[row + 1]
     while e + 3 < end:
-        a, b, c, d = dense[indices[e]], dense[indices[e + 1]], dense[indices[e + 2]], dense[indices[e + 3]]
+        a, b = dense[indices[e], first:last], dense[indices[e + 1], first:last]
+        c, d = dense[indices[e + 2], first:last], dense[indices[e + 3], first:last]
         if values is None and col_scale is None:  # branches on None are pruned when compiled
             for f in range(width):
                 acc[f] += (a[f] + b[f]) + (c[f] + d[f])
@@ -215,7 +237,7 @@ def _row_sum(indptr, indices, values, col_scale, dense, row, acc, width):  # pra
                 acc[f] += (ca * a[f] + cb * b[f]) + (cc * c[f] + cd * d[f])
         e += 4
     while e < end:
-        a = dense[indices[e]]
+        a = dense[indices[e], first:last]
         if values is None and col_scale is None:
             for f in range(width):
                 acc[f] += a[f]
@@ -402,10 +424,12 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
 def _make_rows_gather_kernel(columns: int):
     @jit(parallel=True)
     def rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
-        width = columns if columns else dense.shape[1]
+        width = dense.shape[1]
+        tile = columns if columns else width
         for i in numba.prange(out.shape[0]):
             row, acc = begin + i, out[i]
-            _row_sum(indptr, indices, values, None, dense, row, acc, width)
+            for first in range(0, width, tile):
+                _row_sum(indptr, indices, values, None, dense, row, acc, first, tile)
             scale = _rows_scale(indptr, values, row, self_loop)
             for f in range(width):
                 acc[f] *= scale
@@ -416,12 +440,13 @@ def _make_rows_gather_kernel(columns: int):
     return rows_gather_kernel
 
 
-_rows_gather_kernels = _by_width(_make_rows_gather_kernel)
+_rows_gather_kernels = functools.cache(_make_rows_gather_kernel)
 
 
 def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out) -> None:
-    """:func:`aggregate_rows` on numpy arrays, by the kernel compiled for ``dense``'s column count where one is."""
-    _rows_gather_kernels(dense.shape[1])(indptr, indices, values, begin, self_loop, dense, out)
+    """:func:`aggregate_rows` on numpy arrays, by the kernel compiled for ``dense``'s column tile where one is
+    (:func:`_gather_tile`)."""
+    _rows_gather_kernels(_gather_tile(dense.shape[1]))(indptr, indices, values, begin, self_loop, dense, out)
 
 
 _rows_gather = kernel_operator(
