@@ -104,16 +104,18 @@ SPECIALISED = {  # kernel by column count, its generic compilation, arguments wi
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize(("kernel", "width"), [(kernel, width) for kernel in SPECIALISED for width in (64, 80)]
                          + [(kernel, width) for kernel in ("csr_scatter", "rows_scatter") for width in (192, 100)]
-                         + [(kernel, width) for kernel in ("csr_gather", "rows_gather") for width in (256, 384)])
+                         + [(kernel, width) for kernel in ("csr_gather", "rows_gather") for width in (256, 48)])
 def test_kernels_compiled_for_a_column_count_give_the_generic_kernel_s_bits(kernel, width, weighted):
     """A kernel compiled for a column count of SPECIALISED_WIDTHS writes the same bits as the generic kernel, which
     reads the count from the arrays: the same sums in the same order, only unrolled. The scatters are compiled for
     their column block: the whole width (64, 80), three blocks of 64 columns (192), or a block of 64 and a last,
-    partial one of 36 that the compiled-for branch does not take (100, as on two threads). The gathers sum rows of a
-    multiple of TILE_COLUMNS (256, 384) one tile of 128 columns at a time."""
+    partial one of 36 that the compiled-for branch does not take (100, as on two threads). The gathers sum rows of
+    TILED_WIDTHS (256) one tile of 128 columns at a time; each gather compiled without the prefetch, and the generic one
+    with it, write the same bits."""
     by_width, make, arguments = SPECIALISED[kernel]
     assert {64, 80} <= aggregate.SPECIALISED_WIDTHS and not {100, 192} & aggregate.SPECIALISED_WIDTHS
-    assert [aggregate._gather_tile(w) for w in (64, 80, 100, 192, 200, 256, 384)] == [64, 80, 0, 0, 0, 128, 128]
+    assert [aggregate._gather_key(w) for w in (32, 48, 64, 256, 384)] == [
+        (0, False, False), (0, False, True), (64, False, True), (256, True, True), (0, False, True)]
     block = random_block(num_dst=60, num_src=90, max_degree=12, seed=3)
     generator = np.random.default_rng(7)
     values = ((generator.random(block.num_edges, dtype=np.float32) if weighted else None),
@@ -123,14 +125,23 @@ def test_kernels_compiled_for_a_column_count_give_the_generic_kernel_s_bits(kern
     (*inputs,), shape = arguments(block, values, h, g, width)
     inputs = [a.numpy() if isinstance(a, torch.Tensor) else a for a in inputs]
     scatter = "scatter" in kernel
-    column_count = 64 if width in (100, 192) else aggregate._gather_tile(width)
     specialised, generic = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    extra = (column_count,) if scatter else ()  # the scatters' column block
-    assert by_width(column_count) is not by_width(0)
-    by_width(column_count)(*inputs, specialised, *extra)
-    make(0)(*inputs, generic, *extra)
+    if scatter:
+        column_count = 64 if width in (100, 192) else width
+        assert by_width(column_count) is not by_width(0)
+        by_width(column_count)(*inputs, specialised, column_count)  # the scatters' column block
+        make(0)(*inputs, generic, column_count)
+        kernels = []
+    else:
+        by_width(*aggregate._gather_key(width))(*inputs, specialised)
+        make(0, False, False)(*inputs, generic)
+        kernels = [] if weighted else [make(*aggregate._gather_key(width)[:2], False), make(0, False, True)]
     assert np.any(specialised != 0)
     assert np.array_equal(specialised.view(np.int32), generic.view(np.int32))
+    for kernel in kernels:
+        other = np.zeros(shape, np.float32)
+        kernel(*inputs, other)
+        assert np.array_equal(other.view(np.int32), generic.view(np.int32))
 
 
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck: torch >= 2.4")

@@ -160,12 +160,19 @@ whose rows need more registers than AVX2 has."""
 
 
 TILE_COLUMNS = 128
-"""The column tile of the compiled gathers on rows wider than :data:`SPECIALISED_WIDTHS` whose width is a multiple of
-it: each row's sum is made one tile at a time (the row's edges read once per tile), by the kernel compiled for this
-many columns. Measured (``benchmarks/README.md`` › aggregation.py, one thread, the raw CSR gather): at 256 columns
-0.88× the untiled kernel's time on a 30k-node SBM and 0.98× on Amazon Computers, at 384 0.95×, at 512 0.98×; tiles
-of 64 columns gain less (1.05×, 1.00×, 0.98×) and of 32 lose (1.37–2.0×). Each column's sum adds the same edges in
-the same order, so the bits equal the untiled kernel's."""
+"""The column tile of the compiled gathers on rows of :data:`TILED_WIDTHS` columns: each row's sum is made one tile
+at a time (the row's edges read once per tile), the tiles unrolled in the kernel compiled for the width."""
+
+TILED_WIDTHS = frozenset({2 * TILE_COLUMNS})
+"""Column counts the compiled gathers sum in tiles of :data:`TILE_COLUMNS`. Measured (``benchmarks/README.md`` ›
+aggregation.py, the raw CSR gather, one thread, in one process, interleaved, both with the prefetch): at 256 columns
+the tiled kernel took 0.84× and 0.92× the untiled one's time on the 30k-node SBM and Amazon Computers; at 384 and 512
+columns tiles gained nothing (0.99–1.17×), so those rows are summed whole. Each column's sum adds the same edges in
+the same order, so the bits are the untiled kernel's."""
+
+PREFETCH_MIN_COLUMNS = 33
+"""The narrowest rows the compiled gathers prefetch (:data:`PREFETCH_EDGES`): float32 rows longer than two cache
+lines. On rows of 16 and 32 columns the prefetch cost 2–8% of the time."""
 
 
 def _by_width(make):
@@ -176,24 +183,27 @@ def _by_width(make):
     return lambda columns: kernels(columns if columns in SPECIALISED_WIDTHS else 0)
 
 
-def _gather_tile(width: int) -> int:
-    """The column tile a compiled gather over rows of ``width`` columns runs (0: the whole row, its width read from
-    the arrays): the width itself where it is one of :data:`SPECIALISED_WIDTHS`, :data:`TILE_COLUMNS` where the
-    width is a larger multiple of it."""
-    if width in SPECIALISED_WIDTHS:
-        return width
-    return TILE_COLUMNS if width > TILE_COLUMNS and width % TILE_COLUMNS == 0 else 0
+def _gather_key(width: int) -> tuple[int, bool, bool]:
+    """``(columns, tiled, prefetch)``: the column count a compiled gather over rows of ``width`` columns is compiled
+    for (0: read from the arrays; :data:`SPECIALISED_WIDTHS` and :data:`TILED_WIDTHS`), whether it sums each row in
+    tiles of :data:`TILE_COLUMNS`, and whether it prefetches (:data:`PREFETCH_MIN_COLUMNS`)."""
+    columns = width if width in SPECIALISED_WIDTHS or width in TILED_WIDTHS else 0
+    return columns, width in TILED_WIDTHS, width >= PREFETCH_MIN_COLUMNS
 
 
-def _make_gather_kernel(columns: int):
+def _make_gather_kernel(columns: int, tiled: bool = False, prefetch: bool = True):
     @jit(parallel=True)
     def gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
-        width = dense.shape[1]
-        tile = columns if columns else width
+        width = columns if columns else dense.shape[1]
+        flat = dense.reshape(-1)  # the rows as one array, for the prefetch's addresses
         for row in numba.prange(indptr.shape[0] - 1):
             acc = out[row]
-            for first in range(0, width, tile):
-                _row_sum(indptr, indices, values, col_scale, dense, row, acc, first, tile)
+            if tiled:
+                for tile in range(columns // TILE_COLUMNS):
+                    _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, tile * TILE_COLUMNS, TILE_COLUMNS,
+                             prefetch)
+            else:
+                _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, 0, width, prefetch)
             if row_scale is not None:
                 scale = row_scale[row]
                 for f in range(width):
@@ -206,8 +216,8 @@ _gather_kernels = functools.cache(_make_gather_kernel)
 
 def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out) -> None:
     """``out = diag(row_scale)·M·diag(col_scale)·dense`` (numpy arrays; :func:`_csr_matmul`), by the kernel compiled
-    for ``dense``'s column tile where one is (:func:`_gather_tile`)."""
-    _gather_kernels(_gather_tile(dense.shape[1]))(indptr, indices, values, row_scale, col_scale, dense, out)
+    for ``dense``'s column count (:func:`_gather_key`)."""
+    _gather_kernels(*_gather_key(dense.shape[1]))(indptr, indices, values, row_scale, col_scale, dense, out)
 
 
 _csr_gather = kernel_operator(
@@ -215,35 +225,80 @@ _csr_gather = kernel_operator(
     "Tensor(a!) out) -> ()", _gather_kernel)
 
 
+PREFETCH_EDGES = 4
+"""How many edges ahead the compiled gather asks the CPU to fetch the src rows it will read (the next pass of four
+edges: their first two cache lines each, the hardware prefetcher following a row once it is read). Measured
+(``benchmarks/README.md`` › aggregation.py, the raw CSR gather with a row scale, one thread, against the kernel before
+the prefetch, both compiled in one process, 21 interleaved rounds, on the 30k-node SBM and Amazon Computers): 0.92×
+and 0.90× the time at 64 columns, 0.88× and 0.87× at 128, 0.80× and 0.88× at 256 (tiled: :data:`TILED_WIDTHS`),
+0.87× and 0.86× at 47; in a stand-alone kernel 2 edges ahead gained less (0.92–0.98× at 256 and 64 columns) and 8
+or 16 less again."""
+
+
+if numba is None:  # pragma: no cover - numba is a declared dependency
+    def _prefetch_rows(indices, edge, flat, width, first):
+        """Nothing: a hint only the compiled kernels give (below)."""
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _prefetch(typing_context, array, index):  # pragma: no cover - compiled
+        """``llvm.prefetch`` (read, high locality, data cache) of ``array``'s element ``index`` (C-contiguous)."""
+        def codegen(context, builder, signature, arguments):
+            data = context.make_array(signature.args[0])(context, builder, arguments[0]).data
+            byte_pointer = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            function = builder.module.declare_intrinsic(
+                "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]))
+            address = builder.bitcast(builder.gep(data, [arguments[1]]), byte_pointer)
+            builder.call(function, [address, i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return types.void(array, index), codegen
+
+    @jit(inline="always")
+    def _prefetch_rows(indices, edge, flat, width, first):  # pragma: no cover - compiled
+        """Ask the CPU to fetch, from the rows ``indices[edge … edge + 3]`` (those that exist) of a C-contiguous
+        matrix of ``width`` columns flattened to ``flat``, the two cache lines from column ``first`` on: a hint,
+        which never faults (an address past the row is fetched or not, never read) and changes no value."""
+        for q in range(4):
+            if edge + q < indices.shape[0]:
+                base = indices[edge + q] * width + first
+                _prefetch(flat, base)
+                _prefetch(flat, base + 16)
+
+
 @jit(inline="always")
-def _row_sum(indptr, indices, values, col_scale, dense, row, out, first, width):  # pragma: no cover - compiled
-    """``out[first:first + width] = Σ_{e in row} coefficient_e · dense[indices[e], first:first + width]`` over CSR row
-    ``row``, in edge order, four edges at a time (one pass over the sum per four src rows); ``width``: the columns
-    summed (a constant where the caller is compiled for one)."""
-    acc, last = out[first:first + width], first + width
-    for f in range(width):
+def _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, first, width, prefetch):  # pragma: no cover
+    """``acc[first + f] = Σ_{e in row} coefficient_e · dense[indices[e], first + f]`` for ``f < width`` over CSR row
+    ``row``, in edge order, four edges at a time (one pass over the sum per four src rows), asking for the src rows
+    :data:`PREFETCH_EDGES` edges ahead with ``prefetch``; ``first`` and ``width``: the columns summed (constants where
+    the caller is compiled for them: whole rows or unrolled tiles)."""
+    for f in range(first, first + width):
         acc[f] = 0.0
     e, end = indptr[row], indptr[row + 1]
     while e + 3 < end:
-        a, b = dense[indices[e], first:last], dense[indices[e + 1], first:last]
-        c, d = dense[indices[e + 2], first:last], dense[indices[e + 3], first:last]
+        if prefetch:
+            _prefetch_rows(indices, e + PREFETCH_EDGES, flat, dense.shape[1], first)
+        a, b, c, d = dense[indices[e]], dense[indices[e + 1]], dense[indices[e + 2]], dense[indices[e + 3]]
         if values is None and col_scale is None:  # branches on None are pruned when compiled
-            for f in range(width):
+            for f in range(first, first + width):
                 acc[f] += (a[f] + b[f]) + (c[f] + d[f])
         else:
             ca, cb = _coefficient(values, col_scale, indices, e), _coefficient(values, col_scale, indices, e + 1)
             cc, cd = _coefficient(values, col_scale, indices, e + 2), _coefficient(values, col_scale, indices, e + 3)
-            for f in range(width):
+            for f in range(first, first + width):
                 acc[f] += (ca * a[f] + cb * b[f]) + (cc * c[f] + cd * d[f])
         e += 4
     while e < end:
-        a = dense[indices[e], first:last]
+        a = dense[indices[e]]
         if values is None and col_scale is None:
-            for f in range(width):
+            for f in range(first, first + width):
                 acc[f] += a[f]
         else:
             ca = _coefficient(values, col_scale, indices, e)
-            for f in range(width):
+            for f in range(first, first + width):
                 acc[f] += ca * a[f]
         e += 1
 
@@ -265,6 +320,13 @@ SCATTER_MAX_WIDTH = 128
 one is gathered on ``Aᵀ``'s CSR, built for the call. Measured one thread each (``benchmarks/aggregation.py``):
 at width 64 the scatter takes 0.8× the transpose and gather on Amazon Computers and the same on a 30k-node SBM;
 at 256, 1.0–1.3× (the scatter's read-modify-write of every edge's src row costs more than a transpose then)."""
+
+SCATTER_PREFETCH_EDGES = 8
+"""How many edges ahead the compiled scatter asks the CPU to fetch the src rows of the gradient it will add into (the
+first two cache lines of each of four rows, from its column block on; :data:`PREFETCH_EDGES` is the gather's).
+Measured (``benchmarks/README.md`` › aggregation.py, a scatter of whole rows, one thread, in one process,
+interleaved): 0.80–0.88× the time at 64 and 128 columns on the 30k-node SBM and Amazon Computers, 0.86–0.94× at 16
+and 32 columns on the SBM and 0.87–1.04× on Amazon Computers; 4 edges ahead gained less at 32 and 128 columns."""
 
 SCATTER_COLUMNS = 16
 """The narrowest column block a thread of the compiled backward scatters (64 bytes of float32: a cache line)."""
@@ -311,6 +373,7 @@ def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, f
     edges' src rows (``out``, zeros), in edge order, then the src rows scaled."""
     last = first + count
     scaled = np.empty(count, dtype=grad.dtype)
+    flat = out.reshape(-1)  # the rows as one array, for the prefetch's addresses
     for d in range(indptr.shape[0] - 1):
         row = grad[d, first:last]
         if row_scale is None:
@@ -320,7 +383,7 @@ def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, f
             scale = row_scale[d]
             for f in range(count):
                 scaled[f] = row[f] * scale
-        _scatter_row(indptr, indices, values, d, scaled, out, first, count)
+        _scatter_row(indptr, indices, values, d, scaled, out, flat, first, count)
     if col_scale is not None:
         for s in range(out.shape[0]):
             target = out[s, first:last]
@@ -330,11 +393,13 @@ def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, f
 
 
 @jit(inline="always")
-def _scatter_row(indptr, indices, values, d, scaled, out, first, count):  # pragma: no cover - compiled
+def _scatter_row(indptr, indices, values, d, scaled, out, flat, first, count):  # pragma: no cover - compiled
     """``out[indices[e], first:first + count] += value_e · scaled`` along CSR row ``d``'s edges, in edge order, four at a
-    time (one pass over ``scaled`` per four src rows)."""
+    time (one pass over ``scaled`` per four src rows), asking for the rows :data:`SCATTER_PREFETCH_EDGES` edges ahead
+    (``flat``: ``out`` as one array)."""
     e, end, last = indptr[d], indptr[d + 1], first + count
     while e + 3 < end:
+        _prefetch_rows(indices, e + SCATTER_PREFETCH_EDGES, flat, out.shape[1], first)
         a, b = out[indices[e], first:last], out[indices[e + 1], first:last]
         c, g = out[indices[e + 2], first:last], out[indices[e + 3], first:last]
         va, vb = _coefficient(values, None, indices, e), _coefficient(values, None, indices, e + 1)
@@ -421,15 +486,18 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
     return np.float32(1.0) / total if total != 0 else np.float32(0.0)
 
 
-def _make_rows_gather_kernel(columns: int):
+def _make_rows_gather_kernel(columns: int, tiled: bool = False, prefetch: bool = True):
     @jit(parallel=True)
     def rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
-        width = dense.shape[1]
-        tile = columns if columns else width
+        width = columns if columns else dense.shape[1]
+        flat = dense.reshape(-1)  # the rows as one array, for the prefetch's addresses
         for i in numba.prange(out.shape[0]):
             row, acc = begin + i, out[i]
-            for first in range(0, width, tile):
-                _row_sum(indptr, indices, values, None, dense, row, acc, first, tile)
+            if tiled:
+                for tile in range(columns // TILE_COLUMNS):
+                    _row_sum(indptr, indices, values, None, dense, flat, row, acc, tile * TILE_COLUMNS, TILE_COLUMNS, prefetch)
+            else:
+                _row_sum(indptr, indices, values, None, dense, flat, row, acc, 0, width, prefetch)
             scale = _rows_scale(indptr, values, row, self_loop)
             for f in range(width):
                 acc[f] *= scale
@@ -444,9 +512,9 @@ _rows_gather_kernels = functools.cache(_make_rows_gather_kernel)
 
 
 def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out) -> None:
-    """:func:`aggregate_rows` on numpy arrays, by the kernel compiled for ``dense``'s column tile where one is
-    (:func:`_gather_tile`)."""
-    _rows_gather_kernels(_gather_tile(dense.shape[1]))(indptr, indices, values, begin, self_loop, dense, out)
+    """:func:`aggregate_rows` on numpy arrays, by the kernel compiled for ``dense``'s column count where there
+    is one (:func:`_gather_key`)."""
+    _rows_gather_kernels(*_gather_key(dense.shape[1]))(indptr, indices, values, begin, self_loop, dense, out)
 
 
 _rows_gather = kernel_operator(
@@ -481,12 +549,13 @@ def _rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, s
 def _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, first, count):  # pragma: no cover
     """Columns ``[first, first + count)`` of :func:`_rows_scatter_kernel`."""
     scaled = np.empty(count, dtype=grad.dtype)
+    flat = out.reshape(-1)  # the rows as one array, for the prefetch's addresses
     for i in range(grad.shape[0]):
         row = begin + i
         scale = _rows_scale(indptr, values, row, self_loop)
         for f in range(count):
             scaled[f] = grad[i, first + f] * scale
-        _scatter_row(indptr, indices, values, row, scaled, out, first, count)
+        _scatter_row(indptr, indices, values, row, scaled, out, flat, first, count)
         if self_loop:
             own = out[row, first:first + count]
             for f in range(count):
