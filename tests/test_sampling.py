@@ -217,3 +217,22 @@ def test_make_sampler_builds_the_configured_sampler(cora):
     assert labor.importance_iterations == 2 and labor.batches_per_epoch == math.ceil(cora.train_idx.numel() / 50)
     gns = build("sampling.sampler=gns", "sampling.fanouts=[3,4]", "sampling.gns.refresh_every=7")
     assert isinstance(gns, GNSSampler) and gns.refresh_every == 7 and gns.fanouts == [3, 4]
+
+
+def test_a_full_neighbourhood_batch_is_sampled_once_for_equal_seeds(cora):
+    """Full-batch training asks for the same seeds every epoch: the full-neighbourhood sampler hands its last batch
+    back for equal seeds (another tensor, another key), a new one for other seeds, and a sampling one never keeps."""
+    from betty_trainer import NeighborSampler, SampleKey
+    from betty_trainer.memory.planner import same_structure
+
+    seeds = cora.train_idx.clone()
+    full = NeighborSampler(cora, [None, None])
+    first = full.sample(seeds, SampleKey(0, 0, 0))
+    seeds.add_(1)  # the sampler kept a copy of the seeds, not the caller's tensor
+    assert full.sample(cora.train_idx.clone(), SampleKey(0, 1, 0)) is first
+    assert same_structure(first, sample_batch(cora, cora.train_idx, [None, None]))
+    other = full.sample(seeds, SampleKey(0, 1, 0))
+    assert other is not first and torch.equal(other.output_nodes, seeds)
+    sampling = NeighborSampler(cora, [5, 5])
+    one, two = (sampling.sample(cora.train_idx, SampleKey(0, epoch, 0)) for epoch in (0, 1))
+    assert one is not two and not same_structure(one, two)
