@@ -3,7 +3,7 @@ item 3's evidence; CPU).
 
 Each built-in model is recorded by :func:`betty_trainer.memory.recorded.record_model` (its numba kernels are
 operators, ``betty_trainer.models.operators``, which fill tensors allocated in torch code); a model the recorder
-refuses is printed with why (GAT's self-edge mask and the LSTM aggregator's in-degree groups are data-dependent).
+refuses is printed with why (the LSTM aggregator's in-degree groups are data-dependent).
 On Cora's full training batch split into K REG micro-batches (Adam warmed by one step, later micro-batches
 accumulating; node dropout ``--dropout``, default 0), every micro-batch is estimated by the recorder
 (``recorded``), by the hand-written terms (``estimate_micro_batch``: ``terms``) and measured

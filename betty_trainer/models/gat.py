@@ -11,7 +11,7 @@ from betty_trainer.data.block import Block
 from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, attention_aggregate, edge_dst_terms, edge_softmax
 from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
-from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts
+from estimator.counts import INDEX_BYTES, LayerCounts
 from estimator.tape import AGG, GRAD, HID, OVER, StepTape
 from estimator.work import LayerSize, Work
 
@@ -27,8 +27,10 @@ class GATConv(nn.Module):
 
     Every dst node attends to itself (the dst ``d`` is src position ``d``, the
     dst-first convention): the layer appends one self edge per dst node to the
-    block's edges, and leaves out any self edge the block already has, so an
-    isolated node attends only to itself. The block is not modified. On a weighted
+    block's edges, and gives any self edge the block already has no attention (its
+    score is ``−∞``, so ``α = 0``: the softmax and the sum are those without it, and
+    every tensor's size depends on the counts alone, not on how many such edges
+    there are), so an isolated node attends only to itself. The block is not modified. On a weighted
     block (LABOR's or GNS's importance weights, ``w_e ≈ 1/π_e``) an edge's attention is
     ``α ∝ w_e·exp(e_sd)``, the softmax of ``e_sd + log w_e`` (self edges weigh 1): the
     self-normalised importance estimate of the full neighbourhood's attention, as the
@@ -100,23 +102,25 @@ class GATConv(nn.Module):
         """The attention and aggregation of :meth:`forward` (Eq. 2–6) from the projected src rows ``z``
         ``(num_src, H·F_out)`` (:meth:`project`); output as :meth:`forward`'s."""
         edge_src, edge_dst = block.indices, block.edge_dst()
-        keep = edge_src != edge_dst
         loops = torch.arange(block.num_dst, device=edge_src.device)
-        edge_src, edge_dst = torch.cat([edge_src[keep], loops]), torch.cat([edge_dst[keep], loops])
+        own = torch.cat([edge_src == edge_dst, loops.new_zeros(block.num_dst, dtype=torch.bool)])  # block's self edges
+        edge_src, edge_dst = torch.cat([edge_src, loops]), torch.cat([edge_dst, loops])
         score_src = z @ _per_head(self.att_src)
         score_dst = block.dst_rows(z) @ _per_head(self.att_dst)
         z = z.view(-1, self.heads, self.out_feats)
         scores = score_src.index_select(0, edge_src) + score_dst.index_select(0, edge_dst)
         scores = F.leaky_relu(scores, self.negative_slope)
         if block.edge_weight is not None:  # softmax over w·exp(e): e + log w, self edges weighing 1
-            log_weight = torch.cat([block.edge_weight[keep].to(scores.dtype).log(), scores.new_zeros(block.num_dst)])
+            log_weight = torch.cat([block.edge_weight.to(scores.dtype).log(), scores.new_zeros(block.num_dst)])
             scores = scores + log_weight.unsqueeze(1)
+        scores.masked_fill_(own.unsqueeze(1), float("-inf"))  # the block's own self edges get no attention
         alpha = edge_softmax(scores, edge_dst, block.num_dst)
         out = attention_aggregate(z, alpha, edge_src, edge_dst, block.num_dst)
         out = out.flatten(1) if self.concat else out.mean(1)
         out = out + self.bias
         if return_attention_weights:
-            return out, (torch.stack([edge_src, edge_dst]), alpha)
+            attended = ~own  # data-dependent shapes, on this inspection path only
+            return out, (torch.stack([edge_src, edge_dst])[:, attended], alpha[attended])
         return out
 
     def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
@@ -146,15 +150,11 @@ class GATConv(nn.Module):
         s, d, e = c.num_src, c.num_dst, c.num_edges
         e2, hf = e + d, heads * width
         edge_dst = edge_dst_terms(tape, c)
-        not_self, loops = r.alloc(e, OVER), r.alloc(d * INDEX_BYTES, OVER)
-        ends = []
-        for kept_bytes in (LOCAL_INDEX_BYTES, INDEX_BYTES):  # torch.cat([ids[not_self], loops]): src, then dst
-            nonzero = r.alloc(e * INDEX_BYTES, OVER)
-            kept = r.alloc(e * kept_bytes, OVER)  # the src ends are the block's int32 indices
-            r.drop(nonzero)
-            ends.append(r.alloc(e2 * INDEX_BYTES, AGG))
-            r.drop(kept)
-        edge_src2, edge_dst2 = ends
+        loops = r.alloc(d * INDEX_BYTES, OVER)
+        equal, no_loop = r.alloc(e, OVER), r.alloc(d, OVER)  # own: the block's self edges, then the loops' falses
+        own = r.alloc(e2, OVER)
+        r.drop(no_loop, equal)
+        edge_src2, edge_dst2 = r.alloc(e2 * INDEX_BYTES, AGG), r.alloc(e2 * INDEX_BYTES, AGG)  # cat(ends, loops)
         r.drop(edge_dst)
         per_head = []  # z @ _per_head(att_src), then z[:D] @ _per_head(att_dst): (H, H·F), then the (rows, H) scores
         per_head.append(r.alloc(heads * hf * f, AGG))
@@ -170,20 +170,18 @@ class GATConv(nn.Module):
         activated = r.alloc(e2 * heads * f, AGG)  # leaky_relu saves its input
         r.save(scores)
         r.drop(scores)
-        if c.weighted:  # + log w: the kept weights (a boolean index), their logs, the self edges' zeros
-            nonzero = r.alloc(e * INDEX_BYTES, OVER)
-            kept = r.alloc(e * 4, OVER)
-            r.drop(nonzero)
-            if f != 4:  # float32 weights cast to the scores' dtype
-                converted = r.alloc(e * f, OVER)
-                r.drop(kept)
-                kept = converted
-            logs, zeros = r.alloc(e * f, OVER), r.alloc(d * f, OVER)
+        log_weight = None
+        if c.weighted:  # + log w: the weights' logs, then the loops' zeros
+            converted = r.alloc(e * f, OVER) if f != 4 else None  # float32 weights cast to the scores' dtype
+            logs = r.alloc(e * f, OVER)
+            r.drop(converted)
+            zeros = r.alloc(d * f, OVER)
             log_weight = r.alloc(e2 * f, OVER)
-            r.drop(kept, logs, zeros)
+            r.drop(zeros, logs)
             summed = r.alloc(e2 * heads * f, AGG)
-            r.drop(log_weight, activated)
+            r.drop(activated)
             activated = summed
+        r.save(own)  # masked_fill_ in place on the scores; its backward keeps the mask
         peak = r.alloc(d * heads * f, AGG)  # edge_softmax: the per-dst max, then α in place on one tensor
         peak_gathered = r.alloc(e2 * heads * f, AGG)
         alpha = r.alloc(e2 * heads * f, AGG)  # scores − the max, exponentiated in place
@@ -204,7 +202,7 @@ class GATConv(nn.Module):
             averaged = r.alloc(d * width * f, HID)
             result = r.alloc(d * width * f, HID)
             r.drop(averaged)
-        r.drop(out, not_self, loops, score_src, score_dst, activated)
+        r.drop(out, own, loops, score_src, score_dst, activated, log_weight)
 
         def backward(grad: int) -> int | None:
             tape.param_grad(hf if concat else width)  # bias
@@ -225,8 +223,10 @@ class GATConv(nn.Module):
             sums = r.alloc(d * heads * f, GRAD)
             r.transient(e2 * heads * f, GRAD)  # the per-dst sums gathered
             r.drop(sums, grad_alpha, alpha, edge_dst2)
+            masked = r.alloc(e2 * heads * f, GRAD)  # MaskedFillBackward: the gradient with the own edges' zeroed
+            r.drop(grad_softmax, own)
             grad_scores = r.alloc(e2 * heads * f, GRAD)  # LeakyReluBackward
-            r.drop(grad_softmax, scores)
+            r.drop(masked, scores)
             grad_score_dst = r.alloc(d * heads * f, GRAD)
             r.drop(edge_dst2)
             grad_score_src = r.alloc(s * heads * f, GRAD)
