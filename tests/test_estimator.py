@@ -245,3 +245,49 @@ def test_estimate_of_adams_foreach_path(cora64, model):
     if config.model.arch != "gat":  # the two paths are told apart where the optimizer step sets the peak
         assert estimate_micro_batch(counts_of(batch.blocks), single).peak_bytes != \
             estimate_micro_batch(counts_of(batch.blocks), foreach).peak_bytes
+
+
+def with_self_edges(batch):
+    """The batch with one more in-edge per dst node of every block: the node itself (local src position ``d``), last
+    in its row (a user's blocks may carry self loops; ours never do: graphs drop them when built)."""
+    blocks = []
+    for block in batch.blocks:
+        degrees = block.indptr.diff()
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int64), (degrees + 1).cumsum(0)])
+        indices = torch.empty(block.num_edges + block.num_dst, dtype=block.indices.dtype)
+        own = indptr[1:] - 1  # each row's last slot
+        mask = torch.ones(indices.numel(), dtype=torch.bool)
+        mask[own] = False
+        indices[mask], indices[own] = block.indices, torch.arange(block.num_dst, dtype=block.indices.dtype)
+        blocks.append(dataclasses.replace(block, indptr=indptr, indices=indices))
+    return Batch(blocks)
+
+
+@pytest.mark.parametrize("edge_weights", [False, True], ids=["unweighted", "weighted"])
+def test_gat_on_blocks_with_self_edges_is_estimated_to_the_byte_and_attends_as_without_them(cora64, edge_weights):
+    """GAT gives a block's own self edges no attention (a score of −∞) instead of dropping them, so its tensors'
+    sizes are the counts' (E + D edges attended, E counting the self edges): the estimate equals the measured peak
+    on such blocks, and the logits equal those of the same blocks without the self edges."""
+    config = load_config(None, ["model.arch=gat", "model.hidden=16", "model.heads=2", "model.dropout=0.5"])
+    torch.manual_seed(0)
+    net = build_model(config.model, cora64)
+    set_dropout_key(net, 0, 0)
+    optimizer = torch.optim.Adam(net.parameters(), weight_decay=config.optim.weight_decay)
+    plain = sample_batch(cora64, cora64.train_idx, [5, 10], torch.Generator().manual_seed(0))
+    plain = weighted(plain) if edge_weights else plain
+    looped = with_self_edges(plain)
+    if edge_weights:  # the self edges' own weights, which their −∞ score makes irrelevant
+        looped = Batch([dataclasses.replace(b, edge_weight=torch.full((b.num_edges,), 3.0)) for b in looped.blocks])
+        for p, b in zip(plain.blocks, looped.blocks):  # the other edges keep their weights
+            keep = torch.ones(b.num_edges, dtype=torch.bool)
+            keep[b.indptr[1:] - 1] = False
+            b.edge_weight[keep] = p.edge_weight
+    features = HostFeatureStore(cora64.x, pin=False)
+    measure_training_step(net, optimizer, looped, features, cora64.y, "cpu")  # Adam state exists
+    spec = model_spec(config, cora64)
+    estimate = estimate_micro_batch(counts_of(looped.blocks), spec).peak_bytes
+    assert estimate == measure_training_step(net, optimizer, looped, features, cora64.y, "cpu").peak_bytes
+    net.eval()
+    with torch.no_grad():
+        x = features.gather(plain.input_nodes, torch.device("cpu"))
+        assert torch.equal(net(looped.blocks, x), net(plain.blocks, x))  # α = 0 adds exact zeros
