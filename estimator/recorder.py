@@ -6,7 +6,9 @@ tensors (``FakeTensorMode``: shapes, dtypes and storages, no data, no compute) u
 ``TorchDispatchMode``. Every operator output whose storage is new is an allocation of ``storage.nbytes()`` bytes;
 a ``weakref`` callback on that storage (storages keep their Python object while the tensor lives, so the callback
 fires when the last tensor or view on it dies: autograd's saved tensors, gradients and optimizer temporaries
-included) records its free, as ``torch.distributed._tools.mem_tracker.MemTracker`` does. Replaying the
+included) records its free, as ``torch.distributed._tools.mem_tracker.MemTracker`` does. A Python number passed where
+an operator takes a tensor (``x / 3.0``) adds the 0-dim tensors PyTorch makes of it around the operator
+(:func:`_wrapped_number_bytes`), which are no operator's output. Replaying the
 allocations and frees in order gives the step's peak: the quantity :func:`estimator.measure.measure_peak` measures
 on the CPU (bytes requested from torch's CPU allocator, one request per storage).
 
@@ -116,10 +118,21 @@ class _Recording(TorchDispatchMode):
             return True if args[0].dtype == torch.bool else 1  # a finite loss, a first optimizer step
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, Tensor):
-                self._track(tensor.untyped_storage(), str(func), inputs)
+        tensors = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        scalars = [self._transient(f"{func} (a Python number as a tensor)", nbytes)
+                   for nbytes in _wrapped_number_bytes(func, args, kwargs, tensors)]
+        for tensor in tensors:
+            self._track(tensor.untyped_storage(), str(func), inputs)
+        self.events.extend(-index - 1 for index in reversed(scalars))
         return out
+
+    def _transient(self, op: str, nbytes: int) -> int:
+        """A temporary made before the operator's output and freed after it (its free is the caller's to record)."""
+        index = len(self.nbytes)
+        self.ops.append(op)
+        self.nbytes.append(nbytes)
+        self.events.append(index + 1)
+        return index
 
     def _track(self, storage: torch.UntypedStorage, op: str, inputs: set[int]) -> None:
         key = id(storage)
@@ -130,6 +143,33 @@ class _Recording(TorchDispatchMode):
         self.nbytes.append(storage.nbytes())
         self.events.append(index + 1)
         self.known[key] = weakref.ref(storage, lambda _, index=index: self.events.append(-index - 1))
+
+
+_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def _wrapped_number_bytes(func, args: tuple, kwargs: dict | None, outputs: list[Tensor]) -> list[int]:
+    """Bytes of the CPU tensors a call makes around ``func`` for Python numbers passed where its schema takes a tensor
+    (``x / 3.0`` is ``aten.div.Tensor(x, 3.0)``): PyTorch's argument parser wraps each in a 0-dim tensor of its default
+    dtype (8 bytes for a float or an int) before the operator, which copies it to the computation's dtype (the
+    output's, e.g. 4 bytes of float32) while it makes its output, and frees both after. Neither is an operator's
+    output, so the recording adds them; measured with ``torch.profiler`` (torch 2.13, CPU: ``div``, ``mul``, ``add``,
+    ``mul_`` by a float on float32, float16, float64 and int64 tensors; ``tests/test_recorder.py``). Adam's
+    ``sqrt(v) / bias_correction2_sqrt`` is one, where a step whose peak is the optimizer's update puts it."""
+    schema = func._schema.arguments
+    given = list(zip(schema, args)) + [(a, kwargs[a.name]) for a in schema if kwargs and a.name in kwargs]
+    numbers = [value for argument, value in given
+               if isinstance(argument.type, torch._C.TensorType) and type(value) in _NUMBER_DTYPES]
+    if not numbers:
+        return []
+    dtype = next((t.dtype for t in outputs), None) or next(t.dtype for t in tree_leaves(args) if isinstance(t, Tensor))
+    sizes = []
+    for value in numbers:
+        wrapped = _NUMBER_DTYPES[type(value)]
+        sizes.append(wrapped.itemsize)
+        if dtype != wrapped:
+            sizes.append(dtype.itemsize)
+    return sizes
 
 
 class Recorder:

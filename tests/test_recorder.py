@@ -26,7 +26,7 @@ from betty_trainer.models.aggregate import mean_neighbours
 from betty_trainer.training.dry_run import dry_run
 from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts, block_structure_bytes, counts_of
-from estimator.recorder import RecordedModel, Recording, RecordingRefused, recording_sizes, solve
+from estimator.recorder import RecordedModel, Recorder, Recording, RecordingRefused, recording_sizes, solve
 from tests.test_calibration import LR, WEIGHT_DECAY, adam, train_under_half_its_peak
 
 
@@ -322,3 +322,30 @@ def test_the_dry_run_plans_a_custom_model_with_its_recorded_estimate(cora, plane
         assert row["estimate"]["peak_bytes"] == row["measured_peak_bytes"] and row["error"] == 0, row
     assert max(row["estimate"]["peak_bytes"] for row in report["pieces"]) == report["estimate_peak_bytes"]
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype, number", [(torch.float32, 3.0), (torch.float16, 0.5), (torch.float64, 3.0),
+                                           (torch.int64, 2), (torch.int32, 2)])
+def test_a_python_number_where_an_operator_takes_a_tensor_is_recorded_as_the_profiler_sees_it(dtype, number):
+    """``x * number`` and ``x.mul_(number)`` (``aten.mul.Tensor`` and ``mul_.Tensor`` given a Python number) make a
+    0-dim tensor of the number's default dtype and, where the result's dtype differs, a copy in that dtype, while the
+    operator makes its output: the recording's peak of ``y = x * number; y.mul_(number)`` on a 10-element ``x`` equals
+    the profiler's (``estimator.measure.measure_peak``) to the byte, and exceeds the output's bytes."""
+    from estimator.measure import measure_peak
+
+    x = torch.ones(10, dtype=dtype)
+
+    def step() -> None:
+        y = x * number
+        y.mul_(number)
+
+    measured = measure_peak(step, "cpu").peak_bytes
+    with Recorder() as recorder:
+        fake = recorder.fake(x)
+
+        def fake_step() -> None:
+            y = fake * number
+            y.mul_(number)
+
+        recorded = recorder.record(fake_step).peak_bytes
+    assert recorded == measured > 10 * x.element_size()
