@@ -17,6 +17,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # silences the profiler's per-st
 
 import torch  # noqa: E402
 
-from betty_trainer import plan_micro_batches, sample_batch  # noqa: E402
+from betty_trainer import Batch, plan_micro_batches, sample_batch  # noqa: E402
 from betty_trainer.config import load_config  # noqa: E402
 from betty_trainer.data.feature_store import HostFeatureStore  # noqa: E402
 from betty_trainer.data.graph import Graph  # noqa: E402
@@ -42,11 +43,14 @@ MODELS = {"sage-mean": ["model.arch=sage", "model.aggregator=mean"], "sage-gcn":
           "gat": ["model.arch=gat"], "sage-lstm": ["model.arch=sage", "model.aggregator=lstm"]}
 
 
-def peaks(graph: Graph, name: str, hidden: int, dropout: float, k: int, seed: int = 0) -> Iterator[tuple[int, int, int]]:
+def peaks(graph: Graph, name: str, hidden: int, dropout: float, k: int, seed: int = 0,
+          weighted: bool = False) -> Iterator[tuple[int, int, int]]:
     """Per micro-batch of ``graph``'s full training batch (full neighbourhood, 2 layers) in ``k`` REG micro-batches:
     the recorded, hand-written (terms) and measured peak bytes of built-in model ``name`` (of :data:`MODELS`, width
     ``hidden``, node dropout ``dropout``, Adam with weight decay warmed by one step; micro-batches after the first
-    accumulate). Importable from the tests (``from benchmarks.recorder_vs_terms import peaks``).
+    accumulate); with ``weighted``, every block carries float32 edge weights in ``[0.5, 1.5)`` (as LABOR's and GNS's
+    blocks carry importance weights) and the model is recorded with them. Importable from the tests (``from
+    benchmarks.recorder_vs_terms import peaks``).
 
     Raises:
         RecordingRefused: the recorder refuses the model (the message names why in one line).
@@ -57,10 +61,14 @@ def peaks(graph: Graph, name: str, hidden: int, dropout: float, k: int, seed: in
     model = build_model(config.model, graph)
     set_dropout_key(model, seed, 0)
     spec = spec_of(model, config, "cpu")
-    recorded = record_model(model, graph, 2, config.optim.make_optimizer)
+    recorded = record_model(model, graph, 2, config.optim.make_optimizer, weighted=(weighted, weighted))
     optimizer = config.optim.make_optimizer(model.parameters())
     features = HostFeatureStore(graph.x, pin=False)
     batch = sample_batch(graph, graph.train_idx, [None, None])
+    if weighted:
+        generator = torch.Generator().manual_seed(seed)
+        batch = Batch([dataclasses.replace(block, edge_weight=torch.rand(block.num_edges, generator=generator) + 0.5)
+                       for block in batch.blocks])
     micro_batches = plan_micro_batches(batch, k, "reg", seed)
     measure_training_step(model, optimizer, micro_batches[0], features, graph.y, "cpu")  # Adam state exists
     for index, micro_batch in enumerate(micro_batches):
@@ -81,6 +89,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weighted", action="store_true", help="blocks with edge weights (LABOR's, GNS's)")
     parser.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args()
     graph = common.load_graph("cora", args.data_dir)
@@ -89,7 +98,7 @@ def main() -> None:
         try:
             for k in args.ks:
                 for index, (mine, terms, measured) in enumerate(peaks(graph, name, args.hidden, args.dropout, k,
-                                                                       args.seed)):
+                                                                       args.seed, args.weighted)):
                     rows.append([name, str(k), str(index), str(mine), str(terms), str(measured), f"{mine - terms:+d}",
                                  f"{mine - measured:+d}", f"{terms - measured:+d}"])
         except RecordingRefused as refusal:

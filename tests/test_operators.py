@@ -237,16 +237,18 @@ def recorded_over(graph, name: str, k: int) -> int:
     return 3 * (edges - min(edges, ATTENTION_CHUNK_ELEMENTS // width)) * width * 4
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("name", BUILT_IN)
-def test_recorded_estimate_equals_the_measured_peak_and_the_hand_written_terms(cora, name, k):
+def test_recorded_estimate_equals_the_measured_peak_and_the_hand_written_terms(cora, name, k, weighted):
     """Cora's full training batch in ``k`` REG micro-batches, hidden 64, dropout 0.5, Adam warmed by one step, later
-    micro-batches accumulating (``benchmarks/recorder_vs_terms.py``'s table): per micro-batch the recorded estimate
+    micro-batches accumulating, blocks with or without edge weights (``benchmarks/recorder_vs_terms.py``'s tables;
+    the weighted model recorded with weighted blocks): per micro-batch the recorded estimate
     equals the measured peak to the byte (Adam's ``sqrt(v) / bias_correction2_sqrt`` included, whose Python float the
     recording adds as the 0-dim tensors PyTorch makes of it: where the peak is Adam's update, as for sage-pool at
     K = 4), but for GAT's attention chunks (:func:`recorded_over`); the hand-written terms (the loss, autograd's seed
     gradient and those scalars included) equal it everywhere."""
-    for index, (recorded, terms, measured) in enumerate(peaks(cora, name, 64, 0.5, k)):
+    for index, (recorded, terms, measured) in enumerate(peaks(cora, name, 64, 0.5, k, weighted=weighted)):
         assert recorded - measured == recorded_over(cora, name, k), (name, k, index, recorded, measured)
         assert terms == measured, (name, k, index, terms, measured)
 
