@@ -146,28 +146,41 @@ class _Recording(TorchDispatchMode):
 
 
 _NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+_WRAPPING = frozenset({"add", "sub", "mul", "div", "rsub", "remainder"})  # their .Scalar overloads wrap the number too
+_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})  # and theirs, compared in the tensor's dtype
 
 
 def _wrapped_number_bytes(func, args: tuple, kwargs: dict | None, outputs: list[Tensor]) -> list[int]:
-    """Bytes of the CPU tensors a call makes around ``func`` for Python numbers passed where its schema takes a tensor
-    (``x / 3.0`` is ``aten.div.Tensor(x, 3.0)``): PyTorch's argument parser wraps each in a 0-dim tensor of its default
-    dtype (8 bytes for a float or an int) before the operator, which copies it to the computation's dtype (the
-    output's, e.g. 4 bytes of float32) while it makes its output, and frees both after. Neither is an operator's
-    output, so the recording adds them; measured with ``torch.profiler`` (torch 2.13, CPU: ``div``, ``mul``, ``add``,
-    ``mul_`` by a float on float32, float16, float64 and int64 tensors; ``tests/test_recorder.py``). Adam's
-    ``sqrt(v) / bias_correction2_sqrt`` is one, where a step whose peak is the optimizer's update puts it."""
-    schema = func._schema.arguments
-    given = list(zip(schema, args)) + [(a, kwargs[a.name]) for a in schema if kwargs and a.name in kwargs]
-    numbers = [value for argument, value in given
-               if isinstance(argument.type, torch._C.TensorType) and type(value) in _NUMBER_DTYPES]
+    """Bytes of the CPU tensors a call makes around ``func`` for the Python numbers it is given, which no operator
+    returns: each number becomes a 0-dim tensor of its default dtype (8 bytes for a float or an int), made before the
+    operator's output and freed after it, and, where the computation's dtype differs, a copy in that dtype (4 bytes
+    for float32), made inside the operator before its output. PyTorch's argument parser makes the first for a number
+    passed where the schema takes a tensor (``x / 3.0`` is ``aten.div.Tensor(x, 3.0)``; ``copy_`` then copies
+    without the second); the ``.Scalar`` overloads of the binary arithmetic operators and of the comparisons make
+    both themselves (``1.0 - x`` is ``aten.rsub.Scalar``, ``x >= 5`` is ``aten.ge.Scalar``; a comparison copies the
+    number to the tensor's dtype, the others to the result's). Measured with ``torch.profiler`` (torch 2.13, CPU) on
+    float32, float16, float64, int64 and int32 tensors: ``tests/test_recorder.py``. Adam's
+    ``sqrt(v) / bias_correction2_sqrt`` is one of them, where a step whose peak is the optimizer's update puts it.
+
+    Not counted: the number autograd keeps for the backward of ``mul`` and ``div`` by it (8 bytes, freed with the
+    backward node, which the dispatcher does not see), and the copy an elementwise operator makes of a tensor operand
+    whose dtype is not the computation's (``int_tensor / 2`` copies the tensor to float32)."""
+    schema = func._schema
+    base = schema.name.split("::")[-1].rstrip("_")
+    wraps = (func._overloadname == "Scalar" and (base in _WRAPPING or base in _COMPARISONS))
+    given = list(zip(schema.arguments, args)) + [(a, kwargs[a.name]) for a in schema.arguments
+                                                 if kwargs and a.name in kwargs]
+    numbers = [value for argument, value in given if type(value) in _NUMBER_DTYPES
+               and (isinstance(argument.type, torch._C.TensorType) or wraps)]
     if not numbers:
         return []
-    dtype = next((t.dtype for t in outputs), None) or next(t.dtype for t in tree_leaves(args) if isinstance(t, Tensor))
+    first = next(t.dtype for t in tree_leaves(args) if isinstance(t, Tensor))
+    dtype = first if base in _COMPARISONS else next((t.dtype for t in outputs), first)
     sizes = []
     for value in numbers:
         wrapped = _NUMBER_DTYPES[type(value)]
         sizes.append(wrapped.itemsize)
-        if dtype != wrapped:
+        if dtype != wrapped and base != "copy":
             sizes.append(dtype.itemsize)
     return sizes
 

@@ -324,28 +324,34 @@ def test_the_dry_run_plans_a_custom_model_with_its_recorded_estimate(cora, plane
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
 
 
-@pytest.mark.parametrize("dtype, number", [(torch.float32, 3.0), (torch.float16, 0.5), (torch.float64, 3.0),
-                                           (torch.int64, 2), (torch.int32, 2)])
-def test_a_python_number_where_an_operator_takes_a_tensor_is_recorded_as_the_profiler_sees_it(dtype, number):
-    """``x * number`` and ``x.mul_(number)`` (``aten.mul.Tensor`` and ``mul_.Tensor`` given a Python number) make a
-    0-dim tensor of the number's default dtype and, where the result's dtype differs, a copy in that dtype, while the
-    operator makes its output: the recording's peak of ``y = x * number; y.mul_(number)`` on a 10-element ``x`` equals
-    the profiler's (``estimator.measure.measure_peak``) to the byte, and exceeds the output's bytes."""
+NUMBER_CASES = {  # a Python number where an operator takes a tensor, and the .Scalar overloads that wrap it too
+    "x * n": lambda x, n: x * n, "x / n": lambda x, n: x / n, "x + n": lambda x, n: x + n,
+    "n - x": lambda x, n: n - x, "x % n": lambda x, n: x % n, "x.mul_(n)": lambda x, n: x.mul_(n),
+    "mul.Scalar": lambda x, n: torch.ops.aten.mul.Scalar(x, n), "x.copy_(n)": lambda x, n: x.copy_(n),
+    "x.eq(n)": lambda x, n: x.eq(n), "x >= n": lambda x, n: x >= n, "x.eq_(n)": lambda x, n: x.eq_(n),
+    "where": lambda x, n: torch.where(x > 0, x, n), "x.pow(n)": lambda x, n: x.pow(n),
+    "x.masked_fill(m, n)": lambda x, n: x.masked_fill(x > 0, n), "x.clamp(n)": lambda x, n: x.clamp(min=n),
+}
+
+
+NUMBER_DTYPES = [(torch.float32, 3.0), (torch.float32, 2), (torch.float16, 0.5), (torch.float64, 3.0),
+                 (torch.int64, 2), (torch.int32, 2)]
+
+
+@pytest.mark.parametrize("case, dtype, number", [
+    (case, dtype, number) for case in NUMBER_CASES for dtype, number in NUMBER_DTYPES
+    if case != "x / n" or dtype.is_floating_point])  # an integer tensor's true division: the blind spot below
+def test_a_python_number_an_operator_takes_is_recorded_as_the_profiler_sees_it(case, dtype, number):
+    """The 0-dim tensors PyTorch makes of a Python number (``estimator.recorder._wrapped_number_bytes``): the
+    recording's peak of each expression on a 10-element tensor equals the profiler's
+    (``estimator.measure.measure_peak``) to the byte, on five dtypes, with a float and an int. Left out: an integer
+    tensor divided (``/``) by a number, which copies the tensor to float32 (the blind spot the docstring names)."""
     from estimator.measure import measure_peak
 
+    step = NUMBER_CASES[case]
     x = torch.ones(10, dtype=dtype)
-
-    def step() -> None:
-        y = x * number
-        y.mul_(number)
-
-    measured = measure_peak(step, "cpu").peak_bytes
+    measured = measure_peak(lambda: step(x.clone(), number), "cpu").peak_bytes
     with Recorder() as recorder:
         fake = recorder.fake(x)
-
-        def fake_step() -> None:
-            y = fake * number
-            y.mul_(number)
-
-        recorded = recorder.record(fake_step).peak_bytes
-    assert recorded == measured > 10 * x.element_size()
+        recorded = recorder.record(lambda: step(fake.clone(), number)).peak_bytes
+    assert recorded == measured

@@ -153,10 +153,10 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor |
 SPECIALISED_WIDTHS = frozenset(range(64, 129, 16))
 """Column counts the compiled aggregation kernels are compiled for as a constant (one compilation per count, cached on
 disk like the others), so that LLVM unrolls each row's columns into registers; any other count runs a kernel that
-reads it from the arrays. Chosen by measurement (``benchmarks/README.md`` › aggregation.py, one thread, AMD EPYC
-znver3 with AVX2, the CSR gather on Amazon Computers and a 30k-node SBM, 25 interleaved rounds): 0.77–0.82× the
-time at 64 columns, 0.86× at 80, 0.97× at 96, 0.87–0.94× at 128; slower at 16–48 (1.05–1.28×) and at 256 (1.02×),
-whose rows need more registers than AVX2 has."""
+reads it from the arrays, but the gathers' :data:`TILED_WIDTHS`. Chosen by measurement (``benchmarks/README.md`` ›
+aggregation.py, one thread, AMD EPYC znver3 with AVX2, the CSR gather on Amazon Computers and a 30k-node SBM, 25
+interleaved rounds): 0.77–0.82× the time at 64 columns, 0.86× at 80, 0.97× at 96, 0.87–0.94× at 128; slower at
+16–48 (1.05–1.28×) and at 256 as one row (1.02×), which needs more registers than AVX2 has (hence the tiles)."""
 
 
 TILE_COLUMNS = 128
@@ -172,7 +172,7 @@ the same order, so the bits are the untiled kernel's."""
 
 PREFETCH_MIN_COLUMNS = 33
 """The narrowest rows the compiled gathers prefetch (:data:`PREFETCH_EDGES`): float32 rows longer than two cache
-lines. On rows of 16 and 32 columns the prefetch cost 2–8% of the time."""
+lines. On rows of 16 and 32 columns the prefetch cost 1–8% of the time."""
 
 
 def _by_width(make):
@@ -198,12 +198,7 @@ def _make_gather_kernel(columns: int, tiled: bool = False, prefetch: bool = True
         flat = dense.reshape(-1)  # the rows as one array, for the prefetch's addresses
         for row in numba.prange(indptr.shape[0] - 1):
             acc = out[row]
-            if tiled:
-                for tile in range(columns // TILE_COLUMNS):
-                    _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, tile * TILE_COLUMNS, TILE_COLUMNS,
-                             prefetch)
-            else:
-                _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, 0, width, prefetch)
+            _row_sums(indptr, indices, values, col_scale, dense, flat, row, acc, width, tiled, prefetch)
             if row_scale is not None:
                 scale = row_scale[row]
                 for f in range(width):
@@ -267,6 +262,18 @@ else:
                 base = indices[edge + q] * width + first
                 _prefetch(flat, base)
                 _prefetch(flat, base + 16)
+
+
+@jit(inline="always")
+def _row_sums(indptr, indices, values, col_scale, dense, flat, row, acc, width, tiled, prefetch):  # pragma: no cover
+    """:func:`_row_sum` over the whole row of ``width`` columns, or with ``tiled`` in tiles of :data:`TILE_COLUMNS`
+    (``width`` a constant multiple of it, the tiles unrolled)."""
+    if tiled:
+        for tile in range(width // TILE_COLUMNS):
+            _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, tile * TILE_COLUMNS, TILE_COLUMNS,
+                     prefetch)
+    else:
+        _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, 0, width, prefetch)
 
 
 @jit(inline="always")
@@ -462,6 +469,9 @@ def aggregate_rows_transpose_(block: Block, begin: int, grad: Tensor, out: Tenso
         ValueError: where the compiled kernels do not run.
     """
     _require_compiled(grad)
+    if not out.is_contiguous():
+        raise ValueError("aggregate_rows_transpose_ adds into a contiguous out (rows of the compiled scatter's "
+                         "prefetch are addressed in one flat array); pass out.contiguous() and copy back")
     _rows_scatter(block.indptr, block.indices, _in_dtype(block.edge_weight, grad.dtype), begin, self_loop,
                   grad.contiguous(), out, _column_step(grad.shape[1]))
 
@@ -493,11 +503,7 @@ def _make_rows_gather_kernel(columns: int, tiled: bool = False, prefetch: bool =
         flat = dense.reshape(-1)  # the rows as one array, for the prefetch's addresses
         for i in numba.prange(out.shape[0]):
             row, acc = begin + i, out[i]
-            if tiled:
-                for tile in range(columns // TILE_COLUMNS):
-                    _row_sum(indptr, indices, values, None, dense, flat, row, acc, tile * TILE_COLUMNS, TILE_COLUMNS, prefetch)
-            else:
-                _row_sum(indptr, indices, values, None, dense, flat, row, acc, 0, width, prefetch)
+            _row_sums(indptr, indices, values, None, dense, flat, row, acc, width, tiled, prefetch)
             scale = _rows_scale(indptr, values, row, self_loop)
             for f in range(width):
                 acc[f] *= scale

@@ -101,10 +101,11 @@ class GATConv(nn.Module):
                   return_attention_weights: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
         """The attention and aggregation of :meth:`forward` (Eq. 2–6) from the projected src rows ``z``
         ``(num_src, H·F_out)`` (:meth:`project`); output as :meth:`forward`'s."""
-        edge_src, edge_dst = block.indices, block.edge_dst()
-        loops = torch.arange(block.num_dst, device=edge_src.device)
-        own = torch.cat([edge_src == edge_dst, loops.new_zeros(block.num_dst, dtype=torch.bool)])  # block's self edges
-        edge_src, edge_dst = torch.cat([edge_src, loops]), torch.cat([edge_dst, loops])
+        edge_dst = block.edge_dst()
+        loops = torch.arange(block.num_dst, device=edge_dst.device)
+        edge_src, edge_dst = torch.cat([block.indices.long(), loops]), torch.cat([edge_dst, loops])
+        own = edge_src == edge_dst  # the block's own self edges (the loops, last, are not)
+        own[block.num_edges:].fill_(False)
         score_src = z @ _per_head(self.att_src)
         score_dst = block.dst_rows(z) @ _per_head(self.att_dst)
         z = z.view(-1, self.heads, self.out_feats)
@@ -126,9 +127,8 @@ class GATConv(nn.Module):
     def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
         """What :meth:`forward` allocates (:class:`estimator.tape.StepTape`), returned as
         :meth:`SAGEConv.memory_terms <betty_trainer.models.sage.SAGEConv.memory_terms>` does: z = W h,
-        per-edge scores, edge softmax, Σ α z. Blocks are assumed free of self edges (betty_trainer
-        drops self loops when it builds a graph), so the layer attends over E + D edges: the
-        block's and one self edge per dst node."""
+        per-edge scores, edge softmax, Σ α z, over E + D edges: the block's (its own self edges
+        included, which get no attention) and one self edge per dst node."""
         z, linear_bwd = self.project_terms(tape, c.num_src, hd, hd_grad)
         result, propagate_bwd = self.propagate_terms(tape, c, z)
         tape.r.drop(z)  # forward's own reference (a temporary of propagate(block, project(h))); autograd keeps z
@@ -151,11 +151,12 @@ class GATConv(nn.Module):
         e2, hf = e + d, heads * width
         edge_dst = edge_dst_terms(tape, c)
         loops = r.alloc(d * INDEX_BYTES, OVER)
-        equal, no_loop = r.alloc(e, OVER), r.alloc(d, OVER)  # own: the block's self edges, then the loops' falses
-        own = r.alloc(e2, OVER)
-        r.drop(no_loop, equal)
-        edge_src2, edge_dst2 = r.alloc(e2 * INDEX_BYTES, AGG), r.alloc(e2 * INDEX_BYTES, AGG)  # cat(ends, loops)
+        widened = r.alloc(e * INDEX_BYTES, OVER)  # the int32 src ends as int64, then cat(ends, loops): src, dst
+        edge_src2 = r.alloc(e2 * INDEX_BYTES, AGG)
+        r.drop(widened)
+        edge_dst2 = r.alloc(e2 * INDEX_BYTES, AGG)
         r.drop(edge_dst)
+        own = r.alloc(e2, OVER)  # the block's own self edges
         per_head = []  # z @ _per_head(att_src), then z[:D] @ _per_head(att_dst): (H, H·F), then the (rows, H) scores
         per_head.append(r.alloc(heads * hf * f, AGG))
         score_src = r.alloc(s * heads * f, AGG)
