@@ -403,9 +403,10 @@ class MicroBatchConfig(_Section):
         "auto", description="how a batch's outputs go to micro-batches: batch (the partitioner cuts each batch); "
                             "graph (METIS cuts the whole graph once per K for the run, and each output takes its "
                             "node's part; under a budget a batch whose plan misses it is planned per batch, and "
-                            "the next batches try more micro-batches); auto: graph for sampled batches (a "
-                            "mini-batch or sampled fanouts) with a METIS-based partitioner (reg, reg_unweighted, "
-                            "metis), batch otherwise")
+                            "the next batches try more micro-batches; layer-wise chunks group each layer's dst "
+                            "nodes by their parts in a partition balancing every node); auto: graph for sampled "
+                            "batches (a mini-batch or sampled fanouts) with a METIS-based partitioner (reg, "
+                            "reg_unweighted, metis), batch otherwise")
     mode: Literal["micro_batches", "layerwise", "auto"] = Field(
         "micro_batches", description="micro_batches: K micro-batches of the outputs, each through all layers "
                                      "(Betty); layerwise: one layer at a time in K chunks per layer, recomputed in "

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from partition.partitioners import OutputSplitter
+from partition.partitioners import GraphPartition, OutputSplitter, Splitter
 from partition.search import BudgetError
 from partition.slicing import BlockStructure, LayerSlice, slice_layers
 
@@ -109,9 +109,15 @@ def chunk_layers(blocks: Sequence[BlockStructure], k: int | Sequence[int], parti
     return LayerChunks([chunk_block(block, parts, partitioner, seed) for block, parts in zip(blocks, counts)])
 
 
-def chunk_block(block: BlockStructure, k: int, partitioner: str = "metis", seed: int = 0) -> list[Chunk]:
+def chunk_block(block: BlockStructure, k: int, partitioner: str = "metis", seed: int = 0,
+                splitter: Splitter | None = None) -> list[Chunk]:
     """One block's dst nodes in ``min(k, num_dst)`` chunks (:func:`chunk_layers` of one layer), each sliced once
     for its shape (:func:`partition.slicing.slice_layers`).
+
+    Args:
+        block, k, partitioner, seed: as :func:`chunk_layers`'s.
+        splitter: splits the dst nodes instead of ``partitioner`` on the block (a
+            :class:`~partition.partitioners.GraphSplitter` of the run's graph partition: a look-up per node).
 
     Returns:
         The :class:`Chunk` s, each with ``(d,)`` int64 dst positions and its ``(d + 1,)`` int64 CSC pointer; a
@@ -121,7 +127,10 @@ def chunk_block(block: BlockStructure, k: int, partitioner: str = "metis", seed:
         ValueError: an unknown ``partitioner`` (:class:`~partition.partitioners.OutputSplitter`).
     """
     parts = min(k, block.num_dst)
-    groups = [torch.arange(block.num_dst)] if parts <= 1 else OutputSplitter(block, partitioner).split(parts, seed)
+    if parts <= 1:
+        groups = [torch.arange(block.num_dst)]
+    else:
+        groups = (splitter or OutputSplitter(block, partitioner)).split(parts, seed)
     pieces = []
     for group in groups:
         if group.numel():
@@ -187,7 +196,8 @@ def chunk_floor(blocks: Sequence[BlockStructure], estimate: ChunkEstimate, host_
 
 def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | None, *, budget: int | None = None,
                   k: int = 1, min_k: int = 1, partitioner: str = "metis", seed: int = 0,
-                  host_memory: bool = False, ceiling: int | None = None) -> ChunkSearch:
+                  host_memory: bool = False, ceiling: int | None = None,
+                  splitters: Sequence[Splitter] | None = None) -> ChunkSearch:
     """``max(k, min_k)`` chunks per layer, or under ``budget`` the fewest that fit: doubling from ``min_k`` to the
     first K that fits, then bisecting below it.
 
@@ -214,22 +224,29 @@ def search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | No
         ceiling: under a budget above it, the search runs under it first, so that no chunking is chosen above it
             where one below it exists: the whole batch's estimate in one micro-batch, which needs less work (one
             layer-wise chunk per layer holds every layer's output and recomputes). Without a budget ``k`` stands.
+        splitters: with ``partitioner="graph"``, per block the splitter of its dst nodes (a
+            :class:`~partition.partitioners.GraphSplitter`: the run's graph partition looked up, no partitioning
+            per batch).
 
     Raises:
         BudgetError: no chunking fits ``budget``, or a budget without an estimate (with the numbers).
     """
+    if (partitioner == GraphPartition.method) != (splitters is not None):
+        raise ValueError("the graph partitioner splits with the run's graph partition: give its splitters, one per "
+                         "block (and splitters only with it)")
     made: dict[tuple[int, int, str], list[Chunk]] = {}  # (layer, parts, partitioner) → its chunks: each made once
     if ceiling is not None and estimate is not None and budget is not None and ceiling < budget:
         try:
-            return _search_chunks(blocks, estimate, ceiling, k, min_k, partitioner, seed, host_memory, made)
+            return _search_chunks(blocks, estimate, ceiling, k, min_k, partitioner, seed, host_memory, made, splitters)
         except BudgetError:
             pass  # no chunking goes below the ceiling: the budget's own search, with the chunks made so far
-    return _search_chunks(blocks, estimate, budget, k, min_k, partitioner, seed, host_memory, made)
+    return _search_chunks(blocks, estimate, budget, k, min_k, partitioner, seed, host_memory, made, splitters)
 
 
 def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | None, budget: int | None, k: int,
                    min_k: int, partitioner: str, seed: int, host_memory: bool,
-                   made: dict[tuple[int, int, str], list[Chunk]]) -> ChunkSearch:
+                   made: dict[tuple[int, int, str], list[Chunk]],
+                   splitters: Sequence[Splitter] | None = None) -> ChunkSearch:
     """:func:`search_chunks` under ``budget`` alone (no ceiling); ``made`` holds each layer's chunks by count and
     partitioner, filled as they are made (shared with an earlier search of the same blocks)."""
     started, tried = time.perf_counter(), []
@@ -240,7 +257,8 @@ def _search_chunks(blocks: Sequence[BlockStructure], estimate: ChunkEstimate | N
     def chunked(index: int, parts: int, method: str) -> list[Chunk]:
         method = layer_methods(ranged, method)[index]
         if (index, parts, method) not in made:
-            made[index, parts, method] = chunk_block(blocks[index], parts, method, seed)
+            splitter = splitters[index] if method == GraphPartition.method else None
+            made[index, parts, method] = chunk_block(blocks[index], parts, method, seed, splitter)
         return made[index, parts, method]
 
     def attempt(parts: int, method: str) -> tuple[LayerChunks, int]:

@@ -198,6 +198,13 @@ class GraphPartition:
             self._parts[k, seed] = metis_kway(self.graph, k, seed, self._weights)
         return self._parts[k, seed]
 
+    def of_all_nodes(self) -> "GraphPartition":
+        """The same graph partitioned balancing every node, not only the ``balanced`` ones: what splits a layer's dst
+        nodes into layer-wise chunks, most of which are no training nodes. Shares this one's structure arrays; its
+        part tables are its own."""
+        indptr, indices = self._structure
+        return GraphPartition(torch.from_numpy(indptr), torch.from_numpy(indices))
+
     def splitter(self, output_nodes: Tensor) -> "GraphSplitter":
         """A :class:`Splitter` of a batch whose outputs are ``output_nodes`` (``(B,)`` int64 node ids of this
         graph)."""

@@ -498,3 +498,52 @@ def test_a_graph_split_with_parts_empty_of_the_batch_s_outputs_says_so(setting, 
     said = [r.getMessage() for r in caplog.records if "asks for 2 micro-batches" in r.getMessage()]
     assert plan.partitioner == "graph" and plan.pieces == 1
     assert len(said) == 1 and "graph made 1 (no output of the batch is in some of the graph's parts)" in said[0]
+
+
+def test_layerwise_chunks_of_sampled_batches_are_the_graph_partition_s_parts(setting, monkeypatch):
+    """micro_batch.mode=layerwise with assignment=graph: each layer's chunks are its dst nodes grouped by their parts
+    in a K-way partition of the graph balancing every node, METIS running once for the run, not per batch; the
+    chunks' step gives the gradients of the batch in one micro-batch, and its measured peak is the plan's estimate."""
+    import partition.partitioners as partitioners
+
+    graph = setting[0]
+    config = load_config(None, OVERRIDES + ["model.aggregator=pool"])  # a layer chunked by its dst sets: not ranged
+    calls = []
+    metis = partitioners.metis_kway
+    monkeypatch.setattr(partitioners, "metis_kway", lambda *args: calls.append(args[1]) or metis(*args))
+    section = load_config(None, OVERRIDES + ["micro_batch.assignment=graph", "micro_batch.mode=layerwise",
+                                             "micro_batch.num_micro_batches=4"]).micro_batch
+    estimator = PeakEstimator(model_spec(config, graph))
+    planner = Planner(section, estimator, torch.device("cpu"), graph_partition=graph_partition(
+        load_config(None, OVERRIDES + ["micro_batch.assignment=graph"]), graph))
+    features = HostFeatureStore(graph.x, pin=False)
+    for step in range(2):
+        batch = sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(step))
+        plan = planner.plan(batch)
+        assert plan.method == "layerwise" and plan.partitioners == ["graph", "graph"]
+        parts = planner._chunk_partition.parts(4, planner.seed)
+        for block, chunks, method in zip(batch.blocks, plan.chunks.layers, plan.partitioners):
+            if method == "graph":  # every chunk one part: the parts of its dst nodes' global ids
+                owners = [np.unique(parts[block.dst_nodes[chunk.dst].numpy()]) for chunk in chunks]
+                assert all(owner.size == 1 for owner in owners) and len({int(o[0]) for o in owners}) == len(chunks)
+        torch.manual_seed(0)
+        model = build_model(config.model, graph)
+        set_dropout_key(model, 0, step)
+        optimizer = torch.optim.Adam(model.parameters())
+        assert plan.measure(model, optimizer, features, graph.y, torch.device("cpu")) == [plan.estimated_peak]
+        grads = []
+        whole = load_config(None, OVERRIDES + ["micro_batch.num_micro_batches=1"]).micro_batch
+        for run in (plan, Planner(whole, estimator, torch.device("cpu")).plan(batch)):
+            model.zero_grad()
+            run.run(model, features, graph.y, torch.device("cpu"))
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for chunked, whole in zip(*grads):
+            torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    assert planner._chunk_partition._weights is None and calls == [4]  # all nodes balanced; one METIS, at K = 4
+
+
+def test_the_graph_chunk_partitioner_needs_the_run_s_splitters(setting):
+    from partition.chunks import search_chunks
+
+    with pytest.raises(ValueError, match="give its splitters"):
+        search_chunks(setting[2].blocks, None, k=2, partitioner="graph")

@@ -82,6 +82,12 @@ class Planner:
     first batch, and without a budget). Any assignment of the outputs gives the full batch's gradient (Betty
     §4.2.3); the estimate counts the micro-batches the assignment makes.
 
+    Layer-wise chunks by the graph: with a ``graph_partition``, a layer's chunks are its dst nodes grouped by their
+    nodes' parts in a K-way partition of the same graph that balances every node (most of a layer's dst nodes are
+    no training nodes: :meth:`GraphPartition.of_all_nodes <partition.GraphPartition.of_all_nodes>`), made once per
+    K for the run; the chunk search (:func:`partition.chunks.search_chunks`) is otherwise the same, so under a
+    budget it asks for more chunks, or one dst node per chunk, where the graph's chunks miss it.
+
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
     ``src_nodes``, ``indptr``, ``indices`` and ``edge_weight`` compared with
     ``torch.equal``), planned with the same ``min_pieces``, gets the last plan back without
@@ -117,6 +123,7 @@ class Planner:
         self.plans_made = 0
         self.plans_reused = 0
         self.graph_partition = graph_partition
+        self._chunk_partition: GraphPartition | None = None  # the graph's partition balancing every node (chunks)
         self.fallbacks = 0
         self.graph_k: int | None = None
         self._last: _LastPlan | None = None
@@ -234,9 +241,15 @@ class Planner:
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
         # the whole batch in one micro-batch: less work, so no chunking above it
         ceiling = whole() if closed_form else None
+        partitioner, splitters = config.partitioner, None
+        if self.graph_partition is not None:  # each layer's dst nodes by their node's part: no METIS per batch
+            if self._chunk_partition is None:
+                self._chunk_partition = self.graph_partition.of_all_nodes()
+            partitioner = GraphPartition.method
+            splitters = [self._chunk_partition.splitter(block.dst_nodes) for block in batch.blocks]
         search = search_chunks(batch.blocks, layerwise, budget=budget, k=config.num_micro_batches, min_k=min_pieces,
-                               partitioner=config.partitioner, seed=self.seed, host_memory=self.device.type != "cpu",
-                               ceiling=ceiling)
+                               partitioner=partitioner, seed=self.seed, host_memory=self.device.type != "cpu",
+                               ceiling=ceiling, splitters=splitters)
         if budget is None and ceiling is not None and search.peak > ceiling and not self._warned_above:
             self._warned_above = True  # said once per planner
             logger.warning("layer by layer in %d chunks per layer (micro_batch.num_micro_batches) is estimated at %.1f "
