@@ -120,7 +120,7 @@ class _Recording(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         scalars = [self._transient(f"{func} (a Python number as a tensor)", nbytes)
-                   for nbytes in _wrapped_number_bytes(func, args, kwargs, tensors)]
+                   for nbytes in _wrapped_number_bytes(func, args, kwargs)]
         for tensor in tensors:
             self._track(tensor.untyped_storage(), str(func), inputs)
         self.events.extend(-index - 1 for index in reversed(scalars))
@@ -147,41 +147,41 @@ class _Recording(TorchDispatchMode):
 
 _NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 _WRAPPING = frozenset({"add", "sub", "mul", "div", "rsub", "remainder"})  # their .Scalar overloads wrap the number too
-_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})  # and theirs, compared in the tensor's dtype
+_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})  # and theirs
 
 
-def _wrapped_number_bytes(func, args: tuple, kwargs: dict | None, outputs: list[Tensor]) -> list[int]:
+def _wrapped_number_bytes(func, args: tuple, kwargs: dict | None) -> list[int]:
     """Bytes of the CPU tensors a call makes around ``func`` for the Python numbers it is given, which no operator
     returns: each number becomes a 0-dim tensor of its default dtype (8 bytes for a float or an int), made before the
-    operator's output and freed after it, and, where the computation's dtype differs, a copy in that dtype (4 bytes
-    for float32), made inside the operator before its output. PyTorch's argument parser makes the first for a number
-    passed where the schema takes a tensor (``x / 3.0`` is ``aten.div.Tensor(x, 3.0)``; ``copy_`` then copies
-    without the second); the ``.Scalar`` overloads of the binary arithmetic operators and of the comparisons make
-    both themselves (``1.0 - x`` is ``aten.rsub.Scalar``, ``x >= 5`` is ``aten.ge.Scalar``; a comparison copies the
-    number to the tensor's dtype, the others to the result's). Measured with ``torch.profiler`` (torch 2.13, CPU) on
-    float32, float16, float64, int64 and int32 tensors: ``tests/test_recorder.py``. Adam's
+    operator's output and freed after it, and, where the computation's dtype (``torch.result_type`` of the tensor and
+    the number) differs, a copy in that dtype (4 bytes for float32), made inside the operator before its output.
+    PyTorch's argument parser makes the first for a number passed where the schema takes a tensor (``x / 3.0`` is
+    ``aten.div.Tensor(x, 3.0)``; ``copy_`` then copies without the second); the ``.Scalar`` overloads of the binary
+    arithmetic operators and of the comparisons make both themselves for their ``other`` (``1.0 - x`` is
+    ``aten.rsub.Scalar``, ``x >= 5`` is ``aten.ge.Scalar``; ``alpha`` is no tensor). Measured with ``torch.profiler``
+    (torch 2.13, CPU) on float32, float16, float64, int64 and int32 tensors: ``tests/test_recorder.py``. Adam's
     ``sqrt(v) / bias_correction2_sqrt`` is one of them, where a step whose peak is the optimizer's update puts it.
 
     Not counted: the number autograd keeps for the backward of ``mul`` and ``div`` by it (8 bytes, freed with the
-    backward node, which the dispatcher does not see), and the copy an elementwise operator makes of a tensor operand
-    whose dtype is not the computation's (``int_tensor / 2`` copies the tensor to float32)."""
+    backward node, which the dispatcher does not see); the copy an elementwise operator makes of a tensor operand
+    whose dtype is not the computation's (``int_tensor / 2`` and ``bool_tensor == 1`` copy the tensor); and the
+    numbers of other overloads that wrap them the same way (``remainder.Scalar_Tensor``, ``div.Scalar_mode``,
+    ``fmod.Scalar``, the bitwise ``.Scalar`` operators: 12 bytes each on float32)."""
     schema = func._schema
     base = schema.name.split("::")[-1].rstrip("_")
-    wraps = (func._overloadname == "Scalar" and (base in _WRAPPING or base in _COMPARISONS))
+    wraps = func._overloadname == "Scalar" and (base in _WRAPPING or base in _COMPARISONS)
     given = list(zip(schema.arguments, args)) + [(a, kwargs[a.name]) for a in schema.arguments
                                                  if kwargs and a.name in kwargs]
     numbers = [value for argument, value in given if type(value) in _NUMBER_DTYPES
-               and (isinstance(argument.type, torch._C.TensorType) or wraps)]
-    if not numbers:
-        return []
-    first = next(t.dtype for t in tree_leaves(args) if isinstance(t, Tensor))
-    dtype = first if base in _COMPARISONS else next((t.dtype for t in outputs), first)
+               and (isinstance(argument.type, torch._C.TensorType) or (wraps and argument.name == "other"))]
+    tensor = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)), None)
     sizes = []
     for value in numbers:
         wrapped = _NUMBER_DTYPES[type(value)]
         sizes.append(wrapped.itemsize)
-        if dtype != wrapped and base != "copy":
-            sizes.append(dtype.itemsize)
+        computed = torch.result_type(tensor, value) if tensor is not None else wrapped
+        if computed != wrapped and base != "copy":
+            sizes.append(computed.itemsize)
     return sizes
 
 

@@ -180,6 +180,7 @@ class GraphPartition:
         self._structure = indptr.cpu().numpy(), indices.cpu().numpy()
         self._weights = None if balanced is None else balanced.cpu().numpy().astype(np.int64)
         self._parts: dict[tuple[int, int], np.ndarray] = {}
+        self._all_nodes: GraphPartition | None = None  # of_all_nodes, once made
 
     @property
     def graph(self) -> sp.csr_matrix:
@@ -200,10 +201,15 @@ class GraphPartition:
 
     def of_all_nodes(self) -> "GraphPartition":
         """The same graph partitioned balancing every node, not only the ``balanced`` ones: what splits a layer's dst
-        nodes into layer-wise chunks, most of which are no training nodes. Shares this one's structure arrays; its
-        part tables are its own."""
-        indptr, indices = self._structure
-        return GraphPartition(torch.from_numpy(indptr), torch.from_numpy(indices))
+        nodes into layer-wise chunks, most of which are no training nodes. Itself where it balances every node; else
+        made on the first call and kept (so planners sharing this partition share its part tables), sharing the
+        structure arrays."""
+        if self._weights is None:
+            return self
+        if self._all_nodes is None:
+            indptr, indices = self._structure
+            self._all_nodes = GraphPartition(torch.from_numpy(indptr), torch.from_numpy(indices))
+        return self._all_nodes
 
     def splitter(self, output_nodes: Tensor) -> "GraphSplitter":
         """A :class:`Splitter` of a batch whose outputs are ``output_nodes`` (``(B,)`` int64 node ids of this

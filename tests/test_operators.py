@@ -266,3 +266,12 @@ def test_the_lstm_aggregator_whose_shapes_depend_on_the_data_is_refused_in_one_l
                                                r"on the data") as refused:
         record_model(build_model(config.model, cora64), cora64, 2)
     assert "\n" not in str(refused.value)
+
+
+def test_the_rows_scatter_refuses_a_sink_that_is_not_contiguous():
+    """The compiled scatter prefetches the sink's rows by their offsets in one flat array: a strided sink is refused
+    with a clear error, not numba's typing error."""
+    block = random_block(num_dst=20, num_src=30, max_degree=5, seed=1)
+    sink = torch.zeros(30, 64).t().contiguous().t()
+    with pytest.raises(ValueError, match="contiguous out"):
+        aggregate.aggregate_rows_transpose_(block, 0, torch.ones(20, 64), sink, self_loop=False)

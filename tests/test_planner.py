@@ -501,16 +501,17 @@ def test_a_graph_split_with_parts_empty_of_the_batch_s_outputs_says_so(setting, 
 
 
 def test_layerwise_chunks_of_sampled_batches_are_the_graph_partition_s_parts(setting, monkeypatch):
-    """micro_batch.mode=layerwise with assignment=graph: each layer's chunks are its dst nodes grouped by their parts
-    in a K-way partition of the graph balancing every node, METIS running once for the run, not per batch; the
-    chunks' step gives the gradients of the batch in one micro-batch, and its measured peak is the plan's estimate."""
+    """micro_batch.mode=layerwise with assignment=graph and no budget: each layer's chunks are its dst nodes grouped by
+    their parts in a K-way partition of the graph balancing every node, METIS running once for the run, not per batch;
+    the chunks' step gives the gradients of the batch in one micro-batch, and its measured peak is the plan's
+    estimate. Under a budget the chunk search cuts per batch, and runs no METIS of the graph."""
     import partition.partitioners as partitioners
 
     graph = setting[0]
     config = load_config(None, OVERRIDES + ["model.aggregator=pool"])  # a layer chunked by its dst sets: not ranged
     calls = []
     metis = partitioners.metis_kway
-    monkeypatch.setattr(partitioners, "metis_kway", lambda *args: calls.append(args[1]) or metis(*args))
+    monkeypatch.setattr(partitioners, "metis_kway", lambda *args: calls.append((args[0].shape[0], args[1])) or metis(*args))
     section = load_config(None, OVERRIDES + ["micro_batch.assignment=graph", "micro_batch.mode=layerwise",
                                              "micro_batch.num_micro_batches=4"]).micro_batch
     estimator = PeakEstimator(model_spec(config, graph))
@@ -521,7 +522,7 @@ def test_layerwise_chunks_of_sampled_batches_are_the_graph_partition_s_parts(set
         batch = sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(step))
         plan = planner.plan(batch)
         assert plan.method == "layerwise" and plan.partitioners == ["graph", "graph"]
-        parts = planner._chunk_partition.parts(4, planner.seed)
+        parts = planner.graph_partition.of_all_nodes().parts(4, planner.seed)
         for block, chunks, method in zip(batch.blocks, plan.chunks.layers, plan.partitioners):
             if method == "graph":  # every chunk one part: the parts of its dst nodes' global ids
                 owners = [np.unique(parts[block.dst_nodes[chunk.dst].numpy()]) for chunk in chunks]
@@ -539,7 +540,14 @@ def test_layerwise_chunks_of_sampled_batches_are_the_graph_partition_s_parts(set
             grads.append([p.grad.clone() for p in model.parameters()])
         for chunked, whole in zip(*grads):
             torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
-    assert planner._chunk_partition._weights is None and calls == [4]  # all nodes balanced; one METIS, at K = 4
+    chunk_partition = planner.graph_partition.of_all_nodes()
+    assert chunk_partition._weights is None and chunk_partition is planner.graph_partition.of_all_nodes()
+    assert calls == [(graph.num_nodes, 4)]  # all nodes balanced, kept for the run: one METIS of the graph, at K = 4
+    # under a budget the search tries chunk counts the run has not partitioned: those are cut per batch
+    budgeted = section.model_copy(update={"budget": 2 * plan.estimated_peak})
+    searched = Planner(budgeted, estimator, torch.device("cpu"), graph_partition=planner.graph_partition).plan(batch)
+    assert searched.partitioners == [section.partitioner] * 2
+    assert [call for call in calls if call[0] == graph.num_nodes] == [(graph.num_nodes, 4)]
 
 
 def test_the_graph_chunk_partitioner_needs_the_run_s_splitters(setting):

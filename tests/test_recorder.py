@@ -331,6 +331,7 @@ NUMBER_CASES = {  # a Python number where an operator takes a tensor, and the .S
     "x.eq(n)": lambda x, n: x.eq(n), "x >= n": lambda x, n: x >= n, "x.eq_(n)": lambda x, n: x.eq_(n),
     "where": lambda x, n: torch.where(x > 0, x, n), "x.pow(n)": lambda x, n: x.pow(n),
     "x.masked_fill(m, n)": lambda x, n: x.masked_fill(x > 0, n), "x.clamp(n)": lambda x, n: x.clamp(min=n),
+    "add.Scalar(x, n, alpha)": lambda x, n: torch.ops.aten.add.Scalar(x, n, 2), "x >= 2.5": lambda x, n: x >= 2.5,
 }
 
 
@@ -340,12 +341,14 @@ NUMBER_DTYPES = [(torch.float32, 3.0), (torch.float32, 2), (torch.float16, 0.5),
 
 @pytest.mark.parametrize("case, dtype, number", [
     (case, dtype, number) for case in NUMBER_CASES for dtype, number in NUMBER_DTYPES
-    if case != "x / n" or dtype.is_floating_point])  # an integer tensor's true division: the blind spot below
+    if case not in ("x / n", "x >= 2.5") or dtype.is_floating_point])  # an integer tensor made float: a blind spot
 def test_a_python_number_an_operator_takes_is_recorded_as_the_profiler_sees_it(case, dtype, number):
     """The 0-dim tensors PyTorch makes of a Python number (``estimator.recorder._wrapped_number_bytes``): the
     recording's peak of each expression on a 10-element tensor equals the profiler's
-    (``estimator.measure.measure_peak``) to the byte, on five dtypes, with a float and an int. Left out: an integer
-    tensor divided (``/``) by a number, which copies the tensor to float32 (the blind spot the docstring names)."""
+    (``estimator.measure.measure_peak``) to the byte, on five dtypes, with a float and an int (``alpha`` is no
+    tensor; ``x >= 2.5`` copies the number to the tensor's float dtype). Left out: an integer tensor divided (``/``)
+    by a number or compared with a float, which copies the tensor itself to float32 (a blind spot the docstring
+    names)."""
     from estimator.measure import measure_peak
 
     step = NUMBER_CASES[case]

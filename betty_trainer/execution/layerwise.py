@@ -77,7 +77,8 @@ class LayerwisePlan:
             kept in host memory, as the device budget does not hold them).
         work: the estimated cost the planner compared (see the protocol).
         partitioners: per layer (input layer first), what split its chunks (:attr:`partition.chunks.ChunkSearch.partitioners`):
-            ``micro_batch.partitioner``, or ``range`` for a layer run off the whole block (only its number of chunks
+            ``micro_batch.partitioner`` (``graph`` for a sampled batch's chunks without a budget: the run's graph
+            partition, ``Planner``), or ``range`` for a layer run off the whole block (only its number of chunks
             matters) and for every layer at one dst node per chunk (when that partitioner could not fit the budget).
         estimated_peak: estimated peak bytes (0 without a built-in model's estimate).
         budget: bytes, or ``None`` (K given).

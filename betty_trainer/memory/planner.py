@@ -82,11 +82,12 @@ class Planner:
     first batch, and without a budget). Any assignment of the outputs gives the full batch's gradient (Betty
     §4.2.3); the estimate counts the micro-batches the assignment makes.
 
-    Layer-wise chunks by the graph: with a ``graph_partition``, a layer's chunks are its dst nodes grouped by their
-    nodes' parts in a K-way partition of the same graph that balances every node (most of a layer's dst nodes are
-    no training nodes: :meth:`GraphPartition.of_all_nodes <partition.GraphPartition.of_all_nodes>`), made once per
-    K for the run; the chunk search (:func:`partition.chunks.search_chunks`) is otherwise the same, so under a
-    budget it asks for more chunks, or one dst node per chunk, where the graph's chunks miss it.
+    Layer-wise chunks by the graph: with a ``graph_partition`` and no budget (K chunks per layer, fixed), a layer's
+    chunks are its dst nodes grouped by their nodes' parts in a K-way partition of the same graph that balances every
+    node (most of a layer's dst nodes are no training nodes: :meth:`GraphPartition.of_all_nodes
+    <partition.GraphPartition.of_all_nodes>`), made once for the run. Under a budget, and in a re-plan after an
+    out-of-memory error, the chunk search tries counts the run has not partitioned (doubling, then bisecting per
+    layer): each would be a METIS of the whole graph, so those chunks are cut per batch as before.
 
     Plan reuse: a batch whose structure equals the last planned batch's (same blocks:
     ``src_nodes``, ``indptr``, ``indices`` and ``edge_weight`` compared with
@@ -123,7 +124,6 @@ class Planner:
         self.plans_made = 0
         self.plans_reused = 0
         self.graph_partition = graph_partition
-        self._chunk_partition: GraphPartition | None = None  # the graph's partition balancing every node (chunks)
         self.fallbacks = 0
         self.graph_k: int | None = None
         self._last: _LastPlan | None = None
@@ -191,7 +191,8 @@ class Planner:
                            f"the batch has {limit} {nodes}, at most one per piece; " if asked > limit else "",
                            short.partitioner, short.pieces,
                            ("" if short.pieces >= min(asked, limit) else
-                            " (no output of the batch is in some of the graph's parts)" if short.partitioner == "graph" else
+                            f" (no {'output' if short.method == 'micro_batches' else 'dst node'} of the batch is in"
+                            " some of the graph's parts)" if "graph" in short.partitioner else
                             f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"),
                            short.pieces)
         plan = min(candidates, key=lambda candidate: candidate.work)
@@ -242,11 +243,11 @@ class Planner:
         # the whole batch in one micro-batch: less work, so no chunking above it
         ceiling = whole() if closed_form else None
         partitioner, splitters = config.partitioner, None
-        if self.graph_partition is not None:  # each layer's dst nodes by their node's part: no METIS per batch
-            if self._chunk_partition is None:
-                self._chunk_partition = self.graph_partition.of_all_nodes()
+        if self.graph_partition is not None and budget is None and min_pieces <= 1:
+            # K fixed: each layer's dst nodes by their node's part, one METIS for the run (a budget's search, or a
+            # re-plan, tries chunk counts the run has not partitioned: per batch, as before)
             partitioner = GraphPartition.method
-            splitters = [self._chunk_partition.splitter(block.dst_nodes) for block in batch.blocks]
+            splitters = [self.graph_partition.of_all_nodes().splitter(block.dst_nodes) for block in batch.blocks]
         search = search_chunks(batch.blocks, layerwise, budget=budget, k=config.num_micro_batches, min_k=min_pieces,
                                partitioner=partitioner, seed=self.seed, host_memory=self.device.type != "cpu",
                                ceiling=ceiling, splitters=splitters)

@@ -466,7 +466,7 @@ def aggregate_rows_transpose_(block: Block, begin: int, grad: Tensor, out: Tenso
         out: ``(num_src, F)`` float32 sink, contiguous, on the CPU.
 
     Raises:
-        ValueError: where the compiled kernels do not run.
+        ValueError: where the compiled kernels do not run, or ``out`` is not contiguous.
     """
     _require_compiled(grad)
     if not out.is_contiguous():
