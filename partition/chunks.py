@@ -7,9 +7,10 @@ a chunk at a time; every hidden node is computed once per pass. Its chunks are m
 block by block, the dst nodes are partitioned by the same partitioners as the outputs
 (REG or METIS on the block, :class:`~partition.partitioners.OutputSplitter`; or, for a
 sampled batch at a fixed count, the run's partition of the whole graph,
-:class:`~partition.partitioners.GraphSplitter`), so a chunk gathers few src rows. A chunk keeps only its dst nodes and the shape of its one-layer
-sub-block; the sub-block itself (O(its edges)) is sliced when the chunk runs, so a step holds
-one chunk's slice at a time, not every chunk's.
+:class:`~partition.partitioners.GraphSplitter`), so a chunk gathers few src rows. A chunk
+keeps only its dst nodes and the shape of its one-layer sub-block; the sub-block itself
+(O(its edges)) is sliced when the chunk runs, so a step holds one chunk's slice at a time,
+not every chunk's.
 """
 
 from __future__ import annotations
