@@ -174,6 +174,8 @@ def _wrapped_number_bytes(func, args: tuple, kwargs: dict | None) -> list[int]:
                                                  if kwargs and a.name in kwargs]
     numbers = [value for argument, value in given if type(value) in _NUMBER_DTYPES
                and (isinstance(argument.type, torch._C.TensorType) or (wraps and argument.name == "other"))]
+    if not numbers:
+        return []
     tensor = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)), None)
     sizes = []
     for value in numbers:
