@@ -231,37 +231,47 @@ or 16 less again."""
 
 
 if numba is None:  # pragma: no cover - numba is a declared dependency
-    def _prefetch_rows(indices, edge, flat, width, first):
+    def _prefetch_rows(indices, edge, flat, width, first, write=False):
         """Nothing: a hint only the compiled kernels give (below)."""
 else:
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
 
-    @intrinsic
-    def _prefetch(typing_context, array, index):  # pragma: no cover - compiled
-        """``llvm.prefetch`` (read, high locality, data cache) of ``array``'s element ``index`` (C-contiguous)."""
-        def codegen(context, builder, signature, arguments):
-            data = context.make_array(signature.args[0])(context, builder, arguments[0]).data
-            byte_pointer = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            function = builder.module.declare_intrinsic(
-                "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]))
-            address = builder.bitcast(builder.gep(data, [arguments[1]]), byte_pointer)
-            builder.call(function, [address, i32(0), i32(3), i32(1)])
-            return context.get_dummy_value()
-        return types.void(array, index), codegen
+    def _prefetch_intrinsic(write: int):
+        """``llvm.prefetch`` of ``array``'s element ``index`` (C-contiguous), for a read (``write`` 0) or a write (1),
+        high locality, data cache."""
+        @intrinsic
+        def prefetch(typing_context, array, index):  # pragma: no cover - compiled
+            def codegen(context, builder, signature, arguments):
+                data = context.make_array(signature.args[0])(context, builder, arguments[0]).data
+                byte_pointer = ir.IntType(8).as_pointer()
+                i32 = ir.IntType(32)
+                function = builder.module.declare_intrinsic(
+                    "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]))
+                address = builder.bitcast(builder.gep(data, [arguments[1]]), byte_pointer)
+                builder.call(function, [address, i32(write), i32(3), i32(1)])
+                return context.get_dummy_value()
+            return types.void(array, index), codegen
+        return prefetch
+
+    _prefetch, _prefetch_for_write = _prefetch_intrinsic(0), _prefetch_intrinsic(1)
 
     @jit(inline="always")
-    def _prefetch_rows(indices, edge, flat, width, first):  # pragma: no cover - compiled
+    def _prefetch_rows(indices, edge, flat, width, first, write=False):  # pragma: no cover - compiled
         """Ask the CPU to fetch, from the rows ``indices[edge … edge + 3]`` (those that exist) of a C-contiguous
-        matrix of ``width`` columns flattened to ``flat``, the two cache lines from column ``first`` on: a hint,
-        which never faults (an address past the row is fetched or not, never read) and changes no value."""
+        matrix of ``width`` columns flattened to ``flat``, the two cache lines from column ``first`` on, to be read or
+        (``write``) written: a hint, which never faults (an address past the row is fetched or not, never read)
+        and changes no value."""
         for q in range(4):
             if edge + q < indices.shape[0]:
                 base = indices[edge + q] * width + first
-                _prefetch(flat, base)
-                _prefetch(flat, base + 16)
+                if write:
+                    _prefetch_for_write(flat, base)
+                    _prefetch_for_write(flat, base + 16)
+                else:
+                    _prefetch(flat, base)
+                    _prefetch(flat, base + 16)
 
 
 @jit(inline="always")
@@ -333,7 +343,9 @@ SCATTER_PREFETCH_EDGES = 8
 first two cache lines of each of four rows, from its column block on; :data:`PREFETCH_EDGES` is the gather's).
 Measured (``benchmarks/README.md`` › aggregation.py, a scatter of whole rows, one thread, in one process,
 interleaved): 0.80–0.88× the time at 64 and 128 columns on the 30k-node SBM and Amazon Computers, 0.86–0.94× at 16
-and 32 columns on the SBM and 0.87–1.04× on Amazon Computers; 4 edges ahead gained less at 32 and 128 columns."""
+and 32 columns on the SBM and 0.87–1.04× on Amazon Computers; 4 edges ahead gained less at 32 and 128 columns. Blocks
+of 64 columns or more are asked for to be written (the rows are added into): 0.91–0.94× the read hint's time at 64
+columns, 0.97–1.00× at 128; at 32 columns the write hint took 1.01–1.07×, so narrower blocks keep the read hint."""
 
 SCATTER_COLUMNS = 16
 """The narrowest column block a thread of the compiled backward scatters (64 bytes of float32: a cache line)."""
@@ -406,7 +418,7 @@ def _scatter_row(indptr, indices, values, d, scaled, out, flat, first, count):  
     (``flat``: ``out`` as one array)."""
     e, end, last = indptr[d], indptr[d + 1], first + count
     while e + 3 < end:
-        _prefetch_rows(indices, e + SCATTER_PREFETCH_EDGES, flat, out.shape[1], first)
+        _prefetch_rows(indices, e + SCATTER_PREFETCH_EDGES, flat, out.shape[1], first, count >= 64)
         a, b = out[indices[e], first:last], out[indices[e + 1], first:last]
         c, g = out[indices[e + 2], first:last], out[indices[e + 3], first:last]
         va, vb = _coefficient(values, None, indices, e), _coefficient(values, None, indices, e + 1)
