@@ -119,15 +119,15 @@ class _Recording(TorchDispatchMode):
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-        scalars = [self._transient(f"{func} (a Python number as a tensor)", nbytes)
+        scalars = [self._allocated(f"{func} (a Python number as a tensor)", nbytes)
                    for nbytes in _wrapped_number_bytes(func, args, kwargs)]
         for tensor in tensors:
             self._track(tensor.untyped_storage(), str(func), inputs)
         self.events.extend(-index - 1 for index in reversed(scalars))
         return out
 
-    def _transient(self, op: str, nbytes: int) -> int:
-        """A temporary made before the operator's output and freed after it (its free is the caller's to record)."""
+    def _allocated(self, op: str, nbytes: int) -> int:
+        """Record an allocation of ``nbytes`` by ``op`` now; returns its index (its free is the caller's to record)."""
         index = len(self.nbytes)
         self.ops.append(op)
         self.nbytes.append(nbytes)
@@ -138,10 +138,7 @@ class _Recording(TorchDispatchMode):
         key = id(storage)
         if key in inputs or (key in self.known and self.known[key]() is storage):
             return  # a view, an in-place result or an output seen before
-        index = len(self.nbytes)
-        self.ops.append(op)
-        self.nbytes.append(storage.nbytes())
-        self.events.append(index + 1)
+        index = self._allocated(op, storage.nbytes())
         self.known[key] = weakref.ref(storage, lambda _, index=index: self.events.append(-index - 1))
 
 

@@ -116,7 +116,7 @@ def test_kernels_compiled_for_a_column_count_give_the_generic_kernel_s_bits(kern
     by_width, make, arguments = SPECIALISED[kernel]
     assert {64, 80} <= aggregate.SPECIALISED_WIDTHS and not {100, 192} & aggregate.SPECIALISED_WIDTHS
     assert [aggregate._gather_key(w) for w in (32, 48, 64, 256, 384)] == [
-        (0, False, False), (0, False, True), (64, False, True), (256, True, True), (0, False, True)]
+        (0, False), (0, True), (64, True), (256, True), (0, True)]
     block = random_block(num_dst=60, num_src=90, max_degree=12, seed=3)
     generator = np.random.default_rng(7)
     values = ((generator.random(block.num_edges, dtype=np.float32) if weighted else None),
@@ -136,8 +136,8 @@ def test_kernels_compiled_for_a_column_count_give_the_generic_kernel_s_bits(kern
     else:
         key = aggregate._gather_key(width)
         by_width(*key)(*inputs, specialised)
-        make(0, False, False)(*inputs, generic)
-        others = {(*key[:2], False), (0, False, True)} - {key, (0, False, False)}  # without the prefetch; generic with
+        make(0, False)(*inputs, generic)
+        others = {(key[0], False), (0, True)} - {key, (0, False)}  # without the prefetch; the generic one with it
         kernels = [] if weighted else [make(*other) for other in sorted(others)]
     assert np.any(specialised != 0)
     assert np.array_equal(specialised.view(np.int32), generic.view(np.int32))

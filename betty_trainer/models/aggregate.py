@@ -183,15 +183,17 @@ def _by_width(make):
     return lambda columns: kernels(columns if columns in SPECIALISED_WIDTHS else 0)
 
 
-def _gather_key(width: int) -> tuple[int, bool, bool]:
-    """``(columns, tiled, prefetch)``: the column count a compiled gather over rows of ``width`` columns is compiled
-    for (0: read from the arrays; :data:`SPECIALISED_WIDTHS` and :data:`TILED_WIDTHS`), whether it sums each row in
-    tiles of :data:`TILE_COLUMNS`, and whether it prefetches (:data:`PREFETCH_MIN_COLUMNS`)."""
+def _gather_key(width: int) -> tuple[int, bool]:
+    """``(columns, prefetch)``: the column count a compiled gather over rows of ``width`` columns is compiled for (0:
+    read from the arrays; :data:`SPECIALISED_WIDTHS`, and :data:`TILED_WIDTHS`, whose rows it sums in tiles of
+    :data:`TILE_COLUMNS`), and whether it prefetches (:data:`PREFETCH_MIN_COLUMNS`)."""
     columns = width if width in SPECIALISED_WIDTHS or width in TILED_WIDTHS else 0
-    return columns, width in TILED_WIDTHS, width >= PREFETCH_MIN_COLUMNS
+    return columns, width >= PREFETCH_MIN_COLUMNS
 
 
-def _make_gather_kernel(columns: int, tiled: bool = False, prefetch: bool = True):
+def _make_gather_kernel(columns: int, prefetch: bool):
+    tiled = columns in TILED_WIDTHS
+
     @jit(parallel=True)
     def gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
         width = columns if columns else dense.shape[1]
@@ -508,7 +510,9 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
     return np.float32(1.0) / total if total != 0 else np.float32(0.0)
 
 
-def _make_rows_gather_kernel(columns: int, tiled: bool = False, prefetch: bool = True):
+def _make_rows_gather_kernel(columns: int, prefetch: bool):
+    tiled = columns in TILED_WIDTHS
+
     @jit(parallel=True)
     def rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
         width = columns if columns else dense.shape[1]
