@@ -344,12 +344,7 @@ class FeaturesConfig(_Section):
     @field_validator("aggregation_cache", mode="before")
     @classmethod
     def _cache_mode(cls, value: Any) -> Any:
-        """``true``/``false`` or ``approximate``; a string from the command line (``'true'``) is read as YAML does."""
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        if value not in (True, False, "approximate"):
-            raise ValueError(f"expected true, false or approximate, got {value!r}")
-        return value
+        return _bool_or_word(value, "approximate")
 
 
 _SIZE_HINT = "expected a size in bytes such as 8000000000, '6GiB' or '512 MB'"
@@ -412,6 +407,17 @@ class MicroBatchConfig(_Section):
                                      "(Betty); layerwise: one layer at a time in K chunks per layer, recomputed in "
                                      "backward (built-in models); auto: under a budget, the fitting plan of either "
                                      "with the least estimated work. K is num_micro_batches in both")
+    keep_transposes: bool | Literal["auto"] = Field(
+        "auto", description="a full batch trained every step and planned in one micro-batch on the CPU keeps each "
+                            "block's transpose (int32 CSR) for the run where its aggregation backpropagates, so that "
+                            "backward gathers instead of scattering (faster, 4·(S + 1 + E) bytes per block, counted "
+                            "in the estimate); true: whenever the estimate with them fits the budget (or without "
+                            "one); auto: only under a budget they fit; false: never")
+
+    @field_validator("keep_transposes", mode="before")
+    @classmethod
+    def _keep_transposes(cls, value: Any) -> Any:
+        return _bool_or_word(value, "auto")
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -433,6 +439,19 @@ class MicroBatchConfig(_Section):
     @classmethod
     def _margin_size(cls, value: Any) -> Any:
         return None if value is None else parse_bytes(value, allow_zero=True)
+
+
+def _bool_or_word(value: Any, word: str) -> Any:
+    """``true``/``false`` or ``word``; a string from the command line (``'true'``) is read as YAML does.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if value not in (True, False, word):
+        raise ValueError(f"expected true, false or {word}, got {value!r}")
+    return value
 
 
 MAX_WEIGHT_DECAY = float(torch.finfo(torch.float32).max)

@@ -25,6 +25,9 @@ class LayerCounts:
             ascending in ``L``.
         weighted: the block carries ``(E,)`` float32 edge weights (LABOR/GNS importance weights):
             they are resident with the block and change the mean's coefficients.
+        transposed: the block keeps its transpose's CSR between steps (``betty_trainer.data.block.BlockTranspose``:
+            int32 pointer and positions, float32 weights when ``weighted``), resident with the block; the backward
+            of its sparse aggregation gathers on it.
     """
 
     num_src: int
@@ -32,9 +35,10 @@ class LayerCounts:
     num_edges: int
     degree_histogram: tuple[tuple[int, int], ...] = ()
     weighted: bool = False
+    transposed: bool = False
 
     @classmethod
-    def from_csc(cls, indptr: Tensor, num_src: int, weighted: bool = False) -> "LayerCounts":
+    def from_csc(cls, indptr: Tensor, num_src: int, weighted: bool = False, transposed: bool = False) -> "LayerCounts":
         """Counts of a block from its ``(num_dst + 1,)`` int64 CSC pointer (on any device) and src count.
 
         The histogram is a ``numpy.bincount`` of the degrees on the CPU (``O(num_dst + max degree)``): on 60k
@@ -45,7 +49,7 @@ class LayerCounts:
         counts = np.bincount(degrees)
         values = np.flatnonzero(counts[1:]) + 1
         return cls(num_src, indptr.numel() - 1, int(indptr[-1]), tuple(zip(values.tolist(), counts[values].tolist())),
-                   weighted)
+                   weighted, transposed)
 
 
 def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None) -> list[LayerCounts]:
@@ -58,11 +62,14 @@ def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None)
             counted :class:`~partition.slicing.SliceSize` s, input layer first.
         weighted: per layer, whether the block carries edge weights; ``None`` reads each structure's
             ``edge_weight`` (a layer slice has none: pass the parent batch's answer).
+
+    A block that keeps its transpose (its ``transpose`` is not ``None``) counts as ``transposed``.
     """
     if weighted is None:
         weighted = [getattr(s, "edge_weight", None) is not None for s in structures]
     return [LayerCounts(s.num_src, s.num_dst, s.num_edges, s.degree_histogram, w)
-            if getattr(s, "degree_histogram", None) is not None else LayerCounts.from_csc(s.indptr, s.num_src, w)
+            if getattr(s, "degree_histogram", None) is not None
+            else LayerCounts.from_csc(s.indptr, s.num_src, w, getattr(s, "transpose", None) is not None)
             for s, w in zip(structures, weighted)]
 
 
@@ -95,6 +102,9 @@ def reads_in_place(structure: Any) -> bool:
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:
     """Bytes of the blocks' int64 src ids and CSC pointers and int32 indices, ``Σ_l 8·(S_l + D_l + 1) + 4·E_l``,
-    plus ``4·E_l`` for float32 edge weights where a block has them."""
+    plus ``4·E_l`` for float32 edge weights where a block has them, and a kept transpose's (``transposed``)
+    ``4·(S_l + 1 + E_l)``, plus ``4·E_l`` weighted."""
     return sum((c.num_src + c.num_dst + 1) * INDEX_BYTES + c.num_edges * LOCAL_INDEX_BYTES
-               + (4 * c.num_edges if c.weighted else 0) for c in layers)
+               + (4 * c.num_edges if c.weighted else 0)
+               + ((c.num_src + 1 + c.num_edges) * 4 + (4 * c.num_edges if c.weighted else 0) if c.transposed else 0)
+               for c in layers)

@@ -129,6 +129,14 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     Raises:
         ValueError: if the number of layers differs from the model's blocks.
     """
+    replay, _, resident = replay_micro_batch(layers, model, accumulate, input_in_place)
+    return MemoryEstimate.of(replay, resident)
+
+
+def replay_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumulate: bool = False,
+                       input_in_place: bool = False) -> tuple[Replay, StepTape, int]:
+    """:func:`estimate_micro_batch`'s replayed step: ``(replay, tape, resident bytes)`` (the tape's ``transposed``:
+    the layers whose aggregation's backward multiplies by ``Aᵀ``). Arguments and errors as there."""
     if len(layers) != model.num_blocks:
         raise ValueError(f"the micro-batch has {len(layers)} layers but the model takes {model.num_blocks} blocks")
     if model.forward_terms is None:
@@ -152,4 +160,4 @@ def estimate_micro_batch(layers: Sequence[LayerCounts], model: ModelSpec, accumu
     replay.drop(grad, x, labels, logits, *scalars())  # the micro-batch's tensors die before the optimizer step
     replay.phase = "optimizer"
     step.optimizer_step()
-    return MemoryEstimate.of(replay, resident)
+    return replay, step, resident

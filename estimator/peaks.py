@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
 from estimator.counts import LayerCounts, counts_of, reads_in_place
-from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes
+from estimator.estimate import MemoryEstimate, estimate_micro_batch, model_state_bytes, replay_micro_batch
 from estimator.layerwise import estimate_layerwise, layerwise_floor, runs_off_whole_block
 from estimator.spec import ModelSpec
 from estimator.work import step_work
@@ -86,6 +86,18 @@ class PeakEstimator:
         if self.calibrated is not None:
             return self.calibrated.estimate(counts_of(structures, weighted), accumulate)
         return self.itemised(structures, accumulate, weighted).peak_bytes
+
+    def transposed_layers(self, structures: Sequence[Any], weighted: Sequence[bool] | None = None) -> list[bool]:
+        """Per layer of a micro-batch of ``structures`` (its blocks, input layer first), whether its step multiplies
+        by a block's ``Aᵀ`` on the CPU kernels: the layers a kept transpose serves
+        (``betty_trainer.models.aggregate.keep_transposes``), read off the closed form's replay (the tape's
+        ``transposed``). All ``False`` where the compiled kernels do not run (closed form only)."""
+        layers = counts_of(structures, weighted)
+        if not self.spec.compiled_kernels:
+            return [False] * len(layers)
+        in_place = self.spec.features_in_place and bool(structures) and reads_in_place(structures[0])
+        _, tape, _ = replay_micro_batch(layers, self.spec, False, in_place)
+        return [any(c is t for t in tape.transposed) for c in layers]
 
     def micro_batch_work(self, micro_batches: Sequence[Sequence[Any]]) -> float:
         """The work of running ``micro_batches`` (per micro-batch, the sizes of its layers: ``num_src``, ``num_dst``,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from estimator.counts import INDEX_BYTES
+from estimator.counts import INDEX_BYTES, LayerCounts
 from estimator.spec import OPTIMIZER_STATES, ModelSpec
 
 AGG = "aggregator_intermediates"
@@ -127,12 +127,17 @@ class StepTape:
     ``r.keep`` where autograd saves a tensor for backward, ``r.drop`` when a Python variable
     goes out of scope. It returns the output's handle and a closure emitting that piece's
     backward, which receives the output's gradient and returns the input's (or ``None``).
+
+    ``transposed`` lists, with the compiled kernels, the counts of each layer whose sparse aggregation's backward
+    ran (a product by ``Aᵀ``: ``betty_trainer.models.aggregate.aggregate_terms``): the layers whose blocks a kept
+    transpose would serve.
     """
 
     def __init__(self, replay: Replay, model: ModelSpec, accumulate: bool):
         self.r, self.model, self.f, self.accumulating = replay, model, model.dtype_bytes, accumulate
         self.pending: list[int] = []
         self.compiled_kernels = model.compiled_kernels
+        self.transposed: list[LayerCounts] = []  # layers whose aggregation's backward ran a product by Aᵀ (compiled)
 
     def param_grad(self, numel: int) -> int:
         """A parameter's gradient, made by a backward node. It becomes ``.grad`` and lives to the end

@@ -101,6 +101,62 @@ def test_compiled_backward_gives_the_same_bits_on_any_thread_count(width):
     assert all(torch.equal(gradients[0], other) for other in gradients[1:])
 
 
+@pytest.mark.parametrize("values", ["none", "the block's own", "others"])
+@pytest.mark.parametrize("scales", ["none", "rows", "rows and columns"])
+@pytest.mark.parametrize("width", [6, 64, aggregate.SCATTER_MAX_WIDTH + 8])
+def test_a_kept_transpose_gives_the_gradient_its_call_would_make(monkeypatch, values, scales, width):
+    """With the block's transpose kept (:func:`aggregate.keep_transposes`) the backward gathers on it and makes
+    the gradient the call makes without it: the same bits where that call builds the same transpose (wider than
+    the scatter), the same sums in another order where it scatters. Values other than the block's own weights
+    are not its transpose's: the call runs as without it."""
+    block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
+    generator = torch.Generator().manual_seed(5)
+    block.edge_weight = torch.rand(block.num_edges, generator=generator)
+    given = {"none": None, "the block's own": block.edge_weight,
+             "others": torch.rand(block.num_edges, generator=generator)}[values]
+    row_scale = None if scales == "none" else torch.rand(block.num_dst, generator=generator)
+    col_scale = torch.rand(block.num_src, generator=generator) if scales == "rows and columns" else None
+    h = torch.randn(block.num_src, width, generator=generator, requires_grad=True)
+    grad = torch.randn(block.num_dst, width, generator=generator)
+
+    def gradient() -> torch.Tensor:
+        h.grad = None
+        aggregate.aggregate(block, h, given, row_scale=row_scale, col_scale=col_scale).backward(grad)
+        return h.grad.clone()
+
+    made = gradient()
+    aggregate.keep_transposes([block], [True])
+    kept = block.transpose
+    assert kept.pointer.dtype == kept.positions.dtype == torch.int32
+    if values != "others":  # nothing but the kept transpose may serve
+        monkeypatch.setattr(aggregate, "_csr_scatter", None)
+        monkeypatch.setattr(aggregate, "_transpose", None)
+    with_kept = gradient()
+    if width > aggregate.SCATTER_MAX_WIDTH or values == "others":
+        assert torch.equal(with_kept, made)
+    else:
+        torch.testing.assert_close(with_kept, made, **CLOSE)
+    aggregate.keep_transposes([block], [False])
+    assert block.transpose is None
+
+
+def test_a_kept_transpose_is_the_block_s_own_and_stays_on_its_device():
+    """A kept transpose is the counting sort's CSR of ``Aᵀ`` with the block's weights in its order; it is among
+    the block's tensors, comes along when the block is moved to its own device and is left behind on another."""
+    block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
+    block.edge_weight = torch.rand(block.num_edges)
+    aggregate.keep_transposes([block], [True])
+    pointer, positions, values = aggregate._transpose(block, block.edge_weight, torch.float32)
+    kept = block.transpose
+    assert torch.equal(kept.pointer, pointer) and torch.equal(kept.positions, positions)
+    assert torch.equal(kept.values, values)
+    assert all(any(t is held for held in block.tensors()) for t in (kept.pointer, kept.positions, kept.values))
+    assert block.to("cpu").transpose is kept
+    assert block.to("meta").transpose is None
+    with pytest.raises(ValueError, match="keeps no transpose"):
+        aggregate.keep_transposes([block.to("meta")], [True])
+
+
 def test_mean_sum_and_weighted_mean():
     block = random_block(seed=2)
     h = torch.randn(block.num_src, 5)

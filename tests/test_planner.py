@@ -17,7 +17,7 @@ from betty_trainer.config import load_config
 from betty_trainer.errors import CalibrationError, ConfigError, PlanningError
 from betty_trainer.execution import micro_batches as micro_batches_module
 from betty_trainer.execution.micro_batches import measure_training_step
-from betty_trainer.memory.planner import Planner, graph_partition
+from betty_trainer.memory.planner import Planner, graph_partition, make_planner
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model, set_dropout_key
 from betty_trainer.training.checkpoint import load_checkpoint
@@ -193,6 +193,67 @@ def test_a_weighted_batch_is_planned_with_weighted_estimates(setting):
     unweighted_estimate = Planner(load_config(None, overrides).micro_batch, PeakEstimator(model_spec(config, graph)),
                                             torch.device("cpu")).plan(batch).split.estimates[0]
     assert plan.split.estimates[0] > unweighted_estimate  # the weights are bytes of their own
+
+
+def test_a_batch_trained_on_every_step_keeps_its_transposes_in_one_micro_batch_only(setting):
+    """A recurring batch planned in one micro-batch keeps the transpose of each block whose aggregation's backward
+    runs (the estimator's ``transposed_layers``), and the estimate, larger by exactly those bytes, is the measured
+    peak; a re-plan in more micro-batches, a layer-wise plan, or a budget the transposes would miss keeps none, nor
+    does ``keep_transposes: auto`` without a budget or ``false``."""
+    graph, config, _, model, optimizer, _ = setting
+    batch = sample_batch(graph, graph.train_idx, [None, None])  # its own: the plan changes what its blocks hold
+    estimator, cpu = PeakEstimator(model_spec(config, graph)), torch.device("cpu")
+    auto = config.micro_batch.model_copy(update={"num_micro_batches": 1})
+    assert auto.keep_transposes == "auto"
+    without = Planner(auto, estimator, cpu, recurring=True).plan(batch).estimate
+    assert all(block.transpose is None for block in batch.blocks)
+    one = auto.model_copy(update={"keep_transposes": True})
+    Planner(one, estimator, cpu).plan(batch)  # a batch the run does not train on every step
+    assert all(block.transpose is None for block in batch.blocks)
+
+    planner = Planner(one, estimator, cpu, recurring=True)
+    plan = planner.plan(batch)
+    keep = estimator.transposed_layers(batch.blocks)
+    assert keep == [True, True]  # SAGE-mean projects 200 → 16 columns first: both layers' aggregations backpropagate
+    assert [block.transpose is not None for block in batch.blocks] == keep
+    kept = sum(4 * (block.num_src + 1 + block.num_edges) for block in batch.blocks)
+    assert plan.estimate == without + kept
+    set_dropout_key(model, 0, 0)
+    assert plan.measure(model, optimizer, HostFeatureStore(graph.x, pin=False), graph.y, cpu) == [plan.estimate]
+    assert planner.plan(batch) is plan and all(block.transpose is not None for block in batch.blocks)
+
+    assert planner.plan(batch, min_pieces=2).pieces == 2  # as after an out-of-memory error
+    assert all(block.transpose is None for block in batch.blocks)
+    layerwise = config.micro_batch.model_copy(update={"num_micro_batches": 1, "mode": "layerwise"})
+    Planner(layerwise, estimator, cpu, recurring=True).plan(batch)
+    assert all(block.transpose is None for block in batch.blocks)
+    for wanted in ("auto", True):
+        tight = Planner(one.model_copy(update={"budget": without + kept - 1, "keep_transposes": wanted}), estimator, cpu,
+                        recurring=True).plan(batch)
+        assert tight.pieces == 1 and tight.estimate == without and all(block.transpose is None for block in batch.blocks)
+    roomy = Planner(auto.model_copy(update={"budget": without + kept}), estimator, cpu, recurring=True).plan(batch)
+    assert roomy.pieces == 1 and roomy.estimate == without + kept
+    assert all(block.transpose is not None for block in batch.blocks)
+    never = auto.model_copy(update={"budget": without + kept, "keep_transposes": False})
+    assert Planner(never, estimator, cpu, recurring=True).plan(batch).estimate == without
+    assert all(block.transpose is None for block in batch.blocks)
+
+
+@pytest.mark.parametrize("sampling, recurring", [([], True), (["sampling.fanouts=[5,5]"], False),
+                                                 (["sampling.batch_size=10"], False)])
+def test_only_a_run_on_one_full_batch_of_full_neighbourhoods_recurs(setting, sampling, recurring):
+    graph = setting[0]
+    config = load_config(None, OVERRIDES + sampling)
+    assert make_planner(config, graph, None, torch.device("cpu"), HostFeatureStore(graph.x, pin=False)).recurring is recurring
+
+
+def test_only_a_layer_whose_aggregation_backpropagates_keeps_its_transpose(setting):
+    """SAGE-mean aggregating its input rows before projecting them (200 → 256 columns) takes no gradient through
+    layer 0's aggregation, so layer 0's block keeps no transpose."""
+    graph, _, _, _, _, _ = setting
+    config = load_config(None, [o for o in OVERRIDES if not o.startswith("model.hidden")] + ["model.hidden=256"])
+    batch = sample_batch(graph, graph.train_idx, [None, None])
+    assert PeakEstimator(model_spec(config, graph)).transposed_layers(batch.blocks) == [False, True]
 
 
 @pytest.fixture(scope="module")

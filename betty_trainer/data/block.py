@@ -29,6 +29,28 @@ class PyGAdj(NamedTuple):
 
 
 @dataclass
+class BlockTranspose:
+    """The CSR of a block's transposed adjacency ``Aᵀ`` (``num_src × num_dst``), kept with the block between steps
+    so that the backward of its sparse aggregation gathers instead of scattering (``betty_trainer.models.aggregate``;
+    issue 23's kept transpose: which blocks keep one is the planner's choice, ``betty_trainer.memory.planner``).
+
+    Args:
+        pointer: ``(num_src + 1,)`` int32: src row ``s``'s edges are ``positions[pointer[s]:pointer[s + 1]]``.
+        positions: ``(E,)`` int32 local dst positions, each src row's edges in dst order.
+        values: ``(E,)`` float32 the block's edge weights in that order, or ``None`` for an unweighted block.
+    """
+
+    pointer: Tensor
+    positions: Tensor
+    values: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        """``pointer``, ``positions`` and, where it has them, ``values``: ``4·(num_src + 1 + E)`` bytes, plus ``4·E``
+        weighted."""
+        return [t for t in (self.pointer, self.positions, self.values) if t is not None]
+
+
+@dataclass
 class Block:
     """One bipartite layer of a batch (a message-flow graph, as DGL calls it).
 
@@ -43,6 +65,7 @@ class Block:
         indices: ``(E,)`` int32 local src positions (:data:`partition.slicing.LOCAL_INDEX`; other integer
             dtypes are converted on construction).
         edge_weight: optional ``(E,)`` float32 per-edge weight (importance weights of GNS/LABOR).
+        transpose: ``Aᵀ``'s CSR where the block keeps it between steps (:class:`BlockTranspose`), else ``None``.
 
     Raises:
         ValueError: ``2³¹`` or more src nodes (the int32 local positions cannot number them).
@@ -53,6 +76,7 @@ class Block:
     indptr: Tensor
     indices: Tensor
     edge_weight: Tensor | None = None
+    transpose: BlockTranspose | None = None
 
     def __post_init__(self) -> None:
         if self.src_nodes.numel() >= 2**31:
@@ -89,13 +113,18 @@ class Block:
                                        output_size=self.num_edges)
 
     def tensors(self) -> list[Tensor]:
-        """The block's tensors: ``src_nodes``, ``indptr``, ``indices`` and, where it has them, ``edge_weight``."""
-        return [t for t in (self.src_nodes, self.indptr, self.indices, self.edge_weight) if t is not None]
+        """The block's tensors: ``src_nodes``, ``indptr``, ``indices`` and, where it has them, ``edge_weight`` and
+        its kept transpose's (:class:`BlockTranspose`)."""
+        kept = [] if self.transpose is None else self.transpose.tensors()
+        return [t for t in (self.src_nodes, self.indptr, self.indices, self.edge_weight) if t is not None] + kept
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Block":
-        """A copy of the block with every tensor on ``device``."""
+        """A copy of the block with every tensor on ``device``; its kept transpose comes along on the same device
+        only (the CPU kernels read it; a copy to another device would be host→device bytes nothing reads)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Block(move(self.src_nodes), self.num_dst, move(self.indptr), move(self.indices), move(self.edge_weight))
+        transpose = self.transpose if torch.device(device) == self.indices.device else None
+        return Block(move(self.src_nodes), self.num_dst, move(self.indptr), move(self.indices), move(self.edge_weight),
+                     transpose)
 
     def restrict(self, layer: LayerSlice) -> "Block":
         """The sub-block described by ``layer`` (see :func:`partition.slice_layers`)."""

@@ -32,6 +32,7 @@ from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.recorded import WeightedRecordings
 from betty_trainer.memory.spec import model_spec
+from betty_trainer.models.aggregate import keep_transposes
 from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.sampling.bulk import BulkDraw
 from estimator.calibrate import CalibratedModel
@@ -68,6 +69,8 @@ class Planner:
             time on the graph's device): reported, and where the step trains on CUDA its ``device_bytes`` (sampling
             on the GPU) are taken off the budget as the feature store's are (sampling and training share the
             current CUDA device).
+        recurring: the run trains on one batch every step (a full batch of full neighbourhoods:
+            :func:`samples_batches` is false), so a plan of it in one micro-batch may keep its blocks' transposes.
 
     Assignment by the graph: with a ``graph_partition``, a batch's micro-batches are its outputs grouped by their
     nodes' parts in the graph's K-way partition (made once per K for the run) and counted; no REG and no METIS
@@ -94,6 +97,16 @@ class Planner:
     ``torch.equal``), planned with the same ``min_pieces``, gets the last plan back without
     partitioning again (a plan keeps each micro-batch's outputs and slices it when it runs); a
     full-neighbourhood full batch is such a batch every epoch.
+
+    Kept transposes (``micro_batch.keep_transposes``): a ``recurring`` batch planned in one micro-batch, with the
+    built-in model's closed form on the CPU kernels, keeps the transpose of each block whose aggregation's backward
+    multiplies by ``Aᵀ`` (:meth:`PeakEstimator.transposed_layers <estimator.peaks.PeakEstimator.transposed_layers>`;
+    :func:`~betty_trainer.models.aggregate.keep_transposes`), made once for the run, when the estimate with them
+    (``4·(S + 1 + E)`` bytes per block, ``+ 4·E`` weighted, counted in ``block_structure``) fits the budget: under
+    ``auto`` only a budget's room pays for them, under ``true`` a run without a budget keeps them too. That backward
+    then gathers instead of scattering (issue 23: ``benchmarks/README.md`` › aggregation.py: 0.74–0.89× DGL's
+    aggregation time at width 64 on Amazon Computers, against 0.87–1.03× scattering; +4 MiB, +24%, on its K = 1
+    dropout-0 peak). Any other plan of the batch takes them away.
     With another ``min_pieces`` (re-planning after an out-of-memory error) the batch's REG is
     reused. ``plans_made`` and ``plans_reused`` count the two cases.
 
@@ -104,8 +117,10 @@ class Planner:
 
     def __init__(self, config: MicroBatchConfig, estimator: PeakEstimator | None, device: torch.device,
                  feature_store_bytes: int = 0, seed: int = 0, layerwise_allowed: bool = True,
-                 graph_partition: GraphPartition | None = None, bulk_draw: BulkDraw | None = None):
+                 graph_partition: GraphPartition | None = None, bulk_draw: BulkDraw | None = None,
+                 recurring: bool = False):
         self.config = config
+        self.recurring = recurring
         self.seed = seed
         self.feature_store_bytes = feature_store_bytes
         self.device = torch.device(device)
@@ -170,6 +185,7 @@ class Planner:
         if same_batch and last.min_pieces == min_pieces:
             self.plans_reused += 1
             return last.plan
+        keep_transposes(batch.blocks, [False] * batch.num_layers)  # planned afresh: estimated without them
         mode = self.config.mode if self.layerwise_allowed else "micro_batches"
         candidates, errors, self._splitter = [], [], last.splitter if same_batch else None
         whole = self._whole_batch_estimate(batch)
@@ -195,13 +211,37 @@ class Planner:
                             " some of the graph's parts)" if "graph" in short.partitioner else
                             f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"),
                            short.pieces)
-        plan = min(candidates, key=lambda candidate: candidate.work)
+        plan = self._keep_transposes(min(candidates, key=lambda candidate: candidate.work))
         self.plans_made += 1
         self._last = _LastPlan(min_pieces, self._splitter, plan)
         if len(candidates) > 1:
             logger.info("micro_batch.mode=auto chose %s (estimated work %.3g vs %.3g)", plan.method,
                         plan.work, max(candidate.work for candidate in candidates))
         return plan
+
+    def _keep_transposes(self, plan: StepPlan) -> StepPlan:
+        """``plan``, whose batch's blocks keep their transposes where that pays (see the class docstring), its
+        estimate then counting them; else ``plan`` as it is."""
+        estimator, wanted = self.estimator, self.config.keep_transposes
+        if not (self.recurring and plan.method == "micro_batches" and plan.pieces == 1 and estimator is not None
+                and estimator.closed_form and estimator.spec.compiled_kernels
+                and (wanted is True or (wanted == "auto" and self.budget is not None))):
+            return plan
+        blocks, weighted = plan.batch.blocks, edge_weighted(plan.batch)
+        keep = estimator.transposed_layers(blocks, weighted)
+        if not any(keep):
+            return plan
+        keep_transposes(blocks, keep)
+        peak = estimator.peak(blocks, weighted=weighted)
+        if self.budget is not None and peak > self.budget:
+            keep_transposes(blocks, [False] * len(blocks))
+            return plan
+        kept = sum(t.numel() * t.element_size() for block in blocks if block.transpose is not None
+                   for t in block.transpose.tensors())
+        logger.info("one micro-batch of a batch trained on every step: %d of its %d blocks keep their transpose "
+                    "(%.1f MiB) for their aggregation's backward", sum(keep), len(blocks), kept / 2**20)
+        split = plan.split
+        return replace(plan, split=replace(split, estimates=[peak]) if split.estimates else split)
 
     def _whole_batch_estimate(self, batch: Batch) -> Callable[[], int]:
         """``() →`` the estimated peak of ``batch`` in one micro-batch, bytes (0 without an estimator), made when
@@ -370,7 +410,7 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
         estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False
     return Planner(config.micro_batch, estimator, device, features.max_device_bytes, seed, layer_by_layer,
-                   partition or graph_partition(config, graph), bulk_draw)
+                   partition or graph_partition(config, graph), bulk_draw, not samples_batches(config, graph))
 
 
 def graph_partition(config: Config, graph: Graph) -> GraphPartition | None:
@@ -378,14 +418,21 @@ def graph_partition(config: Config, graph: Graph) -> GraphPartition | None:
     ``micro_batch.assignment`` is ``graph``, or ``auto`` with a METIS-based ``micro_batch.partitioner`` for sampled
     batches (``sampling.batch_size`` below the training nodes, or a fanout that samples); else ``None``. Nothing
     is partitioned until a batch asks."""
-    section, sampling = config.micro_batch, config.sampling
-    sampled = ((sampling.batch_size is not None and sampling.batch_size < graph.train_idx.numel())
-               or any(fanout != -1 for fanout in sampling.fanouts or []))
+    section = config.micro_batch
+    sampled = samples_batches(config, graph)
     if section.assignment == "batch" or (section.assignment == "auto" and not (sampled and section.partitioner in GRAPHS)):
         return None
     balanced = torch.zeros(graph.num_nodes, dtype=torch.bool)
     balanced[graph.train_idx] = True
     return GraphPartition(graph.indptr, graph.indices, balanced)
+
+
+def samples_batches(config: Config, graph: Graph) -> bool:
+    """Whether the run's batches are sampled (``sampling.batch_size`` below the training nodes, or a fanout that
+    samples); else it trains on one full batch of full neighbourhoods every step."""
+    sampling = config.sampling
+    return ((sampling.batch_size is not None and sampling.batch_size < graph.train_idx.numel())
+            or any(fanout != -1 for fanout in sampling.fanouts or []))
 
 
 def _custom_estimate(config: Config, graph: Graph, model: nn.Module,

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from betty_trainer.data.block import Block
+from betty_trainer.data.block import Block, BlockTranspose
 from betty_trainer.models.lstm import LSTM, lstm_terms
 from betty_trainer.models.operators import kernel_operator
 from betty_trainer.rng import compiled_kernels, jit, numba
@@ -27,11 +28,11 @@ class _SparseAggregate(torch.autograd.Function):
     Nothing of size ``E × F`` is made, and no per-edge float for mean, sum or GCN weighting: a mean is the
     unweighted sum with its rows scaled by ``1/deg`` afterwards. Forward is a CSR SpMM on the block's own CSC
     pointer (a block's CSC over dst is the CSR of ``A``); backward is ``diag(col_scale)·Aᵀ·diag(row_scale)·grad``
-    (:func:`_transposed_matmul`: on the CPU a scatter along the block's own CSR up to
-    :data:`SCATTER_MAX_WIDTH` columns, else a gather on ``Aᵀ``'s CSR built for the call, ``E + num_src + 1``
-    int32, plus ``E`` floats with values). Autograd keeps the given ``values``, ``row_scale``, ``col_scale`` and
-    ``self_scale`` (``E``, ``num_dst``, ``num_src`` and ``num_dst`` floats, the ones passed); the block is
-    already resident.
+    (:func:`_transposed_matmul`: on the CPU a gather on ``Aᵀ``'s CSR where the block keeps it
+    (:func:`keep_transposes`), else a scatter along the block's own CSR up to :data:`SCATTER_MAX_WIDTH` columns,
+    else a gather on ``Aᵀ``'s CSR built for the call, ``E + num_src + 1`` int32, plus ``E`` floats with values).
+    Autograd keeps the given ``values``, ``row_scale``, ``col_scale`` and ``self_scale`` (``E``, ``num_dst``,
+    ``num_src`` and ``num_dst`` floats, the ones passed); the block is already resident.
     """
 
     @staticmethod
@@ -59,11 +60,16 @@ class _SparseAggregate(torch.autograd.Function):
 def _transposed_matmul(block: Block, grad: Tensor, values: Tensor | None, row_scale: Tensor | None,
                        col_scale: Tensor | None) -> Tensor:
     """``diag(col_scale)·Aᵀ·diag(row_scale)·grad``: ``(num_dst, F)`` → ``(num_src, F)``, every src row summing its
-    edges in dst order. On the CPU (float32) up to :data:`SCATTER_MAX_WIDTH` columns a compiled kernel scatters
-    each dst row's gradient along its edges, building nothing (threads take disjoint column blocks, so the bits do
-    not depend on their number); otherwise :func:`_csr_matmul` on ``Aᵀ``'s CSR (:func:`_transpose`, built for
-    this call and freed after it), the two scales swapping sides."""
-    if compiled_kernels(grad.device, grad.dtype) and grad.shape[1] <= SCATTER_MAX_WIDTH:
+    edges in dst order. On the CPU (float32): where the block keeps its transpose (:func:`keep_transposes`) and
+    ``values`` are none or the block's own weights, :func:`_csr_matmul` on it, the two scales swapping sides;
+    else up to :data:`SCATTER_MAX_WIDTH` columns a compiled kernel scatters each dst row's gradient along its edges,
+    building nothing (threads take disjoint column blocks, so the bits do not depend on their number); otherwise
+    :func:`_csr_matmul` on ``Aᵀ``'s CSR built for this call (:func:`_transpose`) and freed after it."""
+    compiled, kept = compiled_kernels(grad.device, grad.dtype), block.transpose
+    if compiled and kept is not None and (values is None or values is block.edge_weight):
+        return _csr_matmul(kept.pointer, kept.positions, grad, None if values is None else kept.values, col_scale,
+                           row_scale)
+    if compiled and grad.shape[1] <= SCATTER_MAX_WIDTH:
         out = grad.new_zeros(block.num_src, grad.shape[1])
         _csr_scatter(block.indptr, block.indices, _in_dtype(values, grad.dtype), _in_dtype(row_scale, grad.dtype),
                      _in_dtype(col_scale, grad.dtype), grad.contiguous(), out, _column_step(grad.shape[1]))
@@ -88,6 +94,26 @@ def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype) -> tuple
     pointer = torch.zeros(block.num_src + 1, dtype=torch.int64, device=device)
     torch.cumsum(torch.bincount(block.indices, minlength=block.num_src), 0, out=pointer[1:])
     return pointer, block.edge_dst()[order], None if values is None else values[order]
+
+
+def keep_transposes(blocks: Sequence[Block], keep: Sequence[bool]) -> None:
+    """Give each block of ``blocks`` whose ``keep`` is true its transpose to keep (:class:`~betty_trainer.data.block.
+    BlockTranspose`: :func:`_transpose`'s int32 CSR of ``Aᵀ``, with the block's edge weights in its order, made once
+    and then kept), and take it from the others. A kept transpose makes the backward of the block's sparse
+    aggregation a gather (:func:`_transposed_matmul`) at ``4·(num_src + 1 + E)`` bytes (``+ 4·E`` weighted) held
+    with the block: for blocks the run trains on step after step (the planner's choice:
+    ``betty_trainer.memory.planner``), whose aggregation backward runs on the CPU.
+
+    Raises:
+        ValueError: a block not on the CPU (the compiled kernels read the transpose there only).
+    """
+    for block, wanted in zip(blocks, keep, strict=True):
+        if not wanted:
+            block.transpose = None
+        elif block.transpose is None:
+            if not compiled_kernels(block.indices.device, torch.float32):
+                raise ValueError(f"a block on {block.indices.device} keeps no transpose: the CPU kernels read it")
+            block.transpose = BlockTranspose(*_transpose(block, block.edge_weight, torch.float32))
 
 
 @jit
@@ -335,10 +361,11 @@ def _coefficient(values, col_scale, indices, edge):  # pragma: no cover - compil
 
 
 SCATTER_MAX_WIDTH = 128
-"""The widest gradient the compiled backward scatters along the block's own CSR (:func:`_scatter_kernel`); a wider
-one is gathered on ``Aᵀ``'s CSR, built for the call. Measured one thread each (``benchmarks/aggregation.py``):
-at width 64 the scatter takes 0.8× the transpose and gather on Amazon Computers and the same on a 30k-node SBM;
-at 256, 1.0–1.3× (the scatter's read-modify-write of every edge's src row costs more than a transpose then)."""
+"""The widest gradient the compiled backward scatters along the block's own CSR (:func:`_scatter_kernel`) where the
+block keeps no transpose; a wider one is gathered on ``Aᵀ``'s CSR, built for the call. Measured one thread each
+(``benchmarks/aggregation.py``): at width 64 the scatter takes 0.8× the transpose and gather on Amazon Computers and
+the same on a 30k-node SBM; at 256, 1.0–1.3× (the scatter's read-modify-write of every edge's src row costs more
+than a transpose then). A gather on a kept transpose beats both (``benchmarks/README.md`` › aggregation.py)."""
 
 SCATTER_PREFETCH_EDGES = 8
 """How many edges ahead the compiled scatter asks the CPU to fetch the src rows of the gradient it will add into (the
@@ -974,7 +1001,10 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, se
     def backward(grad: int) -> int:
         e, s = c.num_edges, c.num_src
         saved = (row_scale, col_scale, self_scale)
-        if tape.compiled_kernels and width <= SCATTER_MAX_WIDTH:  # the scatter makes the gradient only
+        if tape.compiled_kernels:  # the product on the block's kept transpose is listed for the planner
+            tape.transposed.append(c)
+        if tape.compiled_kernels and (width <= SCATTER_MAX_WIDTH or c.transposed):
+            # the scatter, or the gather on the kept transpose, makes the gradient only
             grad_src = r.alloc(s * width * tape.f, GRAD)
             r.drop(grad, *saved)
             return grad_src
