@@ -286,8 +286,14 @@ def _print_piece_table(console: Console, report: dict, args: argparse.Namespace)
                   f"{_mib(peak) + ' MiB' if peak else '-'}{step}; estimated work {report['work']:,}; "
                   f"K = {report['num_pieces']} (tried {[t['k'] for t in report['tried']]}); "
                   f"redundancy per layer {redundancy}; the plan holds {_mib(report['plan_host_bytes'])} MiB of host "
-                  f"memory; planning took {report['planning_seconds']:.3f} s"
+                  f"memory{_kept_transposes(report)}; planning took {report['planning_seconds']:.3f} s"
                   f"{_written(args.output)}", highlight=False, soft_wrap=True)
+
+
+def _kept_transposes(report: dict) -> str:
+    """The plan summary's words on the transposes its blocks keep (``micro_batch.keep_transposes``), or nothing."""
+    kept = report.get("kept_transpose_bytes", 0)
+    return f" and its blocks keep their transposes, {_mib(kept)} MiB (in the estimate)" if kept else ""
 
 
 _COMPONENTS = {"input_features": "features", "hidden_outputs": "hidden", "dropout_masks": "dropout",

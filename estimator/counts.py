@@ -63,13 +63,13 @@ def counts_of(structures: Sequence[Any], weighted: Sequence[bool] | None = None)
         weighted: per layer, whether the block carries edge weights; ``None`` reads each structure's
             ``edge_weight`` (a layer slice has none: pass the parent batch's answer).
 
-    A block that keeps its transpose (its ``transpose`` is not ``None``) counts as ``transposed``.
+    A block that keeps its transpose (its ``kept_transpose`` is not ``None``) counts as ``transposed``.
     """
     if weighted is None:
         weighted = [getattr(s, "edge_weight", None) is not None for s in structures]
     return [LayerCounts(s.num_src, s.num_dst, s.num_edges, s.degree_histogram, w)
             if getattr(s, "degree_histogram", None) is not None
-            else LayerCounts.from_csc(s.indptr, s.num_src, w, getattr(s, "transpose", None) is not None)
+            else LayerCounts.from_csc(s.indptr, s.num_src, w, getattr(s, "kept_transpose", None) is not None)
             for s, w in zip(structures, weighted)]
 
 

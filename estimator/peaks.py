@@ -76,8 +76,11 @@ class PeakEstimator:
         (read from the structures when ``None``; see :func:`~estimator.counts.counts_of`). The input rows are read
         in place where the model's feature store hands them out and the input layer is a block of nodes
         ``0 … n − 1`` (:func:`~estimator.counts.reads_in_place`)."""
-        in_place = self.spec.features_in_place and bool(structures) and reads_in_place(structures[0])
-        return estimate_micro_batch(counts_of(structures, weighted), self.spec, accumulate, in_place)
+        return estimate_micro_batch(counts_of(structures, weighted), self.spec, accumulate, self._in_place(structures))
+
+    def _in_place(self, structures: Sequence[Any]) -> bool:
+        """Whether the step of a micro-batch of ``structures`` reads its input rows in place (see :meth:`itemised`)."""
+        return self.spec.features_in_place and bool(structures) and reads_in_place(structures[0])
 
     def peak(self, structures: Sequence[Any], accumulate: bool = False, weighted: Sequence[bool] | None = None) -> int:
         """Estimated peak bytes of one micro-batch's training step: the closed form, the recorded one, or the
@@ -91,12 +94,12 @@ class PeakEstimator:
         """Per layer of a micro-batch of ``structures`` (its blocks, input layer first), whether its step multiplies
         by a block's ``Aᵀ`` on the CPU kernels: the layers a kept transpose serves
         (``betty_trainer.models.aggregate.keep_transposes``), read off the closed form's replay (the tape's
-        ``transposed``). All ``False`` where the compiled kernels do not run (closed form only)."""
+        ``transposed``). All ``False`` where the compiled kernels do not run, and for a custom model (no closed
+        form)."""
         layers = counts_of(structures, weighted)
-        if not self.spec.compiled_kernels:
+        if self.spec is None or not self.spec.compiled_kernels:
             return [False] * len(layers)
-        in_place = self.spec.features_in_place and bool(structures) and reads_in_place(structures[0])
-        _, tape, _ = replay_micro_batch(layers, self.spec, False, in_place)
+        _, tape, _ = replay_micro_batch(layers, self.spec, False, self._in_place(structures))
         return [any(c is t for t in tape.transposed) for c in layers]
 
     def micro_batch_work(self, micro_batches: Sequence[Sequence[Any]]) -> float:

@@ -3,6 +3,8 @@ paths, and nothing of size (E, F) kept for backward."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -155,6 +157,11 @@ def test_a_kept_transpose_is_the_block_s_own_and_stays_on_its_device():
     assert block.to("meta").transpose is None
     with pytest.raises(ValueError, match="keeps no transpose"):
         aggregate.keep_transposes([block.to("meta")], [True])
+    assert dataclasses.replace(block, edge_weight=torch.rand(block.num_edges)).transpose is None
+    block.edge_weight = torch.rand(block.num_edges)  # other weights: the transpose made of the old ones serves no more
+    assert block.transpose is kept and block.kept_transpose is None
+    aggregate.keep_transposes([block], [True])
+    assert torch.equal(block.kept_transpose.values, aggregate._transpose(block, block.edge_weight, torch.float32)[2])
 
 
 def test_mean_sum_and_weighted_mean():

@@ -19,7 +19,7 @@ from betty_trainer.execution import micro_batches as micro_batches_module
 from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.planner import Planner, graph_partition, make_planner
 from betty_trainer.memory.spec import model_spec
-from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.models import aggregate, build_model, set_dropout_key
 from betty_trainer.training.checkpoint import load_checkpoint
 from betty_trainer.training.trainer import train
 from estimator.peaks import PeakEstimator
@@ -195,7 +195,7 @@ def test_a_weighted_batch_is_planned_with_weighted_estimates(setting):
     assert plan.split.estimates[0] > unweighted_estimate  # the weights are bytes of their own
 
 
-def test_a_batch_trained_on_every_step_keeps_its_transposes_in_one_micro_batch_only(setting):
+def test_a_batch_trained_on_every_step_keeps_its_transposes_in_one_micro_batch_only(setting, monkeypatch):
     """A recurring batch planned in one micro-batch keeps the transpose of each block whose aggregation's backward
     runs (the estimator's ``transposed_layers``), and the estimate, larger by exactly those bytes, is the measured
     peak; a re-plan in more micro-batches, a layer-wise plan, or a budget the transposes would miss keeps none, nor
@@ -217,9 +217,14 @@ def test_a_batch_trained_on_every_step_keeps_its_transposes_in_one_micro_batch_o
     assert keep == [True, True]  # SAGE-mean projects 200 → 16 columns first: both layers' aggregations backpropagate
     assert [block.transpose is not None for block in batch.blocks] == keep
     kept = sum(4 * (block.num_src + 1 + block.num_edges) for block in batch.blocks)
-    assert plan.estimate == without + kept
+    assert plan.estimate == without + kept and plan.kept_transpose_bytes == kept
+    report = plan.report()
+    assert report["kept_transpose_bytes"] == kept and report["full_batch"]["estimate_peak_bytes"] == plan.estimate
     set_dropout_key(model, 0, 0)
-    assert plan.measure(model, optimizer, HostFeatureStore(graph.x, pin=False), graph.y, cpu) == [plan.estimate]
+    with monkeypatch.context() as patch:  # the step gathers on the kept transposes: no scatter, none built per call
+        patch.setattr(aggregate, "_csr_scatter", None)
+        patch.setattr(aggregate, "_transpose", None)
+        assert plan.measure(model, optimizer, HostFeatureStore(graph.x, pin=False), graph.y, cpu) == [plan.estimate]
     assert planner.plan(batch) is plan and all(block.transpose is not None for block in batch.blocks)
 
     assert planner.plan(batch, min_pieces=2).pieces == 2  # as after an out-of-memory error
@@ -237,6 +242,22 @@ def test_a_batch_trained_on_every_step_keeps_its_transposes_in_one_micro_batch_o
     never = auto.model_copy(update={"budget": without + kept, "keep_transposes": False})
     assert Planner(never, estimator, cpu, recurring=True).plan(batch).estimate == without
     assert all(block.transpose is None for block in batch.blocks)
+
+
+def test_a_run_keeping_its_transposes_trains_as_one_that_scatters(tmp_path, monkeypatch):
+    """``train()`` on one full batch in one micro-batch with ``keep_transposes: true`` makes each block's transpose
+    once for the run and gathers every aggregation's backward on it (the scatter would fail here), and ends with the
+    parameters of the run that scatters, to float32 reassociation of the sums."""
+    overrides = OVERRIDES + ["optim.epochs=3", "micro_batch.num_micro_batches=1"]
+    train(load_config(None, overrides + ["micro_batch.keep_transposes=false"]), run_dir=tmp_path / "scatters")
+    transposes, transpose = [], aggregate._transpose
+    monkeypatch.setattr(aggregate, "_csr_scatter", None)
+    monkeypatch.setattr(aggregate, "_transpose", lambda *args: transposes.append(args[0]) or transpose(*args))
+    train(load_config(None, overrides + ["micro_batch.keep_transposes=true"]), run_dir=tmp_path / "kept")
+    assert len(transposes) == 2, "one per block of the batch, when it was planned"
+    scatters, kept = load_checkpoint(tmp_path / "scatters"), load_checkpoint(tmp_path / "kept")
+    for name, tensor in scatters["model"].items():
+        torch.testing.assert_close(kept["model"][name], tensor, msg=name)
 
 
 @pytest.mark.parametrize("sampling, recurring", [([], True), (["sampling.fanouts=[5,5]"], False),

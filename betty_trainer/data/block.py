@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Sequence
 
 import torch
@@ -38,11 +38,19 @@ class BlockTranspose:
         pointer: ``(num_src + 1,)`` int32: src row ``s``'s edges are ``positions[pointer[s]:pointer[s + 1]]``.
         positions: ``(E,)`` int32 local dst positions, each src row's edges in dst order.
         values: ``(E,)`` float32 the block's edge weights in that order, or ``None`` for an unweighted block.
+        source: the block's ``(indptr, indices, edge_weight)`` it was made of: those tensors themselves (no copy),
+            so that a block whose structure or weights are other tensors is not served a stale transpose
+            (:meth:`serves`).
     """
 
     pointer: Tensor
     positions: Tensor
-    values: Tensor | None = None
+    values: Tensor | None
+    source: tuple[Tensor, Tensor, Tensor | None] = field(repr=False, compare=False)
+
+    def serves(self, block: "Block") -> bool:
+        """Whether this is ``block``'s transpose: made of the very tensors ``block`` holds."""
+        return all(mine is theirs for mine, theirs in zip(self.source, (block.indptr, block.indices, block.edge_weight)))
 
     def tensors(self) -> list[Tensor]:
         """``pointer``, ``positions`` and, where it has them, ``values``: ``4·(num_src + 1 + E)`` bytes, plus ``4·E``
@@ -65,7 +73,11 @@ class Block:
         indices: ``(E,)`` int32 local src positions (:data:`partition.slicing.LOCAL_INDEX`; other integer
             dtypes are converted on construction).
         edge_weight: optional ``(E,)`` float32 per-edge weight (importance weights of GNS/LABOR).
-        transpose: ``Aᵀ``'s CSR where the block keeps it between steps (:class:`BlockTranspose`), else ``None``.
+
+    Attributes:
+        transpose: ``Aᵀ``'s CSR where the block keeps it between steps (:class:`BlockTranspose`, set by
+            ``betty_trainer.models.aggregate.keep_transposes``; not an argument, so ``dataclasses.replace`` makes a
+            block without it), else ``None``; :attr:`kept_transpose` is it where it is still the block's.
 
     Raises:
         ValueError: ``2³¹`` or more src nodes (the int32 local positions cannot number them).
@@ -76,7 +88,7 @@ class Block:
     indptr: Tensor
     indices: Tensor
     edge_weight: Tensor | None = None
-    transpose: BlockTranspose | None = None
+    transpose: BlockTranspose | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.src_nodes.numel() >= 2**31:
@@ -118,13 +130,23 @@ class Block:
         kept = [] if self.transpose is None else self.transpose.tensors()
         return [t for t in (self.src_nodes, self.indptr, self.indices, self.edge_weight) if t is not None] + kept
 
+    @property
+    def kept_transpose(self) -> BlockTranspose | None:
+        """:attr:`transpose` where it is made of this block's own tensors (:meth:`BlockTranspose.serves`), else
+        ``None``."""
+        kept = self.transpose
+        return kept if kept is not None and kept.serves(self) else None
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Block":
-        """A copy of the block with every tensor on ``device``; its kept transpose comes along on the same device
-        only (the CPU kernels read it; a copy to another device would be host→device bytes nothing reads)."""
+        """A copy of the block with every tensor on ``device``; its kept transpose comes along where the tensors
+        stay where they are (the CPU kernels read it there; a copy to another device would be host→device bytes
+        that nothing reads)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        transpose = self.transpose if torch.device(device) == self.indices.device else None
-        return Block(move(self.src_nodes), self.num_dst, move(self.indptr), move(self.indices), move(self.edge_weight),
-                     transpose)
+        moved = Block(move(self.src_nodes), self.num_dst, move(self.indptr), move(self.indices), move(self.edge_weight))
+        kept = self.kept_transpose
+        if kept is not None and kept.serves(moved):
+            moved.transpose = kept
+        return moved
 
     def restrict(self, layer: LayerSlice) -> "Block":
         """The sub-block described by ``layer`` (see :func:`partition.slice_layers`)."""

@@ -197,6 +197,8 @@ class MicroBatchPlan:
         itemise: the estimate by component of a micro-batch (the closed form of a built-in model) from its layers
             (:meth:`counted_layers`; the batch's edge weights, which counted sizes do not carry, bound in), or
             ``None``.
+        kept_transpose_bytes: bytes of the transposes the batch's blocks keep for the run (``K = 1`` only:
+            ``betty_trainer.memory.planner.Planner``'s kept transposes; counted in the estimate's block structure).
 
     Its estimate and report count each micro-batch's layers from the split (:meth:`counted_layers`), slicing none;
     a micro-batch is sliced only when it runs or is measured.
@@ -208,6 +210,7 @@ class MicroBatchPlan:
     partitioner: str
     feature_store_bytes: int = 0
     itemise: Itemise | None = None
+    kept_transpose_bytes: int = 0
     method: ClassVar[str] = "micro_batches"
 
     @property
@@ -278,7 +281,8 @@ class MicroBatchPlan:
                            seconds=split.seconds, feature_store_bytes=self.feature_store_bytes,
                            full_batch_estimate=split.full_batch_estimate or (
                                self.itemise(self.batch.blocks, False).peak_bytes if self.itemise is not None else None),
-                           measured_step=max(measured) if measured else None)
+                           measured_step=max(measured) if measured else None,
+                           kept_transpose_bytes=self.kept_transpose_bytes)
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:

@@ -104,9 +104,9 @@ class Planner:
     :func:`~betty_trainer.models.aggregate.keep_transposes`), made once for the run, when the estimate with them
     (``4·(S + 1 + E)`` bytes per block, ``+ 4·E`` weighted, counted in ``block_structure``) fits the budget: under
     ``auto`` only a budget's room pays for them, under ``true`` a run without a budget keeps them too. That backward
-    then gathers instead of scattering (issue 23: ``benchmarks/README.md`` › aggregation.py: 0.74–0.89× DGL's
-    aggregation time at width 64 on Amazon Computers, against 0.87–1.03× scattering; +4 MiB, +24%, on its K = 1
-    dropout-0 peak). Any other plan of the batch takes them away.
+    then gathers instead of scattering (issue 23: ``benchmarks/README.md`` › aggregation.py › Kept transposes:
+    0.74–1.06× DGL's aggregation time at width 64 on Amazon Computers, against 0.87–1.15× scattering; +4 MiB, +24%,
+    on its K = 1 dropout-0 peak, for 3% of the step). Any other plan of the batch takes them away.
     With another ``min_pieces`` (re-planning after an out-of-memory error) the batch's REG is
     reused. ``plans_made`` and ``plans_reused`` count the two cases.
 
@@ -240,8 +240,10 @@ class Planner:
                    for t in block.transpose.tensors())
         logger.info("one micro-batch of a batch trained on every step: %d of its %d blocks keep their transpose "
                     "(%.1f MiB) for their aggregation's backward", sum(keep), len(blocks), kept / 2**20)
-        split = plan.split
-        return replace(plan, split=replace(split, estimates=[peak]) if split.estimates else split)
+        split = plan.split  # its K = 1 estimates were made without them (its `tried` keeps what the search saw)
+        split = replace(split, estimates=[peak] if split.estimates else [],
+                        full_batch_estimate=peak if split.full_batch_estimate else 0)
+        return replace(plan, split=split, kept_transpose_bytes=kept)
 
     def _whole_batch_estimate(self, batch: Batch) -> Callable[[], int]:
         """``() →`` the estimated peak of ``batch`` in one micro-batch, bytes (0 without an estimator), made when

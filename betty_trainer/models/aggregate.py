@@ -38,7 +38,7 @@ class _SparseAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_src: Tensor, block: Block, values: Tensor | None, row_scale: Tensor | None,
                 col_scale: Tensor | None, self_scale: Tensor | None) -> Tensor:
-        ctx.block = block
+        ctx.block, ctx.own_values = block, values is None or values is block.edge_weight
         ctx.save_for_backward(values, row_scale, col_scale, self_scale)
         out = _csr_matmul(block.indptr, block.indices, h_src, values, row_scale, col_scale)
         if self_scale is not None:
@@ -51,22 +51,23 @@ class _SparseAggregate(torch.autograd.Function):
             return None, None, None, None, None, None
         block = ctx.block
         values, row_scale, col_scale, self_scale = ctx.saved_tensors
-        grad_src = _transposed_matmul(block, grad, values, row_scale, col_scale)
+        grad_src = _transposed_matmul(block, grad, values, row_scale, col_scale, ctx.own_values)
         if self_scale is not None:
             grad_src[: block.num_dst].addcmul_(grad, self_scale.unsqueeze(1))
         return grad_src, None, None, None, None, None
 
 
 def _transposed_matmul(block: Block, grad: Tensor, values: Tensor | None, row_scale: Tensor | None,
-                       col_scale: Tensor | None) -> Tensor:
+                       col_scale: Tensor | None, own_values: bool) -> Tensor:
     """``diag(col_scale)·Aᵀ·diag(row_scale)·grad``: ``(num_dst, F)`` → ``(num_src, F)``, every src row summing its
     edges in dst order. On the CPU (float32): where the block keeps its transpose (:func:`keep_transposes`) and
-    ``values`` are none or the block's own weights, :func:`_csr_matmul` on it, the two scales swapping sides;
-    else up to :data:`SCATTER_MAX_WIDTH` columns a compiled kernel scatters each dst row's gradient along its edges,
-    building nothing (threads take disjoint column blocks, so the bits do not depend on their number); otherwise
-    :func:`_csr_matmul` on ``Aᵀ``'s CSR built for this call (:func:`_transpose`) and freed after it."""
-    compiled, kept = compiled_kernels(grad.device, grad.dtype), block.transpose
-    if compiled and kept is not None and (values is None or values is block.edge_weight):
+    ``values`` are none or the block's own weights (``own_values``, told by the forward), :func:`_csr_matmul` on
+    it, the two scales swapping sides; else up to :data:`SCATTER_MAX_WIDTH` columns a compiled kernel scatters each
+    dst row's gradient along its edges, building nothing (threads take disjoint column blocks, so the bits do not
+    depend on their number); otherwise :func:`_csr_matmul` on ``Aᵀ``'s CSR built for this call (:func:`_transpose`)
+    and freed after it."""
+    compiled, kept = compiled_kernels(grad.device, grad.dtype), block.kept_transpose
+    if compiled and kept is not None and own_values:
         return _csr_matmul(kept.pointer, kept.positions, grad, None if values is None else kept.values, col_scale,
                            row_scale)
     if compiled and grad.shape[1] <= SCATTER_MAX_WIDTH:
@@ -110,10 +111,11 @@ def keep_transposes(blocks: Sequence[Block], keep: Sequence[bool]) -> None:
     for block, wanted in zip(blocks, keep, strict=True):
         if not wanted:
             block.transpose = None
-        elif block.transpose is None:
+        elif block.kept_transpose is None:
             if not compiled_kernels(block.indices.device, torch.float32):
                 raise ValueError(f"a block on {block.indices.device} keeps no transpose: the CPU kernels read it")
-            block.transpose = BlockTranspose(*_transpose(block, block.edge_weight, torch.float32))
+            block.transpose = BlockTranspose(*_transpose(block, block.edge_weight, torch.float32),
+                                             (block.indptr, block.indices, block.edge_weight))
 
 
 @jit
@@ -1001,14 +1003,14 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, se
     def backward(grad: int) -> int:
         e, s = c.num_edges, c.num_src
         saved = (row_scale, col_scale, self_scale)
-        if tape.compiled_kernels:  # the product on the block's kept transpose is listed for the planner
-            tape.transposed.append(c)
-        if tape.compiled_kernels and (width <= SCATTER_MAX_WIDTH or c.transposed):
-            # the scatter, or the gather on the kept transpose, makes the gradient only
-            grad_src = r.alloc(s * width * tape.f, GRAD)
-            r.drop(grad, *saved)
-            return grad_src
-        if tape.compiled_kernels:  # the counting sort writes int32 pointer and positions: no copies
+        if tape.compiled_kernels:
+            tape.transposed.append(c)  # a product by Aᵀ: a kept transpose would serve it (for the planner)
+            if width <= SCATTER_MAX_WIDTH or c.transposed:
+                # the scatter, or the gather on the kept transpose, makes the gradient only
+                grad_src = r.alloc(s * width * tape.f, GRAD)
+                r.drop(grad, *saved)
+                return grad_src
+            # the counting sort writes int32 pointer and positions: no copies
             transposed = [r.alloc((s + 1) * 4, OVER), r.alloc(e * 4, OVER)]
             transposed += [r.alloc(e * tape.f, OVER)] if c.weighted else []
             grad_src = csr_matmul_terms(tape, s, c, width, GRAD, False)
