@@ -293,7 +293,7 @@ def _print_piece_table(console: Console, report: dict, args: argparse.Namespace)
 def _kept_transposes(report: dict) -> str:
     """The plan summary's words on the transposes its blocks keep (``micro_batch.keep_transposes``), or nothing."""
     kept = report.get("kept_transpose_bytes", 0)
-    return f" and its blocks keep their transposes, {_mib(kept)} MiB (in the estimate)" if kept else ""
+    return f" and its blocks keep transposes, {_mib(kept)} MiB (in the estimate)" if kept else ""
 
 
 _COMPONENTS = {"input_features": "features", "hidden_outputs": "hidden", "dropout_masks": "dropout",

@@ -159,9 +159,12 @@ def test_a_kept_transpose_is_the_block_s_own_and_stays_on_its_device():
         aggregate.keep_transposes([block.to("meta")], [True])
     assert dataclasses.replace(block, edge_weight=torch.rand(block.num_edges)).transpose is None
     block.edge_weight = torch.rand(block.num_edges)  # other weights: the transpose made of the old ones serves no more
-    assert block.transpose is kept and block.kept_transpose is None
+    assert block.transpose is kept
+    assert block.kept_transpose is None and block.transpose is None and len(block.tensors()) == 4  # let go
     aggregate.keep_transposes([block], [True])
     assert torch.equal(block.kept_transpose.values, aggregate._transpose(block, block.edge_weight, torch.float32)[2])
+    block.edge_weight.mul_(2)  # changed in place: the transpose's values are the old weights
+    assert block.kept_transpose is None
 
 
 def test_mean_sum_and_weighted_mean():

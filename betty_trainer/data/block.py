@@ -39,8 +39,8 @@ class BlockTranspose:
         positions: ``(E,)`` int32 local dst positions, each src row's edges in dst order.
         values: ``(E,)`` float32 the block's edge weights in that order, or ``None`` for an unweighted block.
         source: the block's ``(indptr, indices, edge_weight)`` it was made of: those tensors themselves (no copy),
-            so that a block whose structure or weights are other tensors is not served a stale transpose
-            (:meth:`serves`).
+            so that a block whose structure or weights are other tensors, or were changed in place since, is not
+            served a stale transpose (:meth:`serves`).
     """
 
     pointer: Tensor
@@ -48,14 +48,24 @@ class BlockTranspose:
     values: Tensor | None
     source: tuple[Tensor, Tensor, Tensor | None] = field(repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self._versions = _versions(self.source)
+
     def serves(self, block: "Block") -> bool:
-        """Whether this is ``block``'s transpose: made of the very tensors ``block`` holds."""
-        return all(mine is theirs for mine, theirs in zip(self.source, (block.indptr, block.indices, block.edge_weight)))
+        """Whether this is ``block``'s transpose: made of the very tensors ``block`` holds, unchanged since (their
+        in-place version counters, ``Tensor._version``, as when it was made)."""
+        theirs = (block.indptr, block.indices, block.edge_weight)
+        return all(mine is other for mine, other in zip(self.source, theirs)) and _versions(theirs) == self._versions
 
     def tensors(self) -> list[Tensor]:
         """``pointer``, ``positions`` and, where it has them, ``values``: ``4·(num_src + 1 + E)`` bytes, plus ``4·E``
         weighted."""
         return [t for t in (self.pointer, self.positions, self.values) if t is not None]
+
+
+def _versions(tensors: Sequence[Tensor | None]) -> tuple[int | None, ...]:
+    """The in-place version counter of each tensor (``None`` for none)."""
+    return tuple(None if t is None else t._version for t in tensors)
 
 
 @dataclass
@@ -126,16 +136,19 @@ class Block:
 
     def tensors(self) -> list[Tensor]:
         """The block's tensors: ``src_nodes``, ``indptr``, ``indices`` and, where it has them, ``edge_weight`` and
-        its kept transpose's (:class:`BlockTranspose`)."""
-        kept = [] if self.transpose is None else self.transpose.tensors()
+        its kept transpose's (:attr:`kept_transpose`)."""
+        kept = [] if self.kept_transpose is None else self.kept_transpose.tensors()
         return [t for t in (self.src_nodes, self.indptr, self.indices, self.edge_weight) if t is not None] + kept
 
     @property
     def kept_transpose(self) -> BlockTranspose | None:
-        """:attr:`transpose` where it is made of this block's own tensors (:meth:`BlockTranspose.serves`), else
-        ``None``."""
+        """:attr:`transpose` where it is made of this block's own tensors as they are (:meth:`BlockTranspose.serves`),
+        else ``None``; a transpose that no longer serves the block is let go here (its bytes, and the old tensors it
+        refers to, are not held for nothing)."""
         kept = self.transpose
-        return kept if kept is not None and kept.serves(self) else None
+        if kept is not None and not kept.serves(self):
+            self.transpose = kept = None
+        return kept
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Block":
         """A copy of the block with every tensor on ``device``; its kept transpose comes along where the tensors

@@ -105,7 +105,7 @@ class Planner:
     (``4·(S + 1 + E)`` bytes per block, ``+ 4·E`` weighted, counted in ``block_structure``) fits the budget: under
     ``auto`` only a budget's room pays for them, under ``true`` a run without a budget keeps them too. That backward
     then gathers instead of scattering (issue 23: ``benchmarks/README.md`` › aggregation.py › Kept transposes:
-    0.74–1.06× DGL's aggregation time at width 64 on Amazon Computers, against 0.87–1.15× scattering; +4 MiB, +24%,
+    0.67–1.15× DGL's aggregation time at width 64 on Amazon Computers, against 0.75–1.15× scattering; +4 MiB, +24%,
     on its K = 1 dropout-0 peak, for 3% of the step). Any other plan of the batch takes them away.
     With another ``min_pieces`` (re-planning after an out-of-memory error) the batch's REG is
     reused. ``plans_made`` and ``plans_reused`` count the two cases.
