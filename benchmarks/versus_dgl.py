@@ -24,7 +24,9 @@ Sections (``--sections``):
     step so Adam's moments exist; resident = parameters, Adam state and graph structure
     (betty: the micro-batch's blocks; DGL: the graph's CSC tensors). The feature matrix
     is host data on both sides and not resident (DGL reads it in place; betty gathers a
-    micro-batch's rows inside the step, and that copy counts). With ``--layerwise-ks``, ours also
+    micro-batch's rows inside the step, and that copy counts). With K = 1 among ``--ks``, "ours K=1 kept" is the
+    batch in one micro-batch with ``micro_batch.keep_transposes: true`` (its blocks keep their transposes: the
+    other columns run without a budget, so ``auto`` keeps none). With ``--layerwise-ks``, ours also
     runs the batch layer by layer at each of those chunk counts per layer
     (``micro_batch.mode=layerwise``, REG chunks; ``betty_trainer.execution.layerwise.measure_layerwise_step``,
     resident: the model state, the batch's blocks and the chunks' structure). The output nodes are
@@ -39,7 +41,8 @@ Sections (``--sections``):
     Printed: the first epoch and the median of the later ones (steady state: a planner
     that reuses the plan of an unchanged batch shows it there), the ratios ours/DGL and
     K/K=1, and the planning share of the K step. "K=1 step / DGL block" compares the same work on both
-    sides: ours without sampling (plan, run, Adam) against DGL on a block made before its clock starts.
+    sides: ours without sampling (plan, run, Adam) against DGL on a block made before its clock starts; "kept step /
+    DGL block" the same with ``micro_batch.keep_transposes: true`` (a K = 1 run interleaved with the others).
     The DGL side inherits this process's environment, so both run with the process settings
     ``import betty_trainer`` makes (``betty_trainer/process.py``: the OpenMP wait policy and huge pages).
 ``sampling``
@@ -128,22 +131,23 @@ def outputs_of(graph: Graph, which: str) -> torch.Tensor:
 
 # --- our side ------------------------------------------------------------------------------------------------
 
-def config_for(hidden: int, k: int, seed: int, mode: str = "micro_batches", dropout: float = 0.5):
+def config_for(hidden: int, k: int, seed: int, mode: str = "micro_batches", dropout: float = 0.5,
+               keep_transposes: bool | str = "auto"):
     return load_config(None, [f"model.hidden={hidden}", "model.arch=sage", "model.aggregator=mean",
                               "model.num_layers=2", f"model.dropout={dropout}", f"micro_batch.num_micro_batches={k}",
                               f"micro_batch.mode={mode}", "micro_batch.partitioner=reg", f"seed={seed}",
-                              "train.device=cpu"])
+                              "train.device=cpu", f"micro_batch.keep_transposes={str(keep_transposes).lower()}"])
 
 
 class Ours:
-    """A model, Adam and planner for one (graph, hidden, K, ``micro_batch.mode``), stepped as
-    ``betty_trainer.train`` steps a batch."""
+    """A model, Adam and planner for one (graph, hidden, K, ``micro_batch.mode``, ``micro_batch.keep_transposes``),
+    stepped as ``betty_trainer.train`` steps a batch."""
 
     def __init__(self, graph: Graph, hidden: int, k: int, seed: int, mode: str = "micro_batches",
-                 dropout: float = 0.5):
+                 dropout: float = 0.5, keep_transposes: bool | str = "auto"):
         self.graph, self.seed = graph, seed
         self.sampler: NeighborSampler | None = None
-        self.config = config_for(hidden, k, seed, mode, dropout)
+        self.config = config_for(hidden, k, seed, mode, dropout, keep_transposes)
         self.model = init_model(self.config, graph)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.optim.lr,
                                           weight_decay=self.config.optim.weight_decay)
@@ -231,6 +235,11 @@ def memory_section(graphs, dgl, args, folders, results) -> None:
                 release()
                 print(f"  memory {name} hidden {hidden}: ours K={k}: {ours[k][0] / MIB:.1f} MiB "
                       f"(this process's RSS high-water so far {max_rss_mib():.0f} MiB)", flush=True)
+            kept = None
+            if 1 in args.ks:  # the batch in one micro-batch, its blocks keeping their transposes
+                kept = Ours(graph, hidden, 1, args.seed, dropout=dropout, keep_transposes=True).peak(outputs)[0]
+                release()
+                print(f"  memory {name} hidden {hidden}: ours K=1 keeping transposes: {kept / MIB:.1f} MiB", flush=True)
             layerwise = {}
             for k in args.layerwise_ks:
                 layerwise[k] = Ours(graph, hidden, k, args.seed, "layerwise", dropout).peak(outputs)
@@ -239,17 +248,22 @@ def memory_section(graphs, dgl, args, folders, results) -> None:
                       flush=True)
             k1 = ours.get(1, (None,))[0]
             row = [name, hidden, dropout, f"{theirs / MIB:.1f}", f"{blocks / MIB:.1f}"]
-            for k, (peak, used) in [*ours.items(), *layerwise.items()]:
+            for k, (peak, used) in ours.items():
+                row.append(f"{peak / MIB:.1f} ({fmt_ratio(peak, theirs)})" + ("" if used == k else f" K={used}"))
+            if kept is not None:
+                row.append(f"{kept / MIB:.1f} ({fmt_ratio(kept, theirs)})")
+            for k, (peak, used) in layerwise.items():
                 row.append(f"{peak / MIB:.1f} ({fmt_ratio(peak, theirs)})" + ("" if used == k else f" K={used}"))
             row.append(fmt_ratio(ours[max(args.ks)][0], k1) if k1 else "-")
             rows.append(row)
             results.append({"section": "memory", "graph": name, "hidden": hidden, "dropout": dropout,
                             "dgl_peak_bytes": theirs, "dgl_block_peak_bytes": blocks,
-                            "ours_peak_bytes": {k: v[0] for k, v in ours.items()},
+                            "ours_peak_bytes": {k: v[0] for k, v in ours.items()}, "ours_k1_kept_peak_bytes": kept,
                             "ours_layerwise_peak_bytes": {k: v[0] for k, v in layerwise.items()}})
     print_table(f"Measured peak of one full-batch step, MiB (ours/DGL in brackets), outputs={args.outputs}",
                 ["graph", "hidden", "dropout", "DGL full graph", "DGL block"] + [f"ours K={k}" for k in args.ks]
-                + [f"ours layer-wise {k}" for k in args.layerwise_ks] + [f"K={max(args.ks)}/K=1"], rows)
+                + (["ours K=1 kept"] if 1 in args.ks else []) + [f"ours layer-wise {k}" for k in args.layerwise_ks]
+                + [f"K={max(args.ks)}/K=1"], rows)
 
 
 def time_section(graphs, dgl, args, folders, results) -> None:
@@ -260,10 +274,12 @@ def time_section(graphs, dgl, args, folders, results) -> None:
         outputs = outputs_of(graph, args.outputs)
         for hidden, dropout in itertools.product(args.hidden, args.dropout):
             one = Ours(graph, hidden, 1, args.seed, dropout=dropout)
+            kept = Ours(graph, hidden, 1, args.seed, dropout=dropout, keep_transposes=True)
             many = Ours(graph, hidden, k, args.seed, dropout=dropout)
-            runs = {"k1": [], "dgl": [], "dglb": [], "kk": []}
-            for epoch in range(args.epochs):  # interleaved: ours K=1, DGL on the graph, DGL on a block, ours K
+            runs = {"k1": [], "k1kept": [], "dgl": [], "dglb": [], "kk": []}
+            for epoch in range(args.epochs):  # interleaved: ours K=1, kept, DGL on the graph, DGL on a block, ours K
                 runs["k1"].append(one.step(outputs, [None, None], epoch, epoch))
+                runs["k1kept"].append(kept.step(outputs, [None, None], epoch, epoch))
                 for kind, on_blocks in (("dgl", False), ("dglb", True)):
                     runs[kind].append(dgl("full_step", name=name, hidden=hidden, seed=args.seed,
                                           outputs=folders.get(("outputs", name)), dropout=dropout, blocks=on_blocks,
@@ -282,16 +298,17 @@ def time_section(graphs, dgl, args, folders, results) -> None:
                 sample = median([r["sample"] for r in runs["kk"][picked]])
                 parts = "/".join(f"{median([r[p] for r in runs['k1'][picked]]):.2f}" for p in ("sample", "plan", "compute"))
                 k1_step = median([r["plan"] + r["compute"] for r in runs["k1"][picked]])
+                kept_step = median([r["plan"] + r["compute"] for r in runs["k1kept"][picked]])
                 rows.append([name, hidden, dropout, phase, f"{k1:.3f}", parts, f"{theirs:.3f}", fmt_ratio(k1, theirs),
-                             f"{block:.3f}", fmt_ratio(k1_step, block), f"{kk:.3f}", fmt_ratio(kk, k1), f"{plan:.3f}",
-                             f"{100 * plan / kk:.0f}%", f"{sample:.3f}"])
+                             f"{block:.3f}", fmt_ratio(k1_step, block), fmt_ratio(kept_step, block), f"{kk:.3f}",
+                             fmt_ratio(kk, k1), f"{plan:.3f}", f"{100 * plan / kk:.0f}%", f"{sample:.3f}"])
                 results.append({"section": "time", "graph": name, "hidden": hidden, "dropout": dropout, "phase": phase,
-                                "ours_k1_s": k1, "ours_k1_step_s": k1_step,
+                                "ours_k1_s": k1, "ours_k1_step_s": k1_step, "ours_k1_kept_step_s": kept_step,
                                 "dgl_s": theirs, "dgl_block_s": block, "ours_k_s": kk, "k": k, "plan_s": plan, "sample_s": sample})
     print_table(f"Full-batch step time, seconds (first epoch; steady = median of epochs 1..{args.epochs - 1}), "
                 f"outputs={args.outputs}",
                 ["graph", "hidden", "dropout", "epochs", "ours K=1", "K=1 sample/plan/compute", "DGL", "K=1/DGL", "DGL block",
-                 "K=1 step/DGL block", f"ours K={k}",
+                 "K=1 step/DGL block", "kept step/DGL block", f"ours K={k}",
                  f"K={k}/K=1", f"plan K={k}", "plan share", f"sample K={k}"], rows)
 
 
