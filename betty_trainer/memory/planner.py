@@ -97,6 +97,8 @@ class Planner:
     ``torch.equal``), planned with the same ``min_pieces``, gets the last plan back without
     partitioning again (a plan keeps each micro-batch's outputs and slices it when it runs); a
     full-neighbourhood full batch is such a batch every epoch.
+    With another ``min_pieces`` (re-planning after an out-of-memory error) the batch's REG is
+    reused. ``plans_made`` and ``plans_reused`` count the two cases.
 
     Kept transposes (``micro_batch.keep_transposes``): a ``recurring`` batch planned in one micro-batch, with the
     built-in model's closed form on the CPU kernels, keeps the transpose of each block whose aggregation's backward
@@ -106,9 +108,7 @@ class Planner:
     ``auto`` only a budget's room pays for them, under ``true`` a run without a budget keeps them too. That backward
     then gathers instead of scattering (issue 23: ``benchmarks/README.md`` › aggregation.py › Kept transposes:
     0.67–1.15× DGL's aggregation time at width 64 on Amazon Computers, against 0.75–1.15× scattering; +4 MiB, +24%,
-    on its K = 1 dropout-0 peak, for 3% of the step). Any other plan of the batch takes them away.
-    With another ``min_pieces`` (re-planning after an out-of-memory error) the batch's REG is
-    reused. ``plans_made`` and ``plans_reused`` count the two cases.
+    on its K = 1 dropout-0 peak, for 3–12% of the K = 1 step). Any other plan of the batch takes them away.
 
     Raises:
         ConfigError: a budget with an uncalibrated custom model, ``auto`` on CPU, or an allocator margin and a
