@@ -409,10 +409,11 @@ class MicroBatchConfig(_Section):
                                      "with the least estimated work. K is num_micro_batches in both")
     keep_transposes: bool | Literal["auto"] = Field(
         "auto", description="a full batch trained every step and planned in one micro-batch on the CPU keeps each "
-                            "block's transpose (int32 CSR) for the run where its aggregation backpropagates, so that "
-                            "backward gathers instead of scattering (faster, 4·(S + 1 + E) bytes per block, counted "
-                            "in the estimate); true: whenever the estimate with them fits the budget (or without "
-                            "one); auto: only under a budget they fit; false: never")
+                            "block's transpose (a CSR) for the run where its aggregation backpropagates, so that "
+                            "backward gathers instead of scattering (faster; 4·(S + 1) + 2·E bytes per block of "
+                            "fewer than 2^15 dst nodes, 4·(S + 1 + E) above, counted in the estimate); true: "
+                            "whenever the estimate with them fits the budget (or without one); auto: only under a "
+                            "budget they fit; false: never")
 
     @field_validator("keep_transposes", mode="before")
     @classmethod

@@ -11,6 +11,16 @@ from torch import Tensor
 
 INDEX_BYTES = 8  # int64 node ids and CSC pointers
 LOCAL_INDEX_BYTES = 4  # int32 local src positions: a block's indices (partition.slicing.LOCAL_INDEX)
+SHORT_POSITIONS_MAX_DST = 2**15 - 1
+"""The most dst nodes whose local positions a kept transpose holds as int16 (2 bytes an edge) instead of int32."""
+
+
+def kept_transpose_bytes(c: "LayerCounts") -> int:
+    """Bytes of a block's kept transpose (``betty_trainer.data.block.BlockTranspose``): its int32 pointer
+    ``4·(S + 1)``, its dst positions, ``2·E`` (int16) up to :data:`SHORT_POSITIONS_MAX_DST` dst nodes and ``4·E``
+    (int32) above, and with edge weights ``4·E`` float32."""
+    position_bytes = 2 if c.num_dst <= SHORT_POSITIONS_MAX_DST else 4
+    return (c.num_src + 1) * 4 + c.num_edges * position_bytes + (4 * c.num_edges if c.weighted else 0)
 
 
 @dataclass(frozen=True)
@@ -102,9 +112,8 @@ def reads_in_place(structure: Any) -> bool:
 
 def block_structure_bytes(layers: Sequence[LayerCounts]) -> int:
     """Bytes of the blocks' int64 src ids and CSC pointers and int32 indices, ``Σ_l 8·(S_l + D_l + 1) + 4·E_l``,
-    plus ``4·E_l`` for float32 edge weights where a block has them, and a kept transpose's (``transposed``)
-    ``4·(S_l + 1 + E_l)``, plus ``4·E_l`` weighted."""
+    plus ``4·E_l`` for float32 edge weights where a block has them, and a kept transpose's where it keeps one
+    (``transposed``: :func:`kept_transpose_bytes`)."""
     return sum((c.num_src + c.num_dst + 1) * INDEX_BYTES + c.num_edges * LOCAL_INDEX_BYTES
-               + (4 * c.num_edges if c.weighted else 0)
-               + ((c.num_src + 1 + c.num_edges) * 4 + (4 * c.num_edges if c.weighted else 0) if c.transposed else 0)
+               + (4 * c.num_edges if c.weighted else 0) + (kept_transpose_bytes(c) if c.transposed else 0)
                for c in layers)

@@ -10,6 +10,7 @@ import torch
 
 from betty_trainer import Block
 from betty_trainer.models import aggregate
+from estimator.counts import SHORT_POSITIONS_MAX_DST, LayerCounts, kept_transpose_bytes
 
 CLOSE = {"rtol": 1e-5, "atol": 1e-6}  # float32 results against float64 references
 
@@ -129,7 +130,7 @@ def test_a_kept_transpose_gives_the_gradient_its_call_would_make(monkeypatch, va
     made = gradient()
     aggregate.keep_transposes([block], [True])
     kept = block.transpose
-    assert kept.pointer.dtype == kept.positions.dtype == torch.int32
+    assert kept.pointer.dtype == torch.int32 and kept.positions.dtype == torch.int16  # 300 dst nodes
     if values != "others":  # nothing but the kept transpose may serve
         monkeypatch.setattr(aggregate, "_csr_scatter", None)
         monkeypatch.setattr(aggregate, "_transpose", None)
@@ -143,14 +144,23 @@ def test_a_kept_transpose_gives_the_gradient_its_call_would_make(monkeypatch, va
 
 
 def test_a_kept_transpose_is_the_block_s_own_and_stays_on_its_device():
-    """A kept transpose is the counting sort's CSR of ``Aᵀ`` with the block's weights in its order; it is among
-    the block's tensors, comes along when the block is moved to its own device and is left behind on another."""
+    """A kept transpose is the counting sort's CSR of ``Aᵀ`` with the block's weights in its order, its dst
+    positions int16 below 2¹⁵ dst nodes (int32 above: :func:`estimator.counts.kept_transpose_bytes` counts the
+    same); it is among the block's tensors, comes along when the block is moved to its own device and is left
+    behind on another."""
+    wide = random_block(num_dst=SHORT_POSITIONS_MAX_DST + 1, num_src=SHORT_POSITIONS_MAX_DST + 10, max_degree=3)
+    aggregate.keep_transposes([wide], [True])
+    assert wide.transpose.positions.dtype == torch.int32
+    assert sum(t.numel() * t.element_size() for t in wide.transpose.tensors()) == kept_transpose_bytes(
+        LayerCounts(wide.num_src, wide.num_dst, wide.num_edges))
     block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
     block.edge_weight = torch.rand(block.num_edges)
     aggregate.keep_transposes([block], [True])
     pointer, positions, values = aggregate._transpose(block, block.edge_weight, torch.float32)
     kept = block.transpose
-    assert torch.equal(kept.pointer, pointer) and torch.equal(kept.positions, positions)
+    assert kept.positions.dtype == torch.int16 and sum(t.numel() * t.element_size() for t in kept.tensors()) == \
+        kept_transpose_bytes(LayerCounts(block.num_src, block.num_dst, block.num_edges, weighted=True))
+    assert torch.equal(kept.pointer, pointer) and torch.equal(kept.positions.int(), positions)
     assert torch.equal(kept.values, values)
     assert all(any(t is held for held in block.tensors()) for t in (kept.pointer, kept.positions, kept.values))
     assert block.to("cpu").transpose is kept

@@ -216,7 +216,7 @@ def test_a_batch_trained_on_every_step_keeps_its_transposes_in_one_micro_batch_o
     keep = estimator.transposed_layers(batch.blocks)
     assert keep == [True, True]  # SAGE-mean projects 200 → 16 columns first: both layers' aggregations backpropagate
     assert [block.transpose is not None for block in batch.blocks] == keep
-    kept = sum(4 * (block.num_src + 1 + block.num_edges) for block in batch.blocks)
+    kept = sum(4 * (block.num_src + 1) + 2 * block.num_edges for block in batch.blocks)  # int16 positions
     assert plan.estimate == without + kept and plan.kept_transpose_bytes == kept
     report = plan.report()
     assert report["kept_transpose_bytes"] == kept and report["full_batch"]["estimate_peak_bytes"] == plan.estimate

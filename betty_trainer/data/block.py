@@ -36,7 +36,8 @@ class BlockTranspose:
 
     Args:
         pointer: ``(num_src + 1,)`` int32: src row ``s``'s edges are ``positions[pointer[s]:pointer[s + 1]]``.
-        positions: ``(E,)`` int32 local dst positions, each src row's edges in dst order.
+        positions: ``(E,)`` local dst positions, each src row's edges in dst order: int16 for a block of fewer than
+            ``2¹⁵`` dst nodes, int32 otherwise (``estimator.counts.kept_transpose_bytes``).
         values: ``(E,)`` float32 the block's edge weights in that order, or ``None`` for an unweighted block.
         source: the block's ``(indptr, indices, edge_weight)`` it was made of: those tensors themselves (no copy),
             so that a block whose structure or weights are other tensors, or were changed in place since, is not
@@ -58,8 +59,7 @@ class BlockTranspose:
         return all(mine is other for mine, other in zip(self.source, theirs)) and _versions(theirs) == self._versions
 
     def tensors(self) -> list[Tensor]:
-        """``pointer``, ``positions`` and, where it has them, ``values``: ``4·(num_src + 1 + E)`` bytes, plus ``4·E``
-        weighted."""
+        """``pointer``, ``positions`` and, where it has them, ``values``."""
         return [t for t in (self.pointer, self.positions, self.values) if t is not None]
 
 

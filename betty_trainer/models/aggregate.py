@@ -16,7 +16,7 @@ from betty_trainer.data.block import Block, BlockTranspose
 from betty_trainer.models.lstm import LSTM, lstm_terms
 from betty_trainer.models.operators import kernel_operator
 from betty_trainer.rng import compiled_kernels, jit, numba
-from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, LayerCounts
+from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, SHORT_POSITIONS_MAX_DST, LayerCounts
 from estimator.tape import AGG, GRAD, OVER, SharedGradient, StepTape
 
 
@@ -79,15 +79,16 @@ def _transposed_matmul(block: Block, grad: Tensor, values: Tensor | None, row_sc
     return _csr_matmul(pointer, positions, grad, transposed, col_scale, row_scale)
 
 
-def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype,
+               positions_dtype: torch.dtype = torch.int32) -> tuple[Tensor, Tensor, Tensor | None]:
     """CSR of ``Aᵀ`` (``num_src × num_dst``) for a product in ``dtype``: pointer, dst positions and the values
     in that order (``None`` without values), each src row's edges in dst order. Where the compiled kernels run
-    (:func:`~betty_trainer.rng.compiled_kernels`) a counting sort writes int32 pointer and positions; elsewhere
-    a stable argsort of the src ids (int64)."""
+    (:func:`~betty_trainer.rng.compiled_kernels`) a counting sort writes an int32 pointer and ``positions_dtype``
+    positions (int16 needs fewer than ``2¹⁵`` dst nodes); elsewhere a stable argsort of the src ids (int64)."""
     device = block.indices.device
     if compiled_kernels(device, dtype):
         pointer = torch.empty(block.num_src + 1, dtype=torch.int32)
-        positions = torch.empty(block.num_edges, dtype=torch.int32)
+        positions = torch.empty(block.num_edges, dtype=positions_dtype)
         transposed = None if values is None else torch.empty(block.num_edges, dtype=dtype)
         _counting_transpose(block.indptr, block.indices, _in_dtype(values, dtype), pointer, positions, transposed)
         return pointer, positions, transposed
@@ -99,11 +100,13 @@ def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype) -> tuple
 
 def keep_transposes(blocks: Sequence[Block], keep: Sequence[bool]) -> None:
     """Give each block of ``blocks`` whose ``keep`` is true its transpose to keep (:class:`~betty_trainer.data.block.
-    BlockTranspose`: :func:`_transpose`'s int32 CSR of ``Aᵀ``, with the block's edge weights in its order, made once
-    and then kept), and take it from the others. A kept transpose makes the backward of the block's sparse
-    aggregation a gather (:func:`_transposed_matmul`) at ``4·(num_src + 1 + E)`` bytes (``+ 4·E`` weighted) held
-    with the block: for blocks the run trains on step after step (the planner's choice:
-    ``betty_trainer.memory.planner``), whose aggregation backward runs on the CPU.
+    BlockTranspose`: :func:`_transpose`'s CSR of ``Aᵀ``, its dst positions int16 up to
+    :data:`~estimator.counts.SHORT_POSITIONS_MAX_DST` dst nodes and int32 above, with the block's edge weights in its
+    order; made once and then kept), and take it from the others. A kept transpose makes the backward of the block's
+    sparse aggregation a gather (:func:`_transposed_matmul`) at :func:`~estimator.counts.kept_transpose_bytes` held
+    with the block (``4·(num_src + 1) + 2·E`` for a block of fewer than ``2¹⁵`` dst nodes, ``+ 4·E`` weighted): for
+    blocks the run trains on step after step (the planner's choice: ``betty_trainer.memory.planner``), whose
+    aggregation backward runs on the CPU.
 
     Raises:
         ValueError: a block not on the CPU (the compiled kernels read the transpose there only).
@@ -114,7 +117,8 @@ def keep_transposes(blocks: Sequence[Block], keep: Sequence[bool]) -> None:
         elif block.kept_transpose is None:
             if not compiled_kernels(block.indices.device, torch.float32):
                 raise ValueError(f"a block on {block.indices.device} keeps no transpose: the CPU kernels read it")
-            block.transpose = BlockTranspose(*_transpose(block, block.edge_weight, torch.float32),
+            positions = torch.int16 if block.num_dst <= SHORT_POSITIONS_MAX_DST else torch.int32
+            block.transpose = BlockTranspose(*_transpose(block, block.edge_weight, torch.float32, positions),
                                              (block.indptr, block.indices, block.edge_weight))
 
 
