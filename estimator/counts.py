@@ -35,9 +35,9 @@ class LayerCounts:
             ascending in ``L``.
         weighted: the block carries ``(E,)`` float32 edge weights (LABOR/GNS importance weights):
             they are resident with the block and change the mean's coefficients.
-        transposed: the block keeps its transpose's CSR between steps (``betty_trainer.data.block.BlockTranspose``:
-            int32 pointer and positions, float32 weights when ``weighted``), resident with the block; the backward
-            of its sparse aggregation gathers on it.
+        transposed: the block keeps its transpose's CSR between steps (``betty_trainer.data.block.BlockTranspose``,
+            :func:`kept_transpose_bytes`), resident with the block; the backward of its sparse aggregation gathers
+            on it.
     """
 
     num_src: int

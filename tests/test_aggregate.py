@@ -143,16 +143,35 @@ def test_a_kept_transpose_gives_the_gradient_its_call_would_make(monkeypatch, va
     assert block.transpose is None
 
 
+@pytest.mark.parametrize("num_dst", [SHORT_POSITIONS_MAX_DST, SHORT_POSITIONS_MAX_DST + 1])
+def test_a_kept_transpose_at_the_int16_boundary_gives_the_int32_transpose_s_gradient(num_dst):
+    """The largest block kept with int16 positions (positions up to 2¹⁵ − 2) and the smallest kept with int32: the
+    gather on the kept transpose gives the bits of the gather on the per-call int32 transpose (width 136, above
+    the scatter), rows of high positions included, and its bytes are what the estimate counts
+    (:func:`estimator.counts.kept_transpose_bytes`)."""
+    generator = torch.Generator().manual_seed(7)
+    degrees = torch.randint(1, 4, (num_dst,), generator=generator)  # every dst node has in-edges
+    indptr = torch.zeros(num_dst + 1, dtype=torch.int64)
+    indptr[1:] = degrees.cumsum(0)
+    block = Block(torch.arange(num_dst + 10), num_dst, indptr,
+                  torch.randint(0, num_dst + 10, (int(indptr[-1]),), generator=generator))
+    h = torch.randn(block.num_src, aggregate.SCATTER_MAX_WIDTH + 8, generator=generator, requires_grad=True)
+    grad = torch.randn(block.num_dst, h.shape[1], generator=generator)
+    aggregate.mean_neighbours(block, h).backward(grad)
+    per_call, h.grad = h.grad, None
+    aggregate.keep_transposes([block], [True])
+    assert block.transpose.positions.dtype == (torch.int16 if num_dst <= SHORT_POSITIONS_MAX_DST else torch.int32)
+    assert int(block.transpose.positions.max()) == num_dst - 1
+    assert sum(t.numel() * t.element_size() for t in block.transpose.tensors()) == kept_transpose_bytes(
+        LayerCounts(block.num_src, block.num_dst, block.num_edges))
+    aggregate.mean_neighbours(block, h).backward(grad)
+    assert torch.equal(h.grad, per_call)
+
+
 def test_a_kept_transpose_is_the_block_s_own_and_stays_on_its_device():
-    """A kept transpose is the counting sort's CSR of ``Aᵀ`` with the block's weights in its order, its dst
-    positions int16 below 2¹⁵ dst nodes (int32 above: :func:`estimator.counts.kept_transpose_bytes` counts the
-    same); it is among the block's tensors, comes along when the block is moved to its own device and is left
-    behind on another."""
-    wide = random_block(num_dst=SHORT_POSITIONS_MAX_DST + 1, num_src=SHORT_POSITIONS_MAX_DST + 10, max_degree=3)
-    aggregate.keep_transposes([wide], [True])
-    assert wide.transpose.positions.dtype == torch.int32
-    assert sum(t.numel() * t.element_size() for t in wide.transpose.tensors()) == kept_transpose_bytes(
-        LayerCounts(wide.num_src, wide.num_dst, wide.num_edges))
+    """A kept transpose is the counting sort's CSR of ``Aᵀ`` with the block's weights in its order (its dst
+    positions int16 below 2¹⁵ dst nodes: the test above has the boundary); it is among the block's tensors, comes
+    along when the block is moved to its own device and is left behind on another."""
     block = random_block(num_dst=300, num_src=500, max_degree=30, seed=4)
     block.edge_weight = torch.rand(block.num_edges)
     aggregate.keep_transposes([block], [True])
