@@ -107,7 +107,7 @@ class Planner:
     (:func:`~estimator.counts.kept_transpose_bytes`, counted in ``block_structure``) fits the budget: under
     ``auto`` only a budget's room pays for them, under ``true`` a run without a budget keeps them too. That backward
     then gathers instead of scattering (issue 23: ``benchmarks/README.md`` › aggregation.py › Kept transposes:
-    0.67–1.15× DGL's aggregation time at width 64 on Amazon Computers, against 0.75–1.15× scattering; +2.0 MiB, +12%,
+    0.67–1.15× DGL's aggregation time at width 64 on Amazon Computers over five runs, against 0.75–1.15× scattering; +2.0 MiB, +12%,
     on its K = 1 dropout-0 peak, for 3–12% of the K = 1 step). Any other plan of the batch takes them away.
 
     Raises:
