@@ -27,7 +27,7 @@ from betty_trainer.data.graph import Graph
 from betty_trainer.errors import ConfigError, PlanningError
 from betty_trainer.execution.layerwise import LayerwisePlan
 from betty_trainer.execution.micro_batches import MicroBatches, MicroBatchPlan
-from betty_trainer.execution.plan import StepPlan
+from betty_trainer.execution.plan import StepPlan, held_bytes
 from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.recorded import WeightedRecordings
@@ -224,11 +224,10 @@ class Planner:
         estimate then counting them; else ``plan`` as it is."""
         estimator, wanted = self.estimator, self.config.keep_transposes
         if not (self.recurring and plan.method == "micro_batches" and plan.pieces == 1 and estimator is not None
-                and estimator.closed_form and estimator.spec.compiled_kernels
                 and (wanted is True or (wanted == "auto" and self.budget is not None))):
             return plan
         blocks, weighted = plan.batch.blocks, edge_weighted(plan.batch)
-        keep = estimator.transposed_layers(blocks, weighted)
+        keep = estimator.transposed_layers(blocks, weighted)  # none without the closed form on the CPU kernels
         if not any(keep):
             return plan
         keep_transposes(blocks, keep)
@@ -236,8 +235,7 @@ class Planner:
         if self.budget is not None and peak > self.budget:
             keep_transposes(blocks, [False] * len(blocks))
             return plan
-        kept = sum(t.numel() * t.element_size() for block in blocks if block.transpose is not None
-                   for t in block.transpose.tensors())
+        kept = held_bytes(t for block in blocks if block.transpose is not None for t in block.transpose.tensors())
         logger.info("one micro-batch of a batch trained on every step: %d of its %d blocks keep their transpose "
                     "(%.1f MiB) for their aggregation's backward", sum(keep), len(blocks), kept / 2**20)
         split = plan.split  # its K = 1 estimates were made without them (its `tried` keeps what the search saw)
