@@ -8,7 +8,10 @@ a ``weakref`` callback on that storage (storages keep their Python object while 
 fires when the last tensor or view on it dies: autograd's saved tensors, gradients and optimizer temporaries
 included) records its free, as ``torch.distributed._tools.mem_tracker.MemTracker`` does. A Python number passed where
 an operator takes a tensor (``x / 3.0``) adds the 0-dim tensors PyTorch makes of it around the operator
-(:func:`_wrapped_number_bytes`), which are no operator's output. Replaying the
+(:func:`_wrapped_number_bytes`), which are no operator's output. On fake tensors (a tensor
+subclass) the autograd engine sums a tensor's gradients out of place; on real ones it adds in place into the first
+where it holds the only reference: the recording makes that sum in place as the engine would
+(:meth:`_Recording._sums_in_place`). Replaying the
 allocations and frees in order gives the step's peak: the quantity :func:`estimator.measure.measure_peak` measures
 on the CPU (bytes requested from torch's CPU allocator, one request per storage).
 
@@ -29,8 +32,9 @@ only operator outputs), a storage an operator grows in place (``resize_`` of an 
 allocated outside torch (``malloc`` in MKL or numba); CPU requests are not rounded (a CUDA caching allocator
 rounds to 512 bytes: not modelled here).
 
-Private PyTorch API: ``torch._subclasses.fake_tensor.FakeTensorMode``, ``torch.utils._python_dispatch`` and
-``torch._C._current_autograd_node``; the recorder is tested on the torch versions in :data:`TESTED_TORCH` and
+Private PyTorch API: ``torch._subclasses.fake_tensor.FakeTensorMode``, ``torch.utils._python_dispatch``,
+``torch._C._current_autograd_node``, ``torch._C._storage_Use_Count`` and the name of the engine's Python entry
+(``torch.autograd.graph._engine_run_backward``); the recorder is tested on the torch versions in :data:`TESTED_TORCH` and
 refuses others.
 
 This module never imports ``betty_trainer``.
@@ -41,10 +45,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -77,11 +83,14 @@ class Recording:
         nbytes: per allocation, its storage's ``nbytes()`` (bytes).
         events: ``+i + 1`` for allocation ``i``, ``-(i + 1)`` for its free, in the order they happened; an
             allocation still live when the step returned has no free.
+        marks: ``(position, name)`` per named moment of a piece's recording (:meth:`Recorder.record_piece`): the
+            moment came before ``events[position]`` (after every event, at ``len(events)``).
     """
 
     ops: tuple[str, ...]
     nbytes: tuple[int, ...]
     events: tuple[int, ...]
+    marks: tuple[tuple[int, str], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -93,8 +102,9 @@ class Recording:
         return peak
 
     def same_sequence(self, other: Recording) -> bool:
-        """Whether ``other`` made the same operators' allocations and frees in the same order (sizes aside)."""
-        return self.ops == other.ops and self.events == other.events
+        """Whether ``other`` made the same operators' allocations and frees in the same order, at the same named
+        moments (sizes aside)."""
+        return self.ops == other.ops and self.events == other.events and self.marks == other.marks
 
 
 class _Recording(TorchDispatchMode):
@@ -107,8 +117,14 @@ class _Recording(TorchDispatchMode):
         self.nbytes: list[int] = []
         self.events: list[int] = []
         self.known: dict[int, weakref.ref] = {}  # id(storage) → weak reference, for the storages recorded
+        self._indices: dict[int, int] = {}  # id(storage) → its allocation's index
+        self._moved: list[weakref.ref] = []  # references whose storage's death frees nothing (its sum took over)
+        self.marks: list[tuple[int, str]] = []
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:  # the harness's own tensors (PieceScope.unrecorded)
+            return func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(t), int(t): no data to read
             node = torch._C._current_autograd_node()  # the backward node running, if any
             where = f"the backward of {node.name()}" if node is not None else self.reads_refused()
@@ -118,6 +134,9 @@ class _Recording(TorchDispatchMode):
             return True if args[0].dtype == torch.bool else 1  # a finite loss, a first optimizer step
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         out = func(*args, **(kwargs or {}))
+        if self._sums_in_place(func, args, kwargs):
+            self._take_over(args[0].untyped_storage(), out.untyped_storage())
+            return out
         tensors = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         scalars = [self._allocated(f"{func} (a Python number as a tensor)", nbytes)
                    for nbytes in _wrapped_number_bytes(func, args, kwargs)]
@@ -125,6 +144,47 @@ class _Recording(TorchDispatchMode):
             self._track(tensor.untyped_storage(), str(func), inputs)
         self.events.extend(-index - 1 for index in reversed(scalars))
         return out
+
+    def index_of(self, tensor: Tensor) -> int | None:
+        """The index of the recorded allocation behind ``tensor``'s storage, or ``None`` (made elsewhere)."""
+        storage = tensor.untyped_storage()
+        known = self.known.get(id(storage))
+        if known is None or known() is not storage:
+            return None
+        return self._indices[id(storage)]
+
+    def _sums_in_place(self, func, args: tuple, kwargs: dict | None) -> bool:
+        """Whether this is the autograd engine summing two gradients of one tensor into the first, in place, as it
+        does on real tensors (``InputBuffer``'s ``accumulate``: ``old.add_(new)`` where it holds the last reference
+        to ``old`` and to its storage, which is dense; out of place otherwise). On fake tensors, a tensor subclass,
+        the engine always adds out of place (``aten.add.Tensor``), so the recording makes that sum in place itself:
+        an ``add`` of two tensors of one shape and dtype called by the engine (no Python code between), whose first
+        is a recorded allocation that is no view, dense, the only tensor on its storage and not the second."""
+        if func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2 or args[0] is args[1]:
+            return False
+        old, new = args
+        if not (isinstance(old, Tensor) and isinstance(new, Tensor) and old.shape == new.shape
+                and old.dtype == new.dtype and self.index_of(old) is not None and not old._is_view()
+                and old.is_contiguous() and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2):
+            return False  # 2: the tensor's reference and the one this query makes
+        return _called_by_autograd_engine()
+
+    def _take_over(self, old: torch.UntypedStorage, new: torch.UntypedStorage) -> None:
+        """``new`` (the out-of-place sum) stands for ``old``'s allocation: ``old``'s death frees nothing, ``new``'s
+        frees the allocation."""
+        key, index = id(old), self._indices[id(old)]
+        self._moved.append(self.known[key])
+        self.known[id(new)] = weakref.ref(new, self._freed_by(index))
+        self._indices[id(new)] = index
+
+    def _freed_by(self, index: int) -> Callable[[weakref.ref], None]:
+        """The weakref callback recording allocation ``index``'s free (unless its storage's sum took it over)."""
+
+        def freed(reference: weakref.ref) -> None:
+            if not any(reference is moved for moved in self._moved):
+                self.events.append(-index - 1)
+
+        return freed
 
     def _allocated(self, op: str, nbytes: int) -> int:
         """Record an allocation of ``nbytes`` by ``op`` now; returns its index (its free is the caller's to record)."""
@@ -139,7 +199,25 @@ class _Recording(TorchDispatchMode):
         if key in inputs or (key in self.known and self.known[key]() is storage):
             return  # a view, an in-place result or an output seen before
         index = self._allocated(op, storage.nbytes())
-        self.known[key] = weakref.ref(storage, lambda _, index=index: self.events.append(-index - 1))
+        self.known[key] = weakref.ref(storage, self._freed_by(index))
+        self._indices[key] = index
+
+
+_TORCH_DIRECTORY = str(Path(torch.__file__).parent)
+
+
+def _called_by_autograd_engine() -> bool:
+    """Whether the operator being dispatched was called by the autograd engine itself: the first frame outside
+    PyTorch's own Python code, walking out from the dispatch, is the engine's entry (``_engine_run_backward``), not a
+    custom ``Function``'s backward or other Python code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_engine_run_backward":
+            return True
+        if frame.f_code.co_filename != __file__ and not frame.f_code.co_filename.startswith(_TORCH_DIRECTORY):
+            return False
+        frame = frame.f_back
+    return False
 
 
 _NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
@@ -240,22 +318,70 @@ class Recorder:
                 or the exception.
         """
         recording = _Recording(reads_refused)
-        try:
-            with recording:
-                step()
-        except RecordingRefused:
-            raise
-        except DynamicOutputShapeException as error:
-            raise RecordingRefused(f"{error.func} has an output shape that depends on the data") from None
-        except DataDependentOutputException as error:
-            raise RecordingRefused(f"{error.func} reads tensor data") from None
-        except UnsupportedOperatorException as error:
-            raise RecordingRefused(f"{error.func} has no fake-tensor implementation") from None
-        except Exception as error:  # noqa: BLE001 - whatever the step raises on fake tensors is named
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise RecordingRefused(f"the step failed on fake tensors ({type(error).__name__}: {first}); does it "
-                                   "compute outside PyTorch's operators (.numpy(), a numba or C kernel)?") from None
+        _run(recording, step)
         return Recording(tuple(recording.ops), tuple(recording.nbytes), tuple(recording.events))
+
+    def record_piece(self, piece: Callable[[PieceScope], object]) -> Recording:
+        """Run ``piece(scope)`` once on fake tensors and return what it allocated and freed, with the moments it
+        named (:attr:`Recording.marks`): a piece of a step (one layer's forward and backward, say) whose inputs,
+        output and gradients the harness makes and lets go of through ``scope`` (:class:`PieceScope`). A read of
+        a tensor's value is refused wherever it happens.
+
+        Raises:
+            RecordingRefused: as :meth:`record`.
+        """
+        recording = _Recording(lambda: "the piece")
+        _run(recording, lambda: piece(PieceScope(recording)))
+        return Recording(tuple(recording.ops), tuple(recording.nbytes), tuple(recording.events), tuple(recording.marks))
+
+
+class PieceScope:
+    """What :meth:`Recorder.record_piece`'s harness uses: tensors made without recording them, named moments, and
+    the moment a storage the harness made dies."""
+
+    def __init__(self, recording: _Recording):
+        self._recording = recording
+
+    @contextlib.contextmanager
+    def unrecorded(self):
+        """Operators run in this block are not recorded (the harness's inputs, seeds and seams); frees of recorded
+        storages still are."""
+        self._recording.paused = True
+        try:
+            yield
+        finally:
+            self._recording.paused = False
+
+    def mark(self, name: str) -> None:
+        """The moment ``name``, now."""
+        self._recording.marks.append((len(self._recording.events), name))
+
+    def watch(self, tensor: Tensor, name: str) -> None:
+        """Mark ``name`` when ``tensor``'s storage dies (the last tensor or view on it, saved ones included)."""
+        weakref.finalize(tensor.untyped_storage(), self.mark, name)
+
+    def index_of(self, tensor: Tensor) -> int | None:
+        """The index of the recorded allocation behind ``tensor``'s storage (``None``: not made in the piece)."""
+        return self._recording.index_of(tensor)
+
+
+def _run(recording: _Recording, step: Callable[[], object]) -> None:
+    """``step()`` under ``recording``, what it raises named as :meth:`Recorder.record` says."""
+    try:
+        with recording:
+            step()
+    except RecordingRefused:
+        raise
+    except DynamicOutputShapeException as error:
+        raise RecordingRefused(f"{error.func} has an output shape that depends on the data") from None
+    except DataDependentOutputException as error:
+        raise RecordingRefused(f"{error.func} reads tensor data") from None
+    except UnsupportedOperatorException as error:
+        raise RecordingRefused(f"{error.func} has no fake-tensor implementation") from None
+    except Exception as error:  # noqa: BLE001 - whatever the step raises on fake tensors is named
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RecordingRefused(f"the step failed on fake tensors ({type(error).__name__}: {first}); does it "
+                               "compute outside PyTorch's operators (.numpy(), a numba or C kernel)?") from None
 
 
 def distinct_storage_bytes(tensors: Sequence[Tensor]) -> int:
@@ -347,13 +473,30 @@ def solve(recordings: Sequence[Recording], sizes: Sequence[Sequence[LayerCounts]
     """The closed form of recordings made at :func:`recording_sizes`: the ``(moments, 2L + 2)`` int64 coefficients
     of the bytes live right after each allocation (duplicate moments dropped).
 
-    Each allocation's bytes are solved from the base and the bumped recordings (the difference a count's +1
-    makes is its integer coefficient) and must then reproduce every recording, the doubled one included, to the
-    byte.
+    Raises:
+        RecordingRefused: as :func:`solve_allocations`.
+    """
+    coefficients = solve_allocations(recordings, np.array([counts_vector(layers) for layers in sizes], dtype=np.int64),
+                                     _describe(sizes[-1]))
+    live = np.zeros(coefficients.shape[1], dtype=np.int64)
+    moments = []
+    for event in recordings[0].events:
+        live = live + coefficients[event - 1] if event > 0 else live - coefficients[-event - 1]
+        if event > 0:
+            moments.append(live)
+    return np.unique(np.array(moments, dtype=np.int64).reshape(-1, coefficients.shape[1]), axis=0)
+
+
+def solve_allocations(recordings: Sequence[Recording], vectors: np.ndarray, checked_at: str = "") -> np.ndarray:
+    """Each allocation's bytes as an exact integer linear function of the counts: ``(allocations, k)`` int64
+    coefficients of recordings made at ``vectors`` ``(k + 1, k)`` (a base whose first entry is the constant 1, the
+    base with each later entry one larger in turn, then a check, e.g. the base doubled). Each coefficient is the
+    difference a count's +1 makes, and together they must reproduce every recording, the check included, to the byte.
 
     Raises:
-        RecordingRefused: recordings whose operators or order of allocations and frees differ, or an allocation
-            whose bytes are not an integer linear function of the counts (both name the operator).
+        RecordingRefused: recordings whose operators, order of allocations and frees, or named moments differ, or an
+            allocation whose bytes are not an integer linear function of the counts (both name the operator;
+            ``checked_at`` describes the check's counts in the message).
     """
     base, *bumped, check = recordings
     for recording in recordings[1:]:
@@ -364,19 +507,12 @@ def solve(recordings: Sequence[Recording], sizes: Sequence[Sequence[LayerCounts]
     nbytes = np.array([r.nbytes for r in recordings], dtype=np.int64)  # (recordings, allocations)
     coefficients = np.empty((nbytes.shape[1], len(bumped) + 1), dtype=np.int64)
     coefficients[:, 1:] = (nbytes[1:-1] - nbytes[0]).T
-    vectors = np.array([counts_vector(layers) for layers in sizes], dtype=np.int64)
     coefficients[:, 0] = nbytes[0] - coefficients[:, 1:] @ vectors[0, 1:]
     wrong = np.nonzero((vectors @ coefficients.T != nbytes).any(axis=0))[0]
     if wrong.size:
         raise RecordingRefused(f"{base.ops[wrong[0]]} allocates bytes that are not linear in the node and edge "
-                               f"counts ({nbytes[-1, wrong[0]]} bytes at {_describe(sizes[-1])})")
-    live = np.zeros(coefficients.shape[1], dtype=np.int64)
-    moments = []
-    for event in base.events:
-        live = live + coefficients[event - 1] if event > 0 else live - coefficients[-event - 1]
-        if event > 0:
-            moments.append(live)
-    return np.unique(np.array(moments, dtype=np.int64).reshape(-1, coefficients.shape[1]), axis=0)
+                               f"counts ({nbytes[-1, wrong[0]]} bytes at {checked_at or tuple(vectors[-1])})")
+    return coefficients
 
 
 def _describe(layers: Sequence[LayerCounts]) -> str:

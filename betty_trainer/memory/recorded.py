@@ -170,7 +170,7 @@ def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: 
 
         def step(layers: Sequence[LayerCounts], accumulate: bool) -> tuple[Recording, int]:
             """One recorded step of a fake micro-batch with ``layers``, and the bytes resident before it."""
-            batch = _fake_batch(layers)
+            batch = fake_batch(layers)
             resident = measured_step_resident(fake, optimizer, batch.blocks, device, accumulate)
             resident_bytes = distinct_storage_bytes([t for t in resident if not _is_block_tensor(t, batch)])
 
@@ -193,7 +193,7 @@ def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: 
                          first=solved[False], allocations=allocations, weighted=weighted)
 
 
-def _fake_batch(layers: Sequence[LayerCounts]) -> Batch:
+def fake_batch(layers: Sequence[LayerCounts]) -> Batch:
     """A batch of blocks with ``layers``' counts and edge weights where they have them (made inside the recorder:
     fake, their values never read)."""
     return Batch([Block(torch.empty(c.num_src, dtype=torch.int64), c.num_dst, torch.empty(c.num_dst + 1, dtype=torch.int64),
