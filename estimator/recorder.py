@@ -83,14 +83,15 @@ class Recording:
         nbytes: per allocation, its storage's ``nbytes()`` (bytes).
         events: ``+i + 1`` for allocation ``i``, ``-(i + 1)`` for its free, in the order they happened; an
             allocation still live when the step returned has no free.
-        marks: ``(position, name)`` per named moment of a piece's recording (:meth:`Recorder.record_piece`): the
-            moment came before ``events[position]`` (after every event, at ``len(events)``).
+        marks: ``(position, name, value)`` per named moment of a piece's recording (:meth:`Recorder.record_piece`):
+            the moment came before ``events[position]`` (after every event, at ``len(events)``); ``value``: an
+            integer the harness noted there (a count at this size), or ``None``.
     """
 
     ops: tuple[str, ...]
     nbytes: tuple[int, ...]
     events: tuple[int, ...]
-    marks: tuple[tuple[int, str], ...] = ()
+    marks: tuple[tuple[int, str, int | None], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -104,7 +105,8 @@ class Recording:
     def same_sequence(self, other: Recording) -> bool:
         """Whether ``other`` made the same operators' allocations and frees in the same order, at the same named
         moments (sizes aside)."""
-        return self.ops == other.ops and self.events == other.events and self.marks == other.marks
+        return (self.ops == other.ops and self.events == other.events
+                and [mark[:2] for mark in self.marks] == [mark[:2] for mark in other.marks])
 
 
 class _Recording(TorchDispatchMode):
@@ -119,7 +121,7 @@ class _Recording(TorchDispatchMode):
         self.known: dict[int, weakref.ref] = {}  # id(storage) → weak reference, for the storages recorded
         self._indices: dict[int, int] = {}  # id(storage) → its allocation's index
         self._moved: list[weakref.ref] = []  # references whose storage's death frees nothing (its sum took over)
-        self.marks: list[tuple[int, str]] = []
+        self.marks: list[tuple[int, str, int | None]] = []
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -352,9 +354,9 @@ class PieceScope:
         finally:
             self._recording.paused = False
 
-    def mark(self, name: str) -> None:
-        """The moment ``name``, now."""
-        self._recording.marks.append((len(self._recording.events), name))
+    def mark(self, name: str, value: int | None = None) -> None:
+        """The moment ``name``, now, with an integer noted there (e.g. a loop's count at this size)."""
+        self._recording.marks.append((len(self._recording.events), name, value))
 
     def watch(self, tensor: Tensor, name: str) -> None:
         """Mark ``name`` when ``tensor``'s storage dies (the last tensor or view on it, saved ones included)."""
@@ -505,14 +507,21 @@ def solve_allocations(recordings: Sequence[Recording], vectors: np.ndarray, chec
             raise RecordingRefused(f"the step allocates differently at different sizes ({where}): its memory is "
                                    "not a function of the node and edge counts alone")
     nbytes = np.array([r.nbytes for r in recordings], dtype=np.int64)  # (recordings, allocations)
-    coefficients = np.empty((nbytes.shape[1], len(bumped) + 1), dtype=np.int64)
-    coefficients[:, 1:] = (nbytes[1:-1] - nbytes[0]).T
-    coefficients[:, 0] = nbytes[0] - coefficients[:, 1:] @ vectors[0, 1:]
-    wrong = np.nonzero((vectors @ coefficients.T != nbytes).any(axis=0))[0]
-    if wrong.size:
-        raise RecordingRefused(f"{base.ops[wrong[0]]} allocates bytes that are not linear in the node and edge "
-                               f"counts ({nbytes[-1, wrong[0]]} bytes at {checked_at or tuple(vectors[-1])})")
+    coefficients, wrong = solve_linear(nbytes, vectors)
+    if wrong is not None:
+        raise RecordingRefused(f"{base.ops[wrong]} allocates bytes that are not linear in the node and edge "
+                               f"counts ({nbytes[-1, wrong]} bytes at {checked_at or tuple(vectors[-1])})")
     return coefficients
+
+
+def solve_linear(values: np.ndarray, vectors: np.ndarray) -> tuple[np.ndarray, int | None]:
+    """Integer coefficients ``(n, k)`` of ``n`` quantities measured at :func:`solve_allocations`' ``vectors``
+    (``values``: ``(k + 1, n)``), and the first quantity they do not reproduce (``None``: all, to the unit)."""
+    coefficients = np.empty((values.shape[1], vectors.shape[1]), dtype=np.int64)
+    coefficients[:, 1:] = (values[1:-1] - values[0]).T
+    coefficients[:, 0] = values[0] - coefficients[:, 1:] @ vectors[0, 1:]
+    wrong = np.nonzero((vectors @ coefficients.T != values).any(axis=0))[0]
+    return coefficients, (int(wrong[0]) if wrong.size else None)
 
 
 def _describe(layers: Sequence[LayerCounts]) -> str:

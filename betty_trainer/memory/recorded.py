@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from betty_trainer.data.block import Batch, Block
+from betty_trainer.data.block import Batch
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.data.graph import Graph
 from betty_trainer.execution.micro_batches import measured_step_resident, micro_batch_backward
 from betty_trainer.memory.custom import calibrate_model
+from betty_trainer.models.recorded_terms import fake_block
 from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts
 from estimator.recorder import (
@@ -170,7 +171,7 @@ def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: 
 
         def step(layers: Sequence[LayerCounts], accumulate: bool) -> tuple[Recording, int]:
             """One recorded step of a fake micro-batch with ``layers``, and the bytes resident before it."""
-            batch = fake_batch(layers)
+            batch = _fake_batch(layers)
             resident = measured_step_resident(fake, optimizer, batch.blocks, device, accumulate)
             resident_bytes = distinct_storage_bytes([t for t in resident if not _is_block_tensor(t, batch)])
 
@@ -193,12 +194,9 @@ def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: 
                          first=solved[False], allocations=allocations, weighted=weighted)
 
 
-def fake_batch(layers: Sequence[LayerCounts]) -> Batch:
-    """A batch of blocks with ``layers``' counts and edge weights where they have them (made inside the recorder:
-    fake, their values never read)."""
-    return Batch([Block(torch.empty(c.num_src, dtype=torch.int64), c.num_dst, torch.empty(c.num_dst + 1, dtype=torch.int64),
-                        torch.empty(c.num_edges, dtype=torch.int32),
-                        torch.empty(c.num_edges, dtype=torch.float32) if c.weighted else None) for c in layers])
+def _fake_batch(layers: Sequence[LayerCounts]) -> Batch:
+    """A batch of :func:`~betty_trainer.models.recorded_terms.fake_block` of ``layers``' counts."""
+    return Batch([fake_block(c) for c in layers])
 
 
 def _is_block_tensor(tensor: torch.Tensor, batch: Batch) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -919,11 +919,24 @@ class _AttentionAggregate(torch.autograd.Function):
         return grad_z, grad_alpha, None, None, None
 
 
+EDGE_CHUNK_OBSERVERS: list[Callable[[str, int, int], None]] = []
+"""Called ``(moment, edges, step)`` where a loop over :func:`_edge_chunks` begins (``"begin"``) and ends (``"end"``):
+``edges`` in all, at most ``step`` per chunk. A recording of a layer (``betty_trainer.models.recorded_terms``)
+listens, so that what one chunk allocates is counted for ``min(edges, step)`` edges however many the recording
+had."""
+
+
 def _edge_chunks(num_edges: int, row_elements: int, device: torch.device):
-    """Consecutive edge slices of at most :data:`ATTENTION_CHUNK_ELEMENTS` // ``row_elements`` edges."""
+    """Consecutive edge slices of at most :data:`ATTENTION_CHUNK_ELEMENTS` // ``row_elements`` edges (each chunk's
+    temporaries freed before the next's are made); :data:`EDGE_CHUNK_OBSERVERS` are told where the loop begins and
+    ends."""
     step = max(1, ATTENTION_CHUNK_ELEMENTS // max(row_elements, 1))
+    for observer in EDGE_CHUNK_OBSERVERS:
+        observer("begin", num_edges, step)
     for start in range(0, num_edges, step):
         yield slice(start, min(start + step, num_edges))
+    for observer in EDGE_CHUNK_OBSERVERS:
+        observer("end", num_edges, step)
 
 
 def attention_aggregate(z: Tensor, alpha: Tensor, edge_src: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:

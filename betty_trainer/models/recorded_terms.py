@@ -1,0 +1,336 @@
+"""One layer's memory terms recorded from its code (issue 24, item 3): the per-layer event streams the layer-wise and
+cooperative replays need, where :mod:`betty_trainer.memory.recorded` records a whole step.
+
+:class:`RecordedLayer` answers a layer's ``memory_terms(tape, counts, hd, hd_grad)``
+(:class:`~betty_trainer.models.capabilities.LayerMemoryTerms`) from recordings of the layer's own ``forward(block,
+h)`` and backward on fake tensors (:meth:`estimator.recorder.Recorder.record_piece`), instead of a second program
+written by hand. The harness makes the layer's input, the output's gradient and the seams between them and the rest
+of a step without recording them, and watches their storages, so that a recording says what the hand-written terms
+say with ``r.save``/``r.drop``: whether autograd keeps the input and the output past the forward and where its
+backward lets them go, where the output's gradient dies, and which allocation is the input's gradient.
+
+Each configuration (the step accumulating into resident gradients or not, the input requiring grad or not, the block
+weighted or not, autograd recording or not) is recorded at the sizes of
+:func:`~estimator.recorder.recording_sizes` for one layer and solved exactly
+(:func:`~estimator.recorder.solve_allocations`): every allocation's bytes an integer linear function of ``(1, S, D,
+E)``. A replay is then one pass over the recorded events (tens per layer), as fast as the hand-written terms.
+
+GAT's attention runs over its edges in chunks (``betty_trainer.models.aggregate._edge_chunks``), one chunk at the
+recorded sizes and several at a real block's: the loop tells its observers where it begins and ends, and what a
+chunk allocates is counted for one chunk's edges (:func:`_chunked`).
+
+Where it holds and where it does not are otherwise the recorder's (:mod:`estimator.recorder`): CPU float32 (the
+compiled kernels as operators), no data-dependent shapes (the LSTM aggregator's in-degree groups are refused), and
+other branches on sizes above the recorded ones not seen. Not yet recorded: the tensor path a GPU runs (sparse CSR
+products, which fake tensors do not run), blocks that keep their transpose (``LayerCounts.transposed``), whose
+backward the planner reads off ``StepTape.transposed``, and the projected layers' pieces that layer-wise execution
+runs (``ProjectedLayer``). The components of an allocation are the phase's: :data:`~estimator.tape.HID` in
+forward, :data:`~estimator.tape.GRAD` in backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from betty_trainer.data.block import Block
+from betty_trainer.models import aggregate
+from betty_trainer.models.stack import LayerStack
+from estimator.counts import LayerCounts
+from estimator.recorder import (
+    PieceScope,
+    Recorder,
+    Recording,
+    RecordingRefused,
+    recording_sizes,
+    solve_allocations,
+    solve_linear,
+)
+from estimator.tape import GRAD, HID, StepTape
+
+_INPUT, _OUTPUT, _GRAD = "free input", "free output", "free grad"  # a harness tensor's storage died
+_BACKWARD, _RETURNED, _END = "backward", "returned", "end"  # the piece's moments
+_CHUNKS_BEGIN, _CHUNKS_END = "chunks begin", "chunks end"  # an edge-chunk loop's, followed by its step
+
+
+def fake_block(c: LayerCounts) -> Block:
+    """A block of counts ``c``, with ``(E,)`` float32 edge weights where ``c.weighted``, made of ``torch.empty``
+    (fake inside a :class:`~estimator.recorder.Recorder`: the values are never read)."""
+    return Block(torch.empty(c.num_src, dtype=torch.int64), c.num_dst, torch.empty(c.num_dst + 1, dtype=torch.int64),
+                 torch.empty(c.num_edges, dtype=torch.int32), torch.empty(c.num_edges) if c.weighted else None)
+
+
+class _Input(torch.autograd.Function):
+    """The layer's input as a non-leaf tensor of its own storage: held only by the harness and by what the layer
+    saves; its gradient is kept in ``stash`` (the harness hands it to the caller)."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, shape: tuple[int, int], stash: list) -> Tensor:
+        ctx.stash = stash
+        return anchor.new_empty(shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.stash.append(grad)
+        return None, None, None
+
+
+class _Seam(torch.autograd.Function):
+    """A scalar after the layer's output whose backward hands the harness's ``(D, F_out)`` gradient to the layer
+    (``stash.pop()``: the engine then holds its only reference)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, stash: list) -> Tensor:
+        ctx.stash = stash
+        return out.new_empty(())
+
+    @staticmethod
+    def backward(ctx, _grad: Tensor):
+        return ctx.stash.pop(), None
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: numpy arrays have no single truth value
+class RecordedPiece:
+    """One configuration of a layer, solved: what its forward and backward allocate and free.
+
+    Attributes:
+        coefficients: ``(allocations, 4)`` int64: allocation ``i`` takes ``coefficients[i] · (1, S, D, E)`` bytes.
+        forward: the forward's events, ``+i + 1`` allocation ``i``, ``-(i + 1)`` its free (the output's free, which
+            is the caller's, left out).
+        backward: the backward's events, and ``"free input"`` / ``"free grad"`` where the input (kept by autograd)
+            and the output's gradient die; empty when autograd did not record.
+        output: the output's allocation.
+        input_saved: autograd keeps the input past the forward (it dies in :attr:`backward`).
+        output_saved: autograd keeps the output past the forward (its free is in :attr:`backward`).
+        input_grad: the allocation that is the input's gradient (handed to the caller), or ``None``.
+        chunked: the allocations of one chunk of an edge-chunk loop (:func:`_chunked`), counted for one chunk's
+            edges, as the loop makes and frees them chunk by chunk.
+    """
+
+    coefficients: np.ndarray
+    forward: tuple[int, ...]
+    backward: tuple[int | str, ...]
+    output: int
+    input_saved: bool
+    output_saved: bool
+    input_grad: int | None
+    chunked: tuple[tuple[int, int, int, np.ndarray, int], ...] = ()
+
+    @classmethod
+    def of(cls, recordings: list[Recording], counts: list[LayerCounts], output: int, input_grad: int | None
+           ) -> RecordedPiece:
+        """The piece of recordings of one configuration at ``counts`` (one layer's :func:`recording_sizes`).
+
+        Raises:
+            RecordingRefused: as :func:`~estimator.recorder.solve_allocations` and :func:`_chunked`.
+        """
+        vectors = np.array([(1, c.num_src, c.num_dst, c.num_edges) for c in counts], dtype=np.int64)
+        coefficients = solve_allocations(recordings, vectors)
+        steps: list[int | str] = []
+        marks, events = recordings[0].marks, recordings[0].events
+        for position in range(len(events) + 1):
+            steps += [name for at, name, _ in marks if at == position]
+            steps += [events[position]] if position < len(events) else []
+        steps = steps[:steps.index(_END)]
+        chunked = _chunked(coefficients, steps, recordings, vectors)
+        split = steps.index(_BACKWARD) if _BACKWARD in steps else len(steps)
+        forward, backward = steps[:split], steps[split + 1:]
+        return cls(coefficients, tuple(e for e in forward if isinstance(e, int) and e != -output - 1),
+                   tuple(e for e in backward if e == _INPUT or e == _GRAD or isinstance(e, int)), output,
+                   _INPUT in backward, -output - 1 in backward, input_grad, chunked)
+
+    def nbytes(self, c: LayerCounts) -> np.ndarray:
+        """Each allocation's bytes on a block of counts ``c``; one edge chunk's of :attr:`chunked` allocations."""
+        vector = np.array((1, c.num_src, c.num_dst, c.num_edges), dtype=np.int64)
+        nbytes = self.coefficients @ vector
+        for index, base, per_edge, edges, step in self.chunked:
+            nbytes[index] = base + per_edge * min(int(edges @ vector), step)
+        return nbytes
+
+
+def _chunked(coefficients: np.ndarray, steps: list[int | str], recordings: list[Recording],
+             vectors: np.ndarray) -> tuple[tuple[int, int, int, np.ndarray, int], ...]:
+    """``(allocation, base, per_edge, edges, step)`` of each allocation made inside a loop over edge chunks
+    (between the ``"chunks begin"`` and ``"chunks end"`` marks ``betty_trainer.models.aggregate._edge_chunks``'s
+    observers make): its bytes are ``base + per_edge · min(edges · (1, S, D, E), step)``, one chunk's, where the
+    recording (one chunk at its small sizes) made them for all ``edges``. The first chunk is the largest; one that
+    outlives the loop is the last chunk's (a variable holding it until the function returns), counted as one
+    chunk's too. Not modelled, as in the hand-written terms: a chunk's tensor still held while the next chunk makes
+    its own (a variable reassigned in the loop), which adds to the peak only where it exceeds the chunk's own.
+
+    Raises:
+        RecordingRefused: a loop's edges or an allocation's bytes that are not linear in the counts, proportional to
+            the edges."""
+    begins = [index for index, (_, name, _) in enumerate(recordings[0].marks) if name.startswith(_CHUNKS_BEGIN)]
+    totals = np.array([[r.marks[index][2] for index in begins] for r in recordings], dtype=np.int64)
+    edges, wrong = solve_linear(totals, vectors)
+    if wrong is not None:
+        raise RecordingRefused("an edge-chunk loop's edges are not linear in the node and edge counts")
+    chunked, loop, inside = [], -1, False
+    for step in steps:
+        if isinstance(step, str) and step.startswith(_CHUNKS_BEGIN):
+            loop, inside = loop + 1, True
+        elif isinstance(step, str) and step.startswith(_CHUNKS_END):
+            inside = False
+        elif isinstance(step, int) and inside and step > 0:
+            index, total = step - 1, edges[loop]
+            per_edge = _proportion(coefficients[index, 1:], total[1:])
+            if per_edge is None:
+                raise RecordingRefused("an edge-chunk loop allocates bytes not proportional to its edges")
+            chunked.append((index, int(coefficients[index, 0] - per_edge * total[0]), per_edge, total,
+                            int(recordings[0].marks[begins[loop]][1].split()[-1])))
+    return tuple(chunked)
+
+
+def _proportion(values: np.ndarray, base: np.ndarray) -> int | None:
+    """The integer ``k`` with ``values == k · base`` (``base`` not all zero), or ``None``."""
+    nonzero = np.nonzero(base)[0]
+    if not nonzero.size or values[nonzero[0]] % base[nonzero[0]]:
+        return None
+    k = int(values[nonzero[0]] // base[nonzero[0]])
+    return k if np.array_equal(values, k * base) else None
+
+
+class RecordedLayer:
+    """A layer's ``memory_terms`` from recordings of its code (see the module): a drop-in for the hand-written
+    :meth:`~betty_trainer.models.capabilities.LayerMemoryTerms.memory_terms`, each configuration recorded when a
+    replay first asks for it (tens of milliseconds) and kept.
+
+    Args:
+        model: the :class:`~betty_trainer.models.stack.LayerStack` (its parameters and buffers are copied as fake
+            tensors; the model itself is not touched).
+        index: the layer, run as the stack runs it (``model.apply_layer(model.layers[index], block, h)``: ``(S,
+            widths[index])`` → ``(D, widths[index + 1])``, with what the stack passes besides, e.g. GCN's
+            normalisation gathered from its buffer).
+
+    Raises:
+        RecordingRefused: from :meth:`memory_terms`, for a layer or configuration the recorder cannot record exactly
+            (the message names why in one line), a block that keeps its transpose, or a tape without the compiled
+            CPU kernels.
+    """
+
+    def __init__(self, model: LayerStack, index: int):
+        self.model, self.index, self.width_in = model, index, model.widths[index]
+        self._pieces: dict[tuple[bool, ...], RecordedPiece] = {}
+
+    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
+        """What the layer's ``forward`` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
+        tape; ``hd_grad``: it requires grad): ``(output handle, backward)``, ``backward(grad)`` returning the handle
+        of ``hd``'s gradient or ``None``, as the hand-written terms do."""
+        if c.transposed or not tape.compiled_kernels:
+            raise RecordingRefused("recorded layers cover CPU float32 blocks without a kept transpose")
+        r = tape.r
+        piece = self.piece(tape.accumulating, hd_grad, c.weighted, r.saving)
+        nbytes = piece.nbytes(c)
+        handles: dict[int, int] = {}
+
+        def run(event: int, component: str) -> None:
+            index = abs(event) - 1
+            if event > 0:
+                handles[index] = r.alloc(int(nbytes[index]), component)
+            else:
+                r.drop(handles.pop(index))
+
+        for event in piece.forward:
+            run(event, HID)
+        out = handles[piece.output]
+        if piece.input_saved:
+            r.keep(hd)
+        if piece.output_saved:
+            r.keep(out)
+
+        def backward(grad: int) -> int | None:
+            for step in piece.backward:
+                if step == _INPUT:
+                    r.drop(hd)
+                elif step == _GRAD:
+                    r.drop(grad)
+                else:
+                    run(step, GRAD)
+            return handles[piece.input_grad] if piece.input_grad is not None else None
+
+        return out, backward
+
+    def piece(self, accumulate: bool, hd_grad: bool, weighted: bool, grad_enabled: bool) -> RecordedPiece:
+        """The solved recording of one configuration (recorded on first use).
+
+        Raises:
+            RecordingRefused: as :class:`RecordedLayer`.
+        """
+        key = (accumulate, hd_grad, weighted, grad_enabled)
+        if key not in self._pieces:
+            self._pieces[key] = self._record(*key)
+        return self._pieces[key]
+
+    def _record(self, accumulate: bool, hd_grad: bool, weighted: bool, grad_enabled: bool) -> RecordedPiece:
+        sizes = [layers[0] for layers in recording_sizes(1, (weighted,))]
+        found: dict[str, int | None] = {}
+        with torch.random.fork_rng(devices=[]), Recorder() as recorder:
+            model = recorder.fake_module(self.model).train()
+            recordings = []
+            for counts in sizes:
+                block = fake_block(counts)
+                for parameter in model.parameters():
+                    parameter.grad = torch.zeros_like(parameter) if accumulate else None
+                recordings.append(recorder.record_piece(self._harness(model, block, counts, hd_grad, grad_enabled,
+                                                                      found)))
+        if found["output"] is None:
+            raise RecordingRefused(f"{type(self.model.layers[self.index]).__name__} returns a tensor it did not make")
+        return RecordedPiece.of(recordings, sizes, found["output"], found["input_grad"])
+
+    def _harness(self, model: LayerStack, block: Block, c: LayerCounts, hd_grad: bool, grad_enabled: bool,
+                 found: dict[str, int | None]) -> Callable[[PieceScope], None]:
+        """The recorded piece: the layer's forward from an input only it and the harness hold, the harness letting go
+        of the input and the output right after it (what autograd keeps then outlives them), and with autograd the
+        backward from a gradient only the engine holds; ``found`` receives the output's and the input gradient's
+        allocations."""
+
+        def piece(scope: PieceScope) -> None:
+            with _observing_edge_chunks(lambda moment, edges, step: scope.mark(
+                    f"{_CHUNKS_BEGIN if moment == 'begin' else _CHUNKS_END} {step}", edges)):
+                run(scope)
+
+        def run(scope: PieceScope) -> None:
+            stash_in: list[Tensor] = []
+            stash_out: list[Tensor] = []
+            with scope.unrecorded():
+                if hd_grad:
+                    hd = _Input.apply(torch.empty((), requires_grad=True), (c.num_src, self.width_in), stash_in)
+                else:
+                    hd = torch.empty(c.num_src, self.width_in)
+            scope.watch(hd, _INPUT)
+            with torch.set_grad_enabled(grad_enabled):
+                out = model.apply_layer(model.layers[self.index], block, hd)
+            scope.mark(_RETURNED)
+            found["output"] = scope.index_of(out)
+            seam = None
+            if grad_enabled and out.requires_grad:
+                with scope.unrecorded():
+                    seam, seed = _Seam.apply(out, stash_out), torch.ones(())
+                    stash_out.append(torch.empty_like(out))
+                scope.watch(stash_out[0], _GRAD)
+            scope.watch(out, _OUTPUT)
+            del hd, out
+            if seam is not None:
+                scope.mark(_BACKWARD)
+                torch.autograd.backward(seam, seed)
+                del seam
+            found["input_grad"] = scope.index_of(stash_in[0]) if stash_in else None
+            scope.mark(_END)  # what dies after it (the input's gradient, with the harness) is the caller's
+
+        return piece
+
+
+@contextlib.contextmanager
+def _observing_edge_chunks(observer: Callable[[str, int, int], None]):
+    """``observer`` among :data:`~betty_trainer.models.aggregate.EDGE_CHUNK_OBSERVERS` inside the block."""
+    aggregate.EDGE_CHUNK_OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        aggregate.EDGE_CHUNK_OBSERVERS.remove(observer)

@@ -1,0 +1,105 @@
+"""A layer's memory terms recorded from its code (betty_trainer.models.recorded_terms, issue 24 item 3) against the
+hand-written ones: the micro-batch, layer-wise and cooperative estimates, replayed with each layer's recorded terms
+in place of its ``memory_terms``, equal to the byte the estimates from the hand-written terms."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from betty_trainer.config import load_config
+from betty_trainer.memory.spec import spec_of
+from betty_trainer.models import build_model
+from betty_trainer.models.recorded_terms import RecordedLayer
+from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
+from estimator.counts import LayerCounts
+from estimator.estimate import estimate_micro_batch
+from estimator.layerwise import estimate_layerwise
+from estimator.recorder import RecordingRefused
+
+MODELS = {"sage-mean": ["model.arch=sage", "model.aggregator=mean"],
+          "sage-gcn": ["model.arch=sage", "model.aggregator=gcn"],
+          "sage-pool": ["model.arch=sage", "model.aggregator=pool"],
+          "gcn": ["model.arch=gcn"], "gin": ["model.arch=gin"], "gat": ["model.arch=gat"]}
+GRAPH = SimpleNamespace(num_features=100, num_classes=7, in_degrees=lambda: torch.ones(5000, dtype=torch.int64))
+
+
+def model_and_spec(name: str, hidden: int, dropout: float, num_layers: int = 2):
+    config = load_config(None, [*MODELS[name], f"model.num_layers={num_layers}", f"model.hidden={hidden}",
+                                f"model.dropout={dropout}", "optim.weight_decay=0.0005"])
+    torch.manual_seed(0)
+    model = build_model(config.model, GRAPH)
+    return model, spec_of(model, config, "cpu")
+
+
+@contextlib.contextmanager
+def recorded_layers(model):
+    """Every layer's ``memory_terms`` answered by its :class:`RecordedLayer` inside the block."""
+    for index, layer in enumerate(model.layers):
+        layer.memory_terms = RecordedLayer(model, index).memory_terms
+    try:
+        yield
+    finally:
+        for layer in model.layers:
+            del layer.memory_terms
+
+
+def batch_counts(weighted: bool, scale: int = 1) -> list[LayerCounts]:
+    return [LayerCounts(3000 * scale, 800 * scale, 12000 * scale, weighted=weighted),
+            LayerCounts(800 * scale, 150 * scale, 3100 * scale, weighted=weighted)]
+
+
+# GAT's attention runs in edge chunks (ATTENTION_CHUNK_ELEMENTS) on these blocks, at 256 columns and at 16 at the
+# larger scale: one chunk at the recorded sizes
+CASES = [(name, hidden) for name in MODELS for hidden in (16, 256)]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+@pytest.mark.parametrize(("name", "hidden"), CASES)
+def test_the_micro_batch_estimate_with_recorded_layers_equals_the_hand_written_one(name, hidden, dropout, weighted):
+    """A batch's first micro-batch and a later one (accumulating), at two sizes (one solve serves both)."""
+    model, spec = model_and_spec(name, hidden, dropout)
+    for scale in (1, 3):
+        layers = batch_counts(weighted, scale)
+        written = [estimate_micro_batch(layers, spec, accumulate=a).peak_bytes for a in (False, True)]
+        with recorded_layers(model):
+            recorded = [estimate_micro_batch(layers, spec, accumulate=a).peak_bytes for a in (False, True)]
+        assert recorded == written, (name, hidden, dropout, weighted, scale)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+@pytest.mark.parametrize(("name", "hidden"), CASES)
+def test_the_layerwise_and_cooperative_estimates_with_recorded_layers_equal_the_hand_written_ones(name, hidden, dropout):
+    """Layer-wise: the chunks' forward without autograd and their recomputed forward and backward (layers the
+    executor projects replay their own ``project``/``propagate`` terms, untouched here); cooperative: one rank's
+    share, its layers joined by exchanges."""
+    model, spec = model_and_spec(name, hidden, dropout, num_layers=3)
+    layers = [LayerCounts(5000, 3000, 20000), *batch_counts(False)]
+    chunks = [[LayerCounts(1800, 700, 5200), LayerCounts(2100, 900, 6100)],
+              [LayerCounts(1400, 300, 4000), LayerCounts(1500, 500, 8000)],
+              [LayerCounts(500, 70, 1500), LayerCounts(520, 80, 1600)]]
+    exchanges = [ExchangeCounts(2400, 2600, 5000), ExchangeCounts(1500, 1700, 3000), ExchangeCounts(400, 500, 800)]
+
+    def estimates() -> tuple[int, ...]:
+        return (estimate_layerwise(layers, chunks, spec, spec.projections).peak_bytes,
+                *(estimate_cooperative_share(layers, exchanges, spec, accumulate=a).peak_bytes for a in (False, True)))
+
+    written = estimates()
+    with recorded_layers(model):
+        assert estimates() == written
+
+
+def test_the_lstm_aggregator_and_the_tensor_path_are_refused():
+    """The LSTM aggregator's in-degree groups have data-dependent shapes; a tape without the compiled kernels (a
+    GPU's tensor path) and a block that keeps its transpose are not recorded yet."""
+    model, spec = model_and_spec("sage-mean", 16, 0.0)
+    config = load_config(None, ["model.arch=sage", "model.aggregator=lstm", "model.num_layers=2", "model.hidden=16"])
+    lstm = build_model(config.model, GRAPH)
+    with recorded_layers(lstm), pytest.raises(RecordingRefused, match="depends on the data|reads"):
+        estimate_micro_batch(batch_counts(False), spec_of(lstm, config, "cpu"))
+    with recorded_layers(model), pytest.raises(RecordingRefused, match="without a kept transpose"):
+        estimate_micro_batch([LayerCounts(3000, 800, 12000, transposed=True), *batch_counts(False)[1:]], spec)
