@@ -123,10 +123,13 @@ class _Recording(TorchDispatchMode):
         self._moved: list[weakref.ref] = []  # references whose storage's death frees nothing (its sum took over)
         self.marks: list[tuple[int, str, int | None]] = []
         self.paused = False
+        self.called: dict[Any, str] = {}  # operators whose calls are marked (PieceScope.mark_calls), with the mark
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.paused:  # the harness's own tensors (PieceScope.unrecorded)
             return func(*args, **(kwargs or {}))
+        if func in self.called:
+            self.marks.append((len(self.events), self.called[func], None))
         if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(t), int(t): no data to read
             node = torch._C._current_autograd_node()  # the backward node running, if any
             where = f"the backward of {node.name()}" if node is not None else self.reads_refused()
@@ -357,6 +360,10 @@ class PieceScope:
     def mark(self, name: str, value: int | None = None) -> None:
         """The moment ``name``, now, with an integer noted there (e.g. a loop's count at this size)."""
         self._recording.marks.append((len(self._recording.events), name, value))
+
+    def mark_calls(self, operators: Sequence[Any], name: str) -> None:
+        """Mark ``name`` wherever one of ``operators`` (``OpOverload`` objects) is called from now on."""
+        self._recording.called.update(dict.fromkeys(operators, name))
 
     def watch(self, tensor: Tensor, name: str) -> None:
         """Mark ``name`` when ``tensor``'s storage dies (the last tensor or view on it, saved ones included)."""

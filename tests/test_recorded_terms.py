@@ -16,7 +16,7 @@ from betty_trainer.models import build_model
 from betty_trainer.models.recorded_terms import RecordedLayer
 from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
 from estimator.counts import LayerCounts
-from estimator.estimate import estimate_micro_batch
+from estimator.estimate import estimate_micro_batch, replay_micro_batch
 from estimator.layerwise import estimate_layerwise
 from estimator.recorder import RecordingRefused
 
@@ -47,9 +47,9 @@ def recorded_layers(model):
             del layer.memory_terms
 
 
-def batch_counts(weighted: bool, scale: int = 1) -> list[LayerCounts]:
-    return [LayerCounts(3000 * scale, 800 * scale, 12000 * scale, weighted=weighted),
-            LayerCounts(800 * scale, 150 * scale, 3100 * scale, weighted=weighted)]
+def batch_counts(weighted: bool, scale: int = 1, transposed: bool = False) -> list[LayerCounts]:
+    return [LayerCounts(3000 * scale, 800 * scale, 12000 * scale, weighted=weighted, transposed=transposed),
+            LayerCounts(800 * scale, 150 * scale, 3100 * scale, weighted=weighted, transposed=transposed)]
 
 
 # GAT's attention runs in edge chunks (ATTENTION_CHUNK_ELEMENTS) on these blocks, at 256 columns and at 16 at the
@@ -57,18 +57,27 @@ def batch_counts(weighted: bool, scale: int = 1) -> list[LayerCounts]:
 CASES = [(name, hidden) for name in MODELS for hidden in (16, 256)]
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["", "kept-transposes"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
 @pytest.mark.parametrize(("name", "hidden"), CASES)
-def test_the_micro_batch_estimate_with_recorded_layers_equals_the_hand_written_one(name, hidden, dropout, weighted):
-    """A batch's first micro-batch and a later one (accumulating), at two sizes (one solve serves both)."""
+def test_the_micro_batch_estimate_with_recorded_layers_equals_the_hand_written_one(name, hidden, dropout, weighted,
+                                                                                   transposed):
+    """A batch's first micro-batch and a later one (accumulating), at two sizes (one solve serves both), blocks
+    with and without kept transposes; and the layers whose backward multiplies by ``Aᵀ`` (``StepTape.transposed``,
+    what the planner keeps transposes for) are the same."""
     model, spec = model_and_spec(name, hidden, dropout)
     for scale in (1, 3):
-        layers = batch_counts(weighted, scale)
-        written = [estimate_micro_batch(layers, spec, accumulate=a).peak_bytes for a in (False, True)]
+        layers = batch_counts(weighted, scale, transposed)
+
+        def estimates(layers: list[LayerCounts] = layers) -> tuple:
+            tape = replay_micro_batch(layers, spec)[1]
+            return (*(estimate_micro_batch(layers, spec, accumulate=a).peak_bytes for a in (False, True)),
+                    [any(c is t for t in tape.transposed) for c in layers])
+
+        written = estimates()
         with recorded_layers(model):
-            recorded = [estimate_micro_batch(layers, spec, accumulate=a).peak_bytes for a in (False, True)]
-        assert recorded == written, (name, hidden, dropout, weighted, scale)
+            assert estimates() == written, (name, hidden, dropout, weighted, scale)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
@@ -95,11 +104,13 @@ def test_the_layerwise_and_cooperative_estimates_with_recorded_layers_equal_the_
 
 def test_the_lstm_aggregator_and_the_tensor_path_are_refused():
     """The LSTM aggregator's in-degree groups have data-dependent shapes; a tape without the compiled kernels (a
-    GPU's tensor path) and a block that keeps its transpose are not recorded yet."""
-    model, spec = model_and_spec("sage-mean", 16, 0.0)
+    GPU's tensor path, here float64 on the CPU) is not recorded yet."""
     config = load_config(None, ["model.arch=sage", "model.aggregator=lstm", "model.num_layers=2", "model.hidden=16"])
     lstm = build_model(config.model, GRAPH)
     with recorded_layers(lstm), pytest.raises(RecordingRefused, match="depends on the data|reads"):
         estimate_micro_batch(batch_counts(False), spec_of(lstm, config, "cpu"))
-    with recorded_layers(model), pytest.raises(RecordingRefused, match="without a kept transpose"):
-        estimate_micro_batch([LayerCounts(3000, 800, 12000, transposed=True), *batch_counts(False)[1:]], spec)
+    model, _ = model_and_spec("sage-mean", 16, 0.0)
+    config = load_config(None, [*MODELS["sage-mean"], "model.num_layers=2", "model.hidden=16"])
+    model = model.double()
+    with recorded_layers(model), pytest.raises(RecordingRefused, match="compiled CPU kernels"):
+        estimate_micro_batch(batch_counts(False), spec_of(model, config, "cpu"))

@@ -10,7 +10,7 @@ say with ``r.save``/``r.drop``: whether autograd keeps the input and the output 
 backward lets them go, where the output's gradient dies, and which allocation is the input's gradient.
 
 Each configuration (the step accumulating into resident gradients or not, the input requiring grad or not, the block
-weighted or not, autograd recording or not) is recorded at the sizes of
+weighted or not, keeping its transpose or not, autograd recording or not) is recorded at the sizes of
 :func:`~estimator.recorder.recording_sizes` for one layer and solved exactly
 (:func:`~estimator.recorder.solve_allocations`): every allocation's bytes an integer linear function of ``(1, S, D,
 E)``. A replay is then one pass over the recorded events (tens per layer), as fast as the hand-written terms.
@@ -22,23 +22,24 @@ chunk allocates is counted for one chunk's edges (:func:`_chunked`).
 Where it holds and where it does not are otherwise the recorder's (:mod:`estimator.recorder`): CPU float32 (the
 compiled kernels as operators), no data-dependent shapes (the LSTM aggregator's in-degree groups are refused), and
 other branches on sizes above the recorded ones not seen. Not yet recorded: the tensor path a GPU runs (sparse CSR
-products, which fake tensors do not run), blocks that keep their transpose (``LayerCounts.transposed``), whose
-backward the planner reads off ``StepTape.transposed``, and the projected layers' pieces that layer-wise execution
-runs (``ProjectedLayer``). The components of an allocation are the phase's: :data:`~estimator.tape.HID` in
-forward, :data:`~estimator.tape.GRAD` in backward.
+products, which fake tensors do not run) and the projected layers' pieces that layer-wise execution runs
+(``ProjectedLayer``). A backward that multiplies by a block's ``Aᵀ`` (the compiled CSR gather or scatter, called
+after the backward began) adds the block's counts to ``StepTape.transposed``, as the hand-written terms do.
+The components of an allocation are the phase's: :data:`~estimator.tape.HID` in forward, :data:`~estimator.tape.GRAD`
+in backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from betty_trainer.data.block import Block
+from betty_trainer.data.block import Block, BlockTranspose
 from betty_trainer.models import aggregate
 from betty_trainer.models.stack import LayerStack
 from estimator.counts import LayerCounts
@@ -56,13 +57,22 @@ from estimator.tape import GRAD, HID, StepTape
 _INPUT, _OUTPUT, _GRAD = "free input", "free output", "free grad"  # a harness tensor's storage died
 _BACKWARD, _RETURNED, _END = "backward", "returned", "end"  # the piece's moments
 _CHUNKS_BEGIN, _CHUNKS_END = "chunks begin", "chunks end"  # an edge-chunk loop's, followed by its step
+_PRODUCT = "a sparse product"  # a call of the compiled CSR gather or scatter
+_TRANSPOSE_PRODUCTS = (aggregate._csr_gather, aggregate._csr_scatter)  # in backward: a product by Aᵀ
 
 
 def fake_block(c: LayerCounts) -> Block:
-    """A block of counts ``c``, with ``(E,)`` float32 edge weights where ``c.weighted``, made of ``torch.empty``
-    (fake inside a :class:`~estimator.recorder.Recorder`: the values are never read)."""
-    return Block(torch.empty(c.num_src, dtype=torch.int64), c.num_dst, torch.empty(c.num_dst + 1, dtype=torch.int64),
-                 torch.empty(c.num_edges, dtype=torch.int32), torch.empty(c.num_edges) if c.weighted else None)
+    """A block of counts ``c``, with ``(E,)`` float32 edge weights where ``c.weighted`` and a kept transpose where
+    ``c.transposed`` (int16 positions), made of ``torch.empty`` (fake inside a :class:`~estimator.recorder.Recorder`:
+    the values are never read)."""
+    block = Block(torch.empty(c.num_src, dtype=torch.int64), c.num_dst, torch.empty(c.num_dst + 1, dtype=torch.int64),
+                  torch.empty(c.num_edges, dtype=torch.int32), torch.empty(c.num_edges) if c.weighted else None)
+    if c.transposed:
+        block.transpose = BlockTranspose(torch.empty(c.num_src + 1, dtype=torch.int32),
+                                         torch.empty(c.num_edges, dtype=torch.int16),
+                                         torch.empty(c.num_edges) if c.weighted else None,
+                                         (block.indptr, block.indices, block.edge_weight))
+    return block
 
 
 class _Input(torch.autograd.Function):
@@ -105,6 +115,8 @@ class RecordedPiece:
         backward: the backward's events, and ``"free input"`` / ``"free grad"`` where the input (kept by autograd)
             and the output's gradient die; empty when autograd did not record.
         output: the output's allocation.
+        transposes: the backward multiplies by the block's ``Aᵀ`` (the compiled CSR gather or scatter), which a
+            kept transpose serves (``StepTape.transposed``).
         input_saved: autograd keeps the input past the forward (it dies in :attr:`backward`).
         output_saved: autograd keeps the output past the forward (its free is in :attr:`backward`).
         input_grad: the allocation that is the input's gradient (handed to the caller), or ``None``.
@@ -115,6 +127,7 @@ class RecordedPiece:
     coefficients: np.ndarray
     forward: tuple[int, ...]
     backward: tuple[int | str, ...]
+    transposes: bool
     output: int
     input_saved: bool
     output_saved: bool
@@ -141,7 +154,8 @@ class RecordedPiece:
         split = steps.index(_BACKWARD) if _BACKWARD in steps else len(steps)
         forward, backward = steps[:split], steps[split + 1:]
         return cls(coefficients, tuple(e for e in forward if isinstance(e, int) and e != -output - 1),
-                   tuple(e for e in backward if e == _INPUT or e == _GRAD or isinstance(e, int)), output,
+                   tuple(e for e in backward if e == _INPUT or e == _GRAD or isinstance(e, int)), _PRODUCT in backward,
+                   output,
                    _INPUT in backward, -output - 1 in backward, input_grad, chunked)
 
     def nbytes(self, c: LayerCounts) -> np.ndarray:
@@ -222,10 +236,10 @@ class RecordedLayer:
         """What the layer's ``forward`` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
         tape; ``hd_grad``: it requires grad): ``(output handle, backward)``, ``backward(grad)`` returning the handle
         of ``hd``'s gradient or ``None``, as the hand-written terms do."""
-        if c.transposed or not tape.compiled_kernels:
-            raise RecordingRefused("recorded layers cover CPU float32 blocks without a kept transpose")
+        if not tape.compiled_kernels:
+            raise RecordingRefused("recorded layers cover the compiled CPU kernels' path (float32 on the CPU)")
         r = tape.r
-        piece = self.piece(tape.accumulating, hd_grad, c.weighted, r.saving)
+        piece = self.piece(tape.accumulating, hd_grad, c.weighted, c.transposed, r.saving)
         nbytes = piece.nbytes(c)
         handles: dict[int, int] = {}
 
@@ -245,6 +259,8 @@ class RecordedLayer:
             r.keep(out)
 
         def backward(grad: int) -> int | None:
+            if piece.transposes:
+                tape.transposed.append(c)  # a product by Aᵀ: a kept transpose would serve it (for the planner)
             for step in piece.backward:
                 if step == _INPUT:
                     r.drop(hd)
@@ -256,19 +272,21 @@ class RecordedLayer:
 
         return out, backward
 
-    def piece(self, accumulate: bool, hd_grad: bool, weighted: bool, grad_enabled: bool) -> RecordedPiece:
+    def piece(self, accumulate: bool, hd_grad: bool, weighted: bool, transposed: bool, grad_enabled: bool
+              ) -> RecordedPiece:
         """The solved recording of one configuration (recorded on first use).
 
         Raises:
             RecordingRefused: as :class:`RecordedLayer`.
         """
-        key = (accumulate, hd_grad, weighted, grad_enabled)
+        key = (accumulate, hd_grad, weighted, transposed, grad_enabled)
         if key not in self._pieces:
             self._pieces[key] = self._record(*key)
         return self._pieces[key]
 
-    def _record(self, accumulate: bool, hd_grad: bool, weighted: bool, grad_enabled: bool) -> RecordedPiece:
-        sizes = [layers[0] for layers in recording_sizes(1, (weighted,))]
+    def _record(self, accumulate: bool, hd_grad: bool, weighted: bool, transposed: bool, grad_enabled: bool
+                ) -> RecordedPiece:
+        sizes = [replace(layers[0], transposed=transposed) for layers in recording_sizes(1, (weighted,))]
         found: dict[str, int | None] = {}
         with torch.random.fork_rng(devices=[]), Recorder() as recorder:
             model = recorder.fake_module(self.model).train()
@@ -318,6 +336,7 @@ class RecordedLayer:
             del hd, out
             if seam is not None:
                 scope.mark(_BACKWARD)
+                scope.mark_calls(_TRANSPOSE_PRODUCTS, _PRODUCT)
                 torch.autograd.backward(seam, seed)
                 del seam
             found["input_grad"] = scope.index_of(stash_in[0]) if stash_in else None
