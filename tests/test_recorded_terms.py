@@ -37,14 +37,20 @@ def model_and_spec(name: str, hidden: int, dropout: float, num_layers: int = 2):
 
 @contextlib.contextmanager
 def recorded_layers(model):
-    """Every layer's ``memory_terms`` answered by its :class:`RecordedLayer` inside the block."""
-    for index, layer in enumerate(model.layers):
-        layer.memory_terms = RecordedLayer(model, index).memory_terms
+    """Every layer's ``memory_terms`` (and ``propagate_terms``, where it projects first) answered by its
+    :class:`RecordedLayer` inside the block."""
+    replaced = [("memory_terms",) + (("propagate_terms",) if getattr(layer, "projected_width", None) else ())
+                for layer in model.layers]
+    for index, (layer, names) in enumerate(zip(model.layers, replaced)):
+        recorded = RecordedLayer(model, index)
+        for name in names:
+            setattr(layer, name, getattr(recorded, name))
     try:
         yield
     finally:
-        for layer in model.layers:
-            del layer.memory_terms
+        for layer, names in zip(model.layers, replaced):
+            for name in names:
+                delattr(layer, name)
 
 
 def batch_counts(weighted: bool, scale: int = 1, transposed: bool = False) -> list[LayerCounts]:
@@ -83,9 +89,9 @@ def test_the_micro_batch_estimate_with_recorded_layers_equals_the_hand_written_o
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
 @pytest.mark.parametrize(("name", "hidden"), CASES)
 def test_the_layerwise_and_cooperative_estimates_with_recorded_layers_equal_the_hand_written_ones(name, hidden, dropout):
-    """Layer-wise: the chunks' forward without autograd and their recomputed forward and backward (layers the
-    executor projects replay their own ``project``/``propagate`` terms, untouched here); cooperative: one rank's
-    share, its layers joined by exchanges."""
+    """Layer-wise: the chunks' forward without autograd and their recomputed forward and backward (a layer the
+    executor projects: ``propagate`` on its chunks' rows of ``z``); cooperative: one rank's share, its layers joined
+    by exchanges."""
     model, spec = model_and_spec(name, hidden, dropout, num_layers=3)
     layers = [LayerCounts(5000, 3000, 20000), *batch_counts(False)]
     chunks = [[LayerCounts(1800, 700, 5200), LayerCounts(2100, 900, 6100)],

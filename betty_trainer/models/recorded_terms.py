@@ -32,7 +32,7 @@ in backward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -54,7 +54,7 @@ from estimator.recorder import (
 )
 from estimator.tape import GRAD, HID, StepTape
 
-_INPUT, _OUTPUT, _GRAD = "free input", "free output", "free grad"  # a harness tensor's storage died
+_INPUT, _OUTPUT, _GRAD = "free input", "free output", "free grad"  # a harness tensor's storage died (inputs: "… i")
 _BACKWARD, _RETURNED, _END = "backward", "returned", "end"  # the piece's moments
 _CHUNKS_BEGIN, _CHUNKS_END = "chunks begin", "chunks end"  # an edge-chunk loop's, followed by its step
 _PRODUCT = "a sparse product"  # a call of the compiled CSR gather or scatter
@@ -75,9 +75,9 @@ def fake_block(c: LayerCounts) -> Block:
     return block
 
 
-class _Input(torch.autograd.Function):
-    """The layer's input as a non-leaf tensor of its own storage: held only by the harness and by what the layer
-    saves; its gradient is kept in ``stash`` (the harness hands it to the caller)."""
+class _Boundary(torch.autograd.Function):
+    """An input of a recorded piece as a non-leaf tensor of its own storage: held only by the harness and by what
+    the piece saves; its gradient is kept in ``stash`` (the harness hands it to the caller)."""
 
     @staticmethod
     def forward(ctx, anchor: Tensor, shape: tuple[int, int], stash: list) -> Tensor:
@@ -112,14 +112,14 @@ class RecordedPiece:
         coefficients: ``(allocations, 4)`` int64: allocation ``i`` takes ``coefficients[i] · (1, S, D, E)`` bytes.
         forward: the forward's events, ``+i + 1`` allocation ``i``, ``-(i + 1)`` its free (the output's free, which
             is the caller's, left out).
-        backward: the backward's events, and ``"free input"`` / ``"free grad"`` where the input (kept by autograd)
-            and the output's gradient die; empty when autograd did not record.
+        backward: the backward's events, and ``"free input i"`` / ``"free grad"`` where input ``i`` (kept by
+            autograd) and the output's gradient die; empty when autograd did not record.
         output: the output's allocation.
         transposes: the backward multiplies by the block's ``Aᵀ`` (the compiled CSR gather or scatter), which a
             kept transpose serves (``StepTape.transposed``).
-        input_saved: autograd keeps the input past the forward (it dies in :attr:`backward`).
+        input_saved: per input, autograd keeps it past the forward (it dies in :attr:`backward`).
         output_saved: autograd keeps the output past the forward (its free is in :attr:`backward`).
-        input_grad: the allocation that is the input's gradient (handed to the caller), or ``None``.
+        input_grad: per input, the allocation that is its gradient (handed to the caller), or ``None``.
         chunked: the allocations of one chunk of an edge-chunk loop (:func:`_chunked`), counted for one chunk's
             edges, as the loop makes and frees them chunk by chunk.
     """
@@ -129,14 +129,14 @@ class RecordedPiece:
     backward: tuple[int | str, ...]
     transposes: bool
     output: int
-    input_saved: bool
+    input_saved: tuple[bool, ...]
     output_saved: bool
-    input_grad: int | None
+    input_grad: tuple[int | None, ...]
     chunked: tuple[tuple[int, int, int, np.ndarray, int], ...] = ()
 
     @classmethod
-    def of(cls, recordings: list[Recording], counts: list[LayerCounts], output: int, input_grad: int | None
-           ) -> RecordedPiece:
+    def of(cls, recordings: list[Recording], counts: list[LayerCounts], output: int,
+           input_grad: tuple[int | None, ...]) -> RecordedPiece:
         """The piece of recordings of one configuration at ``counts`` (one layer's :func:`recording_sizes`).
 
         Raises:
@@ -153,10 +153,44 @@ class RecordedPiece:
         chunked = _chunked(coefficients, steps, recordings, vectors)
         split = steps.index(_BACKWARD) if _BACKWARD in steps else len(steps)
         forward, backward = steps[:split], steps[split + 1:]
+        freed = [f"{_INPUT} {i}" for i in range(len(input_grad))]
         return cls(coefficients, tuple(e for e in forward if isinstance(e, int) and e != -output - 1),
-                   tuple(e for e in backward if e == _INPUT or e == _GRAD or isinstance(e, int)), _PRODUCT in backward,
-                   output,
-                   _INPUT in backward, -output - 1 in backward, input_grad, chunked)
+                   tuple(e for e in backward if e in freed or e == _GRAD or isinstance(e, int)), _PRODUCT in backward,
+                   output, tuple(name in backward for name in freed), -output - 1 in backward, input_grad, chunked)
+
+    def replay(self, tape: StepTape, c: LayerCounts, inputs: Sequence[int | None]):
+        """This piece on ``tape`` for a block of counts ``c`` from the input handles ``inputs`` (the caller holds
+        them): ``(output handle, backward)``, ``backward(grad)`` freeing ``grad`` where the engine lets it go and
+        returning each input's gradient handle (or ``None``)."""
+        r, nbytes, handles = tape.r, self.nbytes(c), {}
+
+        def run(event: int, component: str) -> None:
+            index = abs(event) - 1
+            if event > 0:
+                handles[index] = r.alloc(int(nbytes[index]), component)
+            else:
+                r.drop(handles.pop(index))
+
+        for event in self.forward:
+            run(event, HID)
+        out = handles[self.output]
+        r.keep(*(handle for handle, saved in zip(inputs, self.input_saved) if saved))
+        if self.output_saved:
+            r.keep(out)
+
+        def backward(grad: int) -> tuple[int | None, ...]:
+            if self.transposes:
+                tape.transposed.append(c)  # a product by Aᵀ: a kept transpose would serve it (for the planner)
+            for step in self.backward:
+                if step == _GRAD:
+                    r.drop(grad)
+                elif isinstance(step, str):  # "free input i"
+                    r.drop(inputs[int(step.split()[-1])])
+                else:
+                    run(step, GRAD)
+            return tuple(None if index is None else handles[index] for index in self.input_grad)
+
+        return out, backward
 
     def nbytes(self, c: LayerCounts) -> np.ndarray:
         """Each allocation's bytes on a block of counts ``c``; one edge chunk's of :attr:`chunked` allocations."""
@@ -210,9 +244,21 @@ def _proportion(values: np.ndarray, base: np.ndarray) -> int | None:
     return k if np.array_equal(values, k * base) else None
 
 
+@dataclass(frozen=True)
+class _Input:
+    """A boundary input of a recorded piece: ``(S, width)`` (``rows="src"``) or ``(D, width)`` (``"dst"``)."""
+
+    rows: str
+    width: int
+
+    def shape(self, c: LayerCounts) -> tuple[int, int]:
+        return (c.num_src if self.rows == "src" else c.num_dst, self.width)
+
+
 class RecordedLayer:
-    """A layer's ``memory_terms`` from recordings of its code (see the module): a drop-in for the hand-written
-    :meth:`~betty_trainer.models.capabilities.LayerMemoryTerms.memory_terms`, each configuration recorded when a
+    """A layer's memory terms from recordings of its code (see the module): drop-ins for the hand-written
+    :meth:`~betty_trainer.models.capabilities.LayerMemoryTerms.memory_terms` and, for a layer that projects first,
+    :meth:`~betty_trainer.models.capabilities.ProjectedLayer.propagate_terms`; each configuration recorded when a
     replay first asks for it (tens of milliseconds) and kept.
 
     Args:
@@ -223,126 +269,115 @@ class RecordedLayer:
             normalisation gathered from its buffer).
 
     Raises:
-        RecordingRefused: from :meth:`memory_terms`, for a layer or configuration the recorder cannot record exactly
-            (the message names why in one line), a block that keeps its transpose, or a tape without the compiled
-            CPU kernels.
+        RecordingRefused: from the terms, for a layer or configuration the recorder cannot record exactly (the
+            message names why in one line), or a tape without the compiled CPU kernels.
     """
 
     def __init__(self, model: LayerStack, index: int):
-        self.model, self.index, self.width_in = model, index, model.widths[index]
-        self._pieces: dict[tuple[bool, ...], RecordedPiece] = {}
+        self.model, self.index = model, index
+        self._pieces: dict[tuple, RecordedPiece] = {}
 
     def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
         """What the layer's ``forward`` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
         tape; ``hd_grad``: it requires grad): ``(output handle, backward)``, ``backward(grad)`` returning the handle
         of ``hd``'s gradient or ``None``, as the hand-written terms do."""
+        out, backward = self._replay("forward", tape, c, [hd], (hd_grad,))
+        return out, lambda grad: backward(grad)[0]
+
+    def propagate_terms(self, tape: StepTape, c: LayerCounts, z: int, hd: int | None = None, hd_grad: bool = False):
+        """What the layer's ``propagate`` allocates on a block of counts ``c`` from the rows ``z`` of its projection
+        (``(S, projected_width)``, requiring grad where autograd records) and, when the layer ``reads_dst_input``,
+        its dst input rows ``hd`` (``(D, widths[index])``; ``hd_grad``: they require grad): ``(output handle,
+        backward)``, ``backward(grad)`` returning ``z``'s gradient, or with ``hd`` the pair of both, as the
+        hand-written terms do."""
+        inputs, grads = ([z], (tape.r.saving,)) if hd is None else ([z, hd], (tape.r.saving, hd_grad))
+        out, backward = self._replay("propagate", tape, c, inputs, grads)
+        return out, (lambda grad: backward(grad)[0]) if hd is None else backward
+
+    def _replay(self, kind: str, tape: StepTape, c: LayerCounts, inputs: list[int], grads: tuple[bool, ...]):
         if not tape.compiled_kernels:
             raise RecordingRefused("recorded layers cover the compiled CPU kernels' path (float32 on the CPU)")
-        r = tape.r
-        piece = self.piece(tape.accumulating, hd_grad, c.weighted, c.transposed, r.saving)
-        nbytes = piece.nbytes(c)
-        handles: dict[int, int] = {}
-
-        def run(event: int, component: str) -> None:
-            index = abs(event) - 1
-            if event > 0:
-                handles[index] = r.alloc(int(nbytes[index]), component)
-            else:
-                r.drop(handles.pop(index))
-
-        for event in piece.forward:
-            run(event, HID)
-        out = handles[piece.output]
-        if piece.input_saved:
-            r.keep(hd)
-        if piece.output_saved:
-            r.keep(out)
-
-        def backward(grad: int) -> int | None:
-            if piece.transposes:
-                tape.transposed.append(c)  # a product by Aᵀ: a kept transpose would serve it (for the planner)
-            for step in piece.backward:
-                if step == _INPUT:
-                    r.drop(hd)
-                elif step == _GRAD:
-                    r.drop(grad)
-                else:
-                    run(step, GRAD)
-            return handles[piece.input_grad] if piece.input_grad is not None else None
-
-        return out, backward
-
-    def piece(self, accumulate: bool, hd_grad: bool, weighted: bool, transposed: bool, grad_enabled: bool
-              ) -> RecordedPiece:
-        """The solved recording of one configuration (recorded on first use).
-
-        Raises:
-            RecordingRefused: as :class:`RecordedLayer`.
-        """
-        key = (accumulate, hd_grad, weighted, transposed, grad_enabled)
+        key = (kind, tape.accumulating, grads, c.weighted, c.transposed, tape.r.saving)
         if key not in self._pieces:
             self._pieces[key] = self._record(*key)
-        return self._pieces[key]
+        return self._pieces[key].replay(tape, c, inputs)
 
-    def _record(self, accumulate: bool, hd_grad: bool, weighted: bool, transposed: bool, grad_enabled: bool
-                ) -> RecordedPiece:
+    def _record(self, kind: str, accumulate: bool, grads: tuple[bool, ...], weighted: bool, transposed: bool,
+                grad_enabled: bool) -> RecordedPiece:
+        layer = self.model.layers[self.index]
+        if kind == "forward":
+            inputs = [_Input("src", self.model.widths[self.index])]
+        else:
+            inputs = [_Input("src", layer.projected_width)] + [_Input("dst", self.model.widths[self.index])] * (
+                len(grads) - 1)
         sizes = [replace(layers[0], transposed=transposed) for layers in recording_sizes(1, (weighted,))]
-        found: dict[str, int | None] = {}
+        found: dict[str, object] = {}
         with torch.random.fork_rng(devices=[]), Recorder() as recorder:
             model = recorder.fake_module(self.model).train()
+            fake = model.layers[self.index]
+
+            def call(block: Block, *tensors: Tensor) -> Tensor:
+                if kind == "forward":
+                    return model.apply_layer(fake, block, *tensors)
+                return fake.propagate(block, *tensors)
+
             recordings = []
             for counts in sizes:
                 block = fake_block(counts)
                 for parameter in model.parameters():
                     parameter.grad = torch.zeros_like(parameter) if accumulate else None
-                recordings.append(recorder.record_piece(self._harness(model, block, counts, hd_grad, grad_enabled,
-                                                                      found)))
+                recordings.append(recorder.record_piece(_harness(call, block, counts, inputs, grads, grad_enabled,
+                                                                 found)))
         if found["output"] is None:
-            raise RecordingRefused(f"{type(self.model.layers[self.index]).__name__} returns a tensor it did not make")
+            raise RecordingRefused(f"{type(layer).__name__} returns a tensor it did not make")
         return RecordedPiece.of(recordings, sizes, found["output"], found["input_grad"])
 
-    def _harness(self, model: LayerStack, block: Block, c: LayerCounts, hd_grad: bool, grad_enabled: bool,
-                 found: dict[str, int | None]) -> Callable[[PieceScope], None]:
-        """The recorded piece: the layer's forward from an input only it and the harness hold, the harness letting go
-        of the input and the output right after it (what autograd keeps then outlives them), and with autograd the
-        backward from a gradient only the engine holds; ``found`` receives the output's and the input gradient's
-        allocations."""
 
-        def piece(scope: PieceScope) -> None:
-            with _observing_edge_chunks(lambda moment, edges, step: scope.mark(
-                    f"{_CHUNKS_BEGIN if moment == 'begin' else _CHUNKS_END} {step}", edges)):
-                run(scope)
+def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: list[_Input], grads: tuple[bool, ...],
+             grad_enabled: bool, found: dict[str, object]) -> Callable[[PieceScope], None]:
+    """The recorded piece: ``call(block, *inputs)`` from inputs only it and the harness hold, the harness letting go
+    of them and of the output right after it (what autograd keeps then outlives them), and with autograd the
+    backward from a gradient only the engine holds; ``found`` receives the output's and the inputs' gradients'
+    allocations. Edge-chunk loops are marked (:func:`_chunked`), and the compiled CSR products the backward calls
+    (:attr:`RecordedPiece.transposes`)."""
 
-        def run(scope: PieceScope) -> None:
-            stash_in: list[Tensor] = []
-            stash_out: list[Tensor] = []
+    def piece(scope: PieceScope) -> None:
+        with _observing_edge_chunks(lambda moment, edges, step: scope.mark(
+                f"{_CHUNKS_BEGIN if moment == 'begin' else _CHUNKS_END} {step}", edges)):
+            run(scope)
+
+    def run(scope: PieceScope) -> None:
+        stashes: list[list[Tensor]] = [[] for _ in inputs]
+        stash_out: list[Tensor] = []
+        tensors = []
+        with scope.unrecorded():
+            for boundary, wants_grad, stash in zip(inputs, grads, stashes):
+                shape = boundary.shape(c)
+                tensors.append(_Boundary.apply(torch.empty((), requires_grad=True), shape, stash) if wants_grad
+                               else torch.empty(shape))
+        for position in range(len(tensors)):  # no loop variable holding an input
+            scope.watch(tensors[position], f"{_INPUT} {position}")
+        with torch.set_grad_enabled(grad_enabled):
+            out = call(block, *tensors)
+        scope.mark(_RETURNED)
+        found["output"] = scope.index_of(out)
+        seam = None
+        if grad_enabled and out.requires_grad:
             with scope.unrecorded():
-                if hd_grad:
-                    hd = _Input.apply(torch.empty((), requires_grad=True), (c.num_src, self.width_in), stash_in)
-                else:
-                    hd = torch.empty(c.num_src, self.width_in)
-            scope.watch(hd, _INPUT)
-            with torch.set_grad_enabled(grad_enabled):
-                out = model.apply_layer(model.layers[self.index], block, hd)
-            scope.mark(_RETURNED)
-            found["output"] = scope.index_of(out)
-            seam = None
-            if grad_enabled and out.requires_grad:
-                with scope.unrecorded():
-                    seam, seed = _Seam.apply(out, stash_out), torch.ones(())
-                    stash_out.append(torch.empty_like(out))
-                scope.watch(stash_out[0], _GRAD)
-            scope.watch(out, _OUTPUT)
-            del hd, out
-            if seam is not None:
-                scope.mark(_BACKWARD)
-                scope.mark_calls(_TRANSPOSE_PRODUCTS, _PRODUCT)
-                torch.autograd.backward(seam, seed)
-                del seam
-            found["input_grad"] = scope.index_of(stash_in[0]) if stash_in else None
-            scope.mark(_END)  # what dies after it (the input's gradient, with the harness) is the caller's
+                seam, seed = _Seam.apply(out, stash_out), torch.ones(())
+                stash_out.append(torch.empty_like(out))
+            scope.watch(stash_out[0], _GRAD)
+        scope.watch(out, _OUTPUT)
+        del tensors, out
+        if seam is not None:
+            scope.mark(_BACKWARD)
+            scope.mark_calls(_TRANSPOSE_PRODUCTS, _PRODUCT)
+            torch.autograd.backward(seam, seed)
+            del seam
+        found["input_grad"] = tuple(scope.index_of(stash[0]) if stash else None for stash in stashes)
+        scope.mark(_END)  # what dies after it (the inputs' gradients, with the harness) is the caller's
 
-        return piece
+    return piece
 
 
 @contextlib.contextmanager
