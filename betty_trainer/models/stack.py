@@ -154,7 +154,7 @@ class LayerStack(nn.Module):
         width_out = self.widths[index + 1]
         hd, dropout_bwd = self._dropout_terms(tape, counts.num_src, self.widths[index], h, h_grad, consume_input)
         out, layer_bwd = self.layers[index].memory_terms(tape, counts, hd, h_grad)
-        r.drop(hd)
+        self._release_input(r, h, hd, consume_input)
         relu_bwd = None
         if index < len(self.layers) - 1:
             out, relu_bwd = tape.relu(out, counts.num_dst, width_out)
@@ -173,19 +173,26 @@ class LayerStack(nn.Module):
 
     def _dropout_terms(self, tape: StepTape, rows: int, width: int, h: int, h_grad: bool, consume_input: bool):
         """The node-keyed dropout of a layer's input ``h`` (``rows × width``): in place on a consumed input,
-        else into a new tensor. Returns ``(dropped handle, backward or None)``."""
-        r = tape.r
+        else into a new tensor. Returns ``(dropped handle, backward or None)``; :meth:`_release_input` lets go
+        of both once the layer has run."""
         if self.dropout.p > 0 and consume_input and not h_grad:  # dropout overwrites h in place
             keyed_mask_terms(tape, rows, width)
-            r.keep(h)
             return h, None
         if self.dropout.p > 0:
-            hd, dropout_bwd = dropout_terms(tape, h, rows, width, h_grad)
-            r.drop(h)
-            return hd, dropout_bwd
-        if consume_input:
-            r.keep(h)
+            return dropout_terms(tape, h, rows, width, h_grad)
         return h, None
+
+    @staticmethod
+    def _release_input(r, h: int, hd: int, consume_input: bool) -> None:
+        """After a layer's forward: the dropout's output ``hd`` (where it is no view of ``h``: only autograd keeps
+        it) and the caller's reference to the input ``h``, unless the caller handed it over (``consume_input``: it
+        drops its own). Not before: the stack's ``forward`` passes ``h`` to :meth:`layer_forward` as an argument,
+        whose frame holds it until the layer returns (measured: a hidden layer's input rows that nothing else
+        keeps, a cooperative share's exchanged rows, live through the layer's forward)."""
+        if hd is not h:
+            r.drop(hd)
+        if not consume_input:
+            r.drop(h)
 
     def aggregated_memory_terms(self, tape: StepTape, rows: int, x: int, consume_input: bool = True):
         """What :meth:`aggregated_forward` allocates on ``rows`` cache rows ``x`` (a handle; the training step's own
@@ -194,7 +201,7 @@ class LayerStack(nn.Module):
         (the rows take no gradient)."""
         hd, _ = self._dropout_terms(tape, rows, self.aggregated_width, x, False, consume_input)
         out, layer_bwd = self.layers[0].aggregated_memory_terms(tape, rows, hd)
-        tape.r.drop(hd)
+        self._release_input(tape.r, x, hd, consume_input)
         relu_bwd = None
         if len(self.layers) > 1:
             out, relu_bwd = tape.relu(out, rows, self.widths[1])
