@@ -13,7 +13,7 @@ import torch
 from betty_trainer.config import load_config
 from betty_trainer.memory.spec import spec_of
 from betty_trainer.models import build_model
-from betty_trainer.models.recorded_terms import RecordedLayer
+from betty_trainer.models.recorded_terms import RecordedLayer, RecordedStack
 from estimator.cooperative import ExchangeCounts, estimate_cooperative_share
 from estimator.counts import LayerCounts
 from estimator.estimate import estimate_micro_batch, replay_micro_batch
@@ -27,30 +27,33 @@ MODELS = {"sage-mean": ["model.arch=sage", "model.aggregator=mean"],
 GRAPH = SimpleNamespace(num_features=100, num_classes=7, in_degrees=lambda: torch.ones(5000, dtype=torch.int64))
 
 
-def model_and_spec(name: str, hidden: int, dropout: float, num_layers: int = 2):
+def built(name: str, hidden: int, dropout: float, num_layers: int = 2):
     config = load_config(None, [*MODELS[name], f"model.num_layers={num_layers}", f"model.hidden={hidden}",
                                 f"model.dropout={dropout}", "optim.weight_decay=0.0005"])
     torch.manual_seed(0)
-    model = build_model(config.model, GRAPH)
-    return model, spec_of(model, config, "cpu")
+    return build_model(config.model, GRAPH), config
 
 
 @contextlib.contextmanager
-def recorded_layers(model):
-    """Every layer's ``memory_terms`` (and ``propagate_terms``, where it projects first) answered by its
-    :class:`RecordedLayer` inside the block."""
-    replaced = [("memory_terms",) + (("propagate_terms",) if getattr(layer, "projected_width", None) else ())
-                for layer in model.layers]
-    for index, (layer, names) in enumerate(zip(model.layers, replaced)):
-        recorded = RecordedLayer(model, index)
-        for name in names:
-            setattr(layer, name, getattr(recorded, name))
+def recorded(model, config, level: str):
+    """The model's spec, with (``level="layer"``) every layer's ``memory_terms`` (and ``propagate_terms``, where it
+    projects first) answered by its :class:`RecordedLayer`, or (``"stack"``) the stack's ``layer_memory_terms``
+    (dropout, layer and ReLU) by :class:`RecordedStack`, inside the block."""
+    if level == "stack":
+        model.layer_memory_terms = RecordedStack(model).layer_memory_terms
+        replaced = [(model, "layer_memory_terms")]
+    else:
+        replaced = [(layer, name) for layer in model.layers
+                    for name in ("memory_terms",) + (("propagate_terms",) if getattr(layer, "projected_width", None)
+                                                      else ())]
+        layers = [RecordedLayer(model, index) for index in range(len(model.layers))]
+        for owner, name in replaced:
+            setattr(owner, name, getattr(layers[list(model.layers).index(owner)], name))
     try:
-        yield
+        yield spec_of(model, config, "cpu")
     finally:
-        for layer, names in zip(model.layers, replaced):
-            for name in names:
-                delattr(layer, name)
+        for owner, name in replaced:
+            delattr(owner, name)
 
 
 def batch_counts(weighted: bool, scale: int = 1, transposed: bool = False) -> list[LayerCounts]:
@@ -63,49 +66,52 @@ def batch_counts(weighted: bool, scale: int = 1, transposed: bool = False) -> li
 CASES = [(name, hidden) for name in MODELS for hidden in (16, 256)]
 
 
+@pytest.mark.parametrize("level", ["layer", "stack"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["", "kept-transposes"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
 @pytest.mark.parametrize(("name", "hidden"), CASES)
 def test_the_micro_batch_estimate_with_recorded_layers_equals_the_hand_written_one(name, hidden, dropout, weighted,
-                                                                                   transposed):
+                                                                                   transposed, level):
     """A batch's first micro-batch and a later one (accumulating), at two sizes (one solve serves both), blocks
     with and without kept transposes; and the layers whose backward multiplies by ``Aᵀ`` (``StepTape.transposed``,
     what the planner keeps transposes for) are the same."""
-    model, spec = model_and_spec(name, hidden, dropout)
+    model, config = built(name, hidden, dropout)
     for scale in (1, 3):
         layers = batch_counts(weighted, scale, transposed)
 
-        def estimates(layers: list[LayerCounts] = layers) -> tuple:
+        def estimates(spec, layers: list[LayerCounts] = layers) -> tuple:
             tape = replay_micro_batch(layers, spec)[1]
             return (*(estimate_micro_batch(layers, spec, accumulate=a).peak_bytes for a in (False, True)),
                     [any(c is t for t in tape.transposed) for c in layers])
 
-        written = estimates()
-        with recorded_layers(model):
-            assert estimates() == written, (name, hidden, dropout, weighted, scale)
+        written = estimates(spec_of(model, config, "cpu"))
+        with recorded(model, config, level) as spec:
+            assert estimates(spec) == written, (name, hidden, dropout, weighted, scale)
 
 
+@pytest.mark.parametrize("level", ["layer", "stack"])
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
 @pytest.mark.parametrize(("name", "hidden"), CASES)
-def test_the_layerwise_and_cooperative_estimates_with_recorded_layers_equal_the_hand_written_ones(name, hidden, dropout):
+def test_the_layerwise_and_cooperative_estimates_with_recorded_layers_equal_the_hand_written_ones(name, hidden, dropout,
+                                                                                                  level):
     """Layer-wise: the chunks' forward without autograd and their recomputed forward and backward (a layer the
     executor projects: ``propagate`` on its chunks' rows of ``z``); cooperative: one rank's share, its layers joined
     by exchanges."""
-    model, spec = model_and_spec(name, hidden, dropout, num_layers=3)
+    model, config = built(name, hidden, dropout, num_layers=3)
     layers = [LayerCounts(5000, 3000, 20000), *batch_counts(False)]
     chunks = [[LayerCounts(1800, 700, 5200), LayerCounts(2100, 900, 6100)],
               [LayerCounts(1400, 300, 4000), LayerCounts(1500, 500, 8000)],
               [LayerCounts(500, 70, 1500), LayerCounts(520, 80, 1600)]]
     exchanges = [ExchangeCounts(2400, 2600, 5000), ExchangeCounts(1500, 1700, 3000), ExchangeCounts(400, 500, 800)]
 
-    def estimates() -> tuple[int, ...]:
+    def estimates(spec) -> tuple[int, ...]:
         return (estimate_layerwise(layers, chunks, spec, spec.projections).peak_bytes,
                 *(estimate_cooperative_share(layers, exchanges, spec, accumulate=a).peak_bytes for a in (False, True)))
 
-    written = estimates()
-    with recorded_layers(model):
-        assert estimates() == written
+    written = estimates(spec_of(model, config, "cpu"))
+    with recorded(model, config, level) as spec:
+        assert estimates(spec) == written
 
 
 def test_the_lstm_aggregator_and_the_tensor_path_are_refused():
@@ -113,10 +119,9 @@ def test_the_lstm_aggregator_and_the_tensor_path_are_refused():
     GPU's tensor path, here float64 on the CPU) is not recorded yet."""
     config = load_config(None, ["model.arch=sage", "model.aggregator=lstm", "model.num_layers=2", "model.hidden=16"])
     lstm = build_model(config.model, GRAPH)
-    with recorded_layers(lstm), pytest.raises(RecordingRefused, match="depends on the data|reads"):
-        estimate_micro_batch(batch_counts(False), spec_of(lstm, config, "cpu"))
-    model, _ = model_and_spec("sage-mean", 16, 0.0)
-    config = load_config(None, [*MODELS["sage-mean"], "model.num_layers=2", "model.hidden=16"])
+    with recorded(lstm, config, "layer") as spec, pytest.raises(RecordingRefused, match="depends on the data|reads"):
+        estimate_micro_batch(batch_counts(False), spec)
+    model, config = built("sage-mean", 16, 0.0)
     model = model.double()
-    with recorded_layers(model), pytest.raises(RecordingRefused, match="compiled CPU kernels"):
-        estimate_micro_batch(batch_counts(False), spec_of(model, config, "cpu"))
+    with recorded(model, config, "stack") as spec, pytest.raises(RecordingRefused, match="compiled CPU kernels"):
+        estimate_micro_batch(batch_counts(False), spec)

@@ -257,9 +257,10 @@ class _Input:
 
 class RecordedLayer:
     """A layer's memory terms from recordings of its code (see the module): drop-ins for the hand-written
-    :meth:`~betty_trainer.models.capabilities.LayerMemoryTerms.memory_terms` and, for a layer that projects first,
-    :meth:`~betty_trainer.models.capabilities.ProjectedLayer.propagate_terms`; each configuration recorded when a
-    replay first asks for it (tens of milliseconds) and kept.
+    :meth:`~betty_trainer.models.capabilities.LayerMemoryTerms.memory_terms`, the stack's
+    :meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms` of this layer (dropout and ReLU around it) and,
+    for a layer that projects first, :meth:`~betty_trainer.models.capabilities.ProjectedLayer.propagate_terms`; each
+    configuration recorded when a replay first asks for it (tens of milliseconds) and kept.
 
     Args:
         model: the :class:`~betty_trainer.models.stack.LayerStack` (its parameters and buffers are copied as fake
@@ -284,6 +285,17 @@ class RecordedLayer:
         out, backward = self._replay("forward", tape, c, [hd], (hd_grad,))
         return out, lambda grad: backward(grad)[0]
 
+    def layer_memory_terms(self, tape: StepTape, c: LayerCounts, h: int, h_grad: bool, consume_input: bool = False):
+        """What the stack's ``layer_forward`` (node-keyed dropout, the layer, ReLU below the output layer) allocates
+        on a block of counts ``c`` from the input ``h`` (``h_grad``: it requires grad; ``consume_input``: dropout
+        overwrites it in place): ``(output handle, backward)`` as
+        :meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms` gives, which takes over the caller's
+        reference to ``h`` unless ``consume_input`` (the stack's ``forward`` holds it until the layer returns)."""
+        out, backward = self._replay("layer", tape, c, [h], (h_grad,), consume_input)
+        if not consume_input:
+            tape.r.drop(h)
+        return out, lambda grad: backward(grad)[0]
+
     def propagate_terms(self, tape: StepTape, c: LayerCounts, z: int, hd: int | None = None, hd_grad: bool = False):
         """What the layer's ``propagate`` allocates on a block of counts ``c`` from the rows ``z`` of its projection
         (``(S, projected_width)``, requiring grad where autograd records) and, when the layer ``reads_dst_input``,
@@ -294,18 +306,19 @@ class RecordedLayer:
         out, backward = self._replay("propagate", tape, c, inputs, grads)
         return out, (lambda grad: backward(grad)[0]) if hd is None else backward
 
-    def _replay(self, kind: str, tape: StepTape, c: LayerCounts, inputs: list[int], grads: tuple[bool, ...]):
+    def _replay(self, kind: str, tape: StepTape, c: LayerCounts, inputs: list[int], grads: tuple[bool, ...],
+                consume_input: bool = False):
         if not tape.compiled_kernels:
             raise RecordingRefused("recorded layers cover the compiled CPU kernels' path (float32 on the CPU)")
-        key = (kind, tape.accumulating, grads, c.weighted, c.transposed, tape.r.saving)
+        key = (kind, tape.accumulating, grads, c.weighted, c.transposed, tape.r.saving, consume_input)
         if key not in self._pieces:
             self._pieces[key] = self._record(*key)
         return self._pieces[key].replay(tape, c, inputs)
 
     def _record(self, kind: str, accumulate: bool, grads: tuple[bool, ...], weighted: bool, transposed: bool,
-                grad_enabled: bool) -> RecordedPiece:
+                grad_enabled: bool, consume_input: bool) -> RecordedPiece:
         layer = self.model.layers[self.index]
-        if kind == "forward":
+        if kind != "propagate":
             inputs = [_Input("src", self.model.widths[self.index])]
         else:
             inputs = [_Input("src", layer.projected_width)] + [_Input("dst", self.model.widths[self.index])] * (
@@ -317,6 +330,8 @@ class RecordedLayer:
             fake = model.layers[self.index]
 
             def call(block: Block, *tensors: Tensor) -> Tensor:
+                if kind == "layer":
+                    return model.layer_forward(self.index, block, *tensors, consume_input=consume_input)
                 if kind == "forward":
                     return model.apply_layer(fake, block, *tensors)
                 return fake.propagate(block, *tensors)
@@ -388,3 +403,17 @@ def _observing_edge_chunks(observer: Callable[[str, int, int], None]):
         yield
     finally:
         aggregate.EDGE_CHUNK_OBSERVERS.remove(observer)
+
+
+class RecordedStack:
+    """:meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms` of every layer of ``model`` from recordings
+    (:meth:`RecordedLayer.layer_memory_terms`): what the micro-batch, layer-wise and cooperative estimates replay
+    per layer (``ModelSpec.layer_terms``; the stack's ``memory_terms`` chains them)."""
+
+    def __init__(self, model: LayerStack):
+        self.layers = [RecordedLayer(model, index) for index in range(len(model.layers))]
+
+    def layer_memory_terms(self, tape: StepTape, index: int, counts: LayerCounts, h: int, h_grad: bool,
+                           consume_input: bool = False):
+        """As :meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms`."""
+        return self.layers[index].layer_memory_terms(tape, counts, h, h_grad, consume_input)
