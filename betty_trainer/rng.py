@@ -12,6 +12,9 @@ plain tensor ops on any device.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -87,11 +90,27 @@ def jit(function=None, **options):
     return function if numba is None else numba.njit(cache=True, nogil=True, **options)(function)
 
 
+_TENSOR_PATH = contextvars.ContextVar("tensor_path", default=False)
+
+
 def compiled_kernels(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether the compiled CPU kernels (keyed dropout; the sparse aggregation's CSR product and its
     transpose; the segment max) run on tensors of this device and dtype: CPU, float32, numba
-    installed. Elsewhere the same results come from tensor ops (which also run on GPUs)."""
-    return numba is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+    installed, outside :func:`tensor_path`. Elsewhere the same results come from tensor ops (which also run on
+    GPUs)."""
+    return (numba is not None and not _TENSOR_PATH.get() and torch.device(device).type == "cpu"
+            and dtype == torch.float32)
+
+
+@contextlib.contextmanager
+def tensor_path():
+    """Inside the block (this thread or task), :func:`compiled_kernels` is false everywhere: the CPU runs the tensor
+    ops a GPU runs (how the memory recorder records a GPU's path: ``betty_trainer.models.recorded_terms``)."""
+    token = _TENSOR_PATH.set(True)
+    try:
+        yield
+    finally:
+        _TENSOR_PATH.reset(token)
 
 
 _U32 = np.uint64(MASK32)

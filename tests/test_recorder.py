@@ -387,3 +387,16 @@ def test_a_python_number_an_operator_takes_is_recorded_as_the_profiler_sees_it(c
         fake = recorder.fake(x)
         recorded = recorder.record(lambda: step(fake.clone(), number)).peak_bytes
     assert recorded == measured
+
+
+def test_a_sort_whose_buffers_no_operator_returns_is_refused():
+    """CPU's stable sort of int32 keys holds 8 bytes per key inside the operator beyond its int32 values and int64
+    positions (measured); the recording sees only those outputs, so a step that sorts is refused."""
+    from estimator.measure import measure_peak
+
+    keys = torch.randint(0, 1000, (100_000,), dtype=torch.int32)
+    measured = measure_peak(lambda: torch.argsort(keys, stable=True), "cpu")
+    assert measured.peak_bytes - measured.resident_bytes > 12 * keys.numel()
+    with Recorder() as recorder, pytest.raises(RecordingRefused, match="aten.sort.stable allocates buffers inside"):
+        fake = recorder.fake(keys)
+        recorder.record(lambda: torch.argsort(fake, stable=True))

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from betty_trainer.data.block import Block, BlockTranspose
+from betty_trainer.models.chunks import chunks
 from betty_trainer.models.lstm import LSTM, lstm_terms
-from betty_trainer.models.operators import kernel_operator
+from betty_trainer.models.operators import kernel_operator, tensor_operator
 from betty_trainer.rng import compiled_kernels, jit, numba
 from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, SHORT_POSITIONS_MAX_DST, LayerCounts
 from estimator.tape import AGG, GRAD, OVER, SharedGradient, StepTape
@@ -94,7 +95,9 @@ def _transpose(block: Block, values: Tensor | None, dtype: torch.dtype,
         return pointer, positions, transposed
     order = torch.argsort(block.indices, stable=True)
     pointer = torch.zeros(block.num_src + 1, dtype=torch.int64, device=device)
-    torch.cumsum(torch.bincount(block.indices, minlength=block.num_src), 0, out=pointer[1:])
+    # each src row's count, then the running sum, in place (bincount's output shape is the data's to fake tensors)
+    pointer[1:].index_add_(0, block.indices, pointer.new_ones(()).expand(block.num_edges))
+    pointer.cumsum_(0)
     return pointer, block.edge_dst()[order], None if values is None else values[order]
 
 
@@ -174,12 +177,27 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor |
             coefficients.mul_(values)
     else:
         coefficients = dense.new_ones(indices.shape[0]) if values is None else values.to(dense.dtype)
+    pointer, positions, zero = indptr.int(), indices.int(), dense.new_zeros(())
+    out = dense.new_empty(rows, dense.shape[1])
+    _sparse_product(pointer, positions, coefficients, dense.detach(), zero, out)
+    return out if row_scale is None else out.mul_(row_scale.to(dense.dtype).unsqueeze(1))
+
+
+def _sparse_csr_product(pointer: Tensor, positions: Tensor, coefficients: Tensor, dense: Tensor, zero: Tensor,
+                        out: Tensor) -> None:
+    """``out = M·dense`` for the int32 CSR matrix ``M`` = ``(pointer, positions, coefficients)`` of shape ``(len(out),
+    len(dense))``: the sparse library's product (MKL on the CPU, cuSPARSE on a GPU; ``addmm`` with ``beta=0``
+    ignores ``zero``, a 0-dim tensor expanded as its input), written into ``out``."""
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the CSR × dense product used here is stable
         warnings.simplefilter("ignore", UserWarning)
-        matrix = torch.sparse_csr_tensor(indptr.int(), indices.int(), coefficients, (rows, dense.shape[0]),
+        matrix = torch.sparse_csr_tensor(pointer, positions, coefficients, (out.shape[0], dense.shape[0]),
                                          check_invariants=False)
-    out = torch.addmm(dense.new_zeros(()).expand(rows, dense.shape[1]), matrix, dense, beta=0)
-    return out if row_scale is None else out.mul_(row_scale.to(dense.dtype).unsqueeze(1))
+    torch.addmm(zero.expand_as(out), matrix, dense, beta=0, out=out)
+
+
+_sparse_product = tensor_operator(
+    "sparse_csr_product(Tensor pointer, Tensor positions, Tensor coefficients, Tensor dense, Tensor zero, "
+    "Tensor(a!) out) -> ()", _sparse_csr_product)
 
 
 SPECIALISED_WIDTHS = frozenset(range(64, 129, 16))
@@ -919,24 +937,10 @@ class _AttentionAggregate(torch.autograd.Function):
         return grad_z, grad_alpha, None, None, None
 
 
-EDGE_CHUNK_OBSERVERS: list[Callable[[str, int, int], None]] = []
-"""Called ``(moment, edges, step)`` where a loop over :func:`_edge_chunks` begins (``"begin"``) and ends (``"end"``):
-``edges`` in all, at most ``step`` per chunk. A recording of a layer (``betty_trainer.models.recorded_terms``)
-listens, so that what one chunk allocates is counted for ``min(edges, step)`` edges however many the recording
-had."""
-
-
 def _edge_chunks(num_edges: int, row_elements: int, device: torch.device):
-    """Consecutive edge slices of at most :data:`ATTENTION_CHUNK_ELEMENTS` // ``row_elements`` edges (each chunk's
-    temporaries freed before the next's are made); :data:`EDGE_CHUNK_OBSERVERS` are told where the loop begins and
-    ends."""
-    step = max(1, ATTENTION_CHUNK_ELEMENTS // max(row_elements, 1))
-    for observer in EDGE_CHUNK_OBSERVERS:
-        observer("begin", num_edges, step)
-    for start in range(0, num_edges, step):
-        yield slice(start, min(start + step, num_edges))
-    for observer in EDGE_CHUNK_OBSERVERS:
-        observer("end", num_edges, step)
+    """Consecutive edge slices of at most :data:`ATTENTION_CHUNK_ELEMENTS` // ``row_elements`` edges
+    (:func:`~betty_trainer.models.chunks.chunks`)."""
+    return chunks(num_edges, max(1, ATTENTION_CHUNK_ELEMENTS // max(row_elements, 1)))
 
 
 def attention_aggregate(z: Tensor, alpha: Tensor, edge_src: Tensor, edge_dst: Tensor, num_dst: int) -> Tensor:
@@ -1037,9 +1041,7 @@ def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, se
         sorting = [r.alloc(e * INDEX_BYTES, OVER) for _ in range(2)]
         r.drop(*sorting)
         pointer = r.alloc((s + 1) * INDEX_BYTES, OVER)
-        for _ in range(2):  # bincount's min and max
-            r.transient(INDEX_BYTES, OVER)
-        r.transient(s * INDEX_BYTES, OVER)  # the counts, cumsummed into the pointer
+        r.transient(INDEX_BYTES, OVER)  # the one index_add_ counts with, expanded over the edges
         edge_dst = edge_dst_terms(tape, c)
         transposed = r.alloc(e * INDEX_BYTES, OVER)  # edge_dst[order]
         r.drop(edge_dst)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from betty_trainer.models.chunks import chunks
 from betty_trainer.models.operators import kernel_operator
 from betty_trainer.rng import (
     MASK32,
@@ -91,9 +92,7 @@ def apply_keyed_mask(src: Tensor, node_ids: Tensor, seed: int, step: int, layer:
         _keyed_mask(None if inplace else src.detach(), out.detach(), node_ids, mix_key(seed, step, layer), threshold,
                     1.0 / (1.0 - p))
         return out
-    rows = max(1, MASK_CHUNK_ELEMENTS // max(src.shape[1], 1))
-    for start in range(0, src.shape[0], rows):
-        chunk = slice(start, start + rows)
+    for chunk in chunks(src.shape[0], max(1, MASK_CHUNK_ELEMENTS // max(src.shape[1], 1))):
         # the chunk's boolean mask is a temporary of this statement: it dies before the next chunk's hash
         torch.mul(src[chunk], keyed_bits(seed, step, layer, node_ids[chunk], src.shape[1]) >= threshold,
                   out=out[chunk])

@@ -44,6 +44,21 @@ def kernel_operator(schema: str, kernel: Callable[..., None]) -> torch._ops.OpOv
     return getattr(torch.ops.betty, name).default
 
 
+def tensor_operator(schema: str, implementation: Callable[..., None]) -> torch._ops.OpOverload:
+    """Define the operator ``betty::<name>`` by ``schema``, run on tensors of any device by ``implementation``
+    (tensor ops: a library call fake tensors cannot run, e.g. a sparse CSR product, filling tensors its caller
+    allocated) and on fake or meta tensors by nothing, as :func:`kernel_operator`'s are.
+
+    Raises:
+        RuntimeError: if ``betty::<name>`` is defined already.
+    """
+    name = schema.split("(", 1)[0]
+    LIBRARY.define(schema)
+    LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
+    _register_fake(f"betty::{name}", lambda *args: None)
+    return getattr(torch.ops.betty, name).default
+
+
 def _register_fake(qualname: str, implementation: Callable[..., None]) -> None:
     """``torch.library.register_fake`` (torch ≥ 2.4), or its earlier name ``impl_abstract`` (torch 2.2, the DGL
     interop's environment)."""

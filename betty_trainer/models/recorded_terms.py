@@ -15,18 +15,25 @@ weighted or not, keeping its transpose or not, autograd recording or not) is rec
 (:func:`~estimator.recorder.solve_allocations`): every allocation's bytes an integer linear function of ``(1, S, D,
 E)``. A replay is then one pass over the recorded events (tens per layer), as fast as the hand-written terms.
 
-GAT's attention runs over its edges in chunks (``betty_trainer.models.aggregate._edge_chunks``), one chunk at the
-recorded sizes and several at a real block's: the loop tells its observers where it begins and ends, and what a
-chunk allocates is counted for one chunk's edges (:func:`_chunked`).
+GAT's attention runs over its edges in chunks, and the tensor path's keyed dropout over its rows
+(:func:`betty_trainer.models.chunks.chunks`), one chunk at the recorded sizes and several at a real block's: the loop
+tells its observers where it begins and ends, and what a chunk allocates is counted for one chunk's items
+(:func:`_chunked`).
 
-Where it holds and where it does not are otherwise the recorder's (:mod:`estimator.recorder`): CPU float32 (the
-compiled kernels as operators), no data-dependent shapes (the LSTM aggregator's in-degree groups are refused), and
-other branches on sizes above the recorded ones not seen. Not yet recorded: the tensor path a GPU runs (sparse CSR
-products, which fake tensors do not run) and the projected layers' pieces that layer-wise execution runs
-(``ProjectedLayer``). A backward that multiplies by a block's ``Aᵀ`` (the compiled CSR gather or scatter, called
-after the backward began) adds the block's counts to ``StepTape.transposed``, as the hand-written terms do.
-The components of an allocation are the phase's: :data:`~estimator.tape.HID` in forward, :data:`~estimator.tape.GRAD`
-in backward.
+A tape without the compiled kernels (``StepTape.compiled_kernels``: a GPU, or a dtype other than float32) is
+answered by recordings of the tensor-op path the GPU runs, made on the CPU under
+:func:`~betty_trainer.rng.tensor_path` (its sparse CSR product is an operator, which fake tensors run as they run the
+compiled kernels); what a GPU allocates beyond the CPU's (the caching allocator's rounding, cuSPARSE's workspace)
+is not in either.
+
+Where it holds and where it does not are otherwise the recorder's (:mod:`estimator.recorder`): no data-dependent
+shapes and no sort (refused: the LSTM aggregator's in-degree groups; on the tensor path the aggregation's backward
+argsort and the pool's degree-sized chunks, so there only GAT is recorded), and other branches on sizes above the
+recorded ones not seen. Not recorded: the pieces of a projected layer that layer-wise execution runs off the whole
+block (``propagate_rows``, ``projection_backward``). A backward that multiplies by a block's ``Aᵀ`` (the compiled
+CSR gather or scatter, called after the backward began) adds the block's counts to ``StepTape.transposed``, as the
+hand-written terms do. The components of an allocation are the phase's: :data:`~estimator.tape.HID` in forward,
+:data:`~estimator.tape.GRAD` in backward.
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ import torch
 from torch import Tensor
 
 from betty_trainer.data.block import Block, BlockTranspose
-from betty_trainer.models import aggregate
+from betty_trainer.models import aggregate, chunks
 from betty_trainer.models.stack import LayerStack
+from betty_trainer.rng import tensor_path
 from estimator.counts import LayerCounts
 from estimator.recorder import (
     PieceScope,
@@ -56,7 +64,7 @@ from estimator.tape import GRAD, HID, StepTape
 
 _INPUT, _OUTPUT, _GRAD = "free input", "free output", "free grad"  # a harness tensor's storage died (inputs: "… i")
 _BACKWARD, _RETURNED, _END = "backward", "returned", "end"  # the piece's moments
-_CHUNKS_BEGIN, _CHUNKS_END = "chunks begin", "chunks end"  # an edge-chunk loop's, followed by its step
+_CHUNKS_BEGIN, _CHUNKS_END = "chunks begin", "chunks end"  # a chunk loop's, followed by its step
 _PRODUCT = "a sparse product"  # a call of the compiled CSR gather or scatter
 _TRANSPOSE_PRODUCTS = (aggregate._csr_gather, aggregate._csr_scatter)  # in backward: a product by Aᵀ
 
@@ -120,8 +128,8 @@ class RecordedPiece:
         input_saved: per input, autograd keeps it past the forward (it dies in :attr:`backward`).
         output_saved: autograd keeps the output past the forward (its free is in :attr:`backward`).
         input_grad: per input, the allocation that is its gradient (handed to the caller), or ``None``.
-        chunked: the allocations of one chunk of an edge-chunk loop (:func:`_chunked`), counted for one chunk's
-            edges, as the loop makes and frees them chunk by chunk.
+        chunked: the allocations of one chunk of a chunk loop (:func:`_chunked`), counted for one chunk's items,
+            as the loop makes and frees them chunk by chunk.
     """
 
     coefficients: np.ndarray
@@ -193,32 +201,32 @@ class RecordedPiece:
         return out, backward
 
     def nbytes(self, c: LayerCounts) -> np.ndarray:
-        """Each allocation's bytes on a block of counts ``c``; one edge chunk's of :attr:`chunked` allocations."""
+        """Each allocation's bytes on a block of counts ``c``; one chunk's of :attr:`chunked` allocations."""
         vector = np.array((1, c.num_src, c.num_dst, c.num_edges), dtype=np.int64)
         nbytes = self.coefficients @ vector
-        for index, base, per_edge, edges, step in self.chunked:
-            nbytes[index] = base + per_edge * min(int(edges @ vector), step)
+        for index, base, per_item, items, step in self.chunked:
+            nbytes[index] = base + per_item * min(int(items @ vector), step)
         return nbytes
 
 
 def _chunked(coefficients: np.ndarray, steps: list[int | str], recordings: list[Recording],
              vectors: np.ndarray) -> tuple[tuple[int, int, int, np.ndarray, int], ...]:
-    """``(allocation, base, per_edge, edges, step)`` of each allocation made inside a loop over edge chunks
-    (between the ``"chunks begin"`` and ``"chunks end"`` marks ``betty_trainer.models.aggregate._edge_chunks``'s
-    observers make): its bytes are ``base + per_edge · min(edges · (1, S, D, E), step)``, one chunk's, where the
-    recording (one chunk at its small sizes) made them for all ``edges``. The first chunk is the largest; one that
+    """``(allocation, base, per_item, items, step)`` of each allocation made inside a chunk loop (between the
+    ``"chunks begin"`` and ``"chunks end"`` marks :func:`betty_trainer.models.chunks.chunks`' observers make): its
+    bytes are ``base + per_item · min(items · (1, S, D, E), step)``, one chunk's, where the recording (one chunk at
+    its small sizes) made them for all ``items``. The first chunk is the largest; one that
     outlives the loop is the last chunk's (a variable holding it until the function returns), counted as one
     chunk's too. Not modelled, as in the hand-written terms: a chunk's tensor still held while the next chunk makes
     its own (a variable reassigned in the loop), which adds to the peak only where it exceeds the chunk's own.
 
     Raises:
-        RecordingRefused: a loop's edges or an allocation's bytes that are not linear in the counts, proportional to
-            the edges."""
+        RecordingRefused: a loop's items or an allocation's bytes that are not linear in the counts, proportional to
+            the items."""
     begins = [index for index, (_, name, _) in enumerate(recordings[0].marks) if name.startswith(_CHUNKS_BEGIN)]
     totals = np.array([[r.marks[index][2] for index in begins] for r in recordings], dtype=np.int64)
-    edges, wrong = solve_linear(totals, vectors)
+    items, wrong = solve_linear(totals, vectors)
     if wrong is not None:
-        raise RecordingRefused("an edge-chunk loop's edges are not linear in the node and edge counts")
+        raise RecordingRefused("a chunk loop's items are not linear in the node and edge counts")
     chunked, loop, inside = [], -1, False
     for step in steps:
         if isinstance(step, str) and step.startswith(_CHUNKS_BEGIN):
@@ -226,11 +234,11 @@ def _chunked(coefficients: np.ndarray, steps: list[int | str], recordings: list[
         elif isinstance(step, str) and step.startswith(_CHUNKS_END):
             inside = False
         elif isinstance(step, int) and inside and step > 0:
-            index, total = step - 1, edges[loop]
-            per_edge = _proportion(coefficients[index, 1:], total[1:])
-            if per_edge is None:
-                raise RecordingRefused("an edge-chunk loop allocates bytes not proportional to its edges")
-            chunked.append((index, int(coefficients[index, 0] - per_edge * total[0]), per_edge, total,
+            index, total = step - 1, items[loop]
+            per_item = _proportion(coefficients[index, 1:], total[1:])
+            if per_item is None:
+                raise RecordingRefused("a chunk loop allocates bytes not proportional to its items")
+            chunked.append((index, int(coefficients[index, 0] - per_item * total[0]), per_item, total,
                             int(recordings[0].marks[begins[loop]][1].split()[-1])))
     return tuple(chunked)
 
@@ -271,7 +279,7 @@ class RecordedLayer:
 
     Raises:
         RecordingRefused: from the terms, for a layer or configuration the recorder cannot record exactly (the
-            message names why in one line), or a tape without the compiled CPU kernels.
+            message names why in one line).
     """
 
     def __init__(self, model: LayerStack, index: int):
@@ -308,15 +316,14 @@ class RecordedLayer:
 
     def _replay(self, kind: str, tape: StepTape, c: LayerCounts, inputs: list[int], grads: tuple[bool, ...],
                 consume_input: bool = False):
-        if not tape.compiled_kernels:
-            raise RecordingRefused("recorded layers cover the compiled CPU kernels' path (float32 on the CPU)")
-        key = (kind, tape.accumulating, grads, c.weighted, c.transposed, tape.r.saving, consume_input)
+        key = (kind, tape.accumulating, grads, c.weighted, c.transposed, tape.r.saving, consume_input,
+               tape.compiled_kernels)
         if key not in self._pieces:
             self._pieces[key] = self._record(*key)
         return self._pieces[key].replay(tape, c, inputs)
 
     def _record(self, kind: str, accumulate: bool, grads: tuple[bool, ...], weighted: bool, transposed: bool,
-                grad_enabled: bool, consume_input: bool) -> RecordedPiece:
+                grad_enabled: bool, consume_input: bool, compiled: bool) -> RecordedPiece:
         layer = self.model.layers[self.index]
         if kind != "propagate":
             inputs = [_Input("src", self.model.widths[self.index])]
@@ -325,7 +332,8 @@ class RecordedLayer:
                 len(grads) - 1)
         sizes = [replace(layers[0], transposed=transposed) for layers in recording_sizes(1, (weighted,))]
         found: dict[str, object] = {}
-        with torch.random.fork_rng(devices=[]), Recorder() as recorder:
+        with (torch.random.fork_rng(devices=[]), Recorder() as recorder,
+              contextlib.nullcontext() if compiled else tensor_path()):
             model = recorder.fake_module(self.model).train()
             fake = model.layers[self.index]
 
@@ -342,22 +350,22 @@ class RecordedLayer:
                 for parameter in model.parameters():
                     parameter.grad = torch.zeros_like(parameter) if accumulate else None
                 recordings.append(recorder.record_piece(_harness(call, block, counts, inputs, grads, grad_enabled,
-                                                                 found)))
+                                                                 next(model.parameters()).dtype, found)))
         if found["output"] is None:
             raise RecordingRefused(f"{type(layer).__name__} returns a tensor it did not make")
         return RecordedPiece.of(recordings, sizes, found["output"], found["input_grad"])
 
 
 def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: list[_Input], grads: tuple[bool, ...],
-             grad_enabled: bool, found: dict[str, object]) -> Callable[[PieceScope], None]:
-    """The recorded piece: ``call(block, *inputs)`` from inputs only it and the harness hold, the harness letting go
+             grad_enabled: bool, dtype: torch.dtype, found: dict[str, object]) -> Callable[[PieceScope], None]:
+    """The recorded piece: ``call(block, *inputs)`` from ``dtype`` inputs only it and the harness hold, the harness letting go
     of them and of the output right after it (what autograd keeps then outlives them), and with autograd the
     backward from a gradient only the engine holds; ``found`` receives the output's and the inputs' gradients'
     allocations. Edge-chunk loops are marked (:func:`_chunked`), and the compiled CSR products the backward calls
     (:attr:`RecordedPiece.transposes`)."""
 
     def piece(scope: PieceScope) -> None:
-        with _observing_edge_chunks(lambda moment, edges, step: scope.mark(
+        with _observing_chunks(lambda moment, edges, step: scope.mark(
                 f"{_CHUNKS_BEGIN if moment == 'begin' else _CHUNKS_END} {step}", edges)):
             run(scope)
 
@@ -368,8 +376,8 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
         with scope.unrecorded():
             for boundary, wants_grad, stash in zip(inputs, grads, stashes):
                 shape = boundary.shape(c)
-                tensors.append(_Boundary.apply(torch.empty((), requires_grad=True), shape, stash) if wants_grad
-                               else torch.empty(shape))
+                tensors.append(_Boundary.apply(torch.empty((), dtype=dtype, requires_grad=True), shape, stash)
+                               if wants_grad else torch.empty(shape, dtype=dtype))
         for position in range(len(tensors)):  # no loop variable holding an input
             scope.watch(tensors[position], f"{_INPUT} {position}")
         with torch.set_grad_enabled(grad_enabled):
@@ -396,13 +404,13 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
 
 
 @contextlib.contextmanager
-def _observing_edge_chunks(observer: Callable[[str, int, int], None]):
-    """``observer`` among :data:`~betty_trainer.models.aggregate.EDGE_CHUNK_OBSERVERS` inside the block."""
-    aggregate.EDGE_CHUNK_OBSERVERS.append(observer)
+def _observing_chunks(observer: Callable[[str, int, int], None]):
+    """``observer`` among :data:`betty_trainer.models.chunks.OBSERVERS` inside the block."""
+    chunks.OBSERVERS.append(observer)
     try:
         yield
     finally:
-        aggregate.EDGE_CHUNK_OBSERVERS.remove(observer)
+        chunks.OBSERVERS.remove(observer)
 
 
 class RecordedStack:
