@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import sys
 import warnings
 import weakref
@@ -69,6 +70,8 @@ from torch.utils._pytree import tree_leaves
 from estimator.counts import LayerCounts, block_structure_bytes
 
 TESTED_TORCH = ("2.13",)  # major.minor versions whose FakeTensorMode the recorder is tested with
+# BETTY_RECORDER_TRY_TORCH=<major.minor> of the running torch lets the recorder run there, to test a version before it
+# joins TESTED_TORCH (benchmarks/device_checks.sh tries the device's)
 
 
 class RecordingRefused(ValueError):
@@ -281,7 +284,8 @@ class Recorder:
     :meth:`record` the step.
 
     Raises:
-        RecordingRefused: on entering, under a torch version not in :data:`TESTED_TORCH`.
+        RecordingRefused: on entering, under a torch version not in :data:`TESTED_TORCH` (unless
+            ``BETTY_RECORDER_TRY_TORCH`` names it).
     """
 
     def __init__(self) -> None:
@@ -290,7 +294,7 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         version = ".".join(torch.__version__.split(".")[:2])
-        if version not in TESTED_TORCH:
+        if version not in TESTED_TORCH and os.environ.get("BETTY_RECORDER_TRY_TORCH") != version:
             raise RecordingRefused(f"the recorder is tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}")
         self._scope.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # an address is never used
