@@ -121,7 +121,7 @@ run() {
     check aggregation 40 python3 benchmarks/aggregation.py --device cuda
     BETTY_RECORDER_TRY_TORCH="$(python3 -c 'import torch; print(".".join(torch.__version__.split(".")[:2]))')" \
         check recorded_terms 30 python3 -m pytest -q -p no:cacheprovider tests/test_recorded_terms.py \
-        -k "gat-16-0.5 or sage-mean-256-0.5-unweighted"
+        -k "gat-16-0.5-unweighted or sage-mean-256-0.5-unweighted-compiled"
 }
 
 case "${1:-}" in

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -128,6 +129,7 @@ class _Recording(TorchDispatchMode):
         self.marks: list[tuple[int, str, int | None]] = []
         self.paused = False
         self.called: dict[Any, str] = {}  # operators whose calls are marked (PieceScope.mark_calls), with the mark
+        self.watched: list[weakref.ref] = []  # PieceScope.watch's references (their callbacks mark the deaths)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.paused:  # the harness's own tensors (PieceScope.unrecorded)
@@ -170,14 +172,21 @@ class _Recording(TorchDispatchMode):
         does on real tensors (``InputBuffer``'s ``accumulate``: ``old.add_(new)`` where it holds the last reference
         to ``old`` and to its storage, which is dense; out of place otherwise). On fake tensors, a tensor subclass,
         the engine always adds out of place (``aten.add.Tensor``), so the recording makes that sum in place itself:
-        an ``add`` of two tensors of one shape and dtype called by the engine (no Python code between), whose first
-        is a recorded allocation that is no view, dense, the only tensor on its storage and not the second."""
-        if func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2 or args[0] is args[1]:
+        an ``add`` of two tensors of one shape and dtype called by the engine (no Python code between) with grad mode
+        off (not ``create_graph``), whose first is a recorded allocation that is no view, dense and non-overlapping,
+        the only tensor on its storage and not the second. Known limit: an ``add`` of two such tensors inside a C++
+        backward formula (e.g. ``atan2``'s ``self * self + other * other``) looks the same and is made in place too,
+        one temporary under where that moment is the peak; the one-reference test on the tensor itself (the engine's
+        ``use_count``) is not visible from Python, so a gradient the engine also holds elsewhere is summed in place
+        here and out of place there."""
+        if (func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2 or args[0] is args[1]
+                or torch.is_grad_enabled()):  # create_graph: the engine adds out of place
             return False
         old, new = args
         if not (isinstance(old, Tensor) and isinstance(new, Tensor) and old.shape == new.shape
                 and old.dtype == new.dtype and self.index_of(old) is not None and not old._is_view()
-                and old.is_contiguous() and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2):
+                and is_non_overlapping_and_dense_or_false(old)
+                and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2):
             return False  # 2: the tensor's reference and the one this query makes
         return _called_by_autograd_engine()
 
@@ -216,7 +225,8 @@ class _Recording(TorchDispatchMode):
 
 
 _TORCH_DIRECTORY = str(Path(torch.__file__).parent)
-_SCRATCH_OPERATORS = frozenset({torch.ops.aten.sort.default, torch.ops.aten.sort.stable})
+_SCRATCH_OPERATORS = frozenset({torch.ops.aten.sort.default, torch.ops.aten.sort.stable, torch.ops.aten.sort.values,
+                                torch.ops.aten.sort.values_stable})
 """Operators known to allocate tensors of the step's size inside themselves, freed before they return, which no
 dispatch-level recording sees (measured with the profiler: CPU's stable sort of ``E`` int32 keys holds int64 keys and
 positions beside its output, ``tests/test_recorder.py``): a step that calls one is refused, not under-estimated."""
@@ -363,11 +373,11 @@ class PieceScope:
     def unrecorded(self):
         """Operators run in this block are not recorded (the harness's inputs, seeds and seams); frees of recorded
         storages still are."""
-        self._recording.paused = True
+        paused, self._recording.paused = self._recording.paused, True
         try:
             yield
         finally:
-            self._recording.paused = False
+            self._recording.paused = paused
 
     def mark(self, name: str, value: int | None = None) -> None:
         """The moment ``name``, now, with an integer noted there (e.g. a loop's count at this size)."""
@@ -379,7 +389,7 @@ class PieceScope:
 
     def watch(self, tensor: Tensor, name: str) -> None:
         """Mark ``name`` when ``tensor``'s storage dies (the last tensor or view on it, saved ones included)."""
-        weakref.finalize(tensor.untyped_storage(), self.mark, name)
+        self._recording.watched.append(weakref.ref(tensor.untyped_storage(), lambda _: self.mark(name)))
 
     def index_of(self, tensor: Tensor) -> int | None:
         """The index of the recorded allocation behind ``tensor``'s storage (``None``: not made in the piece)."""

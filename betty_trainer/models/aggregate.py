@@ -164,7 +164,8 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor |
     sparse library's product (``addmm`` with ``beta=0`` ignores its zero input) on int32 copies of the pointer
     and of int64 indices (the int32 CSR that cuSPARSE and MKL take; a block's own indices are int32 already),
     with an ``(E,)`` coefficient tensor (``values·col_scale[indices]``, or ones) unless ``values`` serve as they
-    are, then the rows scaled in place."""
+    are, then the rows scaled in place. Not differentiable (both paths read ``dense`` detached): the callers are
+    autograd functions whose backward is another product (no double backward through the aggregation)."""
     rows = indptr.shape[0] - 1
     if compiled_kernels(dense.device, dense.dtype):
         out = dense.new_empty(rows, dense.shape[1])

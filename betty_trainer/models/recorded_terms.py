@@ -62,8 +62,8 @@ from estimator.recorder import (
 )
 from estimator.tape import GRAD, HID, StepTape
 
-_INPUT, _OUTPUT, _GRAD = "free input", "free output", "free grad"  # a harness tensor's storage died (inputs: "… i")
-_BACKWARD, _RETURNED, _END = "backward", "returned", "end"  # the piece's moments
+_INPUT, _GRAD = "free input", "free grad"  # a harness tensor's storage died (inputs: "free input i")
+_BACKWARD, _END = "backward", "end"  # the piece's moments
 _CHUNKS_BEGIN, _CHUNKS_END = "chunks begin", "chunks end"  # a chunk loop's, followed by its step
 _PRODUCT = "a sparse product"  # a call of the compiled CSR gather or scatter
 _TRANSPOSE_PRODUCTS = (aggregate._csr_gather, aggregate._csr_scatter)  # in backward: a product by Aᵀ
@@ -361,12 +361,12 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
     """The recorded piece: ``call(block, *inputs)`` from ``dtype`` inputs only it and the harness hold, the harness letting go
     of them and of the output right after it (what autograd keeps then outlives them), and with autograd the
     backward from a gradient only the engine holds; ``found`` receives the output's and the inputs' gradients'
-    allocations. Edge-chunk loops are marked (:func:`_chunked`), and the compiled CSR products the backward calls
+    allocations. Chunk loops are marked (:func:`_chunked`), and the compiled CSR products the backward calls
     (:attr:`RecordedPiece.transposes`)."""
 
     def piece(scope: PieceScope) -> None:
-        with _observing_chunks(lambda moment, edges, step: scope.mark(
-                f"{_CHUNKS_BEGIN if moment == 'begin' else _CHUNKS_END} {step}", edges)):
+        with chunks.observing(lambda moment, items, step: scope.mark(
+                f"{_CHUNKS_BEGIN if moment == 'begin' else _CHUNKS_END} {step}", items)):
             run(scope)
 
     def run(scope: PieceScope) -> None:
@@ -382,7 +382,6 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
             scope.watch(tensors[position], f"{_INPUT} {position}")
         with torch.set_grad_enabled(grad_enabled):
             out = call(block, *tensors)
-        scope.mark(_RETURNED)
         found["output"] = scope.index_of(out)
         seam = None
         if grad_enabled and out.requires_grad:
@@ -390,7 +389,6 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
                 seam, seed = _Seam.apply(out, stash_out), torch.ones(())
                 stash_out.append(torch.empty_like(out))
             scope.watch(stash_out[0], _GRAD)
-        scope.watch(out, _OUTPUT)
         del tensors, out
         if seam is not None:
             scope.mark(_BACKWARD)
@@ -398,19 +396,12 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
             torch.autograd.backward(seam, seed)
             del seam
         found["input_grad"] = tuple(scope.index_of(stash[0]) if stash else None for stash in stashes)
+        if any(stash and index is None for stash, index in zip(stashes, found["input_grad"])):
+            raise RecordingRefused("an input's gradient is the output's own (passed through): not an allocation of "
+                                   "the piece")
         scope.mark(_END)  # what dies after it (the inputs' gradients, with the harness) is the caller's
 
     return piece
-
-
-@contextlib.contextmanager
-def _observing_chunks(observer: Callable[[str, int, int], None]):
-    """``observer`` among :data:`betty_trainer.models.chunks.OBSERVERS` inside the block."""
-    chunks.OBSERVERS.append(observer)
-    try:
-        yield
-    finally:
-        chunks.OBSERVERS.remove(observer)
 
 
 class RecordedStack:

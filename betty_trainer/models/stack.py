@@ -189,7 +189,7 @@ class LayerStack(nn.Module):
         drops its own). Not before: the stack's ``forward`` passes ``h`` to :meth:`layer_forward` as an argument,
         whose frame holds it until the layer returns (measured: a hidden layer's input rows that nothing else
         keeps, a cooperative share's exchanged rows, live through the layer's forward)."""
-        if hd is not h:
+        if hd != h:
             r.drop(hd)
         if not consume_input:
             r.drop(h)
