@@ -58,7 +58,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -185,7 +184,7 @@ class _Recording(TorchDispatchMode):
         old, new = args
         if not (isinstance(old, Tensor) and isinstance(new, Tensor) and old.shape == new.shape
                 and old.dtype == new.dtype and self.index_of(old) is not None and not old._is_view()
-                and is_non_overlapping_and_dense_or_false(old)
+                and _dense(old)
                 and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2):
             return False  # 2: the tensor's reference and the one this query makes
         return _called_by_autograd_engine()
@@ -222,6 +221,17 @@ class _Recording(TorchDispatchMode):
         index = self._allocated(op, storage.nbytes())
         self.known[key] = weakref.ref(storage, self._freed_by(index))
         self._indices[key] = index
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its storage's span without overlap in some order of its dimensions (what the
+    autograd engine asks of a gradient it adds into in place: row-major or any permutation of it)."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 _TORCH_DIRECTORY = str(Path(torch.__file__).parent)
