@@ -160,11 +160,12 @@ class _Recording(TorchDispatchMode):
 
     def index_of(self, tensor: Tensor) -> int | None:
         """The index of the recorded allocation behind ``tensor``'s storage, or ``None`` (made elsewhere)."""
-        storage = tensor.untyped_storage()
+        return self._index(tensor.untyped_storage())
+
+    def _index(self, storage: torch.UntypedStorage) -> int | None:
+        """:meth:`index_of` of a storage (a live one: ``id`` of a dead storage may be reused)."""
         known = self.known.get(id(storage))
-        if known is None or known() is not storage:
-            return None
-        return self._indices[id(storage)]
+        return self._indices[id(storage)] if known is not None and known() is storage else None
 
     def _sums_in_place(self, func, args: tuple, kwargs: dict | None) -> bool:
         """Whether this is the autograd engine summing two gradients of one tensor into the first, in place, as it
@@ -216,7 +217,7 @@ class _Recording(TorchDispatchMode):
 
     def _track(self, storage: torch.UntypedStorage, op: str, inputs: set[int]) -> None:
         key = id(storage)
-        if key in inputs or (key in self.known and self.known[key]() is storage):
+        if key in inputs or self._index(storage) is not None:
             return  # a view, an in-place result or an output seen before
         index = self._allocated(op, storage.nbytes())
         self.known[key] = weakref.ref(storage, self._freed_by(index))

@@ -56,6 +56,7 @@ from estimator.recorder import (
     Recorder,
     Recording,
     RecordingRefused,
+    counts_vector,
     recording_sizes,
     solve_allocations,
     solve_linear,
@@ -150,7 +151,7 @@ class RecordedPiece:
         Raises:
             RecordingRefused: as :func:`~estimator.recorder.solve_allocations` and :func:`_chunked`.
         """
-        vectors = np.array([(1, c.num_src, c.num_dst, c.num_edges) for c in counts], dtype=np.int64)
+        vectors = np.array([counts_vector([c]) for c in counts], dtype=np.int64)
         coefficients = solve_allocations(recordings, vectors)
         steps: list[int | str] = []
         marks, events = recordings[0].marks, recordings[0].events
@@ -202,7 +203,7 @@ class RecordedPiece:
 
     def nbytes(self, c: LayerCounts) -> np.ndarray:
         """Each allocation's bytes on a block of counts ``c``; one chunk's of :attr:`chunked` allocations."""
-        vector = np.array((1, c.num_src, c.num_dst, c.num_edges), dtype=np.int64)
+        vector = np.array(counts_vector([c]), dtype=np.int64)
         nbytes = self.coefficients @ vector
         for index, base, per_item, items, step in self.chunked:
             nbytes[index] = base + per_item * min(int(items @ vector), step)
