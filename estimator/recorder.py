@@ -555,8 +555,9 @@ def solve_allocations(recordings: Sequence[Recording], vectors: np.ndarray, chec
 
 
 def solve_linear(values: np.ndarray, vectors: np.ndarray) -> tuple[np.ndarray, int | None]:
-    """Integer coefficients ``(n, k)`` of ``n`` quantities measured at :func:`solve_allocations`' ``vectors``
-    (``values``: ``(k + 1, n)``), and the first quantity they do not reproduce (``None``: all, to the unit)."""
+    """Integer coefficients ``(n, k)`` int64 of ``n`` integer quantities (bytes, or a loop's items) measured at
+    :func:`solve_allocations`' ``vectors`` (``values``: ``(k + 1, n)`` int64), and the first quantity they do not
+    reproduce (``None``: all, to the unit)."""
     coefficients = np.empty((values.shape[1], vectors.shape[1]), dtype=np.int64)
     coefficients[:, 1:] = (values[1:-1] - values[0]).T
     coefficients[:, 0] = values[0] - coefficients[:, 1:] @ vectors[0, 1:]

@@ -168,9 +168,10 @@ class RecordedPiece:
                    output, tuple(name in backward for name in freed), -output - 1 in backward, input_grad, chunked)
 
     def replay(self, tape: StepTape, c: LayerCounts, inputs: Sequence[int | None]):
-        """This piece on ``tape`` for a block of counts ``c`` from the input handles ``inputs`` (the caller holds
-        them): ``(output handle, backward)``, ``backward(grad)`` freeing ``grad`` where the engine lets it go and
-        returning each input's gradient handle (or ``None``)."""
+        """This piece on ``tape`` (the estimate's replay, Betty §4.4.3: allocations in bytes, :meth:`nbytes`) for a
+        block of counts ``c`` from the input handles ``inputs`` (the caller holds them): ``(output handle,
+        backward)``, ``backward(grad)`` freeing ``grad`` where the engine lets it go and returning each input's
+        gradient handle (or ``None``)."""
         r, nbytes, handles = tape.r, self.nbytes(c), {}
 
         def run(event: int, component: str) -> None:
@@ -202,7 +203,8 @@ class RecordedPiece:
         return out, backward
 
     def nbytes(self, c: LayerCounts) -> np.ndarray:
-        """Each allocation's bytes on a block of counts ``c``; one chunk's of :attr:`chunked` allocations."""
+        """Each allocation's bytes on a block of counts ``c``: ``(allocations,)`` int64, bytes; one chunk's for the
+        :attr:`chunked` allocations."""
         vector = np.array(counts_vector([c]), dtype=np.int64)
         nbytes = self.coefficients @ vector
         for index, base, per_item, items, step in self.chunked:
@@ -265,7 +267,8 @@ class _Input:
 
 
 class RecordedLayer:
-    """A layer's memory terms from recordings of its code (see the module): drop-ins for the hand-written
+    """A layer's memory terms from recordings of its code (see the module; the terms feed the replay of Betty §4.4.3,
+    :mod:`estimator.tape`, bytes per allocation): drop-ins for the hand-written
     :meth:`~betty_trainer.models.capabilities.LayerMemoryTerms.memory_terms`, the stack's
     :meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms` of this layer (dropout and ReLU around it) and,
     for a layer that projects first, :meth:`~betty_trainer.models.capabilities.ProjectedLayer.propagate_terms`; each
@@ -408,7 +411,11 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
 class RecordedStack:
     """:meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms` of every layer of ``model`` from recordings
     (:meth:`RecordedLayer.layer_memory_terms`): what the micro-batch, layer-wise and cooperative estimates replay
-    per layer (``ModelSpec.layer_terms``; the stack's ``memory_terms`` chains them)."""
+    per layer (``ModelSpec.layer_terms``; the stack's ``memory_terms`` chains them).
+
+    Raises:
+        RecordingRefused: from :meth:`layer_memory_terms`, as :class:`RecordedLayer`.
+    """
 
     def __init__(self, model: LayerStack):
         self.layers = [RecordedLayer(model, index) for index in range(len(model.layers))]
