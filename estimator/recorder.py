@@ -23,9 +23,10 @@ recording again.
 
 Exact where every allocation goes through PyTorch's dispatcher and its bytes are linear in the counts. Not
 covered, and refused with a :class:`RecordingRefused` that names the cause in one line: data-dependent shapes
-(``unique``, ``nonzero``, boolean masks, ``repeat_interleave`` without ``output_size``), operators that allocate
-buffers inside themselves (:data:`_SCRATCH_OPERATORS`: sorts), tensor values read by
-the model (``.item()``, ``.tolist()``, ``.numpy()`` for a numba kernel), and allocation sequences or sizes that
+(``unique``, ``nonzero``, boolean masks, ``repeat_interleave`` without ``output_size``), sorts of a tensor of
+several dimensions (a buffer inside the operator per thread; a one-dimensional sort's is counted, :data:`_SORTS`),
+tensor values read by the model (``.item()``, ``.tolist()``, ``.numpy()`` for a numba kernel), and allocation
+sequences or sizes that
 change with the counts in another way, as far as the recorded sizes show: a branch on a size threshold larger
 than they are (e.g. work split into chunks past a million elements) is not caught. Not seen at all: scratch
 memory a CPU kernel allocates inside one operator and frees before returning (the profiler sees it; the recorder
@@ -69,7 +70,7 @@ from torch.utils._pytree import tree_leaves
 
 from estimator.counts import LayerCounts, block_structure_bytes
 
-TESTED_TORCH = ("2.13",)  # major.minor versions whose FakeTensorMode the recorder is tested with
+TESTED_TORCH = ("2.11", "2.13")  # major.minor versions whose FakeTensorMode the recorder is tested with
 # BETTY_RECORDER_TRY_TORCH=<major.minor> of the running torch lets the recorder run there, to test a version before it
 # joins TESTED_TORCH (benchmarks/device_checks.sh tries the device's)
 
@@ -135,9 +136,9 @@ class _Recording(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         if func in self.called:
             self.marks.append((len(self.events), self.called[func], None))
-        if func in _SCRATCH_OPERATORS:
-            raise RecordingRefused(f"{func} allocates buffers inside the operator (a sort's keys and positions) that "
-                                   "the recorder does not see")
+        if func in _SORTS and sum(n != 1 for n in args[0].shape) > 1:
+            raise RecordingRefused(f"{func} of a tensor of several dimensions allocates buffers inside the operator "
+                                   "that depend on its threads, which the recorder does not see")
         if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(t), int(t): no data to read
             node = torch._C._current_autograd_node()  # the backward node running, if any
             where = f"the backward of {node.name()}" if node is not None else self.reads_refused()
@@ -155,6 +156,8 @@ class _Recording(TorchDispatchMode):
                    for nbytes in _wrapped_number_bytes(func, args, kwargs)]
         for tensor in tensors:
             self._track(tensor.untyped_storage(), str(func), inputs)
+        if func in _SORTS:
+            scalars.append(self._allocated(f"{func} (its buffer inside the operator)", _SORT_SCRATCH * args[0].numel()))
         self.events.extend(-index - 1 for index in reversed(scalars))
         return out
 
@@ -236,11 +239,19 @@ def _dense(tensor: Tensor) -> bool:
 
 
 _TORCH_DIRECTORY = str(Path(torch.__file__).parent)
-_SCRATCH_OPERATORS = frozenset({torch.ops.aten.sort.default, torch.ops.aten.sort.stable, torch.ops.aten.sort.values,
-                                torch.ops.aten.sort.values_stable})
-"""Operators known to allocate tensors of the step's size inside themselves, freed before they return, which no
-dispatch-level recording sees (measured with the profiler: CPU's stable sort of ``E`` int32 keys holds int64 keys and
-positions beside its output, ``tests/test_recorder.py``): a step that calls one is refused, not under-estimated."""
+_SORTS = frozenset({torch.ops.aten.sort.default, torch.ops.aten.sort.stable, torch.ops.aten.sort.values,
+                    torch.ops.aten.sort.values_stable})
+"""The operators known to allocate a tensor of the step's size inside themselves, freed before they return, which no
+operator returns: CPU's sort (``sort``, ``argsort``, ``msort``; stable or not) of ``n`` keys along their one
+dimension holds :data:`_SORT_SCRATCH` bytes per key beside its values and int64 positions, whatever the keys' dtype
+(measured with the profiler, torch 2.13: ``n · (itemsize + 8 + 8)`` bytes at its peak for float16/32/64, int16/32/64
+and bool keys, ``n`` from 1 to 10⁶; ``tests/test_recorder.py``). The recording adds it as an allocation made after
+the outputs and freed when the operator returns. Sorting a tensor of several dimensions along one holds a buffer per
+row that a thread sorts at once (8 bytes per key of a row for each thread): refused. A CUDA sort's buffer (cub's
+radix sort) is another size: not modelled (the recorder records CPU steps)."""
+
+_SORT_SCRATCH = 8
+"""Bytes per key that CPU's sort holds inside itself (:data:`_SORTS`)."""
 
 
 def _called_by_autograd_engine() -> bool:
@@ -299,6 +310,18 @@ def _wrapped_number_bytes(func, args: tuple, kwargs: dict | None) -> list[int]:
     return sizes
 
 
+def check_torch() -> None:
+    """Whether the running torch is one the recorder is tested with (:data:`TESTED_TORCH`, or the version
+    ``BETTY_RECORDER_TRY_TORCH`` names).
+
+    Raises:
+        RecordingRefused: another version (the recorder uses private PyTorch API).
+    """
+    version = ".".join(torch.__version__.split(".")[:2])
+    if version not in TESTED_TORCH and os.environ.get("BETTY_RECORDER_TRY_TORCH") != version:
+        raise RecordingRefused(f"the recorder is tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}")
+
+
 class Recorder:
     """A fake-tensor world to record training steps in: ``with Recorder() as recorder:`` make the step's tensors
     with :meth:`fake` and :meth:`fake_module` (or torch factories, which make fake tensors inside the block), then
@@ -314,9 +337,7 @@ class Recorder:
         self._scope = contextlib.ExitStack()
 
     def __enter__(self) -> Recorder:
-        version = ".".join(torch.__version__.split(".")[:2])
-        if version not in TESTED_TORCH and os.environ.get("BETTY_RECORDER_TRY_TORCH") != version:
-            raise RecordingRefused(f"the recorder is tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}")
+        check_torch()
         self._scope.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # an address is never used
         fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # logs the errors a refusal names anyway
@@ -328,18 +349,22 @@ class Recorder:
     def __exit__(self, *exc: object) -> None:
         self._scope.close()
 
-    def fake(self, tensor: Tensor) -> Tensor:
-        """A fake tensor with ``tensor``'s shape, dtype, device and strides (no data)."""
-        return self.mode.from_tensor(tensor, static_shapes=True)
+    def fake(self, tensor: Tensor, device: torch.device | str | None = None) -> Tensor:
+        """A fake tensor with ``tensor``'s shape, dtype and strides (no data), on ``tensor``'s device or on
+        ``device`` (a meta tensor's fake on the CPU, say)."""
+        if device is None or tensor.device == torch.device(device):
+            return self.mode.from_tensor(tensor, static_shapes=True)
+        with self.mode:
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
 
-    def fake_module(self, module: nn.Module) -> nn.Module:
+    def fake_module(self, module: nn.Module, device: torch.device | str | None = None) -> nn.Module:
         """A copy of ``module`` whose parameters and buffers are fake (tied ones stay tied; no real tensor is
-        copied); anything else is deep-copied."""
+        copied), on their devices or on ``device``; anything else is deep-copied."""
         memo: dict[int, Any] = {}
         for parameter in module.parameters():
-            memo[id(parameter)] = nn.Parameter(self.fake(parameter.detach()), parameter.requires_grad)
+            memo[id(parameter)] = nn.Parameter(self.fake(parameter.detach(), device), parameter.requires_grad)
         for buffer in module.buffers():
-            memo[id(buffer)] = self.fake(buffer)
+            memo[id(buffer)] = self.fake(buffer, device)
         return copy.deepcopy(module, memo)
 
     def record(self, step: Callable[[], object], reads_refused: Callable[[], str | None] = lambda: None) -> Recording:
