@@ -33,9 +33,8 @@
 #                 bytes and hit rates for K 1, 4, 16, layer-wise, the node caches and macro-batching (item 8)
 #   bulk          benchmarks/bulk_sampling.py --device cuda on Coauthor Physics (issue 25 item 1's GPU timing)
 #   aggregation   benchmarks/aggregation.py --device cuda: ours against PyG's spmm on torch.sparse (issue 23 item 1)
-#   recorded_terms  tests/test_recorded_terms.py (GAT and SAGE mean cases) under the device's torch, which the recorder
-#                 is not tested on (BETTY_RECORDER_TRY_TORCH): whether that torch can join TESTED_TORCH, which the
-#                 estimator needs before it replays recorded terms instead of hand-written ones (issue 24 item 3)
+#   recorded_terms  tests/test_recorded_terms.py's tensor-path estimates (GAT, SAGE mean) under the device's own torch
+#                 build (2.11 joined TESTED_TORCH from .ci/torch-2.11's CPU build; the estimator replays recorded terms)
 set -u
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -119,9 +118,8 @@ run() {
         --json "$OUT/epoch_phases.json"
     check bulk 30 python3 benchmarks/bulk_sampling.py --device cuda --graph coauthor-physics --batches 32
     check aggregation 40 python3 benchmarks/aggregation.py --device cuda
-    BETTY_RECORDER_TRY_TORCH="$(python3 -c 'import torch; print(".".join(torch.__version__.split(".")[:2]))')" \
-        check recorded_terms 30 python3 -m pytest -q -p no:cacheprovider tests/test_recorded_terms.py \
-        -k "gat-16-0.5-unweighted or sage-mean-256-0.5-unweighted-compiled"
+    check recorded_terms 30 python3 -m pytest -q -p no:cacheprovider tests/test_recorded_terms.py \
+        -k "tensor_op_path and (gat or sage-mean)"
 }
 
 case "${1:-}" in

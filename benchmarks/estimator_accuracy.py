@@ -75,7 +75,6 @@ from betty_trainer.execution.micro_batches import measure_training_step  # noqa:
 from betty_trainer.memory.recorded import record_model  # noqa: E402
 from betty_trainer.memory.spec import model_spec  # noqa: E402
 from betty_trainer.models import build_model, set_dropout_key  # noqa: E402
-from betty_trainer.models.capabilities import projected_terms  # noqa: E402
 from custom_models import CUSTOM_MODELS  # noqa: E402  (this folder)
 from estimator.counts import counts_of  # noqa: E402
 from estimator.estimate import estimate_micro_batch  # noqa: E402
@@ -141,7 +140,7 @@ def layerwise_row(graph: Graph, overrides: Sequence[str], batch: Batch, k: int, 
     warm_s = time.perf_counter() - start
     t0 = time.perf_counter()
     estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
-                                                            for layer in chunks.layers], spec, projected_terms(model))
+                                                            for layer in chunks.layers], spec, spec.projections)
     estimate_s = time.perf_counter() - t0
     measured = measure_layerwise_step(model, optimizer, plan, features, graph.y, device)
     error = (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes

@@ -1,12 +1,12 @@
-"""The recorder's peak against the hand-written memory terms and the measured peak, for built-in models (issue 24,
-item 3's evidence; CPU).
+"""The whole-step recorder's peak against the estimator's memory terms (each layer's recorded on its own, the LSTM's
+written by hand) and the measured peak, for built-in models (issue 24; CPU).
 
 Each built-in model is recorded by :func:`betty_trainer.memory.recorded.record_model` (its numba kernels are
 operators, ``betty_trainer.models.operators``, which fill tensors allocated in torch code); a model the recorder
 refuses is printed with why (the LSTM aggregator's in-degree groups are data-dependent).
 On Cora's full training batch split into K REG micro-batches (Adam warmed by one step, later micro-batches
 accumulating; node dropout ``--dropout``, default 0), every micro-batch is estimated by the recorder
-(``recorded``), by the hand-written terms (``estimate_micro_batch``: ``terms``) and measured
+(``recorded``), by the estimator's terms (``estimate_micro_batch``: ``terms``) and measured
 (``measure_training_step``: ``measured``); the table gives bytes and the differences.
 
 Run:
@@ -46,7 +46,7 @@ MODELS = {"sage-mean": ["model.arch=sage", "model.aggregator=mean"], "sage-gcn":
 def peaks(graph: Graph, name: str, hidden: int, dropout: float, k: int, seed: int = 0,
           weighted: bool = False) -> Iterator[tuple[int, int, int]]:
     """Per micro-batch of ``graph``'s full training batch (full neighbourhood, 2 layers) in ``k`` REG micro-batches:
-    the recorded, hand-written (terms) and measured peak bytes of built-in model ``name`` (of :data:`MODELS`, width
+    the recorded, estimated (terms) and measured peak bytes of built-in model ``name`` (of :data:`MODELS`, width
     ``hidden``, node dropout ``dropout``, Adam with weight decay warmed by one step; micro-batches after the first
     accumulate); with ``weighted``, every block carries float32 edge weights in ``[0.5, 1.5)`` (as LABOR's and GNS's
     blocks carry importance weights) and the model is recorded with them. Importable from the tests (``from

@@ -4,9 +4,9 @@ The estimate follows the tensors the built-in models allocate, op by op, as a
 function of the micro-batch's counts (Betty Table 3: N_in, H_in, N_out, E, h, L_i,
 B_i) and the model's widths: each op's output, what autograd saves for backward,
 the op's own temporaries, and in backward each gradient as it is made and freed.
-Each built-in layer declares those terms itself, in a ``memory_terms`` method beside
-its ``forward`` (``betty_trainer.models``), written on the :class:`estimator.tape.StepTape`
-this module hands it; this module adds what surrounds the model in a training step
+Each built-in layer's terms are recorded from its own code (``betty_trainer.models.recorded_terms``; the
+layers the recorder refuses write theirs by hand, beside their ``forward``) and replayed on the
+:class:`estimator.tape.StepTape` this module hands them; this module adds what surrounds the model in a training step
 (the gathered features, labels, the loss, the optimizer step). Replaying those
 allocations and frees in order gives the peak (docs/design.md: static +
 max(forward-live, backward-live)) and what is live at that moment, by component.

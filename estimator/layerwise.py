@@ -1,7 +1,7 @@
 """Memory estimate of layer-wise chunked execution (:mod:`betty_trainer.execution.layerwise`).
 
 The same replay as the micro-batch estimate (:mod:`estimator.estimate`), from the same per-layer
-terms (each layer's ``memory_terms``, through ``ModelSpec.layer_terms``), in the executor's order:
+terms (each layer's, through ``ModelSpec.layer_terms``), in the executor's order:
 
 - resident: parameters, optimizer state, the accumulated gradients, the batch's blocks and the
   chunks' dst nodes and CSC pointers;
@@ -41,8 +41,8 @@ from estimator.tape import GRAD, HID, OVER, Replay, StepTape
 
 
 class ProjectedTerms(Protocol):
-    """The memory terms of a projected layer (built beside the layer:
-    ``betty_trainer.models.capabilities.projected_terms``; a :class:`~estimator.spec.ModelSpec` carries them)."""
+    """The memory terms of a projected layer (recorded from its code:
+    ``betty_trainer.models.recorded_terms.ProjectedLayerTerms``; a :class:`~estimator.spec.ModelSpec` carries them)."""
 
     width: int  # z's width (columns)
     reads_dst_input: bool  # propagate also reads the chunk's dst input rows (SAGE mean's self term)

@@ -57,14 +57,14 @@ class ModelSpec:
             dropout writes a new tensor; the estimate of such a micro-batch (:func:`estimator.counts.reads_in_place`)
             follows. ``False`` (the default) counts a gather: an upper bound for such a micro-batch.
         forward_terms: ``(tape, layers, x, consume_input) -> (logits, backward)``: the model's forward written as
-            memory terms on an :class:`estimator.tape.StepTape` (a built-in model's
-            ``memory_terms``, declared beside its ``forward``); the estimate replays it. Not
+            memory terms on an :class:`estimator.tape.StepTape` (a built-in model's, recorded from its code:
+            ``betty_trainer.models.recorded_terms.RecordedStack.memory_terms``); the estimate replays it. Not
             compared: two specs of equal fields describe the same model.
         layer_terms: ``(tape, index, counts, h, h_grad, consume_input) -> (out, backward)``: one layer's
-            forward (dropout, the layer, ReLU) as memory terms (``LayerStack.layer_memory_terms``), for
+            forward (dropout, the layer, ReLU) as memory terms (``RecordedStack.layer_memory_terms``), for
             the layer-wise estimate (:mod:`estimator.layerwise`). Not compared.
         projections: per layer, the :class:`~estimator.layerwise.ProjectedTerms` of a layer that layer-wise
-            execution projects once per pass, else ``None`` (``betty_trainer.models.capabilities.projected_terms``);
+            execution projects once per pass, else ``None`` (``RecordedStack.projections``);
             ``None``: no layer is. Not compared.
         layer_work: ``(spec, LayerSize) -> Work``: one layer's multiply-adds per pass, written beside the
             layer's code (:func:`estimator.work.step_work`). Not compared.

@@ -122,15 +122,15 @@ class StepTape:
     accumulates into resident gradients, and the terms of the torch ops every layer uses
     (``linear``, ``relu``, the loss, the optimizer step, parameter gradients).
 
-    A built-in layer's ``memory_terms(tape, counts, h, h_grad)`` sits beside its ``forward``
-    (``betty_trainer.models``) and mirrors it op by op: ``r.alloc`` for an op's output,
-    ``r.keep`` where autograd saves a tensor for backward, ``r.drop`` when a Python variable
-    goes out of scope. It returns the output's handle and a closure emitting that piece's
-    backward, which receives the output's gradient and returns the input's (or ``None``).
+    A layer's terms, recorded (``betty_trainer.models.recorded_terms``) or written by hand where the recorder
+    refuses it (a ``memory_terms(tape, counts, h, h_grad)`` beside its ``forward``), replay its ops in order:
+    ``r.alloc`` for an op's output, ``r.keep`` where autograd saves a tensor for backward, ``r.drop`` when a Python
+    variable goes out of scope. They return the output's handle and a closure emitting that piece's backward, which
+    receives the output's gradient and returns the input's (or ``None``).
 
     ``transposed`` lists, with the compiled kernels, the counts of each layer whose sparse aggregation's backward
-    ran (a product by ``Aᵀ``: ``betty_trainer.models.aggregate.aggregate_terms``): the layers whose blocks a kept
-    transpose would serve.
+    ran (a product by ``Aᵀ``, which the recorded terms see: ``betty_trainer.models.recorded_terms``): the layers
+    whose blocks a kept transpose would serve.
     """
 
     def __init__(self, replay: Replay, model: ModelSpec, accumulate: bool):
@@ -185,28 +185,6 @@ class StepTape:
             return grad_x
 
         return out, backward
-
-    def linear_bias(self, x: int, rows: int, a: int, b: int):
-        """``F.linear(x, W) + bias`` on ``rows`` rows of ``x`` (which takes no gradient): ``(output handle,
-        backward)``; ``backward(grad)`` emits the bias's and ``W``'s gradients and frees ``grad``."""
-        out, linear_bwd = self.linear(x, rows, a, b, False)
-        result = self.r.alloc(rows * b * self.f, HID)
-        self.r.drop(out)
-
-        def backward(grad: int) -> None:
-            self.param_grad(b)
-            self.settle()
-            linear_bwd(grad)
-
-        return result, backward
-
-    @staticmethod
-    def aggregation_width(a: int, b: int, hd_grad: bool) -> tuple[bool, int, bool]:
-        """``(project_first, width aggregated, record)``: layers apply their linear map before
-        aggregating when ``a > b``; the aggregation is recorded by autograd when its input
-        requires grad (projected, or a hidden layer's input)."""
-        project_first = a > b
-        return project_first, (b if project_first else a), project_first or hd_grad
 
     def relu(self, x: int, rows: int, width: int):
         out = self.r.alloc(rows * width * self.f, HID)

@@ -233,7 +233,7 @@ def test_nothing_edge_by_feature_sized_is_kept_for_backward(op):
 def test_max_equals_a_per_row_reference_and_its_gradient(monkeypatch, compiled):
     if not compiled:
         monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
-        monkeypatch.setattr(aggregate, "MAX_CHUNK_ELEMENTS", 64)  # several chunks of rows
+        monkeypatch.setattr(aggregate, "MAX_CHUNK_ELEMENTS", 64)  # several chunks of edges
     block = random_block(seed=5)
     generator = torch.Generator().manual_seed(6)
     h = torch.randn(block.num_src, 7, generator=generator, requires_grad=True)

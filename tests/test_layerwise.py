@@ -16,7 +16,7 @@ from betty_trainer.execution.layerwise import LayerwisePlan, layerwise_backward,
 from betty_trainer.memory.planner import Planner
 from betty_trainer.memory.spec import spec_of
 from betty_trainer.models import set_dropout_key
-from betty_trainer.models.capabilities import affine_layers, projected_terms, whole_block_layers
+from betty_trainer.models.capabilities import affine_layers, whole_block_layers
 from betty_trainer.models.gat import GAT
 from betty_trainer.models.sage import SAGEConv
 from betty_trainer.models.stack import runs_layer_by_layer
@@ -227,7 +227,7 @@ def assert_layerwise_estimate(model, arch: str, graph, fanouts) -> None:
         measured = measure_layerwise_step(model, optimizer, work, features, graph.y, CPU)
         estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
                                                                 for layer in work.chunks.layers], spec,
-                                      projected_terms(model))
+                                      spec.projections)
         assert estimate.resident_bytes == measured.resident_bytes
         error = (estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes
         assert abs(error) <= DEFAULT_TOLERANCE, (arch, k, estimate.peak_bytes, measured.peak_bytes)
@@ -405,7 +405,7 @@ def test_the_plan_keeps_layer_outputs_on_the_host_only_when_the_device_budget_do
         peaks[k] = layerwise_peak(probe, batch, chunks, False), layerwise_peak(probe, batch, chunks, True)
         estimate = estimate_layerwise(counts_of(batch.blocks), [counts_of(layer, [False] * len(layer))
                                                                 for layer in chunks.layers], spec,
-                                      projected_terms(model), host_outputs=True)
+                                      spec.projections, host_outputs=True)
         assert estimate.peak_bytes == peaks[k][1]
         assert peaks[k][1] < peaks[k][0] if k == 2 else peaks[k][1] == peaks[k][0]  # h_1: 2708 × 256 floats
     host_1, (device_2, host_2) = peaks[1][1], peaks[2]

@@ -637,3 +637,25 @@ def test_the_graph_chunk_partitioner_needs_the_run_s_splitters(setting):
 
     with pytest.raises(ValueError, match="give its splitters"):
         search_chunks(setting[2].blocks, None, k=2, partitioner="graph")
+
+
+def test_a_built_in_model_on_a_torch_the_recorder_is_not_tested_with_is_estimated_as_a_custom_one(setting, monkeypatch,
+                                                                                                  caplog):
+    """The recorder refuses an untested torch (it reads private PyTorch API); the built-in model is then recorded or
+    calibrated as a custom model is (here calibrated: the recorder refuses that too), with a warning naming why, and
+    its plans fit the budget all the same."""
+    from estimator import recorder
+    from estimator.calibrate import CalibratedModel
+
+    graph, _, batch, *_, full_peak = setting
+    monkeypatch.setattr(recorder, "TESTED_TORCH", ())
+    monkeypatch.delenv("BETTY_RECORDER_TRY_TORCH", raising=False)
+    with pytest.raises(recorder.RecordingRefused, match="the recorder is tested with torch"):
+        model_spec(load_config(None, OVERRIDES), graph)
+    config = load_config(None, OVERRIDES + [f"micro_batch.budget={full_peak * 2 // 3}"])
+    with caplog.at_level("WARNING", logger="betty_trainer.memory.planner"):
+        planner = make_planner(config, graph, None, torch.device("cpu"), HostFeatureStore(graph.x, pin=False))
+    assert isinstance(planner.estimator.calibrated, CalibratedModel)
+    assert "the memory recorder refused the built-in sage model (the recorder is tested with torch" in caplog.text
+    plan = planner.plan(batch)
+    assert plan.method == "micro_batches" and plan.pieces > 1 and plan.estimate <= planner.budget

@@ -32,6 +32,7 @@ from betty_trainer.memory.budget import resolve_budget
 from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.recorded import WeightedRecordings
 from betty_trainer.memory.spec import model_spec
+from betty_trainer.models import build_model
 from betty_trainer.models.aggregate import keep_transposes
 from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.sampling.bulk import BulkDraw
@@ -379,11 +380,13 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     may use is ``micro_batch.budget`` less the store's ``max_device_bytes`` (its node cache and staged
     macro-batch; :class:`~betty_trainer.data.feature_store.FeatureStore`) and what the sampler's ``bulk_draw``
     holds on the GPU (:class:`Planner`). The estimate is the closed form for the built-in model
-    (``model=None``); a custom ``model`` with ``micro_batch.budget`` set is recorded first, once per pattern of
-    edge-weighted blocks (:class:`~betty_trainer.memory.recorded.WeightedRecordings`: exact), or where the recorder
-    refuses it (the reason is logged) calibrated (:func:`~betty_trainer.memory.custom.calibrate_model`), both with
-    the run's optimizer and ``config.model.num_layers`` layers; the time it took is logged at INFO level. ``seed``: the
-    partitioner's (:func:`~betty_trainer.sampling.schedule.plan_seed`). ``partition``: another planner's
+    (``model=None``), its terms recorded from its code (on a torch the recorder is not tested with, the built-in
+    model is estimated as a custom one, with a warning); a custom ``model`` with ``micro_batch.budget`` set is
+    recorded first, once per pattern of edge-weighted blocks (:class:`~betty_trainer.memory.recorded.
+    WeightedRecordings`: exact), or where the recorder refuses it (the reason is logged) calibrated
+    (:func:`~betty_trainer.memory.custom.calibrate_model`), both with the run's optimizer and
+    ``config.model.num_layers`` layers; the time it took is logged at INFO level. ``seed``: the partitioner's
+    (:func:`~betty_trainer.sampling.schedule.plan_seed`). ``partition``: another planner's
     :attr:`Planner.graph_partition` of the same run, shared so that its METIS cuts are made once; by default
     :func:`graph_partition`.
 
@@ -393,6 +396,14 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
             the cause).
     """
     mode, budget = config.micro_batch.mode, config.micro_batch.budget
+    spec = None
+    if model is None:
+        try:
+            spec = model_spec(config, graph, device)
+        except RecordingRefused as refusal:  # a torch the recorder is not tested with: estimated as a custom model
+            logger.warning("the memory recorder refused the built-in %s model (%s); it is estimated as a custom model",
+                           config.model.arch, refusal)
+            model = build_model(config.model, graph)
     # the aggregation cache's layer 0 runs inside micro-batches only (auto then plans micro-batches)
     layer_by_layer = (model is None or runs_layer_by_layer(model)) and config.features.aggregation_cache is False
     if not layer_by_layer and mode == "layerwise":
@@ -404,8 +415,7 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
                               "use micro_batch.mode=micro_batches for a custom model")
         resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
     estimator = None  # a fixed K needs no estimate
-    if model is None:  # the closed form, for every kind of plan; input rows read in place where the store hands them out
-        spec = model_spec(config, graph, device)
+    if spec is not None:  # the closed form, for every kind of plan; input rows read in place where the store hands them out
         estimator = PeakEstimator(replace(spec, features_in_place=hands_out_rows(features, device)))
     elif budget is not None:  # recorded, or where the recorder refuses calibrated: micro-batches, not chunks
         estimator, layer_by_layer = PeakEstimator(_custom_estimate(config, graph, model, device)), False

@@ -703,8 +703,8 @@ def max_neighbours(block: Block, h_src: Tensor) -> Tensor:
     Isolated dst nodes get zeros. Edge weights are not used. Where several edges tie for a maximum,
     the first in the block's edge order takes the gradient (the same edge in a micro-batch as in the
     full batch). No ``(E, F)`` tensor is kept: autograd keeps a ``(num_dst, F)`` int32 argmax; the
-    forward makes at most one chunk of :data:`MAX_CHUNK_ELEMENTS` gathered values at a time (none on
-    the CPU, where a compiled kernel scans each row).
+    forward makes at most one chunk of :data:`MAX_CHUNK_ELEMENTS` gathered values at a time, then ``(num_dst, F)``
+    temporaries (none on the CPU, where a compiled kernel scans each row).
 
     Shapes:
         ``(num_src, F)`` → ``(num_dst, F)``.
@@ -744,33 +744,35 @@ class _SegmentMax(torch.autograd.Function):
 
 
 def _segment_max_chunks(block: Block, h_src: Tensor, out: Tensor, argmax: Tensor) -> None:
-    """Tensor-op segment max and first argmax, dst rows taken in chunks of about
-    :data:`MAX_CHUNK_ELEMENTS` gathered values."""
-    degrees = block.in_degrees()
-    out.zero_()
-    argmax.fill_(block.num_src)
-    widest = int(degrees.max()) if block.num_dst else 1
-    rows_per_chunk = max(1, MAX_CHUNK_ELEMENTS // max(h_src.shape[1], 1) // max(widest, 1))
-    for first in range(0, block.num_dst, rows_per_chunk):
-        _segment_max_rows(block, h_src, degrees, first, min(first + rows_per_chunk, block.num_dst), out, argmax)
+    """Tensor-op segment max and first argmax over the block's edges, :data:`MAX_CHUNK_ELEMENTS` gathered values at
+    a time (:func:`~betty_trainer.models.chunks.chunks`): a first pass merges each chunk's values into ``out``
+    (``scatter_reduce_`` ``amax``); a second takes, per dst row and column, the first edge whose value is the maximum
+    (``amin`` of edge positions, int32, into ``argmax``); then the positions become src positions, and rows without
+    edges get 0 and ``num_src``. Every temporary is a chunk's, or ``(num_dst, F)`` at the end."""
+    edges, step = block.num_edges, max(1, MAX_CHUNK_ELEMENTS // max(h_src.shape[1], 1))
+    out.fill_(float("-inf"))
+    argmax.fill_(edges)  # no edge yet
+    for chunk in chunks(edges, step):
+        index, gathered = _edge_values(block, h_src, chunk)
+        out.scatter_reduce_(0, index, gathered, "amax")
+        del index, gathered
+    for chunk in chunks(edges, step):
+        index, gathered = _edge_values(block, h_src, chunk)
+        positions = torch.arange(chunk.start, chunk.stop, dtype=torch.int32, device=h_src.device).unsqueeze(1)
+        first = torch.where(gathered == out.gather(0, index), positions, edges)
+        argmax.scatter_reduce_(0, index, first, "amin")
+        del index, gathered, positions, first
+    isolated = argmax == edges
+    out.masked_fill_(isolated, 0)
+    argmax.copy_(torch.where(isolated, block.num_src, block.indices[argmax.clamp_(max=max(edges - 1, 0))]))
 
 
-def _segment_max_rows(block: Block, h_src: Tensor, degrees: Tensor, first: int, last: int, out: Tensor,
-                      argmax: Tensor) -> None:
-    """One chunk of dst rows ``[first, last)``; its temporaries die when it returns."""
-    start, end = int(block.indptr[first]), int(block.indptr[last])
-    if start == end:
-        return
-    segment = torch.repeat_interleave(torch.arange(last - first, device=h_src.device), degrees[first:last],
-                                      output_size=end - start).unsqueeze(1).expand(-1, h_src.shape[1])
-    gathered = h_src.index_select(0, block.indices[start:end])
-    peak = torch.zeros_like(out[first:last]).scatter_reduce_(0, segment, gathered, "amax", include_self=False)
-    position = torch.where(gathered == peak.gather(0, segment),
-                           torch.arange(start, end, device=h_src.device).unsqueeze(1), end)
-    first_hit = torch.full_like(peak, end, dtype=torch.int64).scatter_reduce_(0, segment, position, "amin")
-    out[first:last] = peak  # isolated rows keep the zeros they started with
-    has_edges = (degrees[first:last] > 0).unsqueeze(1)
-    argmax[first:last] = torch.where(has_edges, block.indices[first_hit.clamp(max=end - 1)], block.num_src)
+def _edge_values(block: Block, h_src: Tensor, chunk: slice) -> tuple[Tensor, Tensor]:
+    """The edges ``chunk``'s dst positions, expanded over the columns (an ``(C, F)`` int64 view of ``C``), and their
+    src rows of ``h_src`` ``(C, F)``."""
+    edge_ids = torch.arange(chunk.start, chunk.stop, dtype=block.indptr.dtype, device=h_src.device)
+    dst = torch.searchsorted(block.indptr, edge_ids, right=True).sub_(1)
+    return dst.unsqueeze(1).expand(-1, h_src.shape[1]), h_src.index_select(0, block.indices[chunk])
 
 
 @jit(parallel=True)
@@ -959,178 +961,9 @@ def attention_aggregate(z: Tensor, alpha: Tensor, edge_src: Tensor, edge_dst: Te
     """
     return _AttentionAggregate.apply(z, alpha, edge_src, edge_dst, num_dst)
 
-# ----- memory terms (estimator.tape): what the code above allocates, op by op -----------------------
-# The closed-form estimate replays these; tests/test_estimator.py checks them against measured peaks,
-# so a change to the code above without its terms here fails there.
-
-
-def edge_dst_terms(tape: StepTape, c: LayerCounts) -> int:
-    r, d, e = tape.r, c.num_dst, c.num_edges
-    arange, degrees = r.alloc(d * INDEX_BYTES, OVER), r.alloc(d * INDEX_BYTES, OVER)
-    cumsum = r.alloc(d * INDEX_BYTES, OVER)
-    buffer = r.alloc(e * INDEX_BYTES, OVER)
-    r.drop(cumsum)
-    result = r.alloc(e * INDEX_BYTES, AGG)
-    r.drop(buffer, arange, degrees)
-    return result
-
-
-def per_dst_scale_terms(tape: StepTape, c: LayerCounts) -> int:
-    """``block.in_degrees().to(dtype)`` (then scaled in place): ``(D,)`` floats."""
-    degrees = tape.r.alloc(c.num_dst * INDEX_BYTES, OVER)
-    scale = tape.r.alloc(c.num_dst * tape.f, AGG)
-    tape.r.drop(degrees)
-    return scale
-
-
-def mean_scale_terms(tape: StepTape, c: LayerCounts) -> int:
-    """aggregate.mean_scale: the ``(D,)`` floats ``1/deg(d)``, or ``1 / Σ w`` on a weighted block."""
-    return weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
-
-
-def weight_totals_terms(tape: StepTape, c: LayerCounts, component: str) -> int:
-    """aggregate.weight_totals: the ``(D,)`` sums, and ``block.edge_dst()`` made and freed."""
-    total = tape.r.alloc(c.num_dst * tape.f, component)
-    tape.r.drop(edge_dst_terms(tape, c))
-    return total
-
-
-def csr_matmul_terms(tape: StepTape, rows: int, c: LayerCounts, width: int, component: str, coefficients: bool,
-                     int64_indices: bool = False) -> int:
-    """aggregate._csr_matmul: the ``(rows, width)`` result. The compiled CPU kernel makes nothing else; the
-    sparse library's path makes and frees the ``(E,)`` coefficients (``coefficients``: the values do not serve
-    as they are), an int32 copy of the CSR pointer, and one of the indices when they are int64
-    (``int64_indices``: the transpose's; a block's own are int32)."""
-    r = tape.r
-    if tape.compiled_kernels:
-        return r.alloc(rows * width * tape.f, component)
-    made = [r.alloc(c.num_edges * tape.f, OVER)] if coefficients else []
-    made += [r.alloc((rows + 1) * 4, OVER)] + ([r.alloc(c.num_edges * 4, OVER)] if int64_indices else [])
-    zero = r.alloc(tape.f, OVER)
-    out = r.alloc(rows * width * tape.f, component)
-    r.drop(*made, zero)
-    return out
-
-
-def aggregate_terms(tape: StepTape, c: LayerCounts, width: int, record: bool, self_scale: int | None = None,
-                    row_scale: int | None = None, col_scale: int | None = None):
-    """aggregate.aggregate with a weighted block's own weights as ``values`` (already resident) and the scales
-    given as handles (``None``: not passed), which autograd keeps. Returns (out, backward); backward gives the
-    ``(S, width)`` gradient of ``h_src``."""
-    r = tape.r
-    out = csr_matmul_terms(tape, c.num_dst, c, width, AGG, col_scale is not None or not c.weighted)
-    if record:
-        r.save(row_scale, col_scale, self_scale)
-
-    def backward(grad: int) -> int:
-        e, s = c.num_edges, c.num_src
-        saved = (row_scale, col_scale, self_scale)
-        if tape.compiled_kernels:
-            tape.transposed.append(c)  # a product by Aᵀ: a kept transpose would serve it (for the planner)
-            if width <= SCATTER_MAX_WIDTH or c.transposed:
-                # the scatter, or the gather on the kept transpose, makes the gradient only
-                grad_src = r.alloc(s * width * tape.f, GRAD)
-                r.drop(grad, *saved)
-                return grad_src
-            # the counting sort writes int32 pointer and positions: no copies
-            transposed = [r.alloc((s + 1) * 4, OVER), r.alloc(e * 4, OVER)]
-            transposed += [r.alloc(e * tape.f, OVER)] if c.weighted else []
-            grad_src = csr_matmul_terms(tape, s, c, width, GRAD, False)
-            r.drop(*transposed, grad, *saved)
-            return grad_src
-        order = r.alloc(e * INDEX_BYTES, OVER)  # argsort(indices, stable): keys, order, iota
-        sorting = [r.alloc(e * INDEX_BYTES, OVER) for _ in range(2)]
-        r.drop(*sorting)
-        pointer = r.alloc((s + 1) * INDEX_BYTES, OVER)
-        r.transient(INDEX_BYTES, OVER)  # the one index_add_ counts with, expanded over the edges
-        edge_dst = edge_dst_terms(tape, c)
-        transposed = r.alloc(e * INDEX_BYTES, OVER)  # edge_dst[order]
-        r.drop(edge_dst)
-        transposed_values = r.alloc(e * tape.f, OVER) if c.weighted else None  # values[order]
-        grad_src = csr_matmul_terms(tape, s, c, width, GRAD, row_scale is not None or not c.weighted,
-                                    int64_indices=True)
-        r.drop(transposed_values, transposed, order, pointer, grad, *saved)
-        return grad_src
-
-    return out, backward
-
-
-def linear_aggregate_backward(tape: StepTape, grad: int, lin_in_bwd, agg_bwd, lin_out_bwd, record: bool,
-                              hd_grad: bool) -> int | None:
-    """The backward of a layer that aggregates with :func:`aggregate_terms` and applies one linear map before it
-    (projecting first: ``lin_in_bwd``) or after it (``lin_out_bwd``), from the gradient ``grad`` of the map's
-    output (GCN and GIN). ``record``: the aggregation's input takes a gradient; ``hd_grad``: the layer's input
-    ``h_src`` does (otherwise a gradient made for the weights only is dropped).
-
-    Returns:
-        The handle of ``∂L/∂h_src``, or ``None`` when nothing below takes a gradient.
-    """
-    if lin_out_bwd is not None:
-        grad = lin_out_bwd(grad, True, record)
-    if not record:
-        return None
-    grad_h = agg_bwd(grad)
-    if lin_in_bwd is not None:
-        return lin_in_bwd(grad_h)
-    return grad_h if hd_grad else tape.r.drop(grad_h)
-
-def segment_max_terms(tape: StepTape, c: LayerCounts, width: int):
-    """max_neighbours: the ``(D, w)`` maxima and their int32 argmax (kept for backward). The compiled
-    kernel makes nothing else; the tensor path makes one chunk of rows' gathered values, their
-    comparison and first-hit positions at a time. Returns (out, backward); backward gives the
-    ``(S + 1, w)`` gradient buffer whose first ``S`` rows are ``h``'s gradient."""
-    r, f = tape.r, tape.f
-    d, s = c.num_dst, c.num_src
-    out, argmax = r.alloc(d * width * f, AGG), r.alloc(d * width * 4, AGG)
-    if not tape.compiled_kernels:
-        segment_max_chunks_terms(tape, c, width)
-
-    def backward(grad: int) -> int:
-        grad_src = r.alloc((s + 1) * width * f, GRAD)
-        if not tape.compiled_kernels:
-            r.transient(d * width * INDEX_BYTES, GRAD)  # argmax.long() for scatter_add_
-        r.drop(grad, argmax)
-        return grad_src
-
-    return out, backward
-
-
-def segment_max_chunks_terms(tape: StepTape, c: LayerCounts, width: int) -> None:
-    """aggregate._segment_max_chunks' temporaries: the degrees, then one chunk of rows' segment ids,
-    gathered values, maxima, comparison, positions and first hits. With one chunk (the rows fit
-    MAX_CHUNK_ELEMENTS) this is exact; with several, the chunk's edges are bounded by its rows'
-    widest in-degrees, so the estimate is an upper bound."""
-    r, f = tape.r, tape.f
-    widest = max((length for length, _ in c.degree_histogram), default=1)
-    rows = min(c.num_dst, max(1, MAX_CHUNK_ELEMENTS // max(width, 1) // widest))
-    edges, left = 0, rows  # one chunk's edges: all of them, or at most those of its rows' widest degrees
-    for length, count in sorted(c.degree_histogram, reverse=True):
-        edges, left = edges + min(count, left) * length, left - min(count, left)
-    degrees = r.alloc(c.num_dst * INDEX_BYTES, OVER)
-    r.transient(INDEX_BYTES, OVER)  # degrees.max()
-    if edges == 0:
-        r.drop(degrees)
-        return
-    ids, cumsum = r.alloc(rows * INDEX_BYTES, OVER), r.alloc(rows * INDEX_BYTES, OVER)
-    positions = r.alloc(edges * INDEX_BYTES, OVER)
-    r.drop(cumsum)
-    segment = r.alloc(edges * INDEX_BYTES, OVER)
-    r.drop(positions, ids)
-    gathered = r.alloc(edges * width * f, AGG)
-    peak = r.alloc(rows * width * f, AGG)
-    peak_gathered = r.alloc(edges * width * f, AGG)
-    equal = r.alloc(edges * width, AGG)  # bool
-    r.drop(peak_gathered)
-    iota = r.alloc(edges * INDEX_BYTES, OVER)
-    position = r.alloc(edges * width * INDEX_BYTES, AGG)
-    r.drop(equal, iota)
-    first_hit = r.alloc(rows * width * INDEX_BYTES, AGG)
-    has_edges = r.alloc(rows, OVER)  # bool
-    clamped = r.alloc(rows * width * INDEX_BYTES, AGG)
-    chosen = r.alloc(rows * width * LOCAL_INDEX_BYTES, AGG)  # indices[clamped]: int32 local positions
-    r.drop(clamped)
-    r.transient(rows * width * LOCAL_INDEX_BYTES, AGG)  # torch.where, copied into the int32 argmax
-    r.drop(chosen, segment, gathered, peak, position, first_hit, has_edges, degrees)
+# ----- memory terms written by hand (estimator.tape) -----------------------------------------------
+# The recorder (betty_trainer.models.recorded_terms) refuses the LSTM's in-degree groups (their sizes depend on the
+# data); the estimate replays these instead. tests/test_estimator.py checks them against measured peaks.
 
 
 def in_degree_groups_terms(tape: StepTape, c: LayerCounts) -> int:

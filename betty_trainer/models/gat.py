@@ -8,11 +8,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.aggregate import ATTENTION_CHUNK_ELEMENTS, attention_aggregate, edge_dst_terms, edge_softmax
+from betty_trainer.models.aggregate import attention_aggregate, edge_softmax
 from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
-from estimator.counts import INDEX_BYTES, LayerCounts
-from estimator.tape import AGG, GRAD, HID, OVER, StepTape
 from estimator.work import LayerSize, Work
 
 
@@ -123,139 +121,6 @@ class GATConv(nn.Module):
             attended = ~own  # data-dependent shapes, on this inspection path only
             return out, (torch.stack([edge_src, edge_dst])[:, attended], alpha[attended])
         return out
-
-    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
-        """What :meth:`forward` allocates (:class:`estimator.tape.StepTape`), returned as
-        :meth:`SAGEConv.memory_terms <betty_trainer.models.sage.SAGEConv.memory_terms>` does: z = W h,
-        per-edge scores, edge softmax, Σ α z, over E + D edges: the block's (its own self edges
-        included, which get no attention) and one self edge per dst node."""
-        z, linear_bwd = self.project_terms(tape, c.num_src, hd, hd_grad)
-        result, propagate_bwd = self.propagate_terms(tape, c, z)
-        tape.r.drop(z)  # forward's own reference (a temporary of propagate(block, project(h))); autograd keeps z
-
-        def backward(grad: int) -> int | None:
-            return linear_bwd(propagate_bwd(grad))
-
-        return result, backward
-
-    def project_terms(self, tape: StepTape, rows: int, hd: int, hd_grad: bool):
-        """What :meth:`project` allocates on ``rows`` rows: ``(z handle, backward)`` (:meth:`StepTape.linear`)."""
-        return tape.linear(hd, rows, self.in_feats, self.heads * self.out_feats, hd_grad, AGG)
-
-    def propagate_terms(self, tape: StepTape, c: LayerCounts, z: int):
-        """What :meth:`propagate` allocates from the projected rows ``z`` (a handle the caller holds):
-        ``(output handle, backward)``; ``backward(grad)`` returns the handle of ``z``'s gradient."""
-        heads, width, concat = self.heads, self.out_feats, self.concat
-        r, f = tape.r, tape.f
-        s, d, e = c.num_src, c.num_dst, c.num_edges
-        e2, hf = e + d, heads * width
-        edge_dst = edge_dst_terms(tape, c)
-        loops = r.alloc(d * INDEX_BYTES, OVER)
-        widened = r.alloc(e * INDEX_BYTES, OVER)  # the int32 src ends as int64, then cat(ends, loops): src, dst
-        edge_src2 = r.alloc(e2 * INDEX_BYTES, AGG)
-        r.drop(widened)
-        edge_dst2 = r.alloc(e2 * INDEX_BYTES, AGG)
-        r.drop(edge_dst)
-        own = r.alloc(e2, OVER)  # the block's own self edges
-        per_head = []  # z @ _per_head(att_src), then z[:D] @ _per_head(att_dst): (H, H·F), then the (rows, H) scores
-        per_head.append(r.alloc(heads * hf * f, AGG))
-        score_src = r.alloc(s * heads * f, AGG)
-        per_head.append(r.alloc(heads * hf * f, AGG))
-        score_dst = r.alloc(d * heads * f, AGG)
-        r.save(z, z, *per_head)  # both products save z (the dst one a view of it) and their (H·F, H) matrix
-        r.drop(*per_head)
-        gathered = [r.alloc(e2 * heads * f, AGG) for _ in range(2)]
-        scores = r.alloc(e2 * heads * f, AGG)
-        r.save(edge_src2, edge_dst2)  # the two IndexSelectBackwards
-        r.drop(*gathered)
-        activated = r.alloc(e2 * heads * f, AGG)  # leaky_relu saves its input
-        r.save(scores)
-        r.drop(scores)
-        log_weight = None
-        if c.weighted:  # + log w: the weights' logs, then the loops' zeros
-            converted = r.alloc(e * f, OVER) if f != 4 else None  # float32 weights cast to the scores' dtype
-            logs = r.alloc(e * f, OVER)
-            r.drop(converted)
-            zeros = r.alloc(d * f, OVER)
-            log_weight = r.alloc(e2 * f, OVER)
-            r.drop(zeros, logs)
-            summed = r.alloc(e2 * heads * f, AGG)
-            r.drop(activated)
-            activated = summed
-        r.save(own)  # masked_fill_ in place on the scores; its backward keeps the mask
-        peak = r.alloc(d * heads * f, AGG)  # edge_softmax: the per-dst max, then α in place on one tensor
-        peak_gathered = r.alloc(e2 * heads * f, AGG)
-        alpha = r.alloc(e2 * heads * f, AGG)  # scores − the max, exponentiated in place
-        r.drop(peak_gathered)
-        total = r.alloc(d * heads * f, AGG)
-        r.drop(peak)
-        r.transient(e2 * heads * f, AGG)  # the per-dst sums gathered, divided into α in place
-        r.drop(total)
-        r.save(alpha, edge_dst2)  # the softmax keeps its result and the dst ends
-        out = r.alloc(d * hf * f, AGG)  # attention_aggregate: new_zeros, then one chunk's products at a time
-        chunk = min(e2, max(1, ATTENTION_CHUNK_ELEMENTS // hf))
-        r.transient(chunk * hf * f, AGG)
-        r.save(z, edge_src2, edge_dst2)  # it saves z, alpha (the local's reference) and the edge ends
-        r.drop(edge_dst2, edge_src2)
-        if concat:
-            result = r.alloc(d * hf * f, HID)  # + bias
-        else:
-            averaged = r.alloc(d * width * f, HID)
-            result = r.alloc(d * width * f, HID)
-            r.drop(averaged)
-        r.drop(out, own, loops, score_src, score_dst, activated, log_weight)
-
-        def backward(grad: int) -> int | None:
-            tape.param_grad(hf if concat else width)  # bias
-            tape.settle()
-            if not concat:  # MeanBackward materialises the expanded gradient
-                expanded = r.alloc(d * hf * f, GRAD)
-                r.drop(grad)
-                grad = expanded
-            grad_z = r.alloc(s * hf * f, GRAD)  # attention_aggregate's backward: zeros_like(z)
-            grad_alpha = r.alloc(e2 * heads * f, GRAD)  # empty_like(alpha), filled chunk by chunk
-            grad_messages = r.alloc(chunk * hf * f, GRAD)  # grad.index_select(dst)
-            gathered = r.alloc(chunk * hf * f, GRAD)  # z.index_select(src)
-            product = r.alloc(chunk * hf * f, GRAD)
-            r.drop(gathered)
-            r.transient(chunk * heads * f, GRAD)  # .sum(-1), copied into grad_alpha
-            r.drop(product, grad_messages, grad, z, alpha, edge_src2, edge_dst2)
-            grad_softmax = r.alloc(e2 * heads * f, GRAD)  # edge_softmax's backward: α · ∂L/∂α, then in place
-            sums = r.alloc(d * heads * f, GRAD)
-            r.transient(e2 * heads * f, GRAD)  # the per-dst sums gathered
-            r.drop(sums, grad_alpha, alpha, edge_dst2)
-            masked = r.alloc(e2 * heads * f, GRAD)  # MaskedFillBackward: the gradient with the own edges' zeroed
-            r.drop(grad_softmax, own)
-            grad_scores = r.alloc(e2 * heads * f, GRAD)  # LeakyReluBackward
-            r.drop(masked, scores)
-            grad_score_dst = r.alloc(d * heads * f, GRAD)
-            r.drop(edge_dst2)
-            grad_score_src = r.alloc(s * heads * f, GRAD)
-            r.drop(grad_scores, edge_src2)
-            grad_z_dst = score_backward(d, grad_score_dst, per_head[1])
-            if d < s:  # SliceBackward of Block.dst_rows (none when every src node is a dst node)
-                sliced = r.alloc(s * hf * f, GRAD)
-                r.drop(grad_z_dst)
-                grad_z_dst = sliced
-            grad_z = tape.accumulate(grad_z, grad_z_dst, first_is_view=True)  # ∂z through z.view(-1, H, F)
-            grad_z_src = score_backward(s, grad_score_src, per_head[0])
-            return tape.accumulate(grad_z, grad_z_src)  # into the first sum's own result: in place
-
-        def score_backward(rows: int, grad_score: int, matrix: int) -> int:
-            """MmBackward of ``z_rows @ _per_head(att)``: ∂(H·F, H) matrix, then ∂z_rows ``(rows, H·F)``; the node
-            releases its saved z and matrix and the incoming gradient; BlockDiagBackward sums each head's
-            ``(F,)`` piece, UnbindBackward stacks them into ∂att. Returns ∂z_rows."""
-            grad_matrix = r.alloc(hf * heads * f, GRAD)
-            grad_rows = r.alloc(rows * hf * f, GRAD)
-            r.drop(matrix, z, grad_score)
-            pieces = [r.alloc(width * f, GRAD) for _ in range(heads)]
-            r.drop(grad_matrix)
-            tape.param_grad(hf)
-            tape.settle()
-            r.drop(*pieces)
-            return grad_rows
-
-        return result, backward
 
     def __repr__(self) -> str:
         return f"GATConv({self.in_feats}, {self.out_feats}, heads={self.heads}, concat={self.concat})"

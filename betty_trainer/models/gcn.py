@@ -6,16 +6,9 @@ import torch
 from torch import Tensor, nn
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.aggregate import (
-    aggregate,
-    aggregate_terms,
-    edge_weight,
-    linear_aggregate_backward,
-)
+from betty_trainer.models.aggregate import aggregate, edge_weight
 from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
-from estimator.counts import INDEX_BYTES, LayerCounts
-from estimator.tape import AGG, HID, OVER, StepTape
 from estimator.work import LayerSize, Work
 
 
@@ -91,39 +84,6 @@ class GCNConv(nn.Module):
         """
         return self.linear(rows) + self.bias
 
-    def aggregated_memory_terms(self, tape: StepTape, rows: int, hd: int):
-        """What :meth:`forward_aggregated` allocates on ``rows`` cached rows ``hd`` (no gradient):
-        ``(output handle, backward)`` (:meth:`StepTape.linear_bias <estimator.tape.StepTape.linear_bias>`)."""
-        return tape.linear_bias(hd, rows, self.in_feats, self.out_feats)
-
-    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
-        """What :meth:`forward` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
-        tape; ``hd_grad``: it requires grad), the normalisation gathered from the model's buffer
-        included, op by op (:class:`estimator.tape.StepTape`). Returns ``(output handle, backward)``
-        as :meth:`SAGEConv.memory_terms <betty_trainer.models.sage.SAGEConv.memory_terms>` does."""
-        a, b = self.in_feats, self.out_feats
-        r, f = tape.r, tape.f
-        s, d = c.num_src, c.num_dst
-        project_first, w, record = tape.aggregation_width(a, b, hd_grad)
-        norm = r.alloc(s * f, AGG)  # inv_sqrt_degree[src_nodes]
-        h, lin_in_bwd = tape.linear(hd, s, a, b, hd_grad, AGG) if project_first else (hd, None)
-        row_scale = norm if c.weighted else sampled_row_scale_terms(tape, c)  # weighted: dst_norm, a view of norm
-        scale = r.alloc(d * f, AGG)  # dst norm²
-        out, agg_bwd = aggregate_terms(tape, c, w, record, scale, row_scale, norm)
-        r.drop(scale)
-        lin_out, lin_out_bwd = (None, None) if project_first else tape.linear(out, d, a, b, True)
-        result = r.alloc(d * b * f, HID)  # + bias
-        r.drop(out, lin_out, None if c.weighted else row_scale, norm)
-        if project_first:
-            r.drop(h)
-
-        def backward(grad: int) -> int | None:
-            tape.param_grad(b)
-            tape.settle()
-            return linear_aggregate_backward(tape, grad, lin_in_bwd, agg_bwd, lin_out_bwd, record, hd_grad)
-
-        return result, backward
-
     def __repr__(self) -> str:
         return f"GCNConv({self.in_feats}, {self.out_feats})"
 
@@ -138,13 +98,6 @@ def sampled_row_scale(block: Block, dst_norm: Tensor) -> Tensor:
     ``dst_norm`` on rows that kept every in-edge (of in-degree below about 2·10⁶)."""
     degree = dst_norm.pow(-2).sub_(1).round_()
     return degree.div_(block.in_degrees().clamp_(min=1)).mul_(dst_norm)
-
-
-def sampled_row_scale_terms(tape: StepTape, c: LayerCounts) -> int:
-    """:func:`sampled_row_scale`: the ``(D,)`` result, the block's int64 in-degrees made and freed beside it."""
-    scale = tape.r.alloc(c.num_dst * tape.f, AGG)
-    tape.r.transient(c.num_dst * INDEX_BYTES, OVER)
-    return scale
 
 
 class GCN(LayerStack):

@@ -7,11 +7,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.aggregate import aggregate, aggregate_terms, edge_weight, linear_aggregate_backward
+from betty_trainer.models.aggregate import aggregate, edge_weight
 from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
-from estimator.counts import LayerCounts
-from estimator.tape import AGG, HID, StepTape
 from estimator.work import LayerSize, Work
 
 
@@ -56,38 +54,6 @@ class GINConv(nn.Module):
         out = aggregate(block, h, edge_weight(block, h.dtype), self_scale=h.new_ones(block.num_dst))  # (1 + ε)·h_d + Σ h_s, ε = 0
         hidden = F.relu((out if project_first else self.linear1(out)) + self.bias1)
         return self.linear2(hidden) + self.bias2
-
-    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
-        """What :meth:`forward` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
-        tape; ``hd_grad``: it requires grad), op by op (:class:`estimator.tape.StepTape`). Returns ``(output
-        handle, backward)`` as :meth:`SAGEConv.memory_terms <betty_trainer.models.sage.SAGEConv.memory_terms>`
-        does."""
-        a, b = self.in_feats, self.out_feats
-        r, f, d = tape.r, tape.f, c.num_dst
-        project_first, w, record = tape.aggregation_width(a, b, hd_grad)
-        h, lin_in_bwd = tape.linear(hd, c.num_src, a, b, hd_grad, AGG) if project_first else (hd, None)
-        scale = r.alloc(d * f, AGG)  # ones (a weighted block's values are its own weights)
-        out, agg_bwd = aggregate_terms(tape, c, w, record, scale)
-        r.drop(scale)
-        lin_out, lin_out_bwd = (None, None) if project_first else tape.linear(out, d, a, b, True)
-        pre = r.alloc(d * b * f, HID)  # + b₁
-        r.drop(lin_out)
-        hidden, relu_bwd = tape.relu(pre, d, b)
-        z, lin2_bwd = tape.linear(hidden, d, b, b, True)
-        result = r.alloc(d * b * f, HID)  # + b₂
-        r.drop(z, hidden, out)
-        if project_first:
-            r.drop(h)
-
-        def backward(grad: int) -> int | None:
-            tape.param_grad(b)  # b₂
-            tape.settle()
-            grad = relu_bwd(lin2_bwd(grad))
-            tape.param_grad(b)  # b₁
-            tape.settle()
-            return linear_aggregate_backward(tape, grad, lin_in_bwd, agg_bwd, lin_out_bwd, record, hd_grad)
-
-        return result, backward
 
     def __repr__(self) -> str:
         return f"GINConv({self.in_feats}, {self.out_feats})"

@@ -39,15 +39,18 @@ hand-written terms do. The components of an allocation are the phase's: :data:`~
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn import functional as F
 
 from betty_trainer.data.block import Block, BlockTranspose
 from betty_trainer.models import aggregate, chunks
+from betty_trainer.models.capabilities import AffineLayer, WrittenMemoryTerms, projected_layers
 from betty_trainer.models.stack import LayerStack
 from betty_trainer.rng import tensor_path
 from estimator.counts import LayerCounts
@@ -56,6 +59,7 @@ from estimator.recorder import (
     Recorder,
     Recording,
     RecordingRefused,
+    check_torch,
     counts_vector,
     recording_sizes,
     solve_allocations,
@@ -123,7 +127,7 @@ class RecordedPiece:
             is the caller's, left out).
         backward: the backward's events, and ``"free input i"`` / ``"free grad"`` where input ``i`` (kept by
             autograd) and the output's gradient die; empty when autograd did not record.
-        output: the output's allocation.
+        output: the output's allocation (``None``: the piece returns nothing).
         transposes: the backward multiplies by the block's ``Aᵀ`` (the compiled CSR gather or scatter), which a
             kept transpose serves (``StepTape.transposed``).
         input_saved: per input, autograd keeps it past the forward (it dies in :attr:`backward`).
@@ -137,14 +141,14 @@ class RecordedPiece:
     forward: tuple[int, ...]
     backward: tuple[int | str, ...]
     transposes: bool
-    output: int
+    output: int | None
     input_saved: tuple[bool, ...]
     output_saved: bool
     input_grad: tuple[int | None, ...]
     chunked: tuple[tuple[int, int, int, np.ndarray, int], ...] = ()
 
     @classmethod
-    def of(cls, recordings: list[Recording], counts: list[LayerCounts], output: int,
+    def of(cls, recordings: list[Recording], counts: list[LayerCounts], output: int | None,
            input_grad: tuple[int | None, ...]) -> RecordedPiece:
         """The piece of recordings of one configuration at ``counts`` (one layer's :func:`recording_sizes`).
 
@@ -163,9 +167,10 @@ class RecordedPiece:
         split = steps.index(_BACKWARD) if _BACKWARD in steps else len(steps)
         forward, backward = steps[:split], steps[split + 1:]
         freed = [f"{_INPUT} {i}" for i in range(len(input_grad))]
-        return cls(coefficients, tuple(e for e in forward if isinstance(e, int) and e != -output - 1),
+        output_freed = None if output is None else -output - 1  # the caller's
+        return cls(coefficients, tuple(e for e in forward if isinstance(e, int) and e != output_freed),
                    tuple(e for e in backward if e in freed or e == _GRAD or isinstance(e, int)), _PRODUCT in backward,
-                   output, tuple(name in backward for name in freed), -output - 1 in backward, input_grad, chunked)
+                   output, tuple(name in backward for name in freed), output_freed in backward, input_grad, chunked)
 
     def replay(self, tape: StepTape, c: LayerCounts, inputs: Sequence[int | None]):
         """This piece on ``tape`` (the estimate's replay, Betty §4.4.3: allocations in bytes, :meth:`nbytes`) for a
@@ -183,7 +188,7 @@ class RecordedPiece:
 
         for event in self.forward:
             run(event, HID)
-        out = handles[self.output]
+        out = None if self.output is None else handles[self.output]
         r.keep(*(handle for handle, saved in zip(inputs, self.input_saved) if saved))
         if self.output_saved:
             r.keep(out)
@@ -267,101 +272,186 @@ class _Input:
 
 
 class RecordedLayer:
-    """A layer's memory terms from recordings of its code (see the module; the terms feed the replay of Betty §4.4.3,
-    :mod:`estimator.tape`, bytes per allocation): drop-ins for the hand-written
-    :meth:`~betty_trainer.models.capabilities.LayerMemoryTerms.memory_terms`, the stack's
-    :meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms` of this layer (dropout and ReLU around it) and,
-    for a layer that projects first, :meth:`~betty_trainer.models.capabilities.ProjectedLayer.propagate_terms`; each
+    """Layer ``index`` of ``model``'s memory terms from recordings of its code (see the module; the terms feed the
+    replay of Betty §4.4.3, :mod:`estimator.tape`, bytes per allocation): the stack's ``layer_forward`` (dropout,
+    the layer, ReLU below the output layer), and where layer-wise execution projects the layer its projection and
+    propagation as the executor runs them, and layer 0's ``aggregated_forward`` from the aggregation cache; each
     configuration recorded when a replay first asks for it (tens of milliseconds) and kept.
 
     Args:
         model: the :class:`~betty_trainer.models.stack.LayerStack` (its parameters and buffers are copied as fake
-            tensors; the model itself is not touched).
-        index: the layer, run as the stack runs it (``model.apply_layer(model.layers[index], block, h)``: ``(S,
-            widths[index])`` → ``(D, widths[index + 1])``, with what the stack passes besides, e.g. GCN's
-            normalisation gathered from its buffer).
+            CPU tensors; the model itself is not touched).
+        index: the layer.
 
     Raises:
         RecordingRefused: from the terms, for a layer or configuration the recorder cannot record exactly (the
-            message names why in one line).
+            message names why in one line), unless hand-written terms stand in (:meth:`layer_memory_terms`).
     """
 
     def __init__(self, model: LayerStack, index: int):
         self.model, self.index = model, index
-        self._pieces: dict[tuple, RecordedPiece] = {}
-
-    def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
-        """What the layer's ``forward`` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
-        tape; ``hd_grad``: it requires grad): ``(output handle, backward)``, ``backward(grad)`` returning the handle
-        of ``hd``'s gradient or ``None``, as the hand-written terms do."""
-        out, backward = self._replay("forward", tape, c, [hd], (hd_grad,))
-        return out, lambda grad: backward(grad)[0]
+        self._pieces: dict[tuple, RecordedPiece | RecordingRefused] = {}
 
     def layer_memory_terms(self, tape: StepTape, c: LayerCounts, h: int, h_grad: bool, consume_input: bool = False):
-        """What the stack's ``layer_forward`` (node-keyed dropout, the layer, ReLU below the output layer) allocates
-        on a block of counts ``c`` from the input ``h`` (``h_grad``: it requires grad; ``consume_input``: dropout
-        overwrites it in place): ``(output handle, backward)`` as
-        :meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms` gives, which takes over the caller's
-        reference to ``h`` unless ``consume_input`` (the stack's ``forward`` holds it until the layer returns)."""
-        out, backward = self._replay("layer", tape, c, [h], (h_grad,), consume_input)
+        """What the stack's ``layer_forward`` allocates on a block of counts ``c`` from the input ``h`` (a handle on
+        the tape; ``h_grad``: it requires grad; ``consume_input``: dropout overwrites it in place): ``(output handle,
+        backward)``, ``backward(grad)`` returning the handle of ``h``'s gradient or ``None``; it takes over the
+        caller's reference to ``h`` unless ``consume_input`` (the stack's ``forward`` holds it until the layer
+        returns). A layer the recorder refuses whose class writes its terms by hand
+        (:class:`~betty_trainer.models.capabilities.WrittenMemoryTerms`: SAGE's ``lstm`` aggregator) is replayed from
+        them
+        (:meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms`)."""
+        try:
+            piece = self._piece(tape, c, "layer", (h_grad,), consume_input)
+        except RecordingRefused:
+            if not isinstance(self.model.layers[self.index], WrittenMemoryTerms):
+                raise
+            return self.model.layer_memory_terms(tape, self.index, c, h, h_grad, consume_input)
+        out, backward = piece.replay(tape, c, [h])
         if not consume_input:
             tape.r.drop(h)
         return out, lambda grad: backward(grad)[0]
 
-    def propagate_terms(self, tape: StepTape, c: LayerCounts, z: int, hd: int | None = None, hd_grad: bool = False):
-        """What the layer's ``propagate`` allocates on a block of counts ``c`` from the rows ``z`` of its projection
-        (``(S, projected_width)``, requiring grad where autograd records) and, when the layer ``reads_dst_input``,
-        its dst input rows ``hd`` (``(D, widths[index])``; ``hd_grad``: they require grad): ``(output handle,
-        backward)``, ``backward(grad)`` returning ``z``'s gradient, or with ``hd`` the pair of both, as the
-        hand-written terms do."""
-        inputs, grads = ([z], (tape.r.saving,)) if hd is None else ([z, hd], (tape.r.saving, hd_grad))
-        out, backward = self._replay("propagate", tape, c, inputs, grads)
-        return out, (lambda grad: backward(grad)[0]) if hd is None else backward
+    def project_terms(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
+        """What layer-wise execution's projection allocates on ``rows`` rows of the layer's input ``h`` (a handle the
+        caller holds: gathered features at layer 0, which dropout overwrites; ``None`` for a view of the stored
+        ``h_{l−1}``; ``h_grad``: they require grad): the stack's dropout and the layer's ``project``. Returns ``(z
+        handle, backward)``, ``backward()`` taking ``z``'s gradient (a view the caller holds) and returning ``h``'s
+        handle or ``None``."""
+        c = LayerCounts(rows, rows, 0)
+        out, backward = self._piece(tape, c, "project", (h_grad,)).replay(tape, c, [h])
+        return out, lambda: backward(None)[0]
 
-    def _replay(self, kind: str, tape: StepTape, c: LayerCounts, inputs: list[int], grads: tuple[bool, ...],
-                consume_input: bool = False):
-        key = (kind, tape.accumulating, grads, c.weighted, c.transposed, tape.r.saving, consume_input,
-               tape.compiled_kernels)
+    def propagate_terms(self, tape: StepTape, c: LayerCounts, z: int, h_dst: int | None = None, h_grad: bool = False,
+                        relu: bool = True):
+        """What layer-wise execution's chunk of a projected layer allocates on a block of counts ``c`` from its rows
+        ``z`` (``(S, projected_width)``, requiring grad where autograd records) and, where the layer
+        ``reads_dst_input``, the dst input rows ``h_dst`` (``(D, widths[index])``, handles the caller holds;
+        ``h_grad``: they require grad) with the stack's dropout: the layer's ``propagate`` and, with ``relu``, the
+        stack's ReLU below the output layer. Returns ``(output handle, backward)``, ``backward(grad)`` returning
+        ``z``'s gradient (``h_dst``'s stays live, the chunk's)."""
+        inputs, grads = ([z], (tape.r.saving,)) if h_dst is None else ([z, h_dst], (tape.r.saving, h_grad))
+        out, backward = self._piece(tape, c, "propagate", grads, relu).replay(tape, c, inputs)
+        return out, lambda grad: backward(grad)[0]
+
+    def aggregated_terms(self, tape: StepTape, rows: int, x: int, consume_input: bool = True):
+        """What the stack's ``aggregated_forward`` (layer 0 from ``rows`` rows ``x`` of the aggregation cache, a
+        handle: dropout, ``forward_aggregated``, ReLU) allocates. Returns ``(output handle, backward)``; it takes over
+        the caller's reference to ``x`` unless ``consume_input``, and ``backward(grad)`` returns ``None`` (the rows
+        take no gradient)."""
+        c = LayerCounts(rows, rows, 0)
+        out, backward = self._piece(tape, c, "aggregated", (False,), consume_input).replay(tape, c, [x])
+        if not consume_input:
+            tape.r.drop(x)
+        return out, lambda grad: backward(grad)[0]
+
+    def rows_terms(self, tape: StepTape, rows: int, h_dst: int | None = None) -> int:
+        """What layer-wise execution's block of ``rows`` dst rows of an affine layer run off the whole block allocates
+        without autograd (:class:`~betty_trainer.models.capabilities.AffineLayer`'s ``propagate_rows`` on the whole
+        projection, which the caller holds): the dst input rows' dropout where the layer reads them (``h_dst``:
+        gathered features at layer 0, overwritten in place; ``None`` for a view of ``h_{l−1}``), ``propagate_rows``
+        and the stack's ReLU below the output layer. Returns the output's handle."""
+        c = LayerCounts(rows, rows, 0)
+        inputs = [None, h_dst] if self.model.layers[self.index].reads_dst_input else [None]
+        return self._piece(tape, c, "propagate_rows", (False,) * len(inputs)).replay(tape, c, inputs)[0]
+
+    def projection_backward_terms(self, tape: StepTape, rows: int, dst_rows: int, h: int | None, h_grad: bool) -> None:
+        """What layer-wise execution's backward of an affine layer run off the whole block allocates on a block of
+        ``rows`` src rows, of which the first ``dst_rows`` are dst nodes (``AffineLayer.projection_backward``, the
+        parameters' gradients resident): the input rows' dropout (``h``: gathered features at layer 0, overwritten in
+        place; ``None`` for a view of ``h_{l−1}``), the parameters' gradients from the rows of ``∂L/∂z`` and
+        ``∂L/∂h_l`` (views the caller holds) and, with ``h_grad``, the rows' input gradient through the dropout's
+        backward (added into ``∂L/∂h_{l−1}``), freed with the block."""
+        c = LayerCounts(rows, dst_rows, 0)
+        out, _ = self._piece(tape, c, "projection_backward", (False,) * 3, h_grad).replay(tape, c, [h, None, None])
+        tape.r.drop(out)
+
+    def _piece(self, tape: StepTape, c: LayerCounts, kind: str, grads: tuple[bool, ...],
+               option: bool = False) -> RecordedPiece:
+        rows = "square" if c.num_dst == c.num_src else "empty" if c.num_dst == 0 else "fewer"
+        key = (kind, tape.accumulating, grads, c.weighted, c.transposed, tape.r.saving, option, tape.compiled_kernels,
+               rows)
         if key not in self._pieces:
-            self._pieces[key] = self._record(*key)
-        return self._pieces[key].replay(tape, c, inputs)
+            try:
+                self._pieces[key] = self._record(*key)
+            except RecordingRefused as refusal:
+                self._pieces[key] = refusal
+        piece = self._pieces[key]
+        if isinstance(piece, RecordingRefused):
+            raise piece
+        return piece
+
+    def _inputs(self, kind: str, count: int) -> list[_Input]:
+        """The first ``count`` boundary inputs of a piece of ``kind``."""
+        widths, layer = self.model.widths, self.model.layers[self.index]
+        width, projected = widths[self.index], getattr(layer, "projected_width", None)
+        return {"layer": [_Input("src", width)], "project": [_Input("src", width)],
+                "aggregated": [_Input("src", self.model.aggregated_width or 0)],
+                "propagate": [_Input("src", projected), _Input("dst", width)],
+                "propagate_rows": [_Input("src", projected), _Input("dst", width)],
+                "projection_backward": [_Input("src", width), _Input("src", projected),
+                                        _Input("dst", widths[self.index + 1])]}[kind][:count]
 
     def _record(self, kind: str, accumulate: bool, grads: tuple[bool, ...], weighted: bool, transposed: bool,
-                grad_enabled: bool, consume_input: bool, compiled: bool) -> RecordedPiece:
-        layer = self.model.layers[self.index]
-        if kind != "propagate":
-            inputs = [_Input("src", self.model.widths[self.index])]
-        else:
-            inputs = [_Input("src", layer.projected_width)] + [_Input("dst", self.model.widths[self.index])] * (
-                len(grads) - 1)
+                grad_enabled: bool, option: bool, compiled: bool, rows: str) -> RecordedPiece:
+        """Record one configuration at one layer's :func:`~estimator.recorder.recording_sizes`; ``option``: the
+        input is consumed (``"layer"``, ``"aggregated"``), the stack's ReLU follows (``"propagate"``), or the input
+        rows take a gradient (``"projection_backward"``). ``rows``: ``"square"`` where every src node is a dst node (a
+        full graph's blocks, and the row pieces: ``h[:D]`` is then ``h`` itself, which other sizes slice) and
+        ``"empty"`` where none is, recorded at those sizes' twins with ``D = S`` or ``D = 0`` (the dst count's
+        coefficient 0); ``"fewer"`` otherwise."""
+        index, last = self.index, len(self.model.layers) - 1
+        layer = self.model.layers[index]
         sizes = [replace(layers[0], transposed=transposed) for layers in recording_sizes(1, (weighted,))]
+        if rows != "fewer":  # the dst count's +1 is then the base again
+            sizes = [replace(c, num_dst=c.num_src if rows == "square" else 0) for c in sizes]
         found: dict[str, object] = {}
         with (torch.random.fork_rng(devices=[]), Recorder() as recorder,
               contextlib.nullcontext() if compiled else tensor_path()):
-            model = recorder.fake_module(self.model).train()
-            fake = model.layers[self.index]
+            model = recorder.fake_module(self.model, "cpu").train()
+            fake = model.layers[index]
 
-            def call(block: Block, *tensors: Tensor) -> Tensor:
+            def dst_dropped(block: Block, h_dst: Tensor) -> Tensor:
+                return model.dropout(h_dst, block.src_nodes[:block.num_dst], index, index == 0)
+
+            def call(block: Block, *tensors: Tensor) -> Tensor | None:
                 if kind == "layer":
-                    return model.layer_forward(self.index, block, *tensors, consume_input=consume_input)
-                if kind == "forward":
-                    return model.apply_layer(fake, block, *tensors)
-                return fake.propagate(block, *tensors)
+                    return model.layer_forward(index, block, *tensors, consume_input=option)
+                if kind == "aggregated":
+                    return model.aggregated_forward(*tensors, block.src_nodes, consume_input=option)
+                if kind == "project":
+                    return fake.project(model.dropout(*tensors, block.src_nodes, index, index == 0))
+                if kind == "projection_backward":  # as the layer-wise executor's projection_backward runs it
+                    x, grad_z, grad_dst = tensors
+                    with torch.no_grad():
+                        dropped = model.dropout(x, block.src_nodes, index, index == 0)
+                    grad = fake.projection_backward(dropped, grad_z, grad_dst, option)
+                    del dropped
+                    return None if grad is None else model.dropout.backward_(grad, block.src_nodes, index)
+                z, *h_dst = tensors
+                h_dst = [dst_dropped(block, h) for h in h_dst]
+                if kind == "propagate_rows":  # as the executor's rows_forward runs it
+                    out = fake.propagate_rows(block, 0, block.num_dst, z, *h_dst)
+                    return F.relu(out) if index < last else out
+                out = fake.propagate(block, z, *h_dst)
+                return F.relu(out) if option and index < last else out
 
             recordings = []
             for counts in sizes:
                 block = fake_block(counts)
                 for parameter in model.parameters():
                     parameter.grad = torch.zeros_like(parameter) if accumulate else None
-                recordings.append(recorder.record_piece(_harness(call, block, counts, inputs, grads, grad_enabled,
-                                                                 next(model.parameters()).dtype, found)))
-        if found["output"] is None:
+                recordings.append(recorder.record_piece(_harness(call, block, counts, self._inputs(kind, len(grads)),
+                                                                 grads, grad_enabled, next(model.parameters()).dtype,
+                                                                 found)))
+        if found["output"] is None and found["returned"]:
             raise RecordingRefused(f"{type(layer).__name__} returns a tensor it did not make")
         return RecordedPiece.of(recordings, sizes, found["output"], found["input_grad"])
 
 
-def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: list[_Input], grads: tuple[bool, ...],
-             grad_enabled: bool, dtype: torch.dtype, found: dict[str, object]) -> Callable[[PieceScope], None]:
+def _harness(call: Callable[..., Tensor | None], block: Block, c: LayerCounts, inputs: list[_Input],
+             grads: tuple[bool, ...], grad_enabled: bool, dtype: torch.dtype,
+             found: dict[str, object]) -> Callable[[PieceScope], None]:
     """The recorded piece: ``call(block, *inputs)`` from ``dtype`` inputs only it and the harness hold, the harness letting go
     of them and of the output right after it (what autograd keeps then outlives them), and with autograd the
     backward from a gradient only the engine holds; ``found`` receives the output's and the inputs' gradients'
@@ -386,9 +476,9 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
             scope.watch(tensors[position], f"{_INPUT} {position}")
         with torch.set_grad_enabled(grad_enabled):
             out = call(block, *tensors)
-        found["output"] = scope.index_of(out)
+        found["output"], found["returned"] = (None, False) if out is None else (scope.index_of(out), True)
         seam = None
-        if grad_enabled and out.requires_grad:
+        if grad_enabled and out is not None and out.requires_grad:
             with scope.unrecorded():
                 seam, seed = _Seam.apply(out, stash_out), torch.ones(())
                 stash_out.append(torch.empty_like(out))
@@ -408,19 +498,118 @@ def _harness(call: Callable[..., Tensor], block: Block, c: LayerCounts, inputs: 
     return piece
 
 
+@dataclass(frozen=True)
+class ProjectedLayerTerms:
+    """:class:`estimator.layerwise.ProjectedTerms` of a projected layer (:func:`~betty_trainer.models.capabilities.
+    projected_layers`): what :func:`~betty_trainer.execution.layerwise.layerwise_backward`'s projection and
+    propagation allocate, and an affine layer's row methods, which the executor runs off the whole block without
+    autograd, all recorded (:class:`RecordedLayer`)."""
+
+    recorded: RecordedLayer
+
+    @property
+    def _layer(self):
+        return self.recorded.model.layers[self.recorded.index]
+
+    @property
+    def width(self) -> int:
+        return self._layer.projected_width
+
+    @property
+    def reads_dst_input(self) -> bool:
+        return self._layer.reads_dst_input
+
+    @property
+    def affine(self) -> bool:  # the class exists only for projected layers
+        return self._layer.propagate_is_affine
+
+    @property
+    def runs_rows(self) -> bool:
+        """Whether the layer can run off the whole block: it implements :class:`~betty_trainer.models.capabilities.
+        AffineLayer`'s row methods."""
+        return isinstance(self._layer, AffineLayer)
+
+    def project(self, tape: StepTape, rows: int, h: int | None, h_grad: bool):
+        return self.recorded.project_terms(tape, rows, h, h_grad)
+
+    def propagate(self, tape: StepTape, c: LayerCounts, z: int, h_dst: int | None = None, h_grad: bool = False,
+                  relu: bool = True):
+        return self.recorded.propagate_terms(tape, c, z, h_dst, h_grad, relu)
+
+    def propagate_rows(self, tape: StepTape, rows: int, h_dst: int | None = None) -> int:
+        return self.recorded.rows_terms(tape, rows, h_dst)
+
+    def projection_backward(self, tape: StepTape, rows: int, dst_rows: int, h: int | None, h_grad: bool) -> None:
+        self.recorded.projection_backward_terms(tape, rows, dst_rows, h, h_grad)
+
+
 class RecordedStack:
-    """:meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms` of every layer of ``model`` from recordings
-    (:meth:`RecordedLayer.layer_memory_terms`): what the micro-batch, layer-wise and cooperative estimates replay
-    per layer (``ModelSpec.layer_terms``; the stack's ``memory_terms`` chains them).
+    """A built-in model's memory terms (Betty §4.4.3's replay, bytes per allocation), each layer's recorded from its
+    code (:class:`RecordedLayer`): what the micro-batch, layer-wise and cooperative estimates replay (a
+    :class:`~estimator.spec.ModelSpec`'s ``forward_terms``, ``layer_terms`` and ``projections``). Made by
+    :func:`model_terms`.
 
     Raises:
-        RecordingRefused: from :meth:`layer_memory_terms`, as :class:`RecordedLayer`.
+        RecordingRefused: on a torch the recorder is not tested with (:func:`~estimator.recorder.check_torch`);
+            from the terms, as :class:`RecordedLayer`.
     """
 
     def __init__(self, model: LayerStack):
+        check_torch()
+        self.model = model
         self.layers = [RecordedLayer(model, index) for index in range(len(model.layers))]
+        self.projections = tuple(ProjectedLayerTerms(self.layers[index]) if projected else None
+                                 for index, projected in enumerate(projected_layers(model)))
+
+    def memory_terms(self, tape: StepTape, layers: Sequence[LayerCounts], x: int, consume_input: bool = True):
+        """What the model's ``forward`` allocates when the training step calls it on blocks of counts ``layers``
+        (input layer first; one fewer than the layers when layer 0 reads the aggregation cache) and the input rows
+        ``x`` (a handle on the tape: the step's gather, which it hands over, ``consume_input``; or the feature
+        store's own rows): per layer :meth:`layer_memory_terms`.
+
+        Returns:
+            ``(logits handle, backward)``; ``backward(grad)`` replays the backward from the logits' gradient and
+            returns the handle of the input rows' gradient (``None``: they take none).
+        """
+        h, h_grad, backwards = x, False, []
+        first = len(self.layers) - len(layers)  # 1: layer 0 reads the aggregation cache
+        if first:
+            h, backward = self.layers[0].aggregated_terms(tape, layers[0].num_src, x, consume_input)
+            backwards.append(backward)
+            h_grad = True
+        for index, counts in enumerate(layers, start=first):
+            h, backward = self.layer_memory_terms(tape, index, counts, h, h_grad, consume_input and index == 0)
+            backwards.append(backward)
+            h_grad = True
+
+        def backward(grad: int) -> int | None:
+            for layer_backward in reversed(backwards):
+                grad = layer_backward(grad)
+            return grad
+
+        return h, backward
 
     def layer_memory_terms(self, tape: StepTape, index: int, counts: LayerCounts, h: int, h_grad: bool,
                            consume_input: bool = False):
-        """As :meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms`."""
+        """Layer ``index``'s :meth:`RecordedLayer.layer_memory_terms`."""
         return self.layers[index].layer_memory_terms(tape, counts, h, h_grad, consume_input)
+
+
+_STACKS: dict[tuple, RecordedStack] = {}
+
+
+def model_terms(model: LayerStack) -> RecordedStack:
+    """The :class:`RecordedStack` of ``model``, one per process for models of one class, configuration (``repr``),
+    parameter shapes and dtype: recorded on a meta-device copy (no parameter or buffer is kept), each
+    configuration once.
+
+    Raises:
+        RecordingRefused: as :class:`RecordedStack`.
+    """
+    check_torch()  # on every call, cached or not
+    key = (type(model), repr(model), tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()))
+    if key not in _STACKS:
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in model.parameters()}
+        memo.update({id(buffer): torch.empty_like(buffer, device="meta") for buffer in model.buffers()})
+        _STACKS[key] = RecordedStack(copy.deepcopy(model, memo))
+    return _STACKS[key]

@@ -17,23 +17,18 @@ from betty_trainer.models.aggregate import (
     aggregate,
     aggregate_rows,
     aggregate_rows_transpose_,
-    aggregate_terms,
     edge_weight,
     lstm_neighbours,
     lstm_neighbours_terms,
     max_neighbours,
     mean_neighbours,
-    mean_scale_terms,
-    per_dst_scale_terms,
-    segment_max_terms,
     weight_totals,
-    weight_totals_terms,
 )
 from betty_trainer.models.lstm import LSTM
 from betty_trainer.models.registry import Architecture, register
 from betty_trainer.models.stack import LayerStack, layer_widths
 from estimator.counts import LayerCounts
-from estimator.tape import AGG, GRAD, HID, StepTape
+from estimator.tape import GRAD, HID, StepTape
 from estimator.work import LayerSize, Work
 
 AGGREGATORS = ("mean", "gcn", "pool", "lstm")
@@ -166,22 +161,6 @@ class SAGEConv(nn.Module):
         out = out + self.fc_self(rows[:, :self.in_feats])
         return out + self.bias
 
-    def aggregated_memory_terms(self, tape: StepTape, rows: int, hd: int):
-        """What :meth:`forward_aggregated` allocates on ``rows`` cached rows ``hd`` (a handle on the tape; they take
-        no gradient): ``(output handle, backward)``; ``backward(grad)`` emits the parameters' gradients, frees
-        ``grad`` and returns ``None``."""
-        a, b = self.in_feats, self.out_feats
-        if self.fc_self is None:
-            return tape.linear_bias(hd, rows, a, b)
-        neigh_out, neigh_bwd = tape.linear(hd, rows, a, b, False)  # both halves are views of hd: autograd keeps hd
-        result, self_bias_bwd = self._self_bias_terms(tape, LayerCounts(rows, rows, 0), neigh_out, hd, False)
-
-        def backward(grad: int) -> None:
-            self_bias_bwd(grad)
-            neigh_bwd(grad)
-
-        return result, backward
-
     def project(self, h: Tensor) -> Tensor:
         """``z = W_neigh·h`` row by row, the part of a projecting layer's :meth:`forward` that reads no edge:
         layer-wise execution projects a layer's src rows once per pass and each chunk gathers its rows of
@@ -280,112 +259,23 @@ class SAGEConv(nn.Module):
 
     def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
         """What :meth:`forward` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
-        tape; ``hd_grad``: it requires grad), op by op (:class:`estimator.tape.StepTape`).
+        tape; ``hd_grad``: it requires grad), op by op (:class:`estimator.tape.StepTape`), written by hand for the
+        aggregator the recorder refuses (:class:`~betty_trainer.models.capabilities.WrittenMemoryTerms`): ``lstm``,
+        whose in-degree groups have sizes that depend on the data.
 
         Returns:
             ``(output handle, backward)``; ``backward(grad)`` emits the layer's backward and returns
             the handle of ``hd``'s gradient, or ``None``.
+
+        Raises:
+            ValueError: another aggregator, whose terms are only recorded.
         """
-        terms = {"pool": self._pool_terms, "lstm": self._lstm_terms}.get(self.aggregator, self._mean_gcn_terms)
-        return terms(tape, c, hd, self.in_feats, self.out_feats, hd_grad)
-
-    def _mean_gcn_terms(self, tape: StepTape, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
-        r = tape.r
-        project_first, w, record = tape.aggregation_width(a, b, hd_grad)
-        h, lin_neigh_bwd = self.project_terms(tape, c.num_src, hd, hd_grad) if project_first else (hd, None)
-        neigh, agg_bwd = self._neighbour_terms(tape, c, w, record)
-        if project_first:
-            r.drop(h)  # the projected features die with the statement: the aggregation keeps none of them
-            out, lin_out_bwd = neigh, None
-        else:
-            out, lin_out_bwd = tape.linear(neigh, c.num_dst, a, b, True)
-            r.drop(neigh)
-        result, self_bwd = self._self_bias_terms(tape, c, out, hd, hd_grad)
-
-        def backward(grad: int) -> int | None:
-            grad_hd = _slice_backward_terms(tape, c, a, self_bwd(grad))
-            grad_neigh = lin_out_bwd(grad, True, record) if lin_out_bwd is not None else grad
-            if not record:
-                return grad_hd
-            grad_h = agg_bwd(grad_neigh)
-            if lin_neigh_bwd is not None:
-                grad_h_in = lin_neigh_bwd(grad_h)
-            else:
-                grad_h_in = grad_h if hd_grad else r.drop(grad_h)
-            return tape.accumulate(grad_hd, grad_h_in)
-
-        return result, backward
-
-    def project_terms(self, tape: StepTape, rows: int, hd: int, hd_grad: bool):
-        """What :meth:`project` allocates on ``rows`` rows: ``(z handle, backward)`` (:meth:`StepTape.linear`)."""
-        return tape.linear(hd, rows, self.in_feats, self.out_feats, hd_grad, AGG)
-
-    def propagate_terms(self, tape: StepTape, c: LayerCounts, z: int, hd_dst: int | None = None,
-                        hd_grad: bool = False):
-        """What :meth:`propagate` allocates from the projected rows ``z`` and (``mean``) the dst input rows
-        ``hd_dst``, handles the caller holds (``hd_grad``: ``hd_dst`` requires grad): ``(output handle,
-        backward)``; ``backward(grad)`` returns the handle of ``z``'s gradient, or given ``hd_dst`` the pair
-        of ``z``'s and ``hd_dst``'s (``None`` without grad), in the order autograd makes them."""
-        neigh, agg_bwd = self._neighbour_terms(tape, c, self.out_feats, True)
-        result, self_bwd = self._self_bias_terms(tape, c, neigh, hd_dst, hd_grad)
-
-        def backward(grad: int) -> int | tuple[int, int | None]:
-            grad_dst = self_bwd(grad)
-            grad_z = agg_bwd(grad)
-            return grad_z if hd_dst is None else (grad_z, grad_dst)
-
-        return result, backward
-
-    def propagate_rows_terms(self, tape: StepTape, rows: int, hd_dst: int | None = None) -> int:
-        """What :meth:`propagate_rows` allocates on ``rows`` rows (no autograd): the aggregation's output, then
-        ``mean``'s self term and the bias (:meth:`_self_bias_terms`). Returns the output's handle."""
-        out = tape.r.alloc(rows * self.out_feats * tape.f, AGG)
-        return self._self_bias_terms(tape, LayerCounts(rows, rows, 0), out, hd_dst, False)[0]
-
-    def projection_backward_terms(self, tape: StepTape, rows: int, dst_rows: int, input_grad: bool) -> int | None:
-        """What :meth:`projection_backward` allocates on ``rows`` src rows of which ``dst_rows`` are dst nodes, the
-        parameters' gradients resident (``.grad`` exists: products are added in place): the bias's sum, and with
-        ``input_grad`` ``∂L/∂x`` (returned; the caller's), else ``None``."""
-        r = tape.r
-        if dst_rows:
-            r.transient(self.out_feats * tape.f, GRAD)  # Σ grad_dst, added into the bias's .grad
-        return r.alloc(rows * self.in_feats * tape.f, GRAD) if input_grad else None
-
-    def _neighbour_terms(self, tape: StepTape, c: LayerCounts, width: int, record: bool):
-        """:meth:`aggregate` of ``mean``/``gcn`` on ``width`` columns: its per-dst scale (``gcn``: also the self
-        term's), kept for backward. Returns ``(neighbourhood vector, backward)``."""
-        if self.aggregator == "mean":
-            row_scale, self_scale = mean_scale_terms(tape, c), None
-        else:  # gcn: 1/(deg + 1) (weighted: 1/(Σ w + 1)) per dst node, on its sum and on its own row
-            row_scale = weight_totals_terms(tape, c, AGG) if c.weighted else per_dst_scale_terms(tape, c)
-            self_scale = row_scale
-        neigh, agg_bwd = aggregate_terms(tape, c, width, record, self_scale, row_scale)
-        tape.r.drop(row_scale)
-        return neigh, agg_bwd
-
-    def _self_bias_terms(self, tape: StepTape, c: LayerCounts, out: int, hd: int | None, hd_grad: bool):
-        """``out + fc_self(h_dst)`` (``mean``) ``+ bias`` on ``out`` ``(num_dst, F_out)``, which it frees.
-        Returns ``(result, backward)``; ``backward(grad)`` emits the bias's and ``fc_self``'s gradients (the
-        caller keeps ``grad``) and returns the gradient of ``h_dst`` (``None`` for ``gcn`` or without grad)."""
-        r, f, d, b = tape.r, tape.f, c.num_dst, self.out_feats
-        self_bwd = None
-        if self.aggregator == "mean":
-            self_out, self_bwd = tape.linear(hd, d, self.in_feats, b, hd_grad)
-            summed = r.alloc(d * b * f, HID)
-            r.drop(out, self_out)
-            out = summed
-        result = r.alloc(d * b * f, HID)  # + bias
-        r.drop(out)
-
-        def backward(grad: int) -> int | None:
-            tape.param_grad(b)  # bias
-            tape.settle()
-            return self_bwd(grad, free_grad=False) if self_bwd is not None else None
-
-        return result, backward
+        if self.aggregator != "lstm":
+            raise ValueError(f"SAGEConv({self.aggregator}) has no hand-written memory terms: they are recorded")
+        return self._lstm_terms(tape, c, hd, self.in_feats, self.out_feats, hd_grad)
 
     def _combine_terms(self, tape: StepTape, c: LayerCounts, hd: int, neigh: int, a: int, b: int, hd_grad: bool):
-        """``fc_neigh(neigh) + fc_self(h[:num_dst]) + bias`` (SAGE pool and lstm). Returns (result,
+        """``fc_neigh(neigh) + fc_self(h[:num_dst]) + bias`` (SAGE lstm). Returns (result,
         backward); backward gives (the gradient of ``h`` from the self term or ``None``, that of ``neigh``)."""
         r, f, d = tape.r, tape.f, c.num_dst
         neigh_out, neigh_bwd = tape.linear(neigh, d, a, b, True)
@@ -400,32 +290,6 @@ class SAGEConv(nn.Module):
             tape.param_grad(b)
             tape.settle()
             return _slice_backward_terms(tape, c, a, self_bwd(grad, free_grad=False)), neigh_bwd(grad)
-
-        return result, backward
-
-    def _pool_terms(self, tape: StepTape, c: LayerCounts, hd: int, a: int, b: int, hd_grad: bool):
-        r, f = tape.r, tape.f
-        s = c.num_src
-        pooled = r.alloc(s * a * f, AGG)  # fc_pool (addmm)
-        r.save(hd)
-        activated = r.alloc(s * a * f, AGG)  # relu, saved
-        r.save(activated)
-        r.drop(pooled)
-        neigh, max_bwd = segment_max_terms(tape, c, a)
-        r.drop(activated)
-        result, combine_bwd = self._combine_terms(tape, c, hd, neigh, a, b, hd_grad)
-
-        def backward(grad: int) -> int | None:
-            grad_hd, grad_neigh = combine_bwd(grad)
-            grad_activated = max_bwd(grad_neigh)
-            grad_pooled = r.alloc(s * a * f, GRAD)  # ReluBackward
-            r.drop(grad_activated, activated)
-            grad_in = r.alloc(s * a * f, GRAD) if hd_grad else None  # AddmmBackward
-            tape.param_grad(a * a)
-            tape.param_grad(a)
-            tape.settle()
-            r.drop(grad_pooled, hd)
-            return tape.accumulate(grad_hd, grad_in)
 
         return result, backward
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -110,41 +110,13 @@ class LayerStack(nn.Module):
         return F.relu(h) if index < len(self.layers) - 1 else h
 
 
-    def memory_terms(self, tape: StepTape, layers: Sequence[LayerCounts], x: int, consume_input: bool = True):
-        """What :meth:`forward` allocates when the training step calls it on blocks of counts ``layers`` (input
-        layer first) and the input features ``x`` (a handle on the tape: the step's gather, which it hands over,
-        ``consume_input``; or the feature store's own rows), op by op: per layer, node-keyed dropout (on a
-        handed-over input in place), the layer's own ``memory_terms``, ReLU (:class:`estimator.tape.StepTape`; the
-        estimate of Betty §4.4.3 replays these).
-
-        Returns:
-            ``(logits handle, backward)``; ``backward(grad)`` emits the stack's backward from the
-            logits' gradient and returns the handle of what is left of it (``None`` when the
-            input features take no gradient).
-        """
-        h, h_grad, backwards = x, False, []
-        first = len(self.layers) - len(layers)  # 1: layer 0 reads the aggregation cache
-        if first:
-            h, backward = self.aggregated_memory_terms(tape, layers[0].num_src, x, consume_input)
-            backwards.append(backward)
-            h_grad = True
-        for index, counts in enumerate(layers, start=first):
-            h, backward = self.layer_memory_terms(tape, index, counts, h, h_grad, consume_input=consume_input and index == 0)
-            backwards.append(backward)
-            h_grad = True
-
-        def backward(grad: int) -> int | None:
-            for layer_backward in reversed(backwards):
-                grad = layer_backward(grad)
-            return grad
-
-        return h, backward
-
     def layer_memory_terms(self, tape: StepTape, index: int, counts: LayerCounts, h: int, h_grad: bool,
                            consume_input: bool = False):
         """What :meth:`layer_forward` allocates for layer ``index`` on a block of counts ``counts`` from
         the input ``h`` (a handle; ``h_grad``: it requires grad; ``consume_input``: input dropout
-        overwrites it in place, as the training step's fresh gather allows), op by op.
+        overwrites it in place, as the training step's fresh gather allows), op by op, written by hand: for a layer
+        whose own terms are (:class:`~betty_trainer.models.capabilities.WrittenMemoryTerms`) where the recorder
+        refuses it (:meth:`betty_trainer.models.recorded_terms.RecordedLayer.layer_memory_terms`).
 
         Returns:
             ``(output handle, backward)``; ``backward(grad)`` returns the handle of ``h``'s gradient
@@ -193,23 +165,6 @@ class LayerStack(nn.Module):
             r.drop(hd)
         if not consume_input:
             r.drop(h)
-
-    def aggregated_memory_terms(self, tape: StepTape, rows: int, x: int, consume_input: bool = True):
-        """What :meth:`aggregated_forward` allocates on ``rows`` cache rows ``x`` (a handle; the training step's own
-        gather, consumed, or with ``consume_input=False`` the store's rows): dropout, layer 0's
-        ``aggregated_memory_terms``, ReLU. Returns ``(output handle, backward)``; ``backward(grad)`` returns ``None``
-        (the rows take no gradient)."""
-        hd, _ = self._dropout_terms(tape, rows, self.aggregated_width, x, False, consume_input)
-        out, layer_bwd = self.layers[0].aggregated_memory_terms(tape, rows, hd)
-        self._release_input(tape.r, x, hd, consume_input)
-        relu_bwd = None
-        if len(self.layers) > 1:
-            out, relu_bwd = tape.relu(out, rows, self.widths[1])
-
-        def backward(grad: int) -> None:
-            layer_bwd(relu_bwd(grad) if relu_bwd is not None else grad)
-
-        return out, backward
 
 
 def runs_layer_by_layer(model: object) -> bool:
