@@ -372,3 +372,15 @@ def test_edge_softmax_is_each_dst_nodes_softmax_with_first_and_second_derivative
             torch.testing.assert_close(alpha[dst == d], torch.softmax(scores[dst == d], 0))
     assert torch.autograd.gradcheck(lambda s: edge_softmax(s, dst, num_dst), (scores,))
     assert torch.autograd.gradgradcheck(lambda s: edge_softmax(s, dst, num_dst), (scores,))
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-cpu-kernel", "tensor-ops"])
+def test_max_of_a_block_without_edges_is_zeros_on_both_paths(monkeypatch, compiled):
+    """Dst nodes without in-edges (isolated outputs, a chunk of them): zeros, and no gradient reaches ``h``."""
+    if not compiled:
+        monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
+    block = Block(torch.arange(3), 2, torch.zeros(3, dtype=torch.int64), torch.empty(0, dtype=torch.int32), None)
+    h = torch.randn(3, 4, requires_grad=True)
+    out = aggregate.max_neighbours(block, h)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(2, 4)) and torch.equal(h.grad, torch.zeros(3, 4))

@@ -659,3 +659,7 @@ def test_a_built_in_model_on_a_torch_the_recorder_is_not_tested_with_is_estimate
     assert "the memory recorder refused the built-in sage model (the recorder is tested with torch" in caplog.text
     plan = planner.plan(batch)
     assert plan.method == "micro_batches" and plan.pieces > 1 and plan.estimate <= planner.budget
+    layerwise = load_config(None, OVERRIDES + [f"micro_batch.budget={full_peak}", "micro_batch.mode=layerwise"])
+    with pytest.raises(ConfigError, match=r"needs a built-in model's estimate, and the memory recorder refused the "
+                                          r"built-in sage model \(the recorder is tested with torch"):
+        make_planner(layerwise, graph, None, torch.device("cpu"), HostFeatureStore(graph.x, pin=False))

@@ -396,13 +396,13 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
             the cause).
     """
     mode, budget = config.micro_batch.mode, config.micro_batch.budget
-    spec = None
+    spec, refused = None, None
     if model is None:
         try:
             spec = model_spec(config, graph, device)
         except RecordingRefused as refusal:  # a torch the recorder is not tested with: estimated as a custom model
-            logger.warning("the memory recorder refused the built-in %s model (%s); it is estimated as a custom model",
-                           config.model.arch, refusal)
+            refused = f"the memory recorder refused the built-in {config.model.arch} model ({refusal})"
+            logger.warning("%s; it is estimated as a custom model", refused)
             model = build_model(config.model, graph)
     # the aggregation cache's layer 0 runs inside micro-batches only (auto then plans micro-batches)
     layer_by_layer = (model is None or runs_layer_by_layer(model)) and config.features.aggregation_cache is False
@@ -411,8 +411,9 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
                           "LayerStack whose forward is the stack's own); use micro_batch.mode=micro_batches")
     if model is not None and budget is not None:
         if mode == "layerwise":
-            raise ConfigError("micro_batch.mode=layerwise under a budget needs a built-in model's estimate; "
-                              "use micro_batch.mode=micro_batches for a custom model")
+            raise ConfigError(f"micro_batch.mode=layerwise under a budget needs a built-in model's estimate"
+                              f"{f', and {refused}' if refused else ''}; use micro_batch.mode=micro_batches"
+                              f"{'' if refused else ' for a custom model'}")
         resolve_budget(config.micro_batch, device)  # a budget that cannot be used fails before calibrating
     estimator = None  # a fixed K needs no estimate
     if spec is not None:  # the closed form, for every kind of plan; input rows read in place where the store hands them out

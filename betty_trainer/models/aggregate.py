@@ -746,10 +746,15 @@ class _SegmentMax(torch.autograd.Function):
 def _segment_max_chunks(block: Block, h_src: Tensor, out: Tensor, argmax: Tensor) -> None:
     """Tensor-op segment max and first argmax over the block's edges, :data:`MAX_CHUNK_ELEMENTS` gathered values at
     a time (:func:`~betty_trainer.models.chunks.chunks`): a first pass merges each chunk's values into ``out``
-    (``scatter_reduce_`` ``amax``); a second takes, per dst row and column, the first edge whose value is the maximum
-    (``amin`` of edge positions, int32, into ``argmax``); then the positions become src positions, and rows without
-    edges get 0 and ``num_src``. Every temporary is a chunk's, or ``(num_dst, F)`` at the end."""
+    (``scatter_reduce_`` ``amax``, which keeps a NaN); a second takes, per dst row and column, the first edge whose
+    value is the maximum (``amin`` of edge positions, int32, into ``argmax``); then the positions become src
+    positions, and rows without edges get 0 and ``num_src``. Every temporary is a chunk's, or ``(num_dst, F)`` at the
+    end. Blocks of fewer than ``2³¹`` edges (int32 positions, as the block's own indices are)."""
     edges, step = block.num_edges, max(1, MAX_CHUNK_ELEMENTS // max(h_src.shape[1], 1))
+    if edges == 0:
+        out.zero_()
+        argmax.fill_(block.num_src)
+        return
     out.fill_(float("-inf"))
     argmax.fill_(edges)  # no edge yet
     for chunk in chunks(edges, step):
@@ -762,9 +767,9 @@ def _segment_max_chunks(block: Block, h_src: Tensor, out: Tensor, argmax: Tensor
         first = torch.where(gathered == out.gather(0, index), positions, edges)
         argmax.scatter_reduce_(0, index, first, "amin")
         del index, gathered, positions, first
-    isolated = argmax == edges
+    isolated = (block.indptr[1:] == block.indptr[:-1]).unsqueeze(1)
     out.masked_fill_(isolated, 0)
-    argmax.copy_(torch.where(isolated, block.num_src, block.indices[argmax.clamp_(max=max(edges - 1, 0))]))
+    argmax.copy_(torch.where(isolated, block.num_src, block.indices[argmax.clamp_(max=edges - 1)]))
 
 
 def _edge_values(block: Block, h_src: Tensor, chunk: slice) -> tuple[Tensor, Tensor]:

@@ -7,8 +7,7 @@ layer's attributes.
   recorder (:mod:`betty_trainer.models.recorded_terms`) refuses the layer;
 - :class:`ProjectedLayer`: ``project``/``propagate``, ``projected_width``, and the two promises
   ``reads_dst_input`` and ``propagate_is_affine`` (:func:`projected_layers`, :func:`affine_layers`);
-- :class:`AffineLayer`: the row methods that run an affine layer off the whole block, with their memory terms
-  (:func:`whole_block_layers`).
+- :class:`AffineLayer`: the row methods that run an affine layer off the whole block (:func:`whole_block_layers`).
 
 A layer's work terms (its multiply-adds per pass) are declared beside its code too, as its architecture's
 :attr:`~betty_trainer.models.registry.Architecture.work` (:func:`estimator.work.step_work`).
@@ -33,7 +32,15 @@ Terms = tuple[int, Callable]  # (output handle on the tape, backward)
 class WrittenMemoryTerms(Protocol):
     """A layer whose memory terms are also written by hand, op by op, for the configurations the recorder refuses
     (:mod:`betty_trainer.models.recorded_terms`; SAGE's ``lstm`` aggregator, whose in-degree groups have
-    data-dependent sizes): what its ``forward(block, h)`` allocates."""
+    data-dependent sizes): what its ``forward(block, h)`` allocates.
+
+    Attributes:
+        memory_terms_written: this instance's terms are written (SAGE: with the ``lstm`` aggregator only); the
+            recorder's refusal of another stands.
+    """
+
+    @property
+    def memory_terms_written(self) -> bool: ...
 
     def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool) -> Terms:
         """What ``forward`` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the tape;

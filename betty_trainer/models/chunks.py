@@ -1,6 +1,7 @@
-"""Loops over a tensor's rows or edges a chunk at a time (GAT's attention, the tensor path's keyed dropout), which tell
-their observers where they begin and end: a recording of a layer (``betty_trainer.models.recorded_terms``) listens,
-so that what one chunk allocates is counted for one chunk's items however many its small recorded sizes had."""
+"""Loops over a tensor's rows or edges a chunk at a time (GAT's attention, the tensor path's keyed dropout and pool
+segment max), which tell their observers where they begin and end: a recording of a layer
+(``betty_trainer.models.recorded_terms``) listens, so that what one chunk allocates is counted for one chunk's items
+however many its small recorded sizes had."""
 
 from __future__ import annotations
 

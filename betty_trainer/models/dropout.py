@@ -27,8 +27,6 @@ from betty_trainer.rng import (
     mix_key,
     numba,
 )
-from estimator.counts import INDEX_BYTES
-from estimator.tape import DROP, GRAD, HID, OVER, StepTape
 
 MASK_CHUNK_ELEMENTS = 1 << 16  # elements hashed at once by NodeDropout (1 MiB of int64 transients)
 _COLUMN_MULTIPLIER = 0x9E3779B1  # spreads feature indices before their hash
@@ -193,43 +191,3 @@ def set_dropout_key(model: nn.Module, seed: int, step: int) -> None:
     for module in model.modules():
         if isinstance(module, NodeDropout):
             module.seed, module.step = seed, step
-
-# ----- memory terms (estimator.tape): what the code above allocates, op by op -----------------------
-# The closed-form estimate replays these; tests/test_estimator.py checks them against measured peaks,
-# so a change to the code above without its terms here fails there.
-
-
-def keyed_mask_terms(tape: StepTape, rows: int, width: int) -> None:
-    """apply_keyed_mask's transients for one row chunk: the per-node hash (mixed through two more
-    temporaries), the per-feature hash, the int64 bits and a shifted copy of them; then the
-    boolean mask (the hashes and bits freed around it) and the mask as floats in the product.
-    The fused CPU kernel makes none of them."""
-    r = tape.r
-    if tape.compiled_kernels:
-        return
-    chunk_rows = min(rows, max(1, MASK_CHUNK_ELEMENTS // max(width, 1)))
-    node_hash = r.alloc(chunk_rows * INDEX_BYTES, OVER)
-    r.transient(2 * chunk_rows * INDEX_BYTES, OVER)
-    columns = r.alloc(width * INDEX_BYTES, OVER)
-    bits = r.alloc(chunk_rows * width * INDEX_BYTES, DROP)
-    r.transient(chunk_rows * width * INDEX_BYTES, DROP)  # each `bits >> k`
-    r.drop(node_hash, columns)
-    keep = r.alloc(chunk_rows * width, DROP)  # bool
-    r.drop(bits)
-    r.transient(chunk_rows * width * tape.f, DROP)  # keep.to(dtype) inside the product
-    r.drop(keep)
-
-
-def dropout_terms(tape: StepTape, h: int, rows: int, width: int, requires_grad: bool):
-    """NodeDropout: its output, made chunk by chunk; backward remakes the mask (nothing is saved)."""
-    r = tape.r
-    out = r.alloc(rows * width * tape.f, HID)
-    keyed_mask_terms(tape, rows, width)
-
-    def backward(grad: int) -> int:
-        grad_h = r.alloc(rows * width * tape.f, GRAD)
-        keyed_mask_terms(tape, rows, width)
-        r.drop(grad)
-        return grad_h
-
-    return out, backward

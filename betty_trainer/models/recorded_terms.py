@@ -1,44 +1,46 @@
-"""One layer's memory terms recorded from its code (issue 24, item 3): the per-layer event streams the layer-wise and
-cooperative replays need, where :mod:`betty_trainer.memory.recorded` records a whole step.
+"""A built-in model's memory terms recorded from its code, one layer at a time (issue 24, item 3): the per-layer
+event streams the micro-batch, layer-wise and cooperative replays need (Betty §4.4.3), where
+:mod:`betty_trainer.memory.recorded` records a custom model's whole step.
 
-:class:`RecordedLayer` answers a layer's ``memory_terms(tape, counts, hd, hd_grad)``
-(:class:`~betty_trainer.models.capabilities.LayerMemoryTerms`) from recordings of the layer's own ``forward(block,
-h)`` and backward on fake tensors (:meth:`estimator.recorder.Recorder.record_piece`), instead of a second program
-written by hand. The harness makes the layer's input, the output's gradient and the seams between them and the rest
-of a step without recording them, and watches their storages, so that a recording says what the hand-written terms
-say with ``r.save``/``r.drop``: whether autograd keeps the input and the output past the forward and where its
-backward lets them go, where the output's gradient dies, and which allocation is the input's gradient.
+:class:`RecordedLayer` records the pieces the executors run of one layer: the stack's ``layer_forward`` (dropout, the
+layer, ReLU), and for a projected layer layer-wise execution's projection, propagation, row blocks and projection
+backward, and layer 0 from the aggregation cache; each on fake tensors (:meth:`estimator.recorder.Recorder.
+record_piece`) instead of a second program written by hand. The harness makes the piece's inputs, the output's
+gradient and the seams between them and the rest of a step without recording them, and watches their storages, so
+that a recording says which inputs autograd keeps past the forward and where its backward lets them go, where the
+output's gradient dies, and which allocation is each input's gradient. :class:`RecordedStack` chains them as the
+model's ``forward`` does; :func:`model_terms` keeps one per model structure.
 
 Each configuration (the step accumulating into resident gradients or not, the input requiring grad or not, the block
-weighted or not, keeping its transpose or not, autograd recording or not) is recorded at the sizes of
-:func:`~estimator.recorder.recording_sizes` for one layer and solved exactly
+weighted or not, keeping its transpose or not, autograd recording or not, blocks whose src nodes are all dst nodes)
+is recorded at the sizes of :func:`~estimator.recorder.recording_sizes` for one layer and solved exactly
 (:func:`~estimator.recorder.solve_allocations`): every allocation's bytes an integer linear function of ``(1, S, D,
-E)``. A replay is then one pass over the recorded events (tens per layer), as fast as the hand-written terms.
+E)``. A replay is then one pass over the recorded events (tens per layer).
 
-GAT's attention runs over its edges in chunks, and the tensor path's keyed dropout over its rows
-(:func:`betty_trainer.models.chunks.chunks`), one chunk at the recorded sizes and several at a real block's: the loop
-tells its observers where it begins and ends, and what a chunk allocates is counted for one chunk's items
-(:func:`_chunked`).
+GAT's attention runs over its edges in chunks, the pool's tensor-path segment max over its edges and the tensor
+path's keyed dropout over its rows (:func:`betty_trainer.models.chunks.chunks`), one chunk at the recorded sizes and
+several at a real block's: the loop tells its observers where it begins and ends, and what a chunk allocates is
+counted for one chunk's items (:func:`_chunked`).
 
 A tape without the compiled kernels (``StepTape.compiled_kernels``: a GPU, or a dtype other than float32) is
 answered by recordings of the tensor-op path the GPU runs, made on the CPU under
 :func:`~betty_trainer.rng.tensor_path` (its sparse CSR product is an operator, which fake tensors run as they run the
-compiled kernels); what a GPU allocates beyond the CPU's (the caching allocator's rounding, cuSPARSE's workspace)
-is not in either.
+compiled kernels); what a GPU allocates beyond the CPU's (the caching allocator's rounding, cuSPARSE's workspace, a
+CUDA sort's buffer, which the recording counts at the CPU's 8 bytes per key) is not in either.
 
 Where it holds and where it does not are otherwise the recorder's (:mod:`estimator.recorder`): no data-dependent
-shapes and no sort (refused: the LSTM aggregator's in-degree groups; on the tensor path the aggregation's backward
-argsort and the pool's degree-sized chunks, so there only GAT is recorded), and other branches on sizes above the
-recorded ones not seen. Not recorded: the pieces of a projected layer that layer-wise execution runs off the whole
-block (``propagate_rows``, ``projection_backward``). A backward that multiplies by a block's ``Aᵀ`` (the compiled
-CSR gather or scatter, called after the backward began) adds the block's counts to ``StepTape.transposed``, as the
-hand-written terms do. The components of an allocation are the phase's: :data:`~estimator.tape.HID` in forward,
+shapes (refused: the LSTM aggregator's in-degree groups, whose hand-written terms are replayed where a stand-in for
+the layer ran in a recording of the stack around it: :class:`_StandIn`), and other branches on sizes above the
+recorded ones not seen. A backward that multiplies by a block's ``Aᵀ`` (the compiled CSR gather or scatter, called
+after the backward began) adds the block's counts to ``StepTape.transposed``, the layers a kept transpose would
+serve. The components of an allocation are the phase's: :data:`~estimator.tape.HID` in forward,
 :data:`~estimator.tape.GRAD` in backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -71,6 +73,8 @@ _INPUT, _GRAD = "free input", "free grad"  # a harness tensor's storage died (in
 _BACKWARD, _END = "backward", "end"  # the piece's moments
 _CHUNKS_BEGIN, _CHUNKS_END = "chunks begin", "chunks end"  # a chunk loop's, followed by its step
 _PRODUCT = "a sparse product"  # a call of the compiled CSR gather or scatter
+_WRITTEN, _WRITTEN_BACKWARD = "written layer", "written layer backward"  # where a _StandIn ran (see RecordedPiece)
+_SCOPE: contextvars.ContextVar[PieceScope] = contextvars.ContextVar("recorded_piece_scope")  # the harness's
 _TRANSPOSE_PRODUCTS = (aggregate._csr_gather, aggregate._csr_scatter)  # in backward: a product by Aᵀ
 
 
@@ -135,6 +139,12 @@ class RecordedPiece:
         input_grad: per input, the allocation that is its gradient (handed to the caller), or ``None``.
         chunked: the allocations of one chunk of a chunk loop (:func:`_chunked`), counted for one chunk's items,
             as the loop makes and frees them chunk by chunk.
+
+    A layer recorded with a :class:`_StandIn` in place of a layer whose terms are written by hand has a step
+    ``("written layer", input, output)`` in :attr:`forward` (the allocation ``input`` that the layer read, ``-1``: the
+    piece's input; the stand-in's ``output`` allocation) and ``("written layer backward", grad, grad_input)`` in
+    :attr:`backward` (the allocation of the gradient it received, ``-1``: the piece's; the allocation it returned, or
+    ``-1``): :meth:`replay` runs the hand-written terms there and their handles stand for those allocations.
     """
 
     coefficients: np.ndarray
@@ -168,16 +178,26 @@ class RecordedPiece:
         forward, backward = steps[:split], steps[split + 1:]
         freed = [f"{_INPUT} {i}" for i in range(len(input_grad))]
         output_freed = None if output is None else -output - 1  # the caller's
-        return cls(coefficients, tuple(e for e in forward if isinstance(e, int) and e != output_freed),
-                   tuple(e for e in backward if e in freed or e == _GRAD or isinstance(e, int)), _PRODUCT in backward,
-                   output, tuple(name in backward for name in freed), output_freed in backward, input_grad, chunked)
+        forward, backward = _written_steps(forward), _written_steps(backward)
+        # the gradient a written layer received dies where its hand-written terms free it, not where the stand-in let
+        # it go (after the backward, as a node without gradients to pass on)
+        received = {step[1] for step in backward if isinstance(step, tuple)}
+        backward = [e for e in backward if not (isinstance(e, int) and -e - 1 in received
+                                                or e == _GRAD and -1 in received)]
+        return cls(coefficients, tuple(e for e in forward if isinstance(e, tuple) or isinstance(e, int)
+                                       and e != output_freed),
+                   tuple(e for e in backward if e in freed or e == _GRAD or not isinstance(e, str)),
+                   _PRODUCT in backward, output, tuple(name in backward for name in freed), output_freed in backward,
+                   input_grad, chunked)
 
-    def replay(self, tape: StepTape, c: LayerCounts, inputs: Sequence[int | None]):
+    def replay(self, tape: StepTape, c: LayerCounts, inputs: Sequence[int | None], written: Callable | None = None):
         """This piece on ``tape`` (the estimate's replay, Betty §4.4.3: allocations in bytes, :meth:`nbytes`) for a
         block of counts ``c`` from the input handles ``inputs`` (the caller holds them): ``(output handle,
         backward)``, ``backward(grad)`` freeing ``grad`` where the engine lets it go and returning each input's
-        gradient handle (or ``None``)."""
+        gradient handle (or ``None``). ``written(tape, c, h)``: the hand-written terms of the layer a stand-in ran
+        for, ``(output handle, backward)`` as :class:`~betty_trainer.models.capabilities.WrittenMemoryTerms` gives."""
         r, nbytes, handles = tape.r, self.nbytes(c), {}
+        written_backward = []
 
         def run(event: int, component: str) -> None:
             index = abs(event) - 1
@@ -187,7 +207,12 @@ class RecordedPiece:
                 r.drop(handles.pop(index))
 
         for event in self.forward:
-            run(event, HID)
+            if isinstance(event, tuple):  # the written layer's forward: its output stands for the stand-in's
+                _, read, made = event
+                handles[made], layer_backward = written(tape, c, inputs[0] if read < 0 else handles[read])
+                written_backward.append(layer_backward)
+            else:
+                run(event, HID)
         out = None if self.output is None else handles[self.output]
         r.keep(*(handle for handle, saved in zip(inputs, self.input_saved) if saved))
         if self.output_saved:
@@ -201,6 +226,11 @@ class RecordedPiece:
                     r.drop(grad)
                 elif isinstance(step, str):  # "free input i"
                     r.drop(inputs[int(step.split()[-1])])
+                elif isinstance(step, tuple):  # the written layer's backward, which frees the gradient it takes
+                    _, received, made = step
+                    grad_input = written_backward.pop()(grad if received < 0 else handles.pop(received))
+                    if made >= 0:
+                        handles[made] = grad_input
                 else:
                     run(step, GRAD)
             return tuple(None if index is None else handles[index] for index in self.input_grad)
@@ -260,6 +290,62 @@ def _proportion(values: np.ndarray, base: np.ndarray) -> int | None:
     return k if np.array_equal(values, k * base) else None
 
 
+def _written_steps(steps: list) -> list:
+    """``steps`` with each stand-in's mark and the allocation made right after it (its output, or its input's
+    gradient) merged into one ``(mark, read, made)`` step (see :class:`RecordedPiece`)."""
+    merged, position = [], 0
+    while position < len(steps):
+        step = steps[position]
+        if isinstance(step, str) and step.startswith(_WRITTEN):
+            name, read, grad = step.rsplit(" ", 2) if step.startswith(_WRITTEN_BACKWARD) else (*step.rsplit(" ", 1), "1")
+            if grad == "1" and not (isinstance(steps[position + 1], int) and steps[position + 1] > 0):
+                raise RecordingRefused("a stand-in's tensor was not made where it ran")
+            made = steps[position + 1] - 1 if grad == "1" else -1
+            merged.append((name, int(read), made))
+            position += 2 if grad == "1" else 1
+        else:
+            merged.append(step)
+            position += 1
+    return merged
+
+
+class _WrittenLayer(torch.autograd.Function):
+    """A :class:`_StandIn`'s op: a new ``shape`` output, and a new gradient of ``h`` (where it takes one); the
+    parameters take none (the hand-written terms make theirs). It marks where it runs, naming the allocations it read
+    (``-1``: none of the piece's)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, shape: tuple[int, int], *parameters: Tensor) -> Tensor:
+        scope = _SCOPE.get()
+        ctx.scope, ctx.shape = scope, h.shape
+        scope.mark(f"{_WRITTEN} {_index(scope, h)}")
+        return h.new_empty(shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        wants = ctx.needs_input_grad[0]
+        ctx.scope.mark(f"{_WRITTEN_BACKWARD} {_index(ctx.scope, grad)} {int(wants)}")
+        return (grad.new_empty(ctx.shape) if wants else None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+def _index(scope: PieceScope, tensor: Tensor) -> int:
+    index = scope.index_of(tensor)
+    return -1 if index is None else index
+
+
+class _StandIn(nn.Module):
+    """In a recording of the stack around it, a layer whose memory terms are written by hand
+    (:class:`~betty_trainer.models.capabilities.WrittenMemoryTerms`): ``(S, F_in)`` → a new ``(D, F_out)`` tensor
+    through :class:`_WrittenLayer`, with the layer's parameters as inputs, so that autograd runs its backward."""
+
+    def __init__(self, layer: nn.Module, width: int):
+        super().__init__()
+        self.layer, self.width = layer, width
+
+    def forward(self, block: Block, h: Tensor) -> Tensor:
+        return _WrittenLayer.apply(h, (block.num_dst, self.width), *self.layer.parameters())
+
+
 @dataclass(frozen=True)
 class _Input:
     """A boundary input of a recorded piece: ``(S, width)`` (``rows="src"``) or ``(D, width)`` (``"dst"``)."""
@@ -290,7 +376,7 @@ class RecordedLayer:
 
     def __init__(self, model: LayerStack, index: int):
         self.model, self.index = model, index
-        self._pieces: dict[tuple, RecordedPiece | RecordingRefused] = {}
+        self._pieces: dict[tuple, RecordedPiece | str] = {}  # a refused configuration: why
 
     def layer_memory_terms(self, tape: StepTape, c: LayerCounts, h: int, h_grad: bool, consume_input: bool = False):
         """What the stack's ``layer_forward`` allocates on a block of counts ``c`` from the input ``h`` (a handle on
@@ -298,16 +384,21 @@ class RecordedLayer:
         backward)``, ``backward(grad)`` returning the handle of ``h``'s gradient or ``None``; it takes over the
         caller's reference to ``h`` unless ``consume_input`` (the stack's ``forward`` holds it until the layer
         returns). A layer the recorder refuses whose class writes its terms by hand
-        (:class:`~betty_trainer.models.capabilities.WrittenMemoryTerms`: SAGE's ``lstm`` aggregator) is replayed from
-        them
-        (:meth:`~betty_trainer.models.stack.LayerStack.layer_memory_terms`)."""
+        (:class:`~betty_trainer.models.capabilities.WrittenMemoryTerms`: SAGE's ``lstm`` aggregator) is recorded with a
+        :class:`_StandIn` in its place (the stack's dropout and ReLU around it recorded), and replayed from its
+        hand-written terms where the stand-in ran."""
+        layer, written = self.model.layers[self.index], None
         try:
             piece = self._piece(tape, c, "layer", (h_grad,), consume_input)
         except RecordingRefused:
-            if not isinstance(self.model.layers[self.index], WrittenMemoryTerms):
+            if not (isinstance(layer, WrittenMemoryTerms) and layer.memory_terms_written):
                 raise
-            return self.model.layer_memory_terms(tape, self.index, c, h, h_grad, consume_input)
-        out, backward = piece.replay(tape, c, [h])
+            piece = self._piece(tape, c, "written layer", (h_grad,), consume_input)
+
+            def written(tape: StepTape, c: LayerCounts, hd: int):
+                return layer.memory_terms(tape, c, hd, h_grad)
+
+        out, backward = piece.replay(tape, c, [h], written)
         if not consume_input:
             tape.r.drop(h)
         return out, lambda grad: backward(grad)[0]
@@ -375,17 +466,18 @@ class RecordedLayer:
             try:
                 self._pieces[key] = self._record(*key)
             except RecordingRefused as refusal:
-                self._pieces[key] = refusal
+                self._pieces[key] = str(refusal)
         piece = self._pieces[key]
-        if isinstance(piece, RecordingRefused):
-            raise piece
+        if isinstance(piece, str):
+            raise RecordingRefused(piece)  # a new one each time: a kept exception would keep every caller's frames
         return piece
 
     def _inputs(self, kind: str, count: int) -> list[_Input]:
         """The first ``count`` boundary inputs of a piece of ``kind``."""
         widths, layer = self.model.widths, self.model.layers[self.index]
         width, projected = widths[self.index], getattr(layer, "projected_width", None)
-        return {"layer": [_Input("src", width)], "project": [_Input("src", width)],
+        return {"layer": [_Input("src", width)], "written layer": [_Input("src", width)],
+                "project": [_Input("src", width)],
                 "aggregated": [_Input("src", self.model.aggregated_width or 0)],
                 "propagate": [_Input("src", projected), _Input("dst", width)],
                 "propagate_rows": [_Input("src", projected), _Input("dst", width)],
@@ -406,16 +498,18 @@ class RecordedLayer:
         if rows != "fewer":  # the dst count's +1 is then the base again
             sizes = [replace(c, num_dst=c.num_src if rows == "square" else 0) for c in sizes]
         found: dict[str, object] = {}
-        with (torch.random.fork_rng(devices=[]), Recorder() as recorder,
-              contextlib.nullcontext() if compiled else tensor_path()):
+        with (torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(),
+              Recorder() as recorder, contextlib.nullcontext() if compiled else tensor_path()):
             model = recorder.fake_module(self.model, "cpu").train()
             fake = model.layers[index]
+            if kind == "written layer":
+                model.layers[index] = _StandIn(fake, self.model.widths[index + 1])
 
             def dst_dropped(block: Block, h_dst: Tensor) -> Tensor:
                 return model.dropout(h_dst, block.src_nodes[:block.num_dst], index, index == 0)
 
             def call(block: Block, *tensors: Tensor) -> Tensor | None:
-                if kind == "layer":
+                if kind in ("layer", "written layer"):
                     return model.layer_forward(index, block, *tensors, consume_input=option)
                 if kind == "aggregated":
                     return model.aggregated_forward(*tensors, block.src_nodes, consume_input=option)
@@ -459,9 +553,13 @@ def _harness(call: Callable[..., Tensor | None], block: Block, c: LayerCounts, i
     (:attr:`RecordedPiece.transposes`)."""
 
     def piece(scope: PieceScope) -> None:
-        with chunks.observing(lambda moment, items, step: scope.mark(
-                f"{_CHUNKS_BEGIN if moment == 'begin' else _CHUNKS_END} {step}", items)):
-            run(scope)
+        token = _SCOPE.set(scope)
+        try:
+            with chunks.observing(lambda moment, items, step: scope.mark(
+                    f"{_CHUNKS_BEGIN if moment == 'begin' else _CHUNKS_END} {step}", items)):
+                run(scope)
+        finally:
+            _SCOPE.reset(token)
 
     def run(scope: PieceScope) -> None:
         stashes: list[list[Tensor]] = [[] for _ in inputs]
@@ -599,15 +697,16 @@ _STACKS: dict[tuple, RecordedStack] = {}
 
 
 def model_terms(model: LayerStack) -> RecordedStack:
-    """The :class:`RecordedStack` of ``model``, one per process for models of one class, configuration (``repr``),
-    parameter shapes and dtype: recorded on a meta-device copy (no parameter or buffer is kept), each
-    configuration once.
+    """The :class:`RecordedStack` of ``model``, one per process for models of the same module classes, configuration
+    (``repr``), and parameter shapes, dtypes and ``requires_grad``: recorded on a meta-device copy (no parameter or
+    buffer is kept), each configuration once.
 
     Raises:
         RecordingRefused: as :class:`RecordedStack`.
     """
     check_torch()  # on every call, cached or not
-    key = (type(model), repr(model), tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()))
+    key = (tuple(type(module) for module in model.modules()), repr(model),
+           tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()))
     if key not in _STACKS:
         memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in model.parameters()}
         memo.update({id(buffer): torch.empty_like(buffer, device="meta") for buffer in model.buffers()})

@@ -257,6 +257,11 @@ class SAGEConv(nn.Module):
             return max_neighbours(block, F.relu(self.fc_pool(h_src)))
         return lstm_neighbours(block, h_src, self.lstm)
 
+    @property
+    def memory_terms_written(self) -> bool:
+        """Whether :meth:`memory_terms` are written for this aggregator (``lstm`` only; the others are recorded)."""
+        return self.aggregator == "lstm"
+
     def memory_terms(self, tape: StepTape, c: LayerCounts, hd: int, hd_grad: bool):
         """What :meth:`forward` allocates on a block of counts ``c`` from the input ``hd`` (a handle on the
         tape; ``hd_grad``: it requires grad), op by op (:class:`estimator.tape.StepTape`), written by hand for the
@@ -270,7 +275,7 @@ class SAGEConv(nn.Module):
         Raises:
             ValueError: another aggregator, whose terms are only recorded.
         """
-        if self.aggregator != "lstm":
+        if not self.memory_terms_written:
             raise ValueError(f"SAGEConv({self.aggregator}) has no hand-written memory terms: they are recorded")
         return self._lstm_terms(tape, c, hd, self.in_feats, self.out_feats, hd_grad)
 

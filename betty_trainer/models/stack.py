@@ -8,9 +8,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from betty_trainer.data.block import Block
-from betty_trainer.models.dropout import NodeDropout, dropout_terms, keyed_mask_terms
-from estimator.counts import LayerCounts
-from estimator.tape import StepTape
+from betty_trainer.models.dropout import NodeDropout
 
 
 class LayerStack(nn.Module):
@@ -108,63 +106,6 @@ class LayerStack(nn.Module):
         h = self.apply_layer(self.layers[index], block,
                              self.dropout(h, block.src_nodes, index, consume_input and index == 0))
         return F.relu(h) if index < len(self.layers) - 1 else h
-
-
-    def layer_memory_terms(self, tape: StepTape, index: int, counts: LayerCounts, h: int, h_grad: bool,
-                           consume_input: bool = False):
-        """What :meth:`layer_forward` allocates for layer ``index`` on a block of counts ``counts`` from
-        the input ``h`` (a handle; ``h_grad``: it requires grad; ``consume_input``: input dropout
-        overwrites it in place, as the training step's fresh gather allows), op by op, written by hand: for a layer
-        whose own terms are (:class:`~betty_trainer.models.capabilities.WrittenMemoryTerms`) where the recorder
-        refuses it (:meth:`betty_trainer.models.recorded_terms.RecordedLayer.layer_memory_terms`).
-
-        Returns:
-            ``(output handle, backward)``; ``backward(grad)`` returns the handle of ``h``'s gradient
-            (``None`` when ``h`` takes none).
-        """
-        r = tape.r
-        width_out = self.widths[index + 1]
-        hd, dropout_bwd = self._dropout_terms(tape, counts.num_src, self.widths[index], h, h_grad, consume_input)
-        out, layer_bwd = self.layers[index].memory_terms(tape, counts, hd, h_grad)
-        self._release_input(r, h, hd, consume_input)
-        relu_bwd = None
-        if index < len(self.layers) - 1:
-            out, relu_bwd = tape.relu(out, counts.num_dst, width_out)
-        dropout_bwd = dropout_bwd if h_grad else None
-
-        def backward(grad: int) -> int | None:
-            if relu_bwd is not None:
-                grad = relu_bwd(grad)
-            grad = layer_bwd(grad)
-            if grad is not None and dropout_bwd is not None:
-                grad = dropout_bwd(grad)
-            return grad
-
-        return out, backward
-
-
-    def _dropout_terms(self, tape: StepTape, rows: int, width: int, h: int, h_grad: bool, consume_input: bool):
-        """The node-keyed dropout of a layer's input ``h`` (``rows × width``): in place on a consumed input,
-        else into a new tensor. Returns ``(dropped handle, backward or None)``; :meth:`_release_input` lets go
-        of both once the layer has run."""
-        if self.dropout.p > 0 and consume_input and not h_grad:  # dropout overwrites h in place
-            keyed_mask_terms(tape, rows, width)
-            return h, None
-        if self.dropout.p > 0:
-            return dropout_terms(tape, h, rows, width, h_grad)
-        return h, None
-
-    @staticmethod
-    def _release_input(r, h: int, hd: int, consume_input: bool) -> None:
-        """After a layer's forward: the dropout's output ``hd`` (where it is no view of ``h``: only autograd keeps
-        it) and the caller's reference to the input ``h``, unless the caller handed it over (``consume_input``: it
-        drops its own). Not before: the stack's ``forward`` passes ``h`` to :meth:`layer_forward` as an argument,
-        whose frame holds it until the layer returns (measured: a hidden layer's input rows that nothing else
-        keeps, a cooperative share's exchanged rows, live through the layer's forward)."""
-        if hd != h:
-            r.drop(hd)
-        if not consume_input:
-            r.drop(h)
 
 
 def runs_layer_by_layer(model: object) -> bool:
