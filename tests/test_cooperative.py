@@ -161,6 +161,8 @@ def _dying_worker(rank, world, data_dir, out):
         CooperativeSampler(make_sampler(graph, "ns"), vertex_owners(graph, world)).sample(global_seeds(graph, 64), KEY)
     except TrainingError as error:
         (out / "error.txt").write_text(f"{time.monotonic() - started:.1f}\n{error}")
+    finally:  # as a run leaves (distributed.group.leave): a group torn down at finalisation can abort under load
+        dist.destroy_process_group()
 
 
 def test_a_dead_rank_ends_the_others_with_one_line_naming_the_collective(planetoid_dir, tmp_path):
