@@ -384,3 +384,21 @@ def test_max_of_a_block_without_edges_is_zeros_on_both_paths(monkeypatch, compil
     out = aggregate.max_neighbours(block, h)
     out.sum().backward()
     assert torch.equal(out, torch.zeros(2, 4)) and torch.equal(h.grad, torch.zeros(3, 4))
+
+
+def test_a_nan_maximum_sends_its_gradient_to_its_own_row_s_first_edge_on_both_paths(monkeypatch):
+    """A NaN among a row's values is that column's maximum on both paths, and its gradient goes to the row's own
+    edge (the first), never to another row's source."""
+    block = Block(torch.arange(4), 2, torch.tensor([0, 2, 4]), torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+    h = torch.tensor([[float("nan"), 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]])
+    grads = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(aggregate, "compiled_kernels", lambda device, dtype: False)
+        x = h.clone().requires_grad_(True)
+        out = aggregate.max_neighbours(block, x)
+        out.sum().backward()
+        assert out[0, 0].isnan() and torch.equal(out[1], torch.tensor([6.0, 7.0]))
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert grads[1][:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]

@@ -107,17 +107,28 @@ def test_model_terms_are_recorded_once_per_model_structure():
     assert all(p.device.type == "meta" for p in model_terms(first).model.parameters())
 
 
-def test_an_estimate_first_asked_for_without_grad_is_recorded_with_autograd():
-    """A configuration recorded while the caller runs under ``torch.no_grad()`` (an evaluation loop, say) records the
-    training step all the same: the same estimate as one asked for with grad, before and after."""
-    model, config = built("sage-mean", 23, 0.5)  # a width no other test records
+@pytest.mark.parametrize(("mode", "width"), [(torch.no_grad, 23), (torch.inference_mode, 21)],
+                         ids=["no_grad", "inference_mode"])
+def test_an_estimate_first_asked_for_without_grad_is_recorded_with_autograd(mode, width):
+    """A configuration recorded while the caller runs under ``torch.no_grad()`` or ``torch.inference_mode()`` (an
+    evaluation loop, say) records the training step all the same: the same estimate as one asked for with grad."""
+    model, config = built("sage-mean", width, 0.5)  # a width no other test records
     layers = batch_counts()
-    with torch.no_grad():
+    with mode():
         quiet = estimate_micro_batch(layers, model_spec(config, GRAPH)).peak_bytes
     terms = RecordedStack(model)  # recorded now, with grad
     spec = dataclasses.replace(model_spec(config, GRAPH), forward_terms=terms.memory_terms,
                                layer_terms=terms.layer_memory_terms)
     assert quiet == estimate_micro_batch(layers, spec).peak_bytes
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_model_on_the_meta_device_is_estimated_as_its_instance(name):
+    """``model_spec`` describes a model built on the meta device, ``spec_of`` an instance: the same estimates."""
+    model, config = built(name, 32, 0.5)
+    layers = batch_counts()
+    assert (estimate_micro_batch(layers, model_spec(config, GRAPH)).peak_bytes
+            == estimate_micro_batch(layers, spec_of(model, config, "cpu")).peak_bytes)
 
 
 def test_a_piece_that_passes_the_output_s_gradient_to_an_input_is_refused():

@@ -764,7 +764,9 @@ def _segment_max_chunks(block: Block, h_src: Tensor, out: Tensor, argmax: Tensor
     for chunk in chunks(edges, step):
         index, gathered = _edge_values(block, h_src, chunk)
         positions = torch.arange(chunk.start, chunk.stop, dtype=torch.int32, device=h_src.device).unsqueeze(1)
-        first = torch.where(gathered == out.gather(0, index), positions, edges)
+        peak = out.gather(0, index)
+        first = torch.where((gathered == peak) | (gathered.isnan() & peak.isnan()), positions, edges)  # a NaN too
+        del peak
         argmax.scatter_reduce_(0, index, first, "amin")
         del index, gathered, positions, first
     isolated = (block.indptr[1:] == block.indptr[:-1]).unsqueeze(1)

@@ -298,7 +298,8 @@ def _written_steps(steps: list) -> list:
         step = steps[position]
         if isinstance(step, str) and step.startswith(_WRITTEN):
             name, read, grad = step.rsplit(" ", 2) if step.startswith(_WRITTEN_BACKWARD) else (*step.rsplit(" ", 1), "1")
-            if grad == "1" and not (isinstance(steps[position + 1], int) and steps[position + 1] > 0):
+            if grad == "1" and not (position + 1 < len(steps) and isinstance(steps[position + 1], int)
+                                    and steps[position + 1] > 0):
                 raise RecordingRefused("a stand-in's tensor was not made where it ran")
             made = steps[position + 1] - 1 if grad == "1" else -1
             merged.append((name, int(read), made))
