@@ -78,7 +78,7 @@ def test_estimate_matches_max_memory_allocated(name, k):
     # issue 22 item 5's bounds: no micro-batch above its estimate by more than 1%, and within 2% beyond the measured
     # fixed cost (the CPU's is 0). On an H200 (torch 2.11,
     # 2026-11-27) every model but GAT was within -0.04%..+1.06% here; GAT was -4.7% (K = 1) and -7.6% (K = 4) before
-    # the first sum of its ∂z was modelled out of place (StepTape.accumulate's first_is_view; not re-run on a GPU)
+    # the first sum of its ∂z was modelled out of place (now the recorder's; not re-run on a GPU)
     assert min(errors) >= -0.01, f"{name}, K = {k}: a micro-batch above its estimate by more than 1%: {errors}"
     assert max(abs(error) for error in errors) <= 0.02, f"{name}, K = {k}: errors {errors}"
 

@@ -122,25 +122,21 @@ def test_budget_terms_on_the_cpu_and_an_injected_nvml_reading(monkeypatch):
     assert auto.report()["step_bytes"] == auto.step_bytes and auto.report()["allocator"] == EXPANDABLE_SEGMENTS
 
 
-def test_a_gradient_through_a_view_is_summed_out_of_place():
-    """StepTape.accumulate: in place into a dense gradient (the second freed), out of place into one that came through
-    a view's backward (first_is_view=True: a new tensor, then both freed), as autograd does."""
-    for through_a_view in (False, True):
-        replay = Replay()
-        tape = StepTape(replay, ModelSpec("sage", (4, 4), parameter_numels=((16,),)), accumulate=False)
-        first, second = replay.alloc(1000, GRAD), replay.alloc(600, GRAD)
-        total = tape.accumulate(first, second, first_is_view=through_a_view)
-        assert replay.current == 1000 and replay.live[total][0] == 1000
-        assert replay.peak == (2600 if through_a_view else 1600), "the sum is made before both are freed"
-        assert (total == first) is not through_a_view
-        assert tape.accumulate(total, replay.alloc(10, GRAD)) == total, "the next sum adds into it in place"
+def test_a_gradient_summed_into_a_dense_one_is_added_in_place():
+    """StepTape.accumulate (the LSTM's hand-written terms): in place into the first gradient, the second freed."""
+    replay = Replay()
+    tape = StepTape(replay, ModelSpec("sage", (4, 4), parameter_numels=((16,),)), accumulate=False)
+    first, second = replay.alloc(1000, GRAD), replay.alloc(600, GRAD)
+    total = tape.accumulate(first, second)
+    assert total == first and replay.current == 1000 and replay.peak == 1600
+    assert tape.accumulate(total, replay.alloc(10, GRAD)) == total, "the next sum adds into it in place"
 
 
 @pytest.mark.parametrize("through_a_view", [False, True])
 def test_autograd_adds_into_a_gradient_through_a_view_out_of_place(through_a_view):
-    """What the tape's first_is_view models, measured: a gradient that arrives first through a view's backward is
-    summed with the next one out of place (aten::add); a dense one in place (aten::add_). Which arrives first
-    follows the forward's order (autograd runs the nodes made last first)."""
+    """What the recorder's in-place sums follow (``_Recording._sums_in_place``: no view), measured: a gradient that
+    arrives first through a view's backward is summed with the next one out of place (aten::add); a dense one in
+    place (aten::add_). Which arrives first follows the forward's order (autograd runs the nodes made last first)."""
     z = torch.randn(1000, 64, requires_grad=True) * 1.0  # a layer's output, as GAT's z
     dense = (z * 3).sum()  # as GAT's score products: made first, so their backward runs last
     used = z.view(1000, 4, 16) if through_a_view else z  # as GAT's z.view(-1, H, F), made after them

@@ -205,7 +205,7 @@ def test_layerwise_estimate_of_layers_that_do_not_project_first(cora64, arch):
 def test_layerwise_gat_estimate_where_the_peak_is_the_sum_of_z_gradients():
     """Many src rows of a wide z (4 heads × 64) over narrow features: the step peaks where autograd sums ∂z out of
     place (attention_aggregate's ∂z arrives first, through z.view(-1, H, F)), which the estimate replays
-    (StepTape.accumulate's first_is_view); modelled in place it was 8–12% under here."""
+    (now the recorder's out-of-place sum into a view's gradient); modelled in place it was 8–12% under here."""
     graph = make_sbm(num_nodes=20_000, num_features=64, avg_degree=10, train_per_class=40, num_val=50, num_test=50)
     torch.manual_seed(0)
     assert_layerwise_estimate(GAT(graph.num_features, 64, graph.num_classes, 2, heads=4, dropout=0.5), "gat", graph,
