@@ -131,3 +131,55 @@ def test_layerwise_logits_refuses_empty_nodes_and_bad_chunks(cora):
         layerwise_logits(model, cora, HostFeatureStore(cora.x, pin=False), CPU, cora.val_idx[:0])
     with pytest.raises(ValueError, match="chunk_size"):
         layerwise_logits(model, cora, HostFeatureStore(cora.x, pin=False), CPU, chunk_size=0)
+
+
+def test_fitting_chunks_halves_the_chunk_after_each_out_of_memory_error_and_says_which_chunk_ran(caplog):
+    from betty_trainer.errors import TrainingError
+    from betty_trainer.training.evaluation import fitting_chunks
+
+    tried = []
+
+    def compute(chunk):
+        tried.append(chunk)
+        if chunk > 3:
+            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+        return f"ran with {chunk}"
+
+    with caplog.at_level("WARNING", logger="betty_trainer.training.evaluation"):
+        assert fitting_chunks(compute, 9, CPU) == ("ran with 3", 3)
+    assert tried == [9, 5, 3]  # halved, rounded up
+    assert [r.getMessage() for r in caplog.records] == [
+        "evaluation ran out of memory on cpu; evaluating again with 5 nodes per chunk",
+        "evaluation ran out of memory on cpu; evaluating again with 3 nodes per chunk"]
+    with pytest.raises(TrainingError, match="out of memory on cpu with one node per chunk; free device memory, or "
+                                            r"evaluate on the CPU \(CUDA_VISIBLE_DEVICES= betty-train evaluate"):
+        fitting_chunks(lambda chunk: compute(chunk + 3), 2, CPU)
+    with pytest.raises(ValueError, match="a bug"):  # any other error passes at once
+        fitting_chunks(lambda chunk: (_ for _ in ()).throw(ValueError("a bug")), 8, CPU)
+
+
+@pytest.mark.parametrize("arch", ["sage-mean", "gat"])
+def test_evaluation_out_of_device_memory_retries_in_smaller_chunks_with_the_same_accuracies(cora, arch, monkeypatch):
+    """An out-of-memory error raised by any chunk of more than 500 dst nodes (injected where a chunk's layer runs):
+    evaluate_splits evaluates again with 8192 nodes per chunk halved down to 256, and gets the accuracies that the
+    default chunk gives without the error."""
+    import betty_trainer.training.evaluation as evaluation
+
+    torch.manual_seed(0)
+    model = MODELS[arch](cora, 2)
+    splits = {"val": cora.val_idx, "test": cora.test_idx}
+    features = HostFeatureStore(cora.x, pin=False)
+    expected = evaluate_splits(model, cora, features, CPU, splits, 2)
+    layer_rows, chunks = evaluation._layer_rows, []
+
+    def small_chunks_only(model, index, block, *rest):
+        chunks.append(block.num_dst)
+        if block.num_dst > 500:
+            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+        return layer_rows(model, index, block, *rest)
+
+    monkeypatch.setattr(evaluation, "_layer_rows", small_chunks_only)
+    assert evaluate_splits(model, cora, features, CPU, splits, 2) == expected
+    # 2708 nodes: 8192, 4096, 2048, 1024 and 512 fail at their first chunk, 256 runs every chunk of both layers
+    assert chunks[:5] == [cora.num_nodes] * 2 + [2048, 1024, 512] and max(chunks[5:]) == 256
+    assert sum(chunks[5:]) == cora.num_nodes + splits["val"].numel() + splits["test"].numel()

@@ -262,9 +262,15 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     trained = betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, "optim.epochs=2", "model.num_layers=2",
                                f"train.run_dir={run}")
     assert_one_line_error(trained, "epoch 1, evaluation: out of host memory (", "can't allocate memory",
-                          "num_nodes × model.hidden", "epoch 1's training is not saved",
-                          f"last good checkpoint: {run / 'last.pt'} (epoch 0")
-    assert load_checkpoint(run)["epoch"] == 0 and "optim.lr" not in trained.stderr
+                          "num_nodes × model.hidden", "epoch 1's training is saved, not evaluated",
+                          f"last good checkpoint: {run / 'last.pt'} (epoch 1; continue with betty-train train --resume")
+    assert load_checkpoint(run)["epoch"] == 1 and "optim.lr" not in trained.stderr
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["epoch"], m["val_acc"] is None) for m in metrics] == [(0, False), (1, True)]
+    calls.clear()  # evaluation works again: the resumed run goes on from epoch 2
+    resumed = betty_in_process(capsys, "train", "--resume", str(run), "optim.epochs=3")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     calls.append(None)  # from now on every evaluation fails
     evaluated = betty_in_process(capsys, "evaluate", "--run", str(run_copy))
     assert_one_line_error(evaluated, f"evaluating {run_copy / 'best.pt'}: out of host memory (",
@@ -272,6 +278,36 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     predicted = betty_in_process(capsys, "predict", "--run", str(run_copy), "--output", str(tmp_path / "p.csv"))
     assert_one_line_error(predicted, f"predicting with {run_copy / 'best.pt'}: out of host memory (")
     assert not (tmp_path / "p.csv").exists()
+
+
+def test_evaluation_out_of_device_memory_in_training_halves_its_chunk_once_for_the_run(tmp_path, capsys, monkeypatch,
+                                                                                       caplog):
+    """Chunks of more than 300 dst nodes run out of device memory (injected where a chunk's layer runs, on the
+    600-node graph): the first evaluation halves 8192 down to 256 (five warnings), every later one starts there,
+    and the run's accuracies are those of a run without the error."""
+    import betty_trainer.training.evaluation as evaluation
+
+    common = ["train", "--config", QUICKSTART, *SMALL, "optim.epochs=3", "model.num_layers=2"]
+    plain = betty_in_process(capsys, *common, f"train.run_dir={tmp_path / 'plain'}")
+    assert plain.returncode == 0, plain.stderr
+    layer_rows, chunks = evaluation._layer_rows, []
+
+    def at_most_300_nodes(model, index, block, *rest):
+        chunks.append(block.num_dst)
+        if block.num_dst > 300:
+            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+        return layer_rows(model, index, block, *rest)
+
+    monkeypatch.setattr(evaluation, "_layer_rows", at_most_300_nodes)
+    with caplog.at_level("WARNING", logger="betty_trainer"):
+        retried = betty_in_process(capsys, *common, f"train.run_dir={tmp_path / 'retried'}")
+    assert retried.returncode == 0, retried.stderr
+    said = [r.getMessage() for r in caplog.records if "evaluation ran out of memory" in r.getMessage()]
+    assert [line[line.index("with"):] for line in said] == [f"with {n} nodes per chunk"
+                                                            for n in (4096, 2048, 1024, 512, 256)]
+    assert chunks[:5] == [600] * 4 + [512] and max(chunks[5:]) == 256  # then every layer in chunks of ≤ 256
+    accuracies = [[(m["val_acc"], m["test_acc"]) for m in metrics(tmp_path / name)] for name in ("plain", "retried")]
+    assert accuracies[0] == accuracies[1] and None not in accuracies[0][0]
 
 
 def test_a_rehashed_checkpoint_whose_shapes_do_not_fit_names_the_parameter_in_one_line(run_copy, tmp_path, capsys):

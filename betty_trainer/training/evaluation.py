@@ -3,7 +3,10 @@ built-in models (as DGL's GraphSAGE example infers), or on full-neighbourhood ba
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -12,6 +15,7 @@ from torch.nn import functional as F
 from betty_trainer.data.block import Batch, Block
 from betty_trainer.data.feature_store import FeatureStore, HostFeatureStore, require_store
 from betty_trainer.data.graph import Graph
+from betty_trainer.errors import TrainingError
 from betty_trainer.models.capabilities import projected_layers
 from betty_trainer.models.stack import LayerStack, runs_layer_by_layer
 from betty_trainer.sampling import sample_batch, sample_block
@@ -21,6 +25,42 @@ EVALUATION_HOST_MEMORY = ("evaluation holds two layers' outputs of every node in
                           "model.hidden values each, and a layer's projection, layerwise_logits), or for a model "
                           "that cannot run layer by layer each chunk's full-neighbourhood batch")
 """Why evaluation runs out of host memory, for the errors that say so."""
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def fitting_chunks(compute: Callable[[int], T], chunk_size: int, device: torch.device) -> tuple[T, int]:
+    """``compute(chunk_size)``, run again with half the chunk (rounded up) after each CUDA out-of-memory error
+    until it fits: evaluation's guard, as a training step's is its re-plan (Betty §4.4.3). A chunk (dst nodes per
+    block, or seeds per batch) changes how much one step of evaluation holds on the device, not its result; the
+    failed attempt's tensors are dropped with its traceback and the allocator's cached blocks handed back
+    (``torch.cuda.empty_cache``) before the next.
+
+    Args:
+        compute: ``chunk → result``, e.g. :func:`splits_accuracy` with its other arguments bound.
+        chunk_size: the chunk to try first, ≥ 1.
+        device: where ``compute`` runs.
+
+    Returns:
+        ``compute``'s result and the chunk it ran with (the one to start from next time).
+
+    Raises:
+        TrainingError: out of device memory with one node per chunk.
+    """
+    while True:
+        try:
+            return compute(chunk_size), chunk_size
+        except torch.cuda.OutOfMemoryError:
+            if chunk_size == 1:
+                raise TrainingError(f"evaluation ran out of memory on {device} with one node per chunk; free device "
+                                    "memory, or evaluate on the CPU (CUDA_VISIBLE_DEVICES= betty-train evaluate "
+                                    "--run RUN_DIR)") from None
+        if device.type == "cuda":  # out of the handler: the failed attempt's tensors went with its traceback
+            torch.cuda.empty_cache()
+        chunk_size = (chunk_size + 1) // 2
+        logger.warning("evaluation ran out of memory on %s; evaluating again with %d nodes per chunk", device,
+                       chunk_size)
 
 
 def full_neighbourhood_batches(graph: Graph, nodes: Tensor, num_layers: int,
@@ -170,6 +210,18 @@ def _layer_rows(model: LayerStack, index: int, block: Block, store: FeatureStore
 
 
 def evaluate_splits(model: nn.Module, graph: Graph, features: FeatureStore, device: torch.device,
+                    splits: Mapping[str, Tensor], num_layers: int, chunk_size: int = EVAL_CHUNK) -> dict[str, float]:
+    """:func:`splits_accuracy` with ``chunk_size`` halved after each CUDA out-of-memory error until it fits
+    (:func:`fitting_chunks`); the accuracies do not depend on the chunk.
+
+    Raises:
+        TrainingError: out of device memory with one node per chunk.
+    """
+    bound = functools.partial(splits_accuracy, model, graph, features, device, splits, num_layers)
+    return fitting_chunks(bound, chunk_size, device)[0]
+
+
+def splits_accuracy(model: nn.Module, graph: Graph, features: FeatureStore, device: torch.device,
                     splits: Mapping[str, Tensor], num_layers: int, chunk_size: int = EVAL_CHUNK) -> dict[str, float]:
     """Accuracy of ``model`` on each split of node ids, in eval mode (no dropout).
 

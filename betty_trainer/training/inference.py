@@ -37,8 +37,10 @@ from betty_trainer.training.checkpoint import (
     state_dict_difference,
 )
 from betty_trainer.training.evaluation import (
+    EVAL_CHUNK,
     EVALUATION_HOST_MEMORY,
     evaluate_splits,
+    fitting_chunks,
     full_neighbourhood_batches,
     layerwise_logits,
 )
@@ -245,17 +247,23 @@ def predict_run(run_dir: str | Path, output: str | Path, checkpoint: str = "best
     return output
 
 
+@torch.no_grad()
 def node_logits(run: LoadedRun) -> Tensor:
-    """``(N, C)`` logits of every node of ``run.graph``, on the CPU (layer-wise for built-in models, else
-    full-neighbourhood batches)."""
+    """``(N, C)`` logits of every node of ``run.graph``, on the CPU, without autograd (layer-wise for built-in models,
+    else full-neighbourhood batches), in chunks halved after each CUDA out-of-memory error until they fit
+    (:func:`~betty_trainer.training.evaluation.fitting_chunks`)."""
     features = HostFeatureStore(run.graph.x, pin=False)
-    if runs_layer_by_layer(run.model):
-        return layerwise_logits(run.model, run.graph, features, run.device)
-    parts = []
-    for batch in full_neighbourhood_batches(run.graph, torch.arange(run.graph.num_nodes),
-                                            run.config.model.num_layers):
-        parts.append(run.model(batch.to(run.device).blocks, features.gather(batch.input_nodes, run.device)).cpu())
-    return torch.cat(parts)
+
+    def logits(chunk_size: int) -> Tensor:
+        if runs_layer_by_layer(run.model):
+            return layerwise_logits(run.model, run.graph, features, run.device, chunk_size=chunk_size)
+        parts = []
+        for batch in full_neighbourhood_batches(run.graph, torch.arange(run.graph.num_nodes),
+                                                run.config.model.num_layers, chunk_size):
+            parts.append(run.model(batch.to(run.device).blocks, features.gather(batch.input_nodes, run.device)).cpu())
+        return torch.cat(parts)
+
+    return fitting_chunks(logits, EVAL_CHUNK, run.device)[0]
 
 
 @contextlib.contextmanager

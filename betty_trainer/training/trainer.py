@@ -9,12 +9,13 @@ wrapper.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -69,7 +70,7 @@ from betty_trainer.training.checkpoint import (
     state_dict_difference,
 )
 from betty_trainer.training.distributed import finish_together, join_run, leader_value, rank_metrics, this_rank
-from betty_trainer.training.evaluation import EVALUATION_HOST_MEMORY, evaluate_splits
+from betty_trainer.training.evaluation import EVAL_CHUNK, EVALUATION_HOST_MEMORY, fitting_chunks, splits_accuracy
 from betty_trainer.training.output import EpochProgress, epoch_status, quiet_native_stderr
 from betty_trainer.training.preflight import check_config, check_model_size, resolve_device
 from betty_trainer.training.rundir import (
@@ -185,8 +186,9 @@ def train(
     Raises:
         BettyError: bad dataset or config, NaN loss or diverged parameters (:class:`TrainingError`,
             naming the last good checkpoint), a step or an evaluation out of host memory (:class:`TrainingError`,
-            naming the last good checkpoint; the failed epoch is not saved), unusable checkpoint, or a resume whose
-            model or dataset differs from the checkpoint's.
+            naming the last good checkpoint; a failed step's epoch is not saved, an epoch whose evaluation fails
+            is, not evaluated), evaluation out of device memory with one node per chunk, unusable checkpoint, or a
+            resume whose model or dataset differs from the checkpoint's.
         RunDirError: the run directory already holds a run (without ``resume`` or ``overwrite``), is held
             by another run (its ``run.lock`` names the holder), is a file, is read-only, or its disk is full
             (the last good checkpoint is kept).
@@ -247,12 +249,10 @@ def train(
                     raise TrainingError(f"epoch {epoch}: {diverged} after the optimizer step (training diverged); "
                                         f"try a lower optim.lr; {_last_good(path, epoch)}")
                 counters, seconds = features.stats.snapshot(), time.perf_counter() - started  # before evaluation's
-                with _named_failures(f"epoch {epoch}, evaluation", path, epoch, since_checkpoint=steps,
-                                     host_fix=f"{EVALUATION_HOST_MEMORY}; lower model.hidden, or free host memory; "
-                                              f"epoch {epoch}'s training is not saved"):
-                    with record_function(EVALUATE):
-                        accuracy = _evaluate(config, run, epoch, device)
-                last = totals.metrics(epoch, run, counters, seconds, lr, accuracy)
+                unevaluated = totals.metrics(epoch, run, counters, seconds, lr)
+                accuracy = _evaluate_or_save(config, run, epoch, device, path, steps,
+                                             functools.partial(_end_epoch, directory, run, unevaluated, best, board))
+                last = replace(unevaluated, val_acc=accuracy.get("val"), test_acc=accuracy.get("test"))
                 diverging = _check_divergence(config, graph, last, path, diverging)
                 best = _end_epoch(directory, run, last, best, board)
                 progress.advance(epoch, epoch_status(last, best))
@@ -313,6 +313,7 @@ class _Run:
     start_epoch: int = 0
     best: dict = field(default_factory=lambda: _no_best())
     resumed_from: int | None = None
+    evaluation_chunk: int = EVAL_CHUNK  # nodes per chunk of the last evaluation (halved after an out-of-memory error)
 
 
 def feature_store(config: Config, graph: Graph, device: torch.device, sampler: Sampler,
@@ -557,28 +558,52 @@ class _EpochTotals:
         self.pieces = max(self.pieces, plan.pieces)
         self.input_redundancy = max(self.input_redundancy, plan.redundancy()[0])
 
-    def metrics(self, epoch: int, run: _Run, stats: TransferStats, seconds: float, lr: float,
-                accuracy: dict[str, float]) -> EpochMetrics:
-        """The epoch's :class:`EpochMetrics` from the training store's counters ``stats`` at the epoch's end; in a
-        distributed run the transfer counters are every rank's, summed, and per rank under ``ranks`` (a
-        collective)."""
+    def metrics(self, epoch: int, run: _Run, stats: TransferStats, seconds: float, lr: float) -> EpochMetrics:
+        """The epoch's :class:`EpochMetrics` before its evaluation (no accuracies), from the training store's counters
+        ``stats`` at the epoch's end; in a distributed run the transfer counters are every rank's, summed, and per
+        rank under ``ranks`` (a collective)."""
         gathered, trained = stats - self.gathered_before, run.graph.train_idx.numel()
         counters = {"host_to_device_bytes": gathered.host_to_device_bytes, "feature_hits": gathered.hits,
                     "feature_misses": gathered.misses, "cache_fill_bytes": gathered.cache_fill_bytes}
         if run.processes is not None:
             counters = rank_metrics(run.processes, counters, run.traffic.total - self.exchanged_before)
-        return EpochMetrics(epoch, self.loss_sum / trained, self.correct / trained, accuracy.get("val"),
-                            accuracy.get("test"), self.pieces, self.input_redundancy, seconds, lr=lr, **counters)
+        return EpochMetrics(epoch, self.loss_sum / trained, self.correct / trained, None, None, self.pieces,
+                            self.input_redundancy, seconds, lr=lr, **counters)
 
+
+
+def _evaluate_or_save(config: Config, run: _Run, epoch: int, device: torch.device, path: Path, steps: int,
+                      save_unevaluated: Callable[[], object]) -> dict[str, float]:
+    """:func:`_evaluate`; where it fails, ``save_unevaluated()`` first writes the epoch's training (its metrics line
+    and ``last.pt``, not evaluated), so the error names this epoch's ``last.pt`` as the one to resume from
+    (:func:`_named_failures`; ``steps``: the optimizer steps of this epoch)."""
+    with _named_failures(f"epoch {epoch}, evaluation", path, epoch + 1, since_checkpoint=steps,
+                         host_fix=f"{EVALUATION_HOST_MEMORY}; lower model.hidden, or free host memory; "
+                                  f"epoch {epoch}'s training is saved, not evaluated"):
+        try:
+            with record_function(EVALUATE):
+                return _evaluate(config, run, epoch, device)
+        except Exception:
+            save_unevaluated()
+            raise
 
 
 def _evaluate(config: Config, run: _Run, epoch: int, device: torch.device) -> dict[str, float]:
-    """Validation and test accuracy every ``train.eval_every`` epochs and at the last; ``{}`` otherwise."""
+    """Validation and test accuracy every ``train.eval_every`` epochs and at the last; ``{}`` otherwise. Evaluated in
+    chunks halved after each CUDA out-of-memory error (:func:`~betty_trainer.training.evaluation.fitting_chunks`), from
+    the chunk the last evaluation ran with (``run.evaluation_chunk``).
+
+    Raises:
+        TrainingError: out of device memory with one node per chunk.
+    """
     if (epoch + 1) % config.train.eval_every != 0 and epoch + 1 != config.optim.epochs:
         return {}
     splits = {"val": run.graph.val_idx, "test": run.graph.test_idx}
-    return leader_value(run.processes, lambda: evaluate_splits(run.model, run.graph, run.evaluation_features, device,
-                                                               splits, config.model.num_layers))
+    accuracy = functools.partial(splits_accuracy, run.model, run.graph, run.evaluation_features, device, splits,
+                                 config.model.num_layers)
+    result, run.evaluation_chunk = leader_value(run.processes, lambda: fitting_chunks(accuracy, run.evaluation_chunk,
+                                                                                      device))
+    return result
 
 
 def _end_epoch(directory: RunDirectory | None, run: _Run, last: EpochMetrics, best: dict, board) -> dict:
