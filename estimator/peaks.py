@@ -25,7 +25,7 @@ from estimator.work import step_work
 class CustomEstimate(Protocol):
     """A custom model's micro-batch estimate: a :class:`~estimator.recorder.RecordedModel`, a
     :class:`~estimator.calibrate.CalibratedModel`, or a set of recordings by pattern of edge-weighted blocks
-    (``betty_trainer.memory.recorded.WeightedRecordings``)."""
+    (``betty_trainer.memory.recorded.WeightedEstimates``)."""
 
     @property
     def resident_bytes(self) -> int:

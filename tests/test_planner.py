@@ -655,7 +655,7 @@ def test_a_built_in_model_on_a_torch_the_recorder_is_not_tested_with_is_estimate
     config = load_config(None, OVERRIDES + [f"micro_batch.budget={full_peak * 2 // 3}"])
     with caplog.at_level("WARNING", logger="betty_trainer.memory.planner"):
         planner = make_planner(config, graph, None, torch.device("cpu"), HostFeatureStore(graph.x, pin=False))
-    assert isinstance(planner.estimator.calibrated, CalibratedModel)
+    assert isinstance(planner.estimator.calibrated.unweighted, CalibratedModel)
     assert "the memory recorder refused the built-in sage model (the recorder is tested with torch" in caplog.text
     plan = planner.plan(batch)
     assert plan.method == "micro_batches" and plan.pieces > 1 and plan.estimate <= planner.budget

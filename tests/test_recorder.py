@@ -21,7 +21,7 @@ from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.errors import CalibrationError
 from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.planner import make_planner
-from betty_trainer.memory.recorded import WeightedRecordings, record_model
+from betty_trainer.memory.recorded import WeightedEstimates, record_model
 from betty_trainer.models.aggregate import mean_neighbours
 from betty_trainer.training.dry_run import dry_run
 from estimator.calibrate import CalibratedModel
@@ -131,11 +131,11 @@ class ProjectedMeans(nn.Module):
 @pytest.mark.parametrize("pattern", [(True, True), (True, False)], ids=["both-weighted", "input-layer-weighted"])
 def test_blocks_with_edge_weights_are_recorded_with_them(cora, pattern):
     """LABOR, GNS and LADIES weigh the edges of the layers they sample: a custom model on such blocks gets the
-    recording of that pattern (``WeightedRecordings``), to the measured peak's byte, where the unweighted recording
+    recording of that pattern (``WeightedEstimates``), to the measured peak's byte, where the unweighted recording
     is short by the weighted mean's temporaries; an estimate asked of a recording of another pattern is refused."""
     torch.manual_seed(0)
     model = ProjectedMeans(cora.num_features, 8, cora.num_classes)
-    recordings = WeightedRecordings(model, cora, 2, adam, "cpu")
+    recordings = WeightedEstimates(model, cora, 2, adam, "cpu")
     generator = torch.Generator().manual_seed(0)
     batch = sample_batch(cora, cora.train_idx, [None, None], generator)
     batch = Batch([dataclasses.replace(block, edge_weight=torch.rand(block.num_edges, generator=generator) + 0.5)
@@ -197,7 +197,7 @@ def test_a_weighted_pattern_the_recorder_refuses_is_calibrated_instead(cora, cap
     pattern is calibrated (logged with the reason) and its estimate is the calibrated one."""
     torch.manual_seed(0)
     model = MasksItsWeights(cora.num_features, 8, cora.num_classes)
-    recordings = WeightedRecordings(model, cora, 2, adam, "cpu")
+    recordings = WeightedEstimates(model, cora, 2, adam, "cpu")
     layers = [dataclasses.replace(layer, weighted=True) for layer in recording_sizes(2)[0]]
     with caplog.at_level(logging.INFO, logger="betty_trainer.memory.recorded"):
         estimate = recordings.estimate(layers)
@@ -312,12 +312,20 @@ def test_the_planner_calibrates_a_model_the_recorder_refuses_and_says_why(cora, 
     config = load_config(None, ["dataset.name=cora", f"dataset.data_dir={planetoid_dir}", f"optim.lr={LR}",
                                 f"optim.weight_decay={WEIGHT_DECAY}", "train.device=cpu", "micro_batch.budget=100000000"])
     torch.manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory"):
         planner = make_planner(config, cora, ThroughNumpy(cora.num_features, 16, cora.num_classes), torch.device("cpu"),
                                HostFeatureStore(cora.x, pin=False))
-    assert isinstance(planner.estimator.calibrated, CalibratedModel)
-    assert re.search(r"the memory recorder refused ThroughNumpy \(the step failed on fake tensors .*\); calibrating it "
-                     r"instead\n.*calibrated the memory estimate of ThroughNumpy", caplog.text)
+    estimates = planner.estimator.calibrated
+    assert not estimates.recorded and isinstance(estimates.unweighted, CalibratedModel)
+    assert re.search(r"the memory recorder refused ThroughNumpy on blocks with edge weights \[False, False\] \(the "
+                     r"step failed on fake tensors .*\); calibrating it instead\n.*calibrated the memory estimate of "
+                     r"ThroughNumpy", caplog.text)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory"):  # a weighted pattern: calibrated with weights
+        layers = [dataclasses.replace(layer, weighted=True) for layer in recording_sizes(2)[0]]
+        assert estimates.estimate(layers) == estimates._estimates[(True, True)].estimate(layers)
+    assert "refused" not in caplog.text and "estimated ThroughNumpy on blocks with edge weights [True, True]" in caplog.text
+    assert isinstance(estimates._estimates[(True, True)], CalibratedModel)
     with pytest.raises(CalibrationError, match=r"cannot calibrate NoSuchAttribute: its forward failed .*"
                                                r"\(AttributeError: 'Block' object has no attribute 'num_features'\)"):
         make_planner(config, cora, NoSuchAttribute(cora.num_features, 16, cora.num_classes), torch.device("cpu"),

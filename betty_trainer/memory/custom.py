@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -57,27 +57,34 @@ def synthetic_designs(num_layers: int) -> list[tuple[int, list[int]]]:
     ]
 
 
-def synthetic_batches(graph: Graph, num_layers: int, scale: int = 1, seed: int = 0) -> list[Batch]:
+def synthetic_batches(graph: Graph, num_layers: int, scale: int = 1, seed: int = 0,
+                      weighted: Sequence[bool] = ()) -> list[Batch]:
     """The micro-batches of :func:`synthetic_designs` on ``graph`` with ``scale`` times the seeds:
     seeds drawn uniformly from all nodes (deterministic for ``scale`` and ``seed``), at most all
     nodes, and at most so many that ``seeds × Π(fanout + 1)`` input rows of features take
-    :data:`MAX_INPUT_BYTES`."""
+    :data:`MAX_INPUT_BYTES`. The blocks ``weighted`` names (per layer, input layer first; none by default) carry
+    ``(E,)`` float32 edge weights drawn uniformly from ``[0.5, 1.5)``, as LABOR's, GNS's and LADIES' sampled layers
+    carry importance weights."""
     generator = torch.Generator().manual_seed(seed + scale)
     max_rows = max(1, MAX_INPUT_BYTES // (graph.x.element_size() * max(graph.num_features, 1)))
+    weighted = tuple(weighted) or (False,) * num_layers
     batches = []
     for num_seeds, fanouts in synthetic_designs(num_layers):
         cap = max(1, max_rows // math.prod(f + 1 for f in fanouts))
         seeds = torch.randperm(graph.num_nodes, generator=generator)[: min(num_seeds * scale, cap)]
-        batches.append(sample_batch(graph, seeds, fanouts, generator))
+        batch = sample_batch(graph, seeds, fanouts, generator)
+        batches.append(Batch([dataclasses.replace(block, edge_weight=torch.rand(block.num_edges, generator=generator)
+                                                  + 0.5) if weighs else block
+                              for block, weighs in zip(batch.blocks, weighted, strict=True)]))
     return batches
 
 
-def synthetic_rounds(graph: Graph, num_layers: int) -> Iterator[list[Batch]]:
-    """The calibration's rounds of :func:`synthetic_batches`: ``scale`` 1, then :data:`GROWTH` times the last
-    (a round is drawn when the fit asks for larger micro-batches)."""
+def synthetic_rounds(graph: Graph, num_layers: int, weighted: Sequence[bool] = ()) -> Iterator[list[Batch]]:
+    """The calibration's rounds of :func:`synthetic_batches` (``weighted`` as there): ``scale`` 1, then
+    :data:`GROWTH` times the last (a round is drawn when the fit asks for larger micro-batches)."""
     scale = 1
     while True:
-        yield synthetic_batches(graph, num_layers, scale)
+        yield synthetic_batches(graph, num_layers, scale, weighted=weighted)
         scale *= GROWTH
 
 
@@ -87,6 +94,7 @@ def calibrate_model(
     num_layers: int,
     optimizer_factory: OptimizerFactory = torch.optim.Adam,
     device: torch.device | str = "cpu",
+    weighted: Sequence[bool] = (),
 ) -> CalibratedModel:
     """Fit the memory estimate of ``model`` trained with ``optimizer_factory`` on ``graph``.
 
@@ -117,26 +125,33 @@ def calibrate_model(
             ``lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=5e-4)`` (weight decay
             allocates a temporary per parameter in the step).
         device: where the model trains: ``cpu``, ``cuda`` or ``cuda:N``.
+        weighted: per block (input layer first), whether the micro-batches it estimates carry ``(E,)`` float32 edge
+            weights (LABOR's, GNS's and LADIES' sampled layers); the synthetic micro-batches carry them alike
+            (:func:`synthetic_batches`), so a model that keeps per-edge tensors of its weights is fitted with them.
+            None by default.
 
     Returns:
         The :class:`~estimator.calibrate.CalibratedModel`.
 
     Raises:
+        ValueError: ``weighted`` names another number of blocks than ``num_layers``.
         CalibrationError: the model cannot be copied, has no parameters, its forward or
             backward fails on a synthetic micro-batch (naming the exception), its output
             has the wrong shape, or its peaks do not follow the counts (naming the sample
             and the numbers).
     """
     device = torch.device(device)
+    if weighted and len(weighted) != num_layers:
+        raise ValueError(f"weighted gives {len(weighted)} blocks for a model of {num_layers}")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG is untouched
-        calibrated = _calibrate(model, graph, num_layers, optimizer_factory, device)
+        calibrated = _calibrate(model, graph, num_layers, optimizer_factory, device, weighted)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the copy's cached blocks back (budget=auto reads free GPU memory)
     return calibrated
 
 
 def _calibrate(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: OptimizerFactory,
-               device: torch.device) -> CalibratedModel:
+               device: torch.device, weighted: Sequence[bool]) -> CalibratedModel:
     name = type(model).__name__
     try:
         trained = copy.deepcopy(model).to(device)
@@ -147,7 +162,7 @@ def _calibrate(model: nn.Module, graph: Graph, num_layers: int, optimizer_factor
     if not parameters:
         raise CalibrationError(f"cannot calibrate {name}: it has no parameters to train")
     optimizer = optimizer_factory(parameters)
-    rounds = synthetic_rounds(graph, num_layers)
+    rounds = synthetic_rounds(graph, num_layers, weighted)
     batches = next(rounds)
     _warm_up(trained, optimizer, batches[0], graph, device, name)
     features = HostFeatureStore(graph.x, pin=False)

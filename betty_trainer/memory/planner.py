@@ -29,14 +29,12 @@ from betty_trainer.execution.layerwise import LayerwisePlan
 from betty_trainer.execution.micro_batches import MicroBatches, MicroBatchPlan
 from betty_trainer.execution.plan import StepPlan, held_bytes
 from betty_trainer.memory.budget import resolve_budget
-from betty_trainer.memory.custom import calibrate_model
-from betty_trainer.memory.recorded import WeightedRecordings
+from betty_trainer.memory.recorded import WeightedEstimates
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import build_model
 from betty_trainer.models.aggregate import keep_transposes
 from betty_trainer.models.stack import runs_layer_by_layer
 from betty_trainer.sampling.bulk import BulkDraw
-from estimator.calibrate import CalibratedModel
 from estimator.peaks import PeakEstimator
 from estimator.recorder import RecordingRefused
 from partition import BudgetError, GraphPartition, OutputSplitter, Split, make_split
@@ -383,8 +381,8 @@ def make_planner(config: Config, graph: Graph, model: nn.Module | None, device: 
     (``model=None``), its terms recorded from its code (on a torch the recorder is not tested with, the built-in
     model is estimated as a custom one, with a warning); a custom ``model`` with ``micro_batch.budget`` set is
     recorded first, once per pattern of edge-weighted blocks (:class:`~betty_trainer.memory.recorded.
-    WeightedRecordings`: exact), or where the recorder refuses it (the reason is logged) calibrated
-    (:func:`~betty_trainer.memory.custom.calibrate_model`), both with the run's optimizer and
+    WeightedEstimates`: exact), or where the recorder refuses it (the reason is logged) calibrated on micro-batches
+    weighted alike (:func:`~betty_trainer.memory.custom.calibrate_model`), both with the run's optimizer and
     ``config.model.num_layers`` layers; the time it took is logged at INFO level. ``seed``: the partitioner's
     (:func:`~betty_trainer.sampling.schedule.plan_seed`). ``partition``: another planner's
     :attr:`Planner.graph_partition` of the same run, shared so that its METIS cuts are made once; by default
@@ -446,24 +444,21 @@ def samples_batches(config: Config, graph: Graph) -> bool:
             or any(fanout != -1 for fanout in sampling.fanouts or []))
 
 
-def _custom_estimate(config: Config, graph: Graph, model: nn.Module,
-                     device: torch.device) -> WeightedRecordings | CalibratedModel:
-    """:func:`make_planner`'s estimate of a custom model: recorded, or where the recorder refuses it (the reason
-    logged) calibrated, with the time it took logged at INFO level.
+def _custom_estimate(config: Config, graph: Graph, model: nn.Module, device: torch.device) -> WeightedEstimates:
+    """:func:`make_planner`'s estimate of a custom model (:class:`~betty_trainer.memory.recorded.WeightedEstimates`:
+    recorded, or where the recorder refuses it, the reason logged, calibrated), with the time it took logged at
+    INFO level.
 
     Raises:
         CalibrationError: see :func:`make_planner`.
     """
     started, name = time.perf_counter(), type(model).__name__
-    args = (model, graph, config.model.num_layers, config.optim.make_optimizer, device)
-    try:
-        estimate = WeightedRecordings(*args)
+    estimate = WeightedEstimates(model, graph, config.model.num_layers, config.optim.make_optimizer, device)
+    unweighted = estimate.unweighted
+    if estimate.recorded:
         logger.info("recorded the memory estimate of %s in %.2f s (%d allocations per step)", name,
-                    time.perf_counter() - started, estimate.allocations)
-        return estimate
-    except RecordingRefused as refusal:
-        logger.info("the memory recorder refused %s (%s); calibrating it instead", name, refusal)
-    calibrated = calibrate_model(*args)
-    logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
-                name, time.perf_counter() - started, 100 * calibrated.max_relative_error)
-    return calibrated
+                    time.perf_counter() - started, unweighted.allocations)
+    else:
+        logger.info("calibrated the memory estimate of %s in %.2f s (largest error on the calibration samples %.1f%%)",
+                    name, time.perf_counter() - started, 100 * unweighted.max_relative_error)
+    return estimate

@@ -4,8 +4,8 @@ sizes (:mod:`estimator.recorder`), solved into an exact closed form.
 :func:`record_model` records the step :func:`~betty_trainer.execution.micro_batches.measure_training_step`
 measures (gather, forward, loss, backward, accuracy, optimizer step) with the same code, so the estimate counts
 what that measurement counts. A model the recorder refuses raises
-:class:`~estimator.recorder.RecordingRefused`; :func:`betty_trainer.memory.custom.estimate_model` then falls back
-to calibration.
+:class:`~estimator.recorder.RecordingRefused`; :class:`WeightedEstimates` then falls back to calibration
+(:func:`betty_trainer.memory.custom.calibrate_model`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def record_model(
         device: where the model trains; only ``cpu`` is recorded.
         weighted: per block, whether it carries ``(E,)`` float32 edge weights (recorded with fake ones; none by
             default). The estimate holds for micro-batches weighted alike (:attr:`RecordedModel.weighted`;
-            :class:`WeightedRecordings` records each pattern a run meets).
+            :class:`WeightedEstimates` records each pattern a run meets).
 
     Returns:
         The :class:`~estimator.recorder.RecordedModel` (bytes as the CPU measurement counts them).
@@ -94,27 +94,30 @@ def record_model(
 _RECORDED: dict[tuple, RecordedModel] = {}
 
 
-class WeightedRecordings:
-    """A custom model's recorded estimate for micro-batches of any pattern of edge-weighted blocks (LABOR, GNS and
-    LADIES weigh the layers they sample): the unweighted pattern is recorded at once, any other when a micro-batch
-    of it is first estimated (logged with the time it took), and each is kept here. Where the recorder refuses the
-    model on a pattern it recorded unweighted (say, a mask on the weights' values), that pattern is calibrated
-    instead (:func:`~betty_trainer.memory.custom.calibrate_model`, logged with the reason; its synthetic
-    micro-batches carry no weights, so it fits within its usual error, not to the byte).
+class WeightedEstimates:
+    """A custom model's estimate for micro-batches of any pattern of edge-weighted blocks (LABOR, GNS and LADIES
+    weigh the layers they sample), made per pattern when a micro-batch of it is first estimated and kept: recorded
+    (:func:`record_model`: exact), or where the recorder refuses the model calibrated
+    (:func:`~betty_trainer.memory.custom.calibrate_model`, on synthetic micro-batches weighted as the pattern, so a
+    model that keeps per-edge tensors of its weights is fitted with them; within its held-out error, not to the
+    byte). The unweighted pattern is made at construction; where the recorder refuses it, every pattern is
+    calibrated without trying the recorder again (the reason is logged once), and where it refuses only a weighted
+    pattern (say, a mask on the weights' values) that pattern is calibrated (logged with the reason). Each
+    estimate made after construction is logged with the time it took.
 
     Args:
         model, graph, num_layers, optimizer_factory, device: as :func:`record_model`'s.
 
     Raises:
-        RecordingRefused: at construction, as :func:`record_model` (the unweighted pattern).
+        CalibrationError: a pattern the recorder refused cannot be calibrated (the message names the cause).
     """
 
     def __init__(self, model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: OptimizerFactory,
                  device: torch.device | str):
         self._args = (model, graph, num_layers, optimizer_factory, device)
-        self.unweighted = record_model(*self._args)
-        self._estimates: dict[tuple[bool, ...], RecordedModel | CalibratedModel] = {
-            self.unweighted.weighted: self.unweighted}
+        self.refusal: str | None = None  # why the recorder refused the unweighted pattern: all are calibrated
+        self._estimates: dict[tuple[bool, ...], RecordedModel | CalibratedModel] = {}
+        self.unweighted = self._make((False,) * num_layers)
 
     @property
     def resident_bytes(self) -> int:
@@ -122,25 +125,36 @@ class WeightedRecordings:
         return self.unweighted.resident_bytes
 
     @property
-    def allocations(self) -> int:
-        """Allocations per recorded step without edge weights (for reports)."""
-        return self.unweighted.allocations
+    def recorded(self) -> bool:
+        """Whether the unweighted pattern was recorded (else every pattern is calibrated)."""
+        return self.refusal is None
 
     def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
-        """The estimate (:meth:`RecordedModel.estimate`) of ``layers``' pattern of edge weights, recorded (or
-        calibrated) on first use."""
+        """The estimate (:meth:`RecordedModel.estimate <estimator.recorder.RecordedModel.estimate>` or
+        :meth:`CalibratedModel.estimate <estimator.calibrate.CalibratedModel.estimate>`) of ``layers``' pattern of
+        edge weights, made on first use."""
         pattern = tuple(layer.weighted for layer in layers)
         if pattern not in self._estimates:
-            name, started = type(self._args[0]).__name__, time.perf_counter()
+            started = time.perf_counter()
+            self._make(pattern)
+            logger.info("estimated %s on blocks with edge weights %s in %.2f s", type(self._args[0]).__name__,
+                        list(pattern), time.perf_counter() - started)
+        return self._estimates[pattern].estimate(layers, accumulate)
+
+    def _make(self, pattern: tuple[bool, ...]) -> RecordedModel | CalibratedModel:
+        """Record ``pattern``, or where the recorder refuses the model calibrate it (see the class docstring)."""
+        name = type(self._args[0]).__name__
+        if self.refusal is None:
             try:
                 self._estimates[pattern] = record_model(*self._args, weighted=pattern)
-                logger.info("recorded the memory estimate of %s on blocks with edge weights %s in %.2f s", name,
-                            list(pattern), time.perf_counter() - started)
+                return self._estimates[pattern]
             except RecordingRefused as refusal:
                 logger.info("the memory recorder refused %s on blocks with edge weights %s (%s); calibrating it "
                             "instead", name, list(pattern), refusal)
-                self._estimates[pattern] = calibrate_model(*self._args)
-        return self._estimates[pattern].estimate(layers, accumulate)
+                if not any(pattern):
+                    self.refusal = str(refusal)
+        self._estimates[pattern] = calibrate_model(*self._args, weighted=pattern)
+        return self._estimates[pattern]
 
 
 def recording_key(model: nn.Module, graph: Graph, num_layers: int, optimizer: torch.optim.Optimizer,
