@@ -192,6 +192,20 @@ class MasksItsWeights(ProjectedMeans):
         return super().forward(blocks, x)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_model_recorded_under_no_grad_or_inference_mode_is_recorded_as_it_trains(cora, mode):
+    """The caller's autograd mode does not reach the recorded training step: recorded inside ``torch.no_grad()`` (it
+    was refused: "element 0 of tensors does not require grad") or ``torch.inference_mode()``, a model of a width
+    recorded nowhere else gets the estimate recorded outside them."""
+    width = {torch.no_grad: 11, torch.inference_mode: 13}[mode]
+    with mode():
+        inside = record_model(ProjectedMeans(cora.num_features, width, cora.num_classes), cora, 2, adam)
+    layers = recording_sizes(2)[0]
+    record_model.__globals__["_RECORDED"].clear()  # recorded again, outside
+    outside = record_model(ProjectedMeans(cora.num_features, width, cora.num_classes), cora, 2, adam)
+    assert inside.estimate(layers) == outside.estimate(layers) and inside.allocations == outside.allocations
+
+
 def test_a_weighted_pattern_the_recorder_refuses_is_calibrated_instead(cora, caplog):
     """The unweighted pattern is recorded; blocks with edge weights make the model read tensor values, so that
     pattern is calibrated (logged with the reason) and its estimate is the calibrated one."""

@@ -175,7 +175,8 @@ def _record(model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: 
     """:func:`record_model`'s recording (see there), uncached."""
     name = type(model).__name__
     sizes = recording_sizes(num_layers, weighted)
-    with torch.random.fork_rng(devices=[]), Recorder() as recorder:
+    # a training step whatever the caller's autograd mode (train() inside torch.no_grad() records all the same)
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(), Recorder() as recorder:
         fake = recorder.fake_module(model).train()  # a training step, whatever mode the model is in now (dropout)
         optimizer = optimizer_factory(list(fake.parameters()))
         features, labels = HostFeatureStore(recorder.fake(graph.x), pin=False, in_place=False), recorder.fake(graph.y)
