@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 
 import numpy as np
@@ -17,7 +18,7 @@ from betty_trainer.config import load_config
 from betty_trainer.errors import CalibrationError, ConfigError, PlanningError
 from betty_trainer.execution import micro_batches as micro_batches_module
 from betty_trainer.execution.micro_batches import measure_training_step
-from betty_trainer.memory.planner import Planner, graph_partition, make_planner
+from betty_trainer.memory.planner import GRAPH_K_SHRINK_AFTER, Planner, graph_partition, make_planner
 from betty_trainer.memory.spec import model_spec
 from betty_trainer.models import aggregate, build_model, set_dropout_key
 from betty_trainer.training.checkpoint import load_checkpoint
@@ -547,13 +548,49 @@ def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_
     assert len(misses.graph_partition.splitter(second.output_nodes).split(4)) == 2  # the premise: 2 parts per copy
     plan = misses.plan(second)
     assert plan.partitioner == "reg" and max(plan.split.estimates) <= tighter and misses.fallbacks == 1
-    # the next batches try the K that the missed split's largest estimate asks for, K · (largest − resident) /
-    # (budget − resident) with K = 4 (its micro-batches, halves of the batch, are about twice too large), or the
-    # fallback's K if more
-    halves = count_layers(second.blocks, misses.graph_partition.splitter(second.output_nodes).split(4))
-    resident, missed = estimator.resident_bytes, max(estimator.peak(sizes, index > 0) for index, sizes in enumerate(halves))
-    asked = math.ceil(4 * (missed - resident) / (tighter - resident))
-    assert misses.graph_k == max(asked, plan.pieces) and asked > 5
+    # the graph's split at K = 4 missed (its micro-batches, halves of the batch, are about twice too large); the batch
+    # tried the K that miss asks for, ⌈K · (largest − resident) / (budget − resident)⌉, missed again (one copy holds
+    # about half of any K's parts), and the next batches try the K the second miss asks for
+    splitter, resident = misses.graph_partition.splitter(second.output_nodes), estimator.resident_bytes
+
+    def largest_at(k):
+        return max(estimator.peak(sizes, index > 0) for index, sizes in enumerate(count_layers(second.blocks,
+                                                                                               splitter.split(k))))
+
+    asked = math.ceil(4 * (largest_at(4) - resident) / (tighter - resident))
+    assert asked > 5 and largest_at(asked) > tighter
+    assert misses.graph_k == max(asked + 1, math.ceil(asked * (largest_at(asked) - resident) / (tighter - resident)))
+    assert misses._missed_k == asked  # the graph's K never drops to it again (below)
+    for _ in range(GRAPH_K_SHRINK_AFTER):  # batches that would fit with one micro-batch
+        misses._fits(misses.graph_k, resident + 1)
+    assert misses.graph_k == asked + 1
+
+
+def test_the_graph_partition_s_k_drops_to_what_its_batches_need(setting, caplog):
+    """A first batch of every training node sets the graph's K under a budget; batches of half the training nodes
+    then fit with room, and after GRAPH_K_SHRINK_AFTER of them the graph's K drops to the largest K the 1/K rule
+    says they needed (logged), every plan within the budget and none planned per batch."""
+    graph, config, *_ = setting
+    estimator = PeakEstimator(model_spec(config, graph))
+    generator = torch.Generator().manual_seed(0)
+    first = sample_batch(graph, graph.train_idx, [5, 10], generator)
+    budget = int(estimator.peak(first.blocks) * 0.3)
+    by_graph = load_config(None, OVERRIDES + [f"micro_batch.budget={budget}", "micro_batch.assignment=graph"])
+    planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"),
+                      graph_partition=graph_partition(by_graph, graph))
+    k = planner.plan(first).pieces
+    needed = 0
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
+        for _ in range(GRAPH_K_SHRINK_AFTER):
+            half = graph.train_idx[torch.randperm(graph.train_idx.numel(), generator=generator)[:100]]
+            plan = planner.plan(sample_batch(graph, half, [5, 10], generator))
+            assert plan.partitioner == "graph" and plan.pieces == k and max(plan.split.estimates) <= budget
+            needed = max(needed, math.ceil(k * (max(plan.split.estimates) - estimator.resident_bytes)
+                                           / (budget - estimator.resident_bytes)))
+    assert needed < k and planner.graph_k == needed and planner.fallbacks == 0
+    assert f"the graph partition's K: {k} → {needed} (its last 8 batches are estimated to fit with fewer)" in caplog.text
+    plan = planner.plan(sample_batch(graph, half, [5, 10], generator))
+    assert plan.pieces == needed and max(plan.split.estimates) <= budget
 
 
 def test_assignment_auto_uses_the_graph_partition_for_sampled_batches_with_a_metis_partitioner(setting):
