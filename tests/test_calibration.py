@@ -112,6 +112,14 @@ def calibrated(cora):
     return model, result
 
 
+def test_calibration_under_no_grad_measures_training_steps(cora, calibrated):
+    """The caller's ``torch.no_grad()`` does not reach the measured steps (their backward failed: "element 0 of
+    tensors does not require grad"): the fit is the one made outside it."""
+    model, result = calibrated
+    with torch.no_grad():
+        assert calibrate_model(model, cora, 2, adam) == result
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_calibrated_estimate_within_10_percent_of_measured_peak(cora, calibrated, k):
     model, result = calibrated

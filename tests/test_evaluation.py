@@ -152,7 +152,7 @@ def test_fitting_chunks_halves_the_chunk_after_each_out_of_memory_error_and_says
         "evaluation ran out of memory on cpu; evaluating again with 5 nodes per chunk",
         "evaluation ran out of memory on cpu; evaluating again with 3 nodes per chunk"]
     with pytest.raises(TrainingError, match="out of memory on cpu with one node per chunk; free device memory, or "
-                                            r"evaluate on the CPU \(CUDA_VISIBLE_DEVICES= betty-train evaluate"):
+                                            r"evaluate on the CPU \(CUDA_VISIBLE_DEVICES= hides the GPU"):
         fitting_chunks(lambda chunk: compute(chunk + 3), 2, CPU)
     with pytest.raises(ValueError, match="a bug"):  # any other error passes at once
         fitting_chunks(lambda chunk: (_ for _ in ()).throw(ValueError("a bug")), 8, CPU)
@@ -183,3 +183,30 @@ def test_evaluation_out_of_device_memory_retries_in_smaller_chunks_with_the_same
     # 2708 nodes: 8192, 4096, 2048, 1024 and 512 fail at their first chunk, 256 runs every chunk of both layers
     assert chunks[:5] == [cora.num_nodes] * 2 + [2048, 1024, 512] and max(chunks[5:]) == 256
     assert sum(chunks[5:]) == cora.num_nodes + splits["val"].numel() + splits["test"].numel()
+
+
+def test_batch_evaluation_retried_after_out_of_device_memory_leaves_the_model_in_its_mode(cora, monkeypatch):
+    """A model that is no LayerStack is evaluated on full-neighbourhood batches; an out-of-memory error in a batch of
+    more than 1000 seeds is retried in smaller batches with the same accuracies, and the model is in training mode
+    afterwards as before (it was left in eval mode by the failed attempt, and every later epoch trained so)."""
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, blocks, x):
+            if blocks[-1].num_dst > 1000:
+                raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+            return self.inner(blocks, x)
+
+    torch.manual_seed(0)
+    inner = MODELS["sage-mean"](cora, 2)
+    model = Wrapped(inner).train()
+    assert not runs_layer_by_layer(model)
+    splits = {"val": cora.val_idx, "test": torch.cat([cora.test_idx, cora.train_idx, cora.val_idx])}  # 1140 nodes
+    features = HostFeatureStore(cora.x, pin=False)
+    expected = evaluate_splits(inner, cora, features, CPU, splits, 2, chunk_size=500)
+    got = evaluate_splits(model, cora, features, CPU, splits, 2)
+    assert model.training and inner.training
+    assert got.keys() == expected.keys()
+    assert all(abs(got[name] - expected[name]) < 1e-12 for name in got)

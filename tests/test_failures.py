@@ -262,15 +262,22 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     trained = betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, "optim.epochs=2", "model.num_layers=2",
                                f"train.run_dir={run}")
     assert_one_line_error(trained, "epoch 1, evaluation: out of host memory (", "can't allocate memory",
-                          "num_nodes × model.hidden", "epoch 1's training is saved, not evaluated",
-                          f"last good checkpoint: {run / 'last.pt'} (epoch 1; continue with betty-train train --resume")
-    assert load_checkpoint(run)["epoch"] == 1 and "optim.lr" not in trained.stderr
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["epoch"], m["val_acc"] is None) for m in metrics] == [(0, False), (1, True)]
-    calls.clear()  # evaluation works again: the resumed run goes on from epoch 2
-    resumed = betty_in_process(capsys, "train", "--resume", str(run), "optim.epochs=3")
+                          "num_nodes × model.hidden", f"epoch 1's training is saved in {run / 'last.pt'}, not evaluated; "
+                          f"continue with betty-train train --resume {run}, which evaluates it first")
+    state = load_checkpoint(run)
+    assert state["epoch"] == 1 and state["unevaluated"]["val_acc"] is None and "optim.lr" not in trained.stderr
+    assert [(m["epoch"], m["val_acc"] is None) for m in metrics(run)] == [(0, False), (1, True)]
+    trained_1 = state["model"]
+    calls.clear()  # evaluation works again: the resume evaluates epoch 1, the run's last, and trains nothing
+    resumed = betty_in_process(capsys, "train", "--resume", str(run))
     assert resumed.returncode == 0, resumed.stderr
-    assert [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    lines = metrics(run)
+    assert [(m["epoch"], m["val_acc"] is None) for m in lines] == [(0, False), (1, False)]
+    assert lines[1]["loss"] == state["unevaluated"]["loss"]  # the saved epoch's training, now with its accuracies
+    after = load_checkpoint(run)
+    assert after["epoch"] == 1 and "unevaluated" not in after
+    assert all(torch.equal(after["model"][name], tensor) for name, tensor in trained_1.items())
+    assert "final test accuracy" in resumed.stdout
     calls.append(None)  # from now on every evaluation fails
     evaluated = betty_in_process(capsys, "evaluate", "--run", str(run_copy))
     assert_one_line_error(evaluated, f"evaluating {run_copy / 'best.pt'}: out of host memory (",

@@ -143,7 +143,9 @@ def calibrate_model(
     device = torch.device(device)
     if weighted and len(weighted) != num_layers:
         raise ValueError(f"weighted gives {len(weighted)} blocks for a model of {num_layers}")
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG is untouched
+    # the caller's RNG is untouched, and its autograd mode does not reach the measured training steps
+    with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(False),
+          torch.enable_grad()):
         calibrated = _calibrate(model, graph, num_layers, optimizer_factory, device, weighted)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the copy's cached blocks back (budget=auto reads free GPU memory)

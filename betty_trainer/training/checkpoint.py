@@ -4,7 +4,8 @@ arbitrary objects (``weights_only=True``) and refused when damaged, incomplete o
 Files in a run directory:
 
 - ``last.pt``: ``{"format", "kind": "last", "epoch", "model", "optimizer", "scheduler", "best", "identity"}``,
-  replaced after every epoch; ``--resume`` continues from it.
+  replaced after every epoch; ``--resume`` continues from it. An epoch whose evaluation failed is saved with its
+  metrics line as ``"unevaluated"`` too: the resume evaluates that epoch before training the next.
 - ``best.pt``: ``{"format", "kind": "best", "epoch", "model", "metrics", "identity"}``, the model chosen on
   validation accuracy with its epoch's metrics line; replaced when validation accuracy improves.
 - ``last.sha256`` / ``best.sha256``: ``<hex digest>  <file name>`` lines in ``sha256sum`` format
@@ -200,6 +201,9 @@ def _wrong_field(state: Mapping[str, Any], kind: str) -> tuple[str, Any, str] | 
             scheduler = state["scheduler"]
             checks.append(("scheduler", scheduler, scheduler is None or _is_str_dict(scheduler),
                            "null or a scheduler state dict"))
+        if state.get("unevaluated") is not None:
+            checks.append(("unevaluated", state["unevaluated"], _is_str_dict(state["unevaluated"]),
+                           "null or a mapping of the epoch's metrics"))
         checks.append(("best", best, _is_str_dict(best), "a mapping of epoch, val_acc and test_acc"))
         if _is_str_dict(best):
             checks += [("best.epoch", best.get("epoch"), _is_int(best.get("epoch")) and best["epoch"] >= -1,

@@ -54,8 +54,8 @@ def fitting_chunks(compute: Callable[[int], T], chunk_size: int, device: torch.d
         except torch.cuda.OutOfMemoryError:
             if chunk_size == 1:
                 raise TrainingError(f"evaluation ran out of memory on {device} with one node per chunk; free device "
-                                    "memory, or evaluate on the CPU (CUDA_VISIBLE_DEVICES= betty-train evaluate "
-                                    "--run RUN_DIR)") from None
+                                    "memory, or evaluate on the CPU (CUDA_VISIBLE_DEVICES= hides the GPU from "
+                                    "betty-train evaluate and predict)") from None
         if device.type == "cuda":  # out of the handler: the failed attempt's tensors went with its traceback
             torch.cuda.empty_cache()
         chunk_size = (chunk_size + 1) // 2
@@ -95,11 +95,13 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], features: FeatureStore,
     was_training = model.training
     model.eval()
     correct, total = 0, 0
-    for batch in batches:
-        logits = model(batch.to(device).blocks, features.gather(batch.input_nodes, device))
-        correct += int((logits.argmax(1).cpu() == labels[batch.output_nodes]).sum())
-        total += batch.output_nodes.numel()
-    model.train(was_training)
+    try:  # the mode restored on an error too (an out-of-memory error is retried: fitting_chunks)
+        for batch in batches:
+            logits = model(batch.to(device).blocks, features.gather(batch.input_nodes, device))
+            correct += int((logits.argmax(1).cpu() == labels[batch.output_nodes]).sum())
+            total += batch.output_nodes.numel()
+    finally:
+        model.train(was_training)
     return correct / total if total else float("nan")
 
 

@@ -206,54 +206,21 @@ def train(
     if directory is not None:
         _start(directory, config, run, device, overwrite, command)
     _print_start(console, config, run.graph, device, run.model, path, run.start_epoch, resume)
-    model, optimizer, planner, features, graph = run.model, run.optimizer, run.planner, run.features, run.graph
+    graph = run.graph
     board = _tensorboard(config, path) if directory is not None else None
     last, stopped_early, best, warned, diverging = None, False, run.best, False, False
-    model.train()
+    run.model.train()
     try:
         with EpochProgress(console, f"{graph.name} · {config.micro_batch.partitioner}", config.optim.epochs,
                            run.start_epoch, live=config.train.progress) as progress:
             for epoch in range(run.start_epoch, config.optim.epochs):
-                started, lr, steps = time.perf_counter(), optimizer.param_groups[0]["lr"], 0
-                totals, seed_batches = _EpochTotals.start(run), epoch_seeds(config, graph, epoch)
-                for batch_round in batch_rounds(config, run.sampler, seed_batches, epoch, features.row_bytes):
-                    with record_function(STAGE):  # a macro-batch's rows, staged on the device at once
-                        features.prefetch(batch_round.staged_nodes)
-                    for key, seeds, batch in batch_round.batches:
-                        features.begin_batch(key)  # a GNS cache takes the batch's node set
-                        set_dropout_key(model, config.seed, epoch * len(seed_batches) + key.step)
-                        with record_function(PLAN):
-                            where, plan = f"epoch {epoch}, batch {key.step}", planner.plan(batch)
-                        optimizer.zero_grad(set_to_none=True)
-                        while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
-                            try:
-                                with _named_failures(where, path, epoch, since_checkpoint=steps), record_function(STEP):
-                                    result = plan.run(model, features, graph.y, device)
-                                break
-                            except torch.cuda.OutOfMemoryError:
-                                pass  # leaving the handler drops the traceback, and with it the failed piece's tensors
-                            optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
-                            plan = _replan(planner, plan, where, device)
-                        with record_function(OPTIMIZER):
-                            optimizer.step()
-                        steps += 1
-                        if epoch == run.start_epoch and key.step == 0:  # the first batch's plan, as `betty-train plan` shows it
-                            _record_plan(directory, console, planner, plan, write=epoch == 0)
-                        warned = warned or (plan.pieces > 1 and _warn_torch_dropout(model, plan.pieces))
-                        totals.add(plan, result, seeds.numel())
-                    features.release()
-                if run.scheduler is not None:
-                    run.scheduler.step()
-                diverged = non_finite(model.state_dict())
-                if diverged:
-                    raise TrainingError(f"epoch {epoch}: {diverged} after the optimizer step (training diverged); "
-                                        f"try a lower optim.lr; {_last_good(path, epoch)}")
-                counters, seconds = features.stats.snapshot(), time.perf_counter() - started  # before evaluation's
-                unevaluated = totals.metrics(epoch, run, counters, seconds, lr)
-                accuracy = _evaluate_or_save(config, run, epoch, device, path, steps,
-                                             functools.partial(_end_epoch, directory, run, unevaluated, best, board))
+                if run.unevaluated is not None:  # trained before the resume, whose evaluation failed then
+                    unevaluated, run.unevaluated, run.start_epoch = run.unevaluated, None, epoch + 1
+                else:
+                    unevaluated, warned = _train_epoch(config, run, epoch, directory, console, path, warned)
+                diverging = _check_divergence(config, graph, unevaluated, path, diverging)  # its loss alone
+                accuracy = _evaluate_or_save(config, run, epoch, path, directory, unevaluated, best, board)
                 last = replace(unevaluated, val_acc=accuracy.get("val"), test_acc=accuracy.get("test"))
-                diverging = _check_divergence(config, graph, last, path, diverging)
                 best = _end_epoch(directory, run, last, best, board)
                 progress.advance(epoch, epoch_status(last, best))
                 if _patience_exhausted(config, epoch, best) and last.val_acc is not None:
@@ -314,6 +281,7 @@ class _Run:
     best: dict = field(default_factory=lambda: _no_best())
     resumed_from: int | None = None
     evaluation_chunk: int = EVAL_CHUNK  # nodes per chunk of the last evaluation (halved after an out-of-memory error)
+    unevaluated: EpochMetrics | None = None  # on resume, the checkpoint's epoch whose evaluation failed: evaluated first
 
 
 def feature_store(config: Config, graph: Graph, device: torch.device, sampler: Sampler,
@@ -472,6 +440,13 @@ def _restore(config: Config, run: _Run, state: dict, path: Path) -> None:
         raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} does not fit this model "
                             f"({str(error).strip().splitlines()[0]}); start a new run") from None
     run.start_epoch, run.best, run.resumed_from = state["epoch"] + 1, state["best"], state["epoch"]
+    if state.get("unevaluated") is not None:  # its training was saved, its evaluation failed: the resume evaluates it
+        try:
+            run.unevaluated = EpochMetrics(**state["unevaluated"])
+        except TypeError as error:
+            raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME}'s unevaluated epoch metrics do not fit "
+                                f"({error}); start a new run") from None
+        run.start_epoch, run.resumed_from = state["epoch"], state["epoch"] - 1
     apply_optim_config(config, run.optimizer, scheduler)
 
 
@@ -572,20 +547,83 @@ class _EpochTotals:
 
 
 
-def _evaluate_or_save(config: Config, run: _Run, epoch: int, device: torch.device, path: Path, steps: int,
-                      save_unevaluated: Callable[[], object]) -> dict[str, float]:
-    """:func:`_evaluate`; where it fails, ``save_unevaluated()`` first writes the epoch's training (its metrics line
-    and ``last.pt``, not evaluated), so the error names this epoch's ``last.pt`` as the one to resume from
-    (:func:`_named_failures`; ``steps``: the optimizer steps of this epoch)."""
-    with _named_failures(f"epoch {epoch}, evaluation", path, epoch + 1, since_checkpoint=steps,
-                         host_fix=f"{EVALUATION_HOST_MEMORY}; lower model.hidden, or free host memory; "
-                                  f"epoch {epoch}'s training is saved, not evaluated"):
-        try:
-            with record_function(EVALUATE):
-                return _evaluate(config, run, epoch, device)
-        except Exception:
-            save_unevaluated()
-            raise
+def _train_epoch(config: Config, run: _Run, epoch: int, directory: RunDirectory | None, console: Console, path: Path,
+                 warned: bool) -> tuple[EpochMetrics, bool]:
+    """Train epoch ``epoch``: every batch planned and stepped (a CUDA out-of-memory error re-plans the batch with more
+    pieces and redoes it from its start), then the scheduler's step; the first batch's plan of the first epoch this
+    process trains (``run.start_epoch``) is shown. Returns the epoch's metrics before its evaluation, and whether
+    torch's dropout has been warned about (``warned``, said once).
+
+    Raises:
+        TrainingError: a step failed (:func:`_named_failures`), or the parameters are not finite after the epoch.
+    """
+    model, optimizer, planner, features, graph, device = (run.model, run.optimizer, run.planner, run.features,
+                                                          run.graph, run.device)
+    started, lr, steps = time.perf_counter(), optimizer.param_groups[0]["lr"], 0
+    totals, seed_batches = _EpochTotals.start(run), epoch_seeds(config, graph, epoch)
+    for batch_round in batch_rounds(config, run.sampler, seed_batches, epoch, features.row_bytes):
+        with record_function(STAGE):  # a macro-batch's rows, staged on the device at once
+            features.prefetch(batch_round.staged_nodes)
+        for key, seeds, batch in batch_round.batches:
+            features.begin_batch(key)  # a GNS cache takes the batch's node set
+            set_dropout_key(model, config.seed, epoch * len(seed_batches) + key.step)
+            with record_function(PLAN):
+                where, plan = f"epoch {epoch}, batch {key.step}", planner.plan(batch)
+            optimizer.zero_grad(set_to_none=True)
+            while True:  # a CUDA out-of-memory error re-plans with more pieces and redoes the batch
+                try:
+                    with _named_failures(where, path, epoch, since_checkpoint=steps), record_function(STEP):
+                        result = plan.run(model, features, graph.y, device)
+                    break
+                except torch.cuda.OutOfMemoryError:
+                    pass  # leaving the handler drops the traceback, and with it the failed piece's tensors
+                optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
+                plan = _replan(planner, plan, where, device)
+            with record_function(OPTIMIZER):
+                optimizer.step()
+            steps += 1
+            if epoch == run.start_epoch and key.step == 0:  # the first batch's plan, as `betty-train plan` shows it
+                _record_plan(directory, console, planner, plan, write=epoch == 0)
+            warned = warned or (plan.pieces > 1 and _warn_torch_dropout(model, plan.pieces))
+            totals.add(plan, result, seeds.numel())
+        features.release()
+    if run.scheduler is not None:
+        run.scheduler.step()
+    diverged = non_finite(model.state_dict())
+    if diverged:
+        raise TrainingError(f"epoch {epoch}: {diverged} after the optimizer step (training diverged); "
+                            f"try a lower optim.lr; {_last_good(path, epoch)}")
+    counters, seconds = features.stats.snapshot(), time.perf_counter() - started  # before evaluation's
+    return totals.metrics(epoch, run, counters, seconds, lr), warned
+
+
+def _evaluate_or_save(config: Config, run: _Run, epoch: int, path: Path, directory: RunDirectory | None,
+                      unevaluated: EpochMetrics, best: dict, board) -> dict[str, float]:
+    """:func:`_evaluate`; where it fails, the epoch's training is saved first, not evaluated (its metrics line, and
+    ``last.pt`` marked so that ``--resume`` evaluates this epoch before training the next: :func:`_end_epoch`), and
+    the error names that ``last.pt``; where the save fails too, the error says so and names the last good one.
+
+    Raises:
+        TrainingError: evaluation ran out of host memory, or of device memory with one node per chunk (the
+            message names the checkpoint to resume from).
+    """
+    try:
+        with host_memory_as_one_line(lambda cause: f"out of host memory ({cause}); {EVALUATION_HOST_MEMORY}; lower "
+                                                   "model.hidden, or free host memory"), record_function(EVALUATE):
+            return _evaluate(config, run, epoch, run.device)
+    except Exception as error:  # noqa: BLE001 - any failure saves the epoch's training first
+        failure = error
+    try:  # out of the handler: the evaluation's tensors went with its traceback
+        _end_epoch(directory, run, unevaluated, best, board, evaluated=False)
+    except Exception as error:  # noqa: BLE001 - the save's own failure is named with the evaluation's
+        saved = f"epoch {epoch}'s training could not be saved ({type(error).__name__}: {error}); {_last_good(path, epoch)}"
+    else:
+        saved = (f"epoch {epoch}'s training is saved in {path / LAST_NAME}, not evaluated; continue with betty-train "
+                 f"train --resume {path}, which evaluates it first")
+    if isinstance(failure, TrainingError):
+        raise TrainingError(f"epoch {epoch}, evaluation: {failure}; {saved}") from None
+    logger.error("epoch %d, evaluation failed; %s", epoch, saved)
+    raise failure
 
 
 def _evaluate(config: Config, run: _Run, epoch: int, device: torch.device) -> dict[str, float]:
@@ -606,9 +644,12 @@ def _evaluate(config: Config, run: _Run, epoch: int, device: torch.device) -> di
     return result
 
 
-def _end_epoch(directory: RunDirectory | None, run: _Run, last: EpochMetrics, best: dict, board) -> dict:
+def _end_epoch(directory: RunDirectory | None, run: _Run, last: EpochMetrics, best: dict, board,
+               evaluated: bool = True) -> dict:
     """Append the epoch's metrics, save ``best.pt`` when validation accuracy improved and ``last.pt`` always, log to
-    TensorBoard; returns the best-so-far. A rank other than 0 (``directory`` ``None``) only follows the best."""
+    TensorBoard; returns the best-so-far. A rank other than 0 (``directory`` ``None``) only follows the best. Not
+    ``evaluated`` (its evaluation failed), ``last.pt`` also holds the metrics line as ``unevaluated``: a resume
+    evaluates that epoch before training the next (:func:`_restore`)."""
     improved = last.val_acc is not None and last.val_acc > best["val_acc"]
     if improved:
         best = {"epoch": last.epoch, "val_acc": last.val_acc, "test_acc": last.test_acc}
@@ -622,7 +663,8 @@ def _end_epoch(directory: RunDirectory | None, run: _Run, last: EpochMetrics, be
     save_checkpoint(path, {"format": FORMAT, "kind": "last", "epoch": epoch, "model": model.state_dict(),
                                "optimizer": run.optimizer.state_dict(),
                                "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
-                               "best": best, "identity": run.identity}, LAST_NAME)
+                               "best": best, "identity": run.identity,
+                               **({} if evaluated else {"unevaluated": asdict(last)})}, LAST_NAME)
     if board is not None:
         _log_tensorboard(board, last)
     return best
@@ -679,7 +721,10 @@ def _patience_exhausted(config: Config, epoch: int, best: dict) -> bool:
 
 
 def _check_resumable(config: Config, state: dict, path: Path) -> None:
-    """Refuse a resume that cannot train another epoch, before any data is loaded."""
+    """Refuse a resume that cannot train another epoch, before any data is loaded (one whose last epoch's evaluation
+    failed can always go on: it evaluates that epoch first)."""
+    if state.get("unevaluated") is not None:
+        return
     if state["epoch"] + 1 >= config.optim.epochs:
         raise TrainingError(f"run in {path} already finished {config.optim.epochs} epochs; "
                             "raise optim.epochs to continue")
