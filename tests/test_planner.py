@@ -550,7 +550,8 @@ def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_
     assert plan.partitioner == "reg" and max(plan.split.estimates) <= tighter and misses.fallbacks == 1
     # the graph's split at K = 4 missed (its micro-batches, halves of the batch, are about twice too large); the batch
     # tried the K that miss asks for, ⌈K · (largest − resident) / (budget − resident)⌉, missed again (one copy holds
-    # about half of any K's parts), and the next batches try the K the second miss asks for
+    # about half of any K's parts) and was planned per batch; the next batches try the first miss's K, or the
+    # per-batch search's if more
     splitter, resident = misses.graph_partition.splitter(second.output_nodes), estimator.resident_bytes
 
     def largest_at(k):
@@ -559,11 +560,10 @@ def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_
 
     asked = math.ceil(4 * (largest_at(4) - resident) / (tighter - resident))
     assert asked > 5 and largest_at(asked) > tighter
-    assert misses.graph_k == max(asked + 1, math.ceil(asked * (largest_at(asked) - resident) / (tighter - resident)))
-    assert misses._missed_k == asked  # the graph's K never drops to it again (below)
-    for _ in range(GRAPH_K_SHRINK_AFTER):  # batches that would fit with one micro-batch
+    assert misses.graph_k == max(asked, plan.pieces) and misses._missed_k == asked
+    for _ in range(GRAPH_K_SHRINK_AFTER):  # batches that would fit with one micro-batch: never to a K that missed
         misses._fits(misses.graph_k, resident + 1)
-    assert misses.graph_k == asked + 1
+    assert misses.graph_k == max(asked, plan.pieces)
 
 
 def test_the_graph_partition_s_k_drops_to_what_its_batches_need(setting, caplog):
@@ -700,3 +700,29 @@ def test_a_built_in_model_on_a_torch_the_recorder_is_not_tested_with_is_estimate
     with pytest.raises(ConfigError, match=r"needs a built-in model's estimate, and the memory recorder refused the "
                                           r"built-in sage model \(the recorder is tested with torch"):
         make_planner(layerwise, graph, None, torch.device("cpu"), HostFeatureStore(graph.x, pin=False))
+
+
+def test_a_batch_whose_graph_split_misses_tries_the_k_its_miss_asks_for_before_the_per_batch_search(setting, caplog):
+    """The graph's K set too low for the next batch (one above the first batch's): its graph split misses the
+    budget, the batch tries ⌈K · (largest − resident) / (budget − resident)⌉ (at least K + 1) on the graph, which
+    fits: split by the graph, no fallback, and that K is the graph's from then on (logged)."""
+    graph, config, *_ = setting
+    estimator = PeakEstimator(model_spec(config, graph))
+    generator = torch.Generator().manual_seed(0)
+    first = sample_batch(graph, graph.train_idx, [5, 10], generator)
+    budget = int(estimator.peak(first.blocks) * 0.3)
+    by_graph = load_config(None, OVERRIDES + [f"micro_batch.budget={budget}", "micro_batch.assignment=graph"])
+    planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"),
+                      graph_partition=graph_partition(by_graph, graph))
+    low = planner.plan(first).pieces + 1
+    planner.graph_k = low
+    second = sample_batch(graph, graph.train_idx, [5, 10], generator)
+    splitter, resident = planner.graph_partition.splitter(second.output_nodes), estimator.resident_bytes
+    at_low = max(estimator.peak(sizes, index > 0)
+                 for index, sizes in enumerate(count_layers(second.blocks, splitter.split(low))))
+    asked = max(low + 1, math.ceil(low * (at_low - resident) / (budget - resident)))
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
+        plan = planner.plan(second)
+    assert at_low > budget and plan.partitioner == "graph" and plan.pieces == asked == planner.graph_k
+    assert max(plan.split.estimates) <= budget and planner.fallbacks == 0
+    assert f"the graph partition's K: {low} → {asked} (its largest micro-batch missed the budget)" in caplog.text

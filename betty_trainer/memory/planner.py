@@ -80,11 +80,12 @@ class Planner:
     where its largest estimate misses the budget the graph's K grows to ``⌈K · (largest − resident) / (budget −
     resident)⌉`` (a micro-batch's own bytes shrink about as 1/K), at least by one, and the batch tries that K;
     where it misses again the batch is planned per batch instead (``fallbacks`` counts those batches) and the
-    next batch tries the K the second miss asks for. After :data:`GRAPH_K_SHRINK_AFTER` batches that fit at one
-    K, the graph's K drops to the largest K the same 1/K rule says they needed, where that is lower, never to a K
-    that missed (each new K is one METIS of the whole graph, made once; every move is logged at INFO level):
-    without it a run whose first batches overshot kept their K (74 micro-batches against the per-batch search's
-    61 on Amazon Computers at 8192 outputs and a quarter of the first batch's peak, a 19% slower step).
+    graph's K becomes the larger of that K and the per-batch search's. After :data:`GRAPH_K_SHRINK_AFTER`
+    batches that fit at the graph's K, it drops to the largest K the same 1/K rule says they needed, where that
+    is lower, never to a K that missed (each new K is one METIS of the whole graph, made once; every move is
+    logged at INFO level). Where the peak falls much slower than 1/K (Amazon Computers' dense neighbourhoods:
+    the micro-batches share most input rows) the rule asks for too few in both directions, so the graph's K
+    still settles above the per-batch search's (``benchmarks/README.md`` › sampled_planning.py › Under a budget).
     ``graph_k`` is the K the next batch tries (``None`` before the first batch, and without a budget). Any
     assignment of the outputs gives the full batch's gradient (Betty §4.2.3); the estimate counts the
     micro-batches the assignment makes.
@@ -280,8 +281,8 @@ class Planner:
                     k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
                     resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
                     balance=config.balance, splitter=self._splitter, full_batch_estimate=whole), config.partitioner
-                if self.graph_partition is not None and budget is not None and self.graph_k is None:
-                    self.graph_k = split.k  # the run's first batch: its K is the graph's
+                if self.graph_partition is not None and budget is not None and (self.graph_k or 0) < split.k:
+                    self._move_graph_k(split.k, "the per-batch search needed as many")  # the first batch's: the graph's
             itemise = functools.partial(estimator.itemised, weighted=weighted) if closed_form else None
             return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
                                   partitioner, self.feature_store_bytes, itemise)
@@ -320,20 +321,22 @@ class Planner:
         if self.budget is None:  # nothing is decided by the estimates: the plan estimates its micro-batches when asked
             return self._split_by_graph(batch, None, min(max(self.config.num_micro_batches, min_pieces), n), whole)
         k = self.graph_k
-        for _ in range(2):  # the graph's K, then once the K its miss asks for
-            k = min(max(k, min_pieces), n)
+        for attempt in range(2):  # the graph's K, then once the K its miss asks for
+            k = min(max(k, min_pieces), n)  # a re-plan's pieces, a batch of fewer outputs
             split = self._split_by_graph(batch, estimate, k, whole)
             largest = max(split.estimates)
             if largest <= self.budget:
-                self._fits(k, largest)
+                if k == self.graph_k:  # only the graph's own K tells whether a lower one would do
+                    self._fits(k, largest)
                 return split
             self._missed_k = max(self._missed_k, k)
-            # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings
-            # the largest under the budget, at least one more
-            k = max(k + 1, k_to_fit(k, largest, self.resident, self.budget))
-            self._move_graph_k(k, "its largest micro-batch missed the budget")
-            if k > n:
+            if attempt or k >= n:  # planned per batch; the next batches try the K the first miss asked for
                 break
+            # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings
+            # the largest under the budget, at least one more; the graph's K never drops on a miss
+            k = max(k + 1, k_to_fit(k, largest, self.resident, self.budget))
+            if k > self.graph_k:
+                self._move_graph_k(k, "its largest micro-batch missed the budget")
         self.fallbacks += 1
         return None
 
@@ -356,7 +359,7 @@ class Planner:
             self._needed_k, self._fitted = 0, 0
 
     def _move_graph_k(self, k: int, why: str) -> None:
-        logger.info("the graph partition's K: %d → %d (%s)", self.graph_k, k, why)
+        logger.info("the graph partition's K: %s → %d (%s)", self.graph_k, k, why)
         self.graph_k, self._needed_k, self._fitted = k, 0, 0
 
 
