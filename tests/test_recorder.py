@@ -20,6 +20,7 @@ from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.errors import CalibrationError
 from betty_trainer.execution.micro_batches import measure_training_step
+from betty_trainer.memory.custom import calibrate_model
 from betty_trainer.memory.planner import make_planner
 from betty_trainer.memory.recorded import WeightedEstimates, record_model
 from betty_trainer.models.aggregate import mean_neighbours
@@ -326,9 +327,9 @@ def test_the_planner_calibrates_a_model_the_recorder_refuses_and_says_why(cora, 
     config = load_config(None, ["dataset.name=cora", f"dataset.data_dir={planetoid_dir}", f"optim.lr={LR}",
                                 f"optim.weight_decay={WEIGHT_DECAY}", "train.device=cpu", "micro_batch.budget=100000000"])
     torch.manual_seed(0)
+    model = ThroughNumpy(cora.num_features, 16, cora.num_classes)
     with caplog.at_level(logging.INFO, logger="betty_trainer.memory"):
-        planner = make_planner(config, cora, ThroughNumpy(cora.num_features, 16, cora.num_classes), torch.device("cpu"),
-                               HostFeatureStore(cora.x, pin=False))
+        planner = make_planner(config, cora, model, torch.device("cpu"), HostFeatureStore(cora.x, pin=False))
     estimates = planner.estimator.calibrated
     assert not estimates.recorded and isinstance(estimates.unweighted, CalibratedModel)
     assert re.search(r"the memory recorder refused ThroughNumpy on blocks with edge weights \[False, False\] \(the "
@@ -337,9 +338,10 @@ def test_the_planner_calibrates_a_model_the_recorder_refuses_and_says_why(cora, 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="betty_trainer.memory"):  # a weighted pattern: calibrated with weights
         layers = [dataclasses.replace(layer, weighted=True) for layer in recording_sizes(2)[0]]
-        assert estimates.estimate(layers) == estimates._estimates[(True, True)].estimate(layers)
+        weighted = estimates.estimate(layers)
     assert "refused" not in caplog.text and "estimated ThroughNumpy on blocks with edge weights [True, True]" in caplog.text
-    assert isinstance(estimates._estimates[(True, True)], CalibratedModel)
+    alone = calibrate_model(model, cora, 2, config.optim.make_optimizer, weighted=(True, True))
+    assert weighted == alone.estimate(layers)  # calibrated on weighted micro-batches (tests/test_calibration.py)
     with pytest.raises(CalibrationError, match=r"cannot calibrate NoSuchAttribute: its forward failed .*"
                                                r"\(AttributeError: 'Block' object has no attribute 'num_features'\)"):
         make_planner(config, cora, NoSuchAttribute(cora.num_features, 16, cora.num_classes), torch.device("cpu"),
