@@ -158,27 +158,34 @@ def test_fitting_chunks_halves_the_chunk_after_each_out_of_memory_error_and_says
         fitting_chunks(lambda chunk: (_ for _ in ()).throw(ValueError("a bug")), 8, CPU)
 
 
+def out_of_memory_above(max_dst: int, monkeypatch) -> list[int]:
+    """Make layer-wise evaluation raise ``torch.cuda.OutOfMemoryError`` for a chunk of more than ``max_dst`` dst nodes
+    (injected where a chunk's layer runs); returns the list each chunk's dst count is appended to."""
+    import betty_trainer.training.evaluation as evaluation
+
+    layer_rows, chunks = evaluation._layer_rows, []
+
+    def failing_above(model, index, block, *rest):
+        chunks.append(block.num_dst)
+        if block.num_dst > max_dst:
+            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+        return layer_rows(model, index, block, *rest)
+
+    monkeypatch.setattr(evaluation, "_layer_rows", failing_above)
+    return chunks
+
+
 @pytest.mark.parametrize("arch", ["sage-mean", "gat"])
 def test_evaluation_out_of_device_memory_retries_in_smaller_chunks_with_the_same_accuracies(cora, arch, monkeypatch):
     """An out-of-memory error raised by any chunk of more than 500 dst nodes (injected where a chunk's layer runs):
     evaluate_splits evaluates again with 8192 nodes per chunk halved down to 256, and gets the accuracies that the
     default chunk gives without the error."""
-    import betty_trainer.training.evaluation as evaluation
-
     torch.manual_seed(0)
     model = MODELS[arch](cora, 2)
     splits = {"val": cora.val_idx, "test": cora.test_idx}
     features = HostFeatureStore(cora.x, pin=False)
     expected = evaluate_splits(model, cora, features, CPU, splits, 2)
-    layer_rows, chunks = evaluation._layer_rows, []
-
-    def small_chunks_only(model, index, block, *rest):
-        chunks.append(block.num_dst)
-        if block.num_dst > 500:
-            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
-        return layer_rows(model, index, block, *rest)
-
-    monkeypatch.setattr(evaluation, "_layer_rows", small_chunks_only)
+    chunks = out_of_memory_above(500, monkeypatch)
     assert evaluate_splits(model, cora, features, CPU, splits, 2) == expected
     # 2708 nodes: 8192, 4096, 2048, 1024 and 512 fail at their first chunk, 256 runs every chunk of both layers
     assert chunks[:5] == [cora.num_nodes] * 2 + [2048, 1024, 512] and max(chunks[5:]) == 256

@@ -292,20 +292,12 @@ def test_evaluation_out_of_device_memory_in_training_halves_its_chunk_once_for_t
     """Chunks of more than 300 dst nodes run out of device memory (injected where a chunk's layer runs, on the
     600-node graph): the first evaluation halves 8192 down to 256 (five warnings), every later one starts there,
     and the run's accuracies are those of a run without the error."""
-    import betty_trainer.training.evaluation as evaluation
+    from tests.test_evaluation import out_of_memory_above
 
     common = ["train", "--config", QUICKSTART, *SMALL, "optim.epochs=3", "model.num_layers=2"]
     plain = betty_in_process(capsys, *common, f"train.run_dir={tmp_path / 'plain'}")
     assert plain.returncode == 0, plain.stderr
-    layer_rows, chunks = evaluation._layer_rows, []
-
-    def at_most_300_nodes(model, index, block, *rest):
-        chunks.append(block.num_dst)
-        if block.num_dst > 300:
-            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
-        return layer_rows(model, index, block, *rest)
-
-    monkeypatch.setattr(evaluation, "_layer_rows", at_most_300_nodes)
+    chunks = out_of_memory_above(300, monkeypatch)
     with caplog.at_level("WARNING", logger="betty_trainer"):
         retried = betty_in_process(capsys, *common, f"train.run_dir={tmp_path / 'retried'}")
     assert retried.returncode == 0, retried.stderr

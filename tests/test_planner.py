@@ -566,10 +566,10 @@ def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_
     assert misses.graph_k == max(asked, plan.pieces)
 
 
-def test_the_graph_partition_s_k_drops_to_what_its_batches_need(setting, caplog):
-    """A first batch of every training node sets the graph's K under a budget; batches of half the training nodes
-    then fit with room, and after GRAPH_K_SHRINK_AFTER of them the graph's K drops to the largest K the 1/K rule
-    says they needed (logged), every plan within the budget and none planned per batch."""
+def graph_assigned_under_a_budget(setting):
+    """A planner assigning sampled batches by the graph partition, under 0.3 × the estimate of a first batch of
+    every training node (fanouts 5, 10), which it has planned: ``(graph, estimator, generator, budget, planner, K)``
+    with K that batch's (the graph's K)."""
     graph, config, *_ = setting
     estimator = PeakEstimator(model_spec(config, graph))
     generator = torch.Generator().manual_seed(0)
@@ -578,7 +578,14 @@ def test_the_graph_partition_s_k_drops_to_what_its_batches_need(setting, caplog)
     by_graph = load_config(None, OVERRIDES + [f"micro_batch.budget={budget}", "micro_batch.assignment=graph"])
     planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"),
                       graph_partition=graph_partition(by_graph, graph))
-    k = planner.plan(first).pieces
+    return graph, estimator, generator, budget, planner, planner.plan(first).pieces
+
+
+def test_the_graph_partition_s_k_drops_to_what_its_batches_need(setting, caplog):
+    """A first batch of every training node sets the graph's K under a budget; batches of half the training nodes
+    then fit with room, and after GRAPH_K_SHRINK_AFTER of them the graph's K drops to the largest K the 1/K rule
+    says they needed (logged), every plan within the budget and none planned per batch."""
+    graph, estimator, generator, budget, planner, k = graph_assigned_under_a_budget(setting)
     needed = 0
     with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
         for _ in range(GRAPH_K_SHRINK_AFTER):
@@ -706,15 +713,8 @@ def test_a_batch_whose_graph_split_misses_tries_the_k_its_miss_asks_for_before_t
     """The graph's K set too low for the next batch (one above the first batch's): its graph split misses the
     budget, the batch tries ⌈K · (largest − resident) / (budget − resident)⌉ (at least K + 1) on the graph, which
     fits: split by the graph, no fallback, and that K is the graph's from then on (logged)."""
-    graph, config, *_ = setting
-    estimator = PeakEstimator(model_spec(config, graph))
-    generator = torch.Generator().manual_seed(0)
-    first = sample_batch(graph, graph.train_idx, [5, 10], generator)
-    budget = int(estimator.peak(first.blocks) * 0.3)
-    by_graph = load_config(None, OVERRIDES + [f"micro_batch.budget={budget}", "micro_batch.assignment=graph"])
-    planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"),
-                      graph_partition=graph_partition(by_graph, graph))
-    low = planner.plan(first).pieces + 1
+    graph, estimator, generator, budget, planner, k = graph_assigned_under_a_budget(setting)
+    low = k + 1
     planner.graph_k = low
     second = sample_batch(graph, graph.train_idx, [5, 10], generator)
     splitter, resident = planner.graph_partition.splitter(second.output_nodes), estimator.resident_bytes
