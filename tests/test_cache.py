@@ -379,13 +379,13 @@ def test_a_batch_over_the_macro_batch_budget_on_its_own_is_not_staged():
 def test_evaluation_reads_through_the_host_store_not_the_training_cache(tmp_path, monkeypatch):
     """Layer-wise evaluation reads every node's rows; through an LRU cache it would evict the training
     working set each epoch, so it goes to the host store beneath the cache."""
-    seen, evaluate = [], trainer_module.evaluate_splits
+    seen, evaluate = [], trainer_module.splits_accuracy
 
     def recorded(model, graph, features, *args, **kwargs):
         seen.append(features)
         return evaluate(model, graph, features, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "evaluate_splits", recorded)
+    monkeypatch.setattr(trainer_module, "splits_accuracy", recorded)
     trainer_module.train(load_config(None, SMALL + ["features.cache.kind=lru", "features.cache.size=50"]),
                          run_dir=tmp_path / "run")
     assert seen and all(isinstance(features, HostFeatureStore) for features in seen)

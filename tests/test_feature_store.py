@@ -296,17 +296,17 @@ class PretendRemoteStore(HostFeatureStore):
 
 
 def test_metrics_record_the_bytes_training_moved_in_each_epoch(tmp_path, monkeypatch):
-    windows, evaluate_splits = [], trainer_module.evaluate_splits
+    windows, splits_accuracy = [], trainer_module.splits_accuracy
 
     def marked(*args, **kwargs):  # evaluation's gathers fall in [start, end) of the log
         start = len(PretendRemoteStore.log)
-        result = evaluate_splits(*args, **kwargs)
+        result = splits_accuracy(*args, **kwargs)
         windows.append((start, len(PretendRemoteStore.log)))
         return result
 
     monkeypatch.setattr(PretendRemoteStore, "log", [])
     monkeypatch.setattr(trainer_module, "HostFeatureStore", PretendRemoteStore)
-    monkeypatch.setattr(trainer_module, "evaluate_splits", marked)
+    monkeypatch.setattr(trainer_module, "splits_accuracy", marked)
     config = load_config(None, ["optim.epochs=2", "train.progress=false", "dataset.synthetic.num_nodes=600",
                                 "dataset.synthetic.num_val=100", "dataset.synthetic.num_test=100",
                                 "micro_batch.num_micro_batches=3", "sampling.fanouts=5,5", "sampling.batch_size=40"])
