@@ -268,6 +268,10 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     assert state["epoch"] == 1 and state["unevaluated"]["val_acc"] is None and "optim.lr" not in trained.stderr
     assert [(m["epoch"], m["val_acc"] is None) for m in metrics(run)] == [(0, False), (1, True)]
     trained_1 = state["model"]
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.yaml", "last.pt")}
+    refused = betty_in_process(capsys, "train", "--resume", str(run), "optim.epochs=1")  # epoch 1 is past the end
+    assert_one_line_error(refused, "already finished 1 epochs")
+    assert {name: (run / name).read_bytes() for name in before} == before and not (run / "resumes.yaml").exists()
     calls.clear()  # evaluation works again: the resume evaluates epoch 1, the run's last, and trains nothing
     resumed = betty_in_process(capsys, "train", "--resume", str(run))
     assert resumed.returncode == 0, resumed.stderr
@@ -325,3 +329,34 @@ def test_a_rehashed_checkpoint_whose_shapes_do_not_fit_names_the_parameter_in_on
                                            str(tmp_path / "p.csv")), wrong)
     assert_one_line_error(betty_in_process(capsys, "train", "--resume", str(run_copy), "optim.epochs=8"),
                           f"cannot resume {run_copy}: last.pt does not fit this model ({wrong}); start a new run")
+
+
+def test_an_epoch_whose_evaluation_failed_is_saved_after_the_evaluation_s_tensors_are_freed(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """The save of an epoch whose evaluation ran out of host memory must not hold the evaluation's tensors (its
+    frames, kept by the exception): a tensor the failing evaluation allocated is gone when the epoch is saved."""
+    import weakref
+
+    import betty_trainer.training.evaluation as evaluation
+    from betty_trainer.training import trainer as trainer_module
+
+    held, alive_at_save = [], []
+
+    def failing(graph, chunk, fanout):
+        scratch = torch.ones(1000)  # a local of the failing frame
+        held.append(weakref.ref(scratch))
+        raise RuntimeError(NO_HOST_MEMORY)
+
+    end_epoch = trainer_module._end_epoch
+
+    def saving(*args, **kwargs):
+        if not kwargs.get("evaluated", True):
+            alive_at_save.append(held[-1]() is not None)
+        return end_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "sample_block", failing)
+    monkeypatch.setattr(trainer_module, "_end_epoch", saving)
+    trained = betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, "optim.epochs=1",
+                               f"train.run_dir={tmp_path / 'run'}")
+    assert_one_line_error(trained, "epoch 0, evaluation: out of host memory (", "epoch 0's training is saved")
+    assert alive_at_save == [False]

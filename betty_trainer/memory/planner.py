@@ -313,8 +313,8 @@ class Planner:
         """``batch``'s outputs split by the run's graph partition (see the class docstring; ``whole``: the batch's
         estimate in one micro-batch, as :meth:`_search`'s), or ``None``: no graph partition; under a budget, no K
         yet (the run's first batch), or a split whose largest estimate misses the budget at the graph's K and again
-        at the K that miss asks for (counted in ``fallbacks``; the next batches try the K the second miss asks
-        for)."""
+        at the K that miss asks for (counted in ``fallbacks``; the next batches try the first miss's K, or the
+        per-batch search's if more)."""
         if self.graph_partition is None or (self.budget is not None and self.graph_k is None):
             return None
         n = batch.output_nodes.numel()
@@ -335,8 +335,7 @@ class Planner:
             # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings
             # the largest under the budget, at least one more; the graph's K never drops on a miss
             k = max(k + 1, k_to_fit(k, largest, self.resident, self.budget))
-            if k > self.graph_k:
-                self._move_graph_k(k, "its largest micro-batch missed the budget")
+            self._move_graph_k(max(k, self.graph_k), "its largest micro-batch missed the budget")
         self.fallbacks += 1
         return None
 

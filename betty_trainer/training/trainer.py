@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -611,16 +612,21 @@ def _evaluate_or_save(config: Config, run: _Run, epoch: int, path: Path, directo
         with host_memory_as_one_line(lambda cause: f"out of host memory ({cause}); {EVALUATION_HOST_MEMORY}; lower "
                                                    "model.hidden, or free host memory"), record_function(EVALUATE):
             return _evaluate(config, run, epoch, run.device)
+    except TrainingError as error:  # its message is all that is kept: the evaluation's tensors go with its frames
+        failure: str | Exception = str(error)
     except Exception as error:  # noqa: BLE001 - any failure saves the epoch's training first
         failure = error
-    try:  # out of the handler: the evaluation's tensors went with its traceback
+        for link in (error, error.__context__, error.__cause__):  # re-raised with its traceback, without its locals
+            if link is not None and link.__traceback__ is not None:
+                traceback.clear_frames(link.__traceback__)
+    try:
         _end_epoch(directory, run, unevaluated, best, board, evaluated=False)
     except Exception as error:  # noqa: BLE001 - the save's own failure is named with the evaluation's
         saved = f"epoch {epoch}'s training could not be saved ({type(error).__name__}: {error}); {_last_good(path, epoch)}"
     else:
         saved = (f"epoch {epoch}'s training is saved in {path / LAST_NAME}, not evaluated; continue with betty-train "
                  f"train --resume {path}, which evaluates it first")
-    if isinstance(failure, TrainingError):
+    if isinstance(failure, str):
         raise TrainingError(f"epoch {epoch}, evaluation: {failure}; {saved}") from None
     logger.error("epoch %d, evaluation failed; %s", epoch, saved)
     raise failure
@@ -723,12 +729,11 @@ def _patience_exhausted(config: Config, epoch: int, best: dict) -> bool:
 def _check_resumable(config: Config, state: dict, path: Path) -> None:
     """Refuse a resume that cannot train another epoch, before any data is loaded (one whose last epoch's evaluation
     failed can always go on: it evaluates that epoch first)."""
-    if state.get("unevaluated") is not None:
-        return
-    if state["epoch"] + 1 >= config.optim.epochs:
+    pending = state.get("unevaluated") is not None  # that epoch is still to evaluate: the resume starts with it
+    if state["epoch"] + (0 if pending else 1) >= config.optim.epochs:
         raise TrainingError(f"run in {path} already finished {config.optim.epochs} epochs; "
                             "raise optim.epochs to continue")
-    if _patience_exhausted(config, state["epoch"], state["best"]):
+    if not pending and _patience_exhausted(config, state["epoch"], state["best"]):
         raise TrainingError(f"run in {path} stopped early at epoch {state['epoch']} (validation accuracy has not "
                             f"improved since epoch {state['best']['epoch']}); raise train.patience to continue")
 
