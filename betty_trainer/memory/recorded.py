@@ -115,7 +115,7 @@ class WeightedEstimates:
     def __init__(self, model: nn.Module, graph: Graph, num_layers: int, optimizer_factory: OptimizerFactory,
                  device: torch.device | str):
         self._args = (model, graph, num_layers, optimizer_factory, device)
-        self.refusal: str | None = None  # why the recorder refused the unweighted pattern: all are calibrated
+        self.recorded = True  # the unweighted pattern was recorded; else every pattern is calibrated
         self._estimates: dict[tuple[bool, ...], RecordedModel | CalibratedModel] = {}
         self.unweighted = self._make((False,) * num_layers)
 
@@ -123,11 +123,6 @@ class WeightedEstimates:
     def resident_bytes(self) -> int:
         """Bytes live before a step, block structure aside (the same for every pattern)."""
         return self.unweighted.resident_bytes
-
-    @property
-    def recorded(self) -> bool:
-        """Whether the unweighted pattern was recorded (else every pattern is calibrated)."""
-        return self.refusal is None
 
     def estimate(self, layers: Sequence[LayerCounts], accumulate: bool = True) -> int:
         """The estimate (:meth:`RecordedModel.estimate <estimator.recorder.RecordedModel.estimate>` or
@@ -144,15 +139,14 @@ class WeightedEstimates:
     def _make(self, pattern: tuple[bool, ...]) -> RecordedModel | CalibratedModel:
         """Record ``pattern``, or where the recorder refuses the model calibrate it (see the class docstring)."""
         name = type(self._args[0]).__name__
-        if self.refusal is None:
+        if self.recorded:
             try:
                 self._estimates[pattern] = record_model(*self._args, weighted=pattern)
                 return self._estimates[pattern]
             except RecordingRefused as refusal:
                 logger.info("the memory recorder refused %s on blocks with edge weights %s (%s); calibrating it "
                             "instead", name, list(pattern), refusal)
-                if not any(pattern):
-                    self.refusal = str(refusal)
+                self.recorded = any(pattern)  # refused unweighted: every pattern is calibrated from now on
         self._estimates[pattern] = calibrate_model(*self._args, weighted=pattern)
         return self._estimates[pattern]
 

@@ -470,16 +470,15 @@ TRAINING_HOST_MEMORY = "lower model.hidden or sampling.batch_size, or raise micr
 
 
 @contextlib.contextmanager
-def _named_failures(where: str, path: Path, epoch: int, since_checkpoint: int,
-                    host_fix: str = TRAINING_HOST_MEMORY) -> Iterator[None]:
+def _named_failures(where: str, path: Path, epoch: int, since_checkpoint: int) -> Iterator[None]:
     """A batch's :class:`TrainingError` or host out-of-memory error as a :class:`TrainingError` naming the batch
     and the last good checkpoint (:func:`_last_good`); only a NaN or infinite loss (:class:`NonFiniteLossError`) is
     told to try a lower learning rate, and, when ``since_checkpoint`` (the optimizer steps taken since ``last.pt``
     was written) is 0, that ``last.pt`` itself gives this loss. Running out of host memory
-    (:func:`~betty_trainer.errors.host_allocation_failure`) says ``host_fix``. A CUDA out-of-memory error passes: the
-    loop re-plans."""
+    (:func:`~betty_trainer.errors.host_allocation_failure`) says what to lower (:data:`TRAINING_HOST_MEMORY`). A CUDA
+    out-of-memory error passes: the loop re-plans."""
     try:
-        with host_memory_as_one_line(lambda cause: f"out of host memory ({cause}); {host_fix}"):
+        with host_memory_as_one_line(lambda cause: f"out of host memory ({cause}); {TRAINING_HOST_MEMORY}"):
             yield
     except torch.cuda.OutOfMemoryError:
         raise
