@@ -90,61 +90,107 @@ def test_the_keyed_mask_operator_gives_its_kernel_s_bits(inplace):
     assert torch.equal(out.view(torch.int32), direct.view(torch.int32))
 
 
-SPECIALISED = {  # kernel by column count, its generic compilation, arguments without the written buffer and its shape
-    "csr_gather": (aggregate._gather_kernels, aggregate._make_gather_kernel, lambda b, v, h, g, w: (
-        (b.indptr, b.indices, v[0], v[1], v[2], h), (b.num_dst, w))),
-    "csr_scatter": (aggregate._scatter_kernels, aggregate._make_scatter_kernel, lambda b, v, h, g, w: (
-        (b.indptr, b.indices, v[0], v[1], v[2], g), (b.num_src, w))),
-    "rows_gather": (aggregate._rows_gather_kernels, aggregate._make_rows_gather_kernel, lambda b, v, h, g, w: (
-        (b.indptr, b.indices, v[0], 7, True, h), (20, w))),
-    "rows_scatter": (aggregate._rows_scatter_kernels, aggregate._make_rows_scatter_kernel, lambda b, v, h, g, w: (
-        (b.indptr, b.indices, v[0], 7, True, g[7:27].copy()), (b.num_src, w))),
+SCATTERS = {  # kernel by column count, its generic compilation, arguments without the written buffer
+    "csr_scatter": (aggregate._scatter_kernels, aggregate._make_scatter_kernel, lambda b, v, g: (
+        b.indptr, b.indices, v[0], v[1], v[2], g)),
+    "rows_scatter": (aggregate._rows_scatter_kernels, aggregate._make_rows_scatter_kernel, lambda b, v, g: (
+        b.indptr, b.indices, v[0], 7, True, g[7:27].copy())),
 }
 
 
-@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-@pytest.mark.parametrize(("kernel", "width"), [(kernel, width) for kernel in SPECIALISED for width in (64, 80)]
-                         + [(kernel, width) for kernel in ("csr_scatter", "rows_scatter") for width in (192, 100)]
-                         + [(kernel, width) for kernel in ("csr_gather", "rows_gather") for width in (256, 48)])
-def test_kernels_compiled_for_a_column_count_give_the_generic_kernel_s_bits(kernel, width, weighted):
-    """A kernel compiled for a column count of SPECIALISED_WIDTHS writes the same bits as the generic kernel, which
-    reads the count from the arrays: the same sums in the same order, only unrolled. The scatters are compiled for
-    their column block: the whole width (64, 80), three blocks of 64 columns (192), or a block of 64 and a last,
-    partial one of 36 that the compiled-for branch does not take (100, as on two threads). The gathers sum rows of
-    TILED_WIDTHS (256) one tile of 128 columns at a time; each gather compiled without the prefetch, and the generic one
-    with it, write the same bits."""
-    by_width, make, arguments = SPECIALISED[kernel]
-    assert {64, 80} <= aggregate.SPECIALISED_WIDTHS and not {100, 192} & aggregate.SPECIALISED_WIDTHS
-    assert [aggregate._gather_key(w) for w in (32, 48, 64, 256, 384)] == [
-        (0, False), (0, True), (64, True), (256, True), (0, True)]
+def block_arrays(width: int, weighted: bool):
+    """A random block, its optional edge values, row and column scales and ``(num_src, width)`` rows and
+    ``(num_dst, width)`` gradient (numpy float32)."""
     block = random_block(num_dst=60, num_src=90, max_degree=12, seed=3)
     generator = np.random.default_rng(7)
     values = ((generator.random(block.num_edges, dtype=np.float32) if weighted else None),
               generator.random(block.num_dst, dtype=np.float32), generator.random(block.num_src, dtype=np.float32))
     h = generator.standard_normal((block.num_src, width), dtype=np.float32)
     g = generator.standard_normal((block.num_dst, width), dtype=np.float32)
-    (*inputs,), shape = arguments(block, values, h, g, width)
-    inputs = [a.numpy() if isinstance(a, torch.Tensor) else a for a in inputs]
-    scatter = "scatter" in kernel
-    specialised, generic = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    if scatter:
-        column_count = 64 if width in (100, 192) else width
-        assert by_width(column_count) is not by_width(0)
-        by_width(column_count)(*inputs, specialised, column_count)  # the scatters' column block
-        make(0)(*inputs, generic, column_count)
-        kernels = []
-    else:
-        key = aggregate._gather_key(width)
-        by_width(*key)(*inputs, specialised)
-        make(0, False)(*inputs, generic)
-        others = {(key[0], False), (0, True)} - {key, (0, False)}  # without the prefetch; the generic one with it
-        kernels = [] if weighted else [make(*other) for other in sorted(others)]
+    return block, values, h, g
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize(("kernel", "width"), [(kernel, width) for kernel in SCATTERS for width in (64, 80, 192, 100)])
+def test_scatters_compiled_for_a_column_count_give_the_generic_kernel_s_bits(kernel, width, weighted):
+    """A scatter compiled for a column block of SPECIALISED_WIDTHS writes the same bits as the generic kernel, which
+    reads the count from the arrays: the same sums in the same order, only unrolled. The scatters are compiled for
+    their column block: the whole width (64, 80), three blocks of 64 columns (192), or a block of 64 and a last,
+    partial one of 36 that the compiled-for branch does not take (100, as on two threads)."""
+    by_width, make, arguments = SCATTERS[kernel]
+    assert {64, 80} <= aggregate.SPECIALISED_WIDTHS and not {100, 192} & aggregate.SPECIALISED_WIDTHS
+    block, values, h, g = block_arrays(width, weighted)
+    inputs = [a.numpy() if isinstance(a, torch.Tensor) else a for a in arguments(block, values, g)]
+    specialised, generic = np.zeros((block.num_src, width), np.float32), np.zeros((block.num_src, width), np.float32)
+    column_count = 64 if width in (100, 192) else width
+    assert by_width(column_count) is not by_width(0)
+    by_width(column_count)(*inputs, specialised, column_count)
+    make(0)(*inputs, generic, column_count)
     assert np.any(specialised != 0)
     assert np.array_equal(specialised.view(np.int32), generic.view(np.int32))
-    for kernel in kernels:
-        other = np.zeros(shape, np.float32)
-        kernel(*inputs, other)
-        assert np.array_equal(other.view(np.int32), generic.view(np.int32))
+
+
+def gathered_in_kernel_order(indptr, indices, coefficients, rows, h, scales) -> np.ndarray:
+    """``scale_r · Σ_e coefficient_e · h[indices[e]]`` for each CSR row ``r`` of ``rows``, in float32 numpy, adding
+    as the compiled gathers are documented to: four edges a pass, ``(c0·x0 + c1·x1) + (c2·x2 + c3·x3)`` into the sum,
+    then one edge at a time, then the scale."""
+    out = np.zeros((len(rows), h.shape[1]), np.float32)
+    for i, r in enumerate(rows):
+        e, end = int(indptr[r]), int(indptr[r + 1])
+        acc = np.zeros(h.shape[1], np.float32)
+        term = lambda e: coefficients[e] * h[indices[e]]  # noqa: E731
+        while e + 3 < end:
+            acc += (term(e) + term(e + 1)) + (term(e + 2) + term(e + 3))
+            e += 4
+        while e < end:
+            acc += term(e)
+            e += 1
+        out[i] = acc * scales[i]
+    return out
+
+
+LAYOUT_WIDTHS = (3, 16, 47, 128, 256, 300)
+"""Row widths of every part of the gathers' layout: scalar columns only, one vector, two vectors and 15 scalar
+columns (prefetched from 33 columns), one tile, two tiles, and two tiles, two vectors and 12 scalar columns."""
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("width", LAYOUT_WIDTHS)
+def test_gathers_sum_in_registers_with_the_bits_of_the_documented_order(width, weighted):
+    """The compiled gathers (the CSR product with row and column scales, and layer-wise rows with SAGE-gcn's self
+    loop) sum rows in registers a tile at a time (betty_trainer.models.vectors): their bits equal a numpy float32
+    sum in the order the kernels document, for each part of the row layout."""
+    assert [aggregate._row_layout(w) for w in LAYOUT_WIDTHS] == [
+        (0, 0, 0), (0, 1, 16), (0, 2, 32), (1, 0, 128), (2, 0, 256), (2, 2, 288)]
+    block, (values, row_scale, col_scale), h, _ = block_arrays(width, weighted)
+    indptr, indices = block.indptr.numpy(), block.indices.numpy()
+    edge_values = np.ones(block.num_edges, np.float32) if values is None else values
+
+    out = np.full((block.num_dst, width), np.nan, np.float32)
+    aggregate._gather_kernel(indptr, indices, values, row_scale, col_scale, h, out)
+    expected = gathered_in_kernel_order(indptr, indices, edge_values * col_scale[indices], range(block.num_dst), h,
+                                        row_scale)
+    assert np.array_equal(out.view(np.int32), expected.view(np.int32))
+
+    begin, rows = 7, range(7, 27)
+    out = np.full((len(rows), width), np.nan, np.float32)
+    aggregate._rows_gather_kernel(indptr, indices, values, begin, True, h, out)
+    totals = np.array([edge_values[indptr[r]:indptr[r + 1]].sum(dtype=np.float32) + 1 for r in rows], np.float32)
+    scales = np.float32(1) / totals
+    expected = gathered_in_kernel_order(indptr, indices, edge_values, rows, h, scales) + h[begin:27] * scales[:, None]
+    assert np.array_equal(out.view(np.int32), expected.view(np.int32))
+
+
+def test_gathers_refuse_an_out_they_cannot_address_as_one_array():
+    """The gathers address their output's rows as one flat array, which a non-contiguous view would silently copy:
+    they refuse it, before writing anything."""
+    block, (values, row_scale, col_scale), h, _ = block_arrays(16, False)
+    wide = np.zeros((block.num_dst, 32), np.float32)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        aggregate._gather_kernel(block.indptr.numpy(), block.indices.numpy(), None, None, None, h, wide[:, :16])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        aggregate._rows_gather_kernel(block.indptr.numpy(), block.indices.numpy(), None, 0, False, h, wide[:20, :16])
+    assert not wide.any()
 
 
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck: torch >= 2.4")

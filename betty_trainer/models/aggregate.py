@@ -16,6 +16,16 @@ from betty_trainer.data.block import Block, BlockTranspose
 from betty_trainer.models.chunks import chunks
 from betty_trainer.models.lstm import LSTM, lstm_terms
 from betty_trainer.models.operators import kernel_operator, tensor_operator
+from betty_trainer.models.vectors import (
+    LANES,
+    add_four_rows,
+    add_row,
+    prefetch,
+    prefetch_for_write,
+    store_vectors,
+    vectors,
+    zero_vectors,
+)
 from betty_trainer.rng import compiled_kernels, jit, numba
 from estimator.counts import INDEX_BYTES, LOCAL_INDEX_BYTES, SHORT_POSITIONS_MAX_DST, LayerCounts
 from estimator.tape import AGG, GRAD, OVER, SharedGradient, StepTape
@@ -202,28 +212,34 @@ _sparse_product = tensor_operator(
 
 
 SPECIALISED_WIDTHS = frozenset(range(64, 129, 16))
-"""Column counts the compiled aggregation kernels are compiled for as a constant (one compilation per count, cached on
-disk like the others), so that LLVM unrolls each row's columns into registers; any other count runs a kernel that
-reads it from the arrays, but the gathers' :data:`TILED_WIDTHS`. Chosen by measurement (``benchmarks/README.md`` ›
-aggregation.py, one thread, AMD EPYC znver3 with AVX2, the CSR gather on Amazon Computers and a 30k-node SBM, 25
-interleaved rounds): 0.77–0.82× the time at 64 columns, 0.86× at 80, 0.97× at 96, 0.87–0.94× at 128; slower at
-16–48 (1.05–1.28×) and at 256 as one row (1.02×), which needs more registers than AVX2 has (hence the tiles)."""
+"""Column blocks the compiled scatters are compiled for as a constant (one compilation per count, cached on disk like
+the others), so that LLVM unrolls each row's columns into registers; any other block runs a kernel that reads its
+count from the arrays. Chosen by measurement (``benchmarks/README.md`` › aggregation.py, one thread, AMD EPYC znver3
+with AVX2, Amazon Computers and a 30k-node SBM, 25 interleaved rounds): 0.77–0.82× the time at 64 columns, 0.86× at
+80, 0.97× at 96, 0.87–0.94× at 128; slower at 16–48 (1.05–1.28×)."""
 
+VECTOR_TILE = 128
+"""The columns of a row the compiled gathers sum at once in registers (:mod:`betty_trainer.models.vectors`): eight
+``<16 x float>`` accumulators, eight AVX-512 registers (sixteen on AVX2) of the 32 (16); a wider row is summed one tile
+at a time, its edges read once per tile. Measured (``benchmarks/README.md`` › aggregation.py › Register-held sums):
+at 256 columns, tiles of 128 took 0.78–0.90× the time of the kernel before on Amazon Computers and 0.83–0.88× on the
+30k-node SBM, about as tiles of 256 did with AVX-512 (0.86–0.93×), and with code for AVX2 0.78–0.88× where tiles of
+64 took 0.93–1.01×."""
 
-TILE_COLUMNS = 128
-"""The column tile of the compiled gathers on rows of :data:`TILED_WIDTHS` columns: each row's sum is made one tile
-at a time (the row's edges read once per tile), the tiles unrolled in the kernel compiled for the width."""
-
-TILED_WIDTHS = frozenset({2 * TILE_COLUMNS})
-"""Column counts the compiled gathers sum in tiles of :data:`TILE_COLUMNS`. Measured (``benchmarks/README.md`` ›
-aggregation.py, the raw CSR gather, one thread, in one process, interleaved, both with the prefetch): at 256 columns
-the tiled kernel took 0.84× and 0.92× the untiled one's time on the 30k-node SBM and Amazon Computers; at 384 and 512
-columns tiles gained nothing (0.99–1.17×), so those rows are summed whole. Each column's sum adds the same edges in
-the same order, so the bits are the untiled kernel's."""
+TILE_VECTORS = VECTOR_TILE // LANES
 
 PREFETCH_MIN_COLUMNS = 33
 """The narrowest rows the compiled gathers prefetch (:data:`PREFETCH_EDGES`): float32 rows longer than two cache
 lines. On rows of 16 and 32 columns the prefetch cost 1–8% of the time."""
+
+PREFETCH_EDGES = 4
+"""How many edges ahead the compiled gather asks the CPU to fetch the src rows it will read (the next pass of four
+edges: their first two cache lines from the tile's first column, the hardware prefetcher following a row once it is
+read). Measured (``benchmarks/README.md`` › aggregation.py, the raw CSR gather with a row scale, one thread, against
+the kernel before the prefetch, both compiled in one process, 21 interleaved rounds, on the 30k-node SBM and Amazon
+Computers): 0.92× and 0.90× the time at 64 columns, 0.88× and 0.87× at 128, 0.80× and 0.88× at 256, 0.87× and 0.86×
+at 47; in a stand-alone kernel 2 edges ahead gained less (0.92–0.98× at 256 and 64 columns) and 8 or 16 less
+again."""
 
 
 def _by_width(make):
@@ -234,38 +250,47 @@ def _by_width(make):
     return lambda columns: kernels(columns if columns in SPECIALISED_WIDTHS else 0)
 
 
-def _gather_key(width: int) -> tuple[int, bool]:
-    """``(columns, prefetch)``: the column count a compiled gather over rows of ``width`` columns is compiled for (0:
-    read from the arrays; :data:`SPECIALISED_WIDTHS`, and :data:`TILED_WIDTHS`, whose rows it sums in tiles of
-    :data:`TILE_COLUMNS`), and whether it prefetches (:data:`PREFETCH_MIN_COLUMNS`)."""
-    columns = width if width in SPECIALISED_WIDTHS or width in TILED_WIDTHS else 0
-    return columns, width >= PREFETCH_MIN_COLUMNS
+def _row_layout(width: int) -> tuple[int, int, int]:
+    """How the compiled gathers sum a row of ``width`` columns: ``(tiles, vectors, tail)``, ``tiles`` whole tiles of
+    :data:`VECTOR_TILE` columns, then a tile of ``vectors`` (0–7) vectors of :data:`LANES` columns, both in registers,
+    and columns ``tail … width − 1`` (fewer than :data:`LANES`) by the scalar loop."""
+    tiles, rest = divmod(width, VECTOR_TILE)
+    return tiles, rest // LANES, width - rest % LANES
 
 
-def _make_gather_kernel(columns: int, prefetch: bool):
-    tiled = columns in TILED_WIDTHS
+def _make_gather_kernel(width: int):
+    tiles, vectors_left, tail = _row_layout(width)
+    prefetch = width >= PREFETCH_MIN_COLUMNS
 
     @jit(parallel=True)
     def gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
-        width = columns if columns else dense.shape[1]
-        flat = dense.reshape(-1)  # the rows as one array, for the prefetch's addresses
+        flat, out_flat = dense.reshape(-1), out.reshape(-1)  # the rows as one array: the vectors' addresses
         for row in numba.prange(indptr.shape[0] - 1):
-            acc = out[row]
-            _row_sums(indptr, indices, values, col_scale, dense, flat, row, acc, width, tiled, prefetch)
+            scale = np.float32(1.0)
             if row_scale is not None:
                 scale = row_scale[row]
-                for f in range(width):
-                    acc[f] *= scale
+            _scaled_row_sum(indptr, indices, values, col_scale, dense, flat, row, out_flat, row * width, scale, width,
+                            tiles, vectors_left, tail, prefetch)
     return gather_kernel
 
 
 _gather_kernels = functools.cache(_make_gather_kernel)
 
 
+def _contiguous_out(out: np.ndarray) -> None:
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("the compiled gathers write a C-contiguous, writable out (its rows addressed as one array)")
+
+
 def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out) -> None:
-    """``out = diag(row_scale)·M·diag(col_scale)·dense`` (numpy arrays; :func:`_csr_matmul`), by the kernel compiled
-    for ``dense``'s column count (:func:`_gather_key`)."""
-    _gather_kernels(*_gather_key(dense.shape[1]))(indptr, indices, values, row_scale, col_scale, dense, out)
+    """``out = diag(row_scale)·M·diag(col_scale)·dense`` (numpy arrays, ``dense`` and ``out`` C-contiguous;
+    :func:`_csr_matmul`), by the kernel compiled for ``dense``'s column count.
+
+    Raises:
+        ValueError: ``out`` is not C-contiguous and writable.
+    """
+    _contiguous_out(out)
+    _gather_kernels(dense.shape[1])(indptr, indices, values, row_scale, col_scale, dense, out)
 
 
 _csr_gather = kernel_operator(
@@ -273,103 +298,85 @@ _csr_gather = kernel_operator(
     "Tensor(a!) out) -> ()", _gather_kernel)
 
 
-PREFETCH_EDGES = 4
-"""How many edges ahead the compiled gather asks the CPU to fetch the src rows it will read (the next pass of four
-edges: their first two cache lines each, the hardware prefetcher following a row once it is read). Measured
-(``benchmarks/README.md`` › aggregation.py, the raw CSR gather with a row scale, one thread, against the kernel before
-the prefetch, both compiled in one process, 21 interleaved rounds, on the 30k-node SBM and Amazon Computers): 0.92×
-and 0.90× the time at 64 columns, 0.88× and 0.87× at 128, 0.80× and 0.88× at 256 (tiled: :data:`TILED_WIDTHS`),
-0.87× and 0.86× at 47; in a stand-alone kernel 2 edges ahead gained less (0.92–0.98× at 256 and 64 columns) and 8
-or 16 less again."""
-
-
-if numba is None:  # pragma: no cover - numba is a declared dependency
-    def _prefetch_rows(indices, edge, flat, width, first, write=False):
-        """Nothing: a hint only the compiled kernels give (below)."""
-else:
-    from llvmlite import ir
-    from numba import types
-    from numba.extending import intrinsic
-
-    def _prefetch_intrinsic(write: int):
-        """``llvm.prefetch`` of ``array``'s element ``index`` (C-contiguous), for a read (``write`` 0) or a write (1),
-        high locality, data cache."""
-        @intrinsic
-        def prefetch(typing_context, array, index):  # pragma: no cover - compiled
-            def codegen(context, builder, signature, arguments):
-                data = context.make_array(signature.args[0])(context, builder, arguments[0]).data
-                byte_pointer = ir.IntType(8).as_pointer()
-                i32 = ir.IntType(32)
-                function = builder.module.declare_intrinsic(
-                    "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]))
-                address = builder.bitcast(builder.gep(data, [arguments[1]]), byte_pointer)
-                builder.call(function, [address, i32(write), i32(3), i32(1)])
-                return context.get_dummy_value()
-            return types.void(array, index), codegen
-        return prefetch
-
-    _prefetch, _prefetch_for_write = _prefetch_intrinsic(0), _prefetch_intrinsic(1)
-
-    @jit(inline="always")
-    def _prefetch_rows(indices, edge, flat, width, first, write=False):  # pragma: no cover - compiled
-        """Ask the CPU to fetch, from the rows ``indices[edge … edge + 3]`` (those that exist) of a C-contiguous
-        matrix of ``width`` columns flattened to ``flat``, the two cache lines from column ``first`` on, to be read or
-        (``write``) written: a hint, which never faults (an address past the row is fetched or not, never read)
-        and changes no value."""
-        for q in range(4):
-            if edge + q < indices.shape[0]:
-                base = indices[edge + q] * width + first
-                if write:
-                    _prefetch_for_write(flat, base)
-                    _prefetch_for_write(flat, base + 16)
-                else:
-                    _prefetch(flat, base)
-                    _prefetch(flat, base + 16)
+@jit(inline="always")
+def _prefetch_rows(indices, edge, flat, width, first, write=False):  # pragma: no cover - compiled
+    """Ask the CPU to fetch, from the rows ``indices[edge … edge + 3]`` (those that exist) of a C-contiguous matrix of
+    ``width`` columns flattened to ``flat``, the two cache lines from column ``first`` on, to be read or (``write``)
+    written: a hint, which never faults (an address past the row is fetched or not, never read) and changes no
+    value."""
+    for q in range(4):
+        if edge + q < indices.shape[0]:
+            base = indices[edge + q] * width + first
+            if write:
+                prefetch_for_write(flat, base)
+                prefetch_for_write(flat, base + 16)
+            else:
+                prefetch(flat, base)
+                prefetch(flat, base + 16)
 
 
 @jit(inline="always")
-def _row_sums(indptr, indices, values, col_scale, dense, flat, row, acc, width, tiled, prefetch):  # pragma: no cover
-    """:func:`_row_sum` over the whole row of ``width`` columns, or with ``tiled`` in tiles of :data:`TILE_COLUMNS`
-    (``width`` a constant multiple of it, the tiles unrolled)."""
-    if tiled:
-        for tile in range(width // TILE_COLUMNS):
-            _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, tile * TILE_COLUMNS, TILE_COLUMNS,
-                     prefetch)
-    else:
-        _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, 0, width, prefetch)
+def _scaled_row_sum(indptr, indices, values, col_scale, dense, flat, row, out, base, scale, width, tiles, vectors_left,
+                    tail, prefetch):  # pragma: no cover - compiled
+    """``out[base + f] = scale · Σ_{e in row} coefficient_e · dense[indices[e], f]`` for ``f < width`` over CSR row
+    ``row`` (``flat``, ``out``: ``dense`` and the output as one array each), in edge order, four edges at a time:
+    the row's tiles in registers (:func:`_tile_sum`, by :func:`_row_layout`'s ``tiles, vectors_left, tail``,
+    constants of the kernel), its last ``width − tail`` columns by the scalar loop (:func:`_columns_sum`)."""
+    acc = vectors(TILE_VECTORS)
+    for tile in range(tiles):
+        first = tile * VECTOR_TILE
+        _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, TILE_VECTORS, prefetch)
+        store_vectors(TILE_VECTORS, acc, out, base + first, scale)
+    if vectors_left:
+        first = tiles * VECTOR_TILE
+        _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, vectors_left, prefetch)
+        store_vectors(vectors_left, acc, out, base + first, scale)
+    if tail < width:
+        out_row = out[base:base + width]
+        _columns_sum(indptr, indices, values, col_scale, dense, row, out_row, tail, width)
+        for f in range(tail, width):
+            out_row[f] *= scale
 
 
 @jit(inline="always")
-def _row_sum(indptr, indices, values, col_scale, dense, flat, row, acc, first, width, prefetch):  # pragma: no cover
-    """``acc[first + f] = Σ_{e in row} coefficient_e · dense[indices[e], first + f]`` for ``f < width`` over CSR row
-    ``row``, in edge order, four edges at a time (one pass over the sum per four src rows), asking for the src rows
-    :data:`PREFETCH_EDGES` edges ahead with ``prefetch``; ``first`` and ``width``: the columns summed (constants where
-    the caller is compiled for them: whole rows or unrolled tiles)."""
-    for f in range(first, first + width):
-        acc[f] = 0.0
+def _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, count, prefetch):  # pragma: no cover
+    """``acc = Σ_{e in row} coefficient_e · dense[indices[e], first : first + 16·count]`` in registers (``count``
+    vectors of :data:`LANES`, a constant), four edges a pass, asking for the src rows :data:`PREFETCH_EDGES` edges
+    ahead with ``prefetch``."""
+    zero_vectors(count, acc)
     e, end = indptr[row], indptr[row + 1]
     while e + 3 < end:
         if prefetch:
-            _prefetch_rows(indices, e + PREFETCH_EDGES, flat, dense.shape[1], first)
-        a, b, c, d = dense[indices[e]], dense[indices[e + 1]], dense[indices[e + 2]], dense[indices[e + 3]]
-        if values is None and col_scale is None:  # branches on None are pruned when compiled
-            for f in range(first, first + width):
-                acc[f] += (a[f] + b[f]) + (c[f] + d[f])
-        else:
-            ca, cb = _coefficient(values, col_scale, indices, e), _coefficient(values, col_scale, indices, e + 1)
-            cc, cd = _coefficient(values, col_scale, indices, e + 2), _coefficient(values, col_scale, indices, e + 3)
-            for f in range(first, first + width):
-                acc[f] += (ca * a[f] + cb * b[f]) + (cc * c[f] + cd * d[f])
+            _prefetch_rows(indices, e + PREFETCH_EDGES, flat, width, first)
+        add_four_rows(count, acc, flat, np.int64(indices[e]) * width + first,
+                      np.int64(indices[e + 1]) * width + first, np.int64(indices[e + 2]) * width + first,
+                      np.int64(indices[e + 3]) * width + first, _coefficient(values, col_scale, indices, e),
+                      _coefficient(values, col_scale, indices, e + 1), _coefficient(values, col_scale, indices, e + 2),
+                      _coefficient(values, col_scale, indices, e + 3))
         e += 4
     while e < end:
-        a = dense[indices[e]]
-        if values is None and col_scale is None:
-            for f in range(first, first + width):
-                acc[f] += a[f]
-        else:
-            ca = _coefficient(values, col_scale, indices, e)
-            for f in range(first, first + width):
-                acc[f] += ca * a[f]
+        add_row(count, acc, flat, np.int64(indices[e]) * width + first, _coefficient(values, col_scale, indices, e))
+        e += 1
+
+
+@jit(inline="always")
+def _columns_sum(indptr, indices, values, col_scale, dense, row, acc, first, last):  # pragma: no cover - compiled
+    """``acc[f] = Σ_{e in row} coefficient_e · dense[indices[e], f]`` for ``first ≤ f < last`` (a row's last columns,
+    fewer than a vector), as :func:`_tile_sum` adds them, in scalar code."""
+    for f in range(first, last):
+        acc[f] = 0.0
+    e, end = indptr[row], indptr[row + 1]
+    while e + 3 < end:
+        a, b, c, d = dense[indices[e]], dense[indices[e + 1]], dense[indices[e + 2]], dense[indices[e + 3]]
+        ca, cb = _coefficient(values, col_scale, indices, e), _coefficient(values, col_scale, indices, e + 1)
+        cc, cd = _coefficient(values, col_scale, indices, e + 2), _coefficient(values, col_scale, indices, e + 3)
+        for f in range(first, last):
+            acc[f] += (ca * a[f] + cb * b[f]) + (cc * c[f] + cd * d[f])
+        e += 4
+    while e < end:
+        a, ca = dense[indices[e]], _coefficient(values, col_scale, indices, e)
+        for f in range(first, last):
+            acc[f] += ca * a[f]
         e += 1
 
 
@@ -562,21 +569,20 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
     return np.float32(1.0) / total if total != 0 else np.float32(0.0)
 
 
-def _make_rows_gather_kernel(columns: int, prefetch: bool):
-    tiled = columns in TILED_WIDTHS
+def _make_rows_gather_kernel(width: int):
+    tiles, vectors_left, tail = _row_layout(width)
+    prefetch = width >= PREFETCH_MIN_COLUMNS
 
     @jit(parallel=True)
     def rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
-        width = columns if columns else dense.shape[1]
-        flat = dense.reshape(-1)  # the rows as one array, for the prefetch's addresses
+        flat, out_flat = dense.reshape(-1), out.reshape(-1)  # the rows as one array: the vectors' addresses
         for i in numba.prange(out.shape[0]):
-            row, acc = begin + i, out[i]
-            _row_sums(indptr, indices, values, None, dense, flat, row, acc, width, tiled, prefetch)
+            row = begin + i
             scale = _rows_scale(indptr, values, row, self_loop)
-            for f in range(width):
-                acc[f] *= scale
+            _scaled_row_sum(indptr, indices, values, None, dense, flat, row, out_flat, i * width, scale, width, tiles,
+                            vectors_left, tail, prefetch)
             if self_loop:
-                own = dense[row]
+                acc, own = out[i], dense[row]
                 for f in range(width):
                     acc[f] += own[f] * scale
     return rows_gather_kernel
@@ -586,9 +592,14 @@ _rows_gather_kernels = functools.cache(_make_rows_gather_kernel)
 
 
 def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out) -> None:
-    """:func:`aggregate_rows` on numpy arrays, by the kernel compiled for ``dense``'s column count where there
-    is one (:func:`_gather_key`)."""
-    _rows_gather_kernels(*_gather_key(dense.shape[1]))(indptr, indices, values, begin, self_loop, dense, out)
+    """:func:`aggregate_rows` on numpy arrays (``dense`` and ``out`` C-contiguous), by the kernel compiled for
+    ``dense``'s column count.
+
+    Raises:
+        ValueError: ``out`` is not C-contiguous and writable.
+    """
+    _contiguous_out(out)
+    _rows_gather_kernels(dense.shape[1])(indptr, indices, values, begin, self_loop, dense, out)
 
 
 _rows_gather = kernel_operator(
