@@ -169,8 +169,9 @@ def _csr_matmul(indptr: Tensor, indices: Tensor, dense: Tensor, values: Tensor |
                 row_scale: Tensor | None = None, col_scale: Tensor | None = None) -> Tensor:
     """``diag(row_scale)·M·diag(col_scale)·dense`` for the CSR matrix ``M`` = ``(indptr, indices, values)``
     (ones without ``values``) of shape ``(len(indptr) − 1, len(dense))``; each scale is optional. On the CPU
-    (float32) a compiled kernel sums each row's edges in order, four at a time (one pass over the row's sum per
-    four src rows), rows in parallel, and scales the sum: the result is the only tensor allocated. Elsewhere the
+    (float32) a compiled kernel sums each row's edges in order, four at a time, in registers, a tile of
+    :data:`VECTOR_TILE` columns at a time (:func:`_scaled_row_sum`), rows in parallel, and scales the sum: the
+    result is the only tensor allocated. Elsewhere the
     sparse library's product (``addmm`` with ``beta=0`` ignores its zero input) on int32 copies of the pointer
     and of int64 indices (the int32 CSR that cuSPARSE and MKL take; a block's own indices are int32 already),
     with an ``(E,)`` coefficient tensor (``values·col_scale[indices]``, or ones) unless ``values`` serve as they
