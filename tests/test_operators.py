@@ -175,22 +175,37 @@ def test_gathers_sum_in_registers_with_the_bits_of_the_documented_order(width, w
     begin, rows = 7, range(7, 27)
     out = np.full((len(rows), width), np.nan, np.float32)
     aggregate._rows_gather_kernel(indptr, indices, values, begin, True, h, out)
-    totals = np.array([edge_values[indptr[r]:indptr[r + 1]].sum(dtype=np.float32) + 1 for r in rows], np.float32)
+    totals = np.ones(len(rows), np.float32)  # the self loop's 1 after each row's weights, added one by one
+    for i, r in enumerate(rows):
+        total = np.float32(0)
+        for e in range(indptr[r], indptr[r + 1]):
+            total += edge_values[e]
+        totals[i] = total + np.float32(1)
     scales = np.float32(1) / totals
     expected = gathered_in_kernel_order(indptr, indices, edge_values, rows, h, scales) + h[begin:27] * scales[:, None]
     assert np.array_equal(out.view(np.int32), expected.view(np.int32))
 
 
-def test_gathers_refuse_an_out_they_cannot_address_as_one_array():
-    """The gathers address their output's rows as one flat array, which a non-contiguous view would silently copy:
-    they refuse it, before writing anything."""
+def test_gathers_refuse_arrays_they_cannot_address_as_float32_rows():
+    """The gathers address their input and output rows as float32 vectors in one flat array each: a non-contiguous
+    view (which numpy would silently copy) or another dtype (whose bytes would be read as float32) is refused before
+    anything is written."""
     block, (values, row_scale, col_scale), h, _ = block_arrays(16, False)
+    indptr, indices = block.indptr.numpy(), block.indices.numpy()
     wide = np.zeros((block.num_dst, 32), np.float32)
     with pytest.raises(ValueError, match="C-contiguous"):
-        aggregate._gather_kernel(block.indptr.numpy(), block.indices.numpy(), None, None, None, h, wide[:, :16])
+        aggregate._gather_kernel(indptr, indices, None, None, None, h, wide[:, :16])
     with pytest.raises(ValueError, match="C-contiguous"):
-        aggregate._rows_gather_kernel(block.indptr.numpy(), block.indices.numpy(), None, 0, False, h, wide[:20, :16])
+        aggregate._rows_gather_kernel(indptr, indices, None, 0, False, h, wide[:20, :16])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        aggregate._gather_kernel(indptr, indices, None, None, None, np.asfortranarray(h), wide[:, :16].copy())
     assert not wide.any()
+    doubles = np.zeros((block.num_dst, 16))
+    with pytest.raises(ValueError, match="dense, out are not"):
+        aggregate._gather_kernel(indptr, indices, None, None, None, h.astype(np.float64), doubles)
+    with pytest.raises(ValueError, match="row_scale is not"):
+        aggregate._gather_kernel(indptr, indices, None, row_scale.astype(np.float64), None, h, wide[:, :16].copy())
+    assert not doubles.any()
 
 
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck: torch >= 2.4")

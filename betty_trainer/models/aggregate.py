@@ -18,6 +18,7 @@ from betty_trainer.models.lstm import LSTM, lstm_terms
 from betty_trainer.models.operators import kernel_operator, tensor_operator
 from betty_trainer.models.vectors import (
     LANES,
+    SOURCE_KEY,
     add_four_rows,
     add_row,
     prefetch,
@@ -215,17 +216,19 @@ _sparse_product = tensor_operator(
 SPECIALISED_WIDTHS = frozenset(range(64, 129, 16))
 """Column blocks the compiled scatters are compiled for as a constant (one compilation per count, cached on disk like
 the others), so that LLVM unrolls each row's columns into registers; any other block runs a kernel that reads its
-count from the arrays. Chosen by measurement (``benchmarks/README.md`` › aggregation.py, one thread, AMD EPYC znver3
-with AVX2, Amazon Computers and a 30k-node SBM, 25 interleaved rounds): 0.77–0.82× the time at 64 columns, 0.86× at
-80, 0.97× at 96, 0.87–0.94× at 128; slower at 16–48 (1.05–1.28×)."""
+count from the arrays. The set was chosen when the gathers were compiled the same way (``benchmarks/README.md`` ›
+aggregation.py › Kernels compiled per column count, one thread, AMD EPYC znver3 with AVX2: the CSR gather 0.77–0.82×
+the generic kernel's time at 64 columns, 0.86× at 80, 0.97× at 96, 0.87–0.94× at 128, slower at 16–48); the scatter
+compiled for its 64-column block took 6.1 against 6.5 ms there."""
 
 VECTOR_TILE = 128
 """The columns of a row the compiled gathers sum at once in registers (:mod:`betty_trainer.models.vectors`): eight
 ``<16 x float>`` accumulators, eight AVX-512 registers (sixteen on AVX2) of the 32 (16); a wider row is summed one tile
-at a time, its edges read once per tile. Measured (``benchmarks/README.md`` › aggregation.py › Register-held sums):
-at 256 columns, tiles of 128 took 0.78–0.90× the time of the kernel before on Amazon Computers and 0.83–0.88× on the
-30k-node SBM, about as tiles of 256 did with AVX-512 (0.86–0.93×), and with code for AVX2 0.78–0.88× where tiles of
-64 took 0.93–1.01×."""
+at a time, its edges read once per tile. Measured (``benchmarks/README.md`` › aggregation.py › Sums held in
+registers, the raw forward gather, ``sum`` / ``gcn``): at 256 columns, tiles of 128 took 0.79–0.89 / 0.86–0.99× the
+time of the kernel before on Amazon Computers and 0.88–0.93 / 0.83× on the 30k-node SBM, as tiles of 256 did with
+AVX-512 (0.87 / 0.86 and 0.93 / 0.83); with code for AVX2 tiles of 128 took 0.78 / 0.88× where tiles of 64 took
+0.93 / 1.01× and tiles of 256 0.90 / 0.95×."""
 
 TILE_VECTORS = VECTOR_TILE // LANES
 
@@ -261,10 +264,12 @@ def _row_layout(width: int) -> tuple[int, int, int]:
 
 def _make_gather_kernel(width: int):
     tiles, vectors_left, tail = _row_layout(width)
-    prefetch = width >= PREFETCH_MIN_COLUMNS
+    prefetch, vectors_source = width >= PREFETCH_MIN_COLUMNS, SOURCE_KEY
 
     @jit(parallel=True)
     def gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
+        if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
+            return
         flat, out_flat = dense.reshape(-1), out.reshape(-1)  # the rows as one array: the vectors' addresses
         for row in numba.prange(indptr.shape[0] - 1):
             scale = np.float32(1.0)
@@ -278,9 +283,21 @@ def _make_gather_kernel(width: int):
 _gather_kernels = functools.cache(_make_gather_kernel)
 
 
-def _contiguous_out(out: np.ndarray) -> None:
-    if not (out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("the compiled gathers write a C-contiguous, writable out (its rows addressed as one array)")
+def _check_arrays(dense: np.ndarray, out: np.ndarray, **factors: np.ndarray | None) -> None:
+    """What the compiled gathers address as raw float32 vectors (:mod:`betty_trainer.models.vectors`): ``dense`` and
+    ``out`` C-contiguous float32 (``out`` writable), every given factor array (by name) float32.
+
+    Raises:
+        ValueError: any of these does not hold (the vectors would read the bytes as float32 rows all the same).
+    """
+    arrays = {"dense": dense, "out": out} | {name: a for name, a in factors.items() if a is not None}
+    wrong = [name for name, a in arrays.items() if a.dtype != np.float32]
+    if wrong:
+        raise ValueError(f"the compiled gathers sum float32 arrays; {', '.join(wrong)} "
+                         f"{'is' if len(wrong) == 1 else 'are'} not")
+    if not (dense.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("the compiled gathers read a C-contiguous dense and write a C-contiguous, writable out (their "
+                         "rows addressed as one array)")
 
 
 def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out) -> None:
@@ -288,9 +305,9 @@ def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out) ->
     :func:`_csr_matmul`), by the kernel compiled for ``dense``'s column count.
 
     Raises:
-        ValueError: ``out`` is not C-contiguous and writable.
+        ValueError: an array is not float32, or ``dense`` or ``out`` not C-contiguous (:func:`_check_arrays`).
     """
-    _contiguous_out(out)
+    _check_arrays(dense, out, values=values, row_scale=row_scale, col_scale=col_scale)
     _gather_kernels(dense.shape[1])(indptr, indices, values, row_scale, col_scale, dense, out)
 
 
@@ -572,10 +589,12 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
 
 def _make_rows_gather_kernel(width: int):
     tiles, vectors_left, tail = _row_layout(width)
-    prefetch = width >= PREFETCH_MIN_COLUMNS
+    prefetch, vectors_source = width >= PREFETCH_MIN_COLUMNS, SOURCE_KEY
 
     @jit(parallel=True)
     def rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
+        if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
+            return
         flat, out_flat = dense.reshape(-1), out.reshape(-1)  # the rows as one array: the vectors' addresses
         for i in numba.prange(out.shape[0]):
             row = begin + i
@@ -597,9 +616,9 @@ def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out) -
     ``dense``'s column count.
 
     Raises:
-        ValueError: ``out`` is not C-contiguous and writable.
+        ValueError: an array is not float32, or ``dense`` or ``out`` not C-contiguous (:func:`_check_arrays`).
     """
-    _contiguous_out(out)
+    _check_arrays(dense, out, values=values)
     _rows_gather_kernels(dense.shape[1])(indptr, indices, values, begin, self_loop, dense, out)
 
 

@@ -10,6 +10,9 @@ Each lane adds the same products in the same order as the scalar loop, so the bi
 
 from __future__ import annotations
 
+import zlib
+from pathlib import Path
+
 import numpy as np
 
 from betty_trainer.rng import numba
@@ -17,23 +20,28 @@ from betty_trainer.rng import numba
 LANES = 16
 """float32 lanes of one accumulator vector: one AVX-512 register (two on AVX2; LLVM splits the vector)."""
 
+SOURCE_KEY = zlib.crc32(Path(__file__).read_bytes())
+"""A digest of this file, for the kernels built on it to hold in their closures: numba's disk cache keys a kernel by
+its own file's time stamp and its closure's values, so this makes a change here compile them anew."""
+
 if numba is None:  # pragma: no cover - numba is a declared dependency
     def vectors(count):
-        """A zeroed float32 accumulator of ``count`` vectors (the compiled form's stack array)."""
+        """A float32 accumulator of ``count`` vectors (the compiled form's stack array); the calls below use its
+        first ``count`` vectors, as the compiled ones do."""
         return np.zeros(count * LANES, np.float32)
 
     def zero_vectors(count, acc):
-        acc[:] = 0
+        acc[:count * LANES] = 0
 
     def add_four_rows(count, acc, flat, b0, b1, b2, b3, c0, c1, c2, c3):
         n = count * LANES
-        acc += (c0 * flat[b0:b0 + n] + c1 * flat[b1:b1 + n]) + (c2 * flat[b2:b2 + n] + c3 * flat[b3:b3 + n])
+        acc[:n] += (c0 * flat[b0:b0 + n] + c1 * flat[b1:b1 + n]) + (c2 * flat[b2:b2 + n] + c3 * flat[b3:b3 + n])
 
     def add_row(count, acc, flat, b0, c0):
-        acc += c0 * flat[b0:b0 + count * LANES]
+        acc[:count * LANES] += c0 * flat[b0:b0 + count * LANES]
 
     def store_vectors(count, acc, out, base, scale):
-        out[base:base + count * LANES] = acc * scale
+        out[base:base + count * LANES] = acc[:count * LANES] * scale
 
     def prefetch(array, index):
         """Nothing: a hint only the compiled kernels give."""
@@ -75,8 +83,9 @@ else:
 
     @intrinsic(prefer_literal=True)
     def vectors(typing_context, count):
-        """A stack array of ``count`` ``<16 x float>`` vectors (uninitialised), allocated once in the calling
-        function's entry block: a thread's accumulator for one row tile, reused for every row it sums."""
+        """A stack array of ``count`` ``<16 x float>`` vectors (its values undefined until :func:`zero_vectors`),
+        allocated once in the calling function's entry block: a thread's accumulator for one row tile, reused for
+        every row it sums."""
         n = _count(count)
 
         def codegen(context, builder, signature, arguments):  # pragma: no cover - compiled
