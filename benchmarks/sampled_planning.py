@@ -121,7 +121,8 @@ def measure(graph: Any, batch_size: int, args: argparse.Namespace) -> dict[str, 
             "peak_mib": statistics.mean(r["peak_bytes"] for r in rows) / 2**20,
             "input_nodes": statistics.mean(r["input_nodes"] for r in rows),
             "k": statistics.mean(r["k"] for r in rows),
-            "fallbacks": arm["planner"].fallbacks, "rows": rows, "warmup": arm["warmup"],
+            "fallbacks": arm["planner"].fallbacks, "refined": arm["planner"].refined, "rows": rows,
+            "warmup": arm["warmup"],
         }
     return result
 
@@ -152,10 +153,10 @@ def main() -> None:
                    f"(Σ {100 * per[a]['plan_share']:.1f}%)" for a in ARMS]
                 + [" / ".join(f"{per[a]['k']:g}" for a in ARMS)]
                 + [f"{per[a]['redundancy']:.3f}" for a in ARMS] + [f"{per[a]['peak_mib']:.2f}" for a in ARMS]
-                + [f"{row['once_per_run_s']:.2f} s", str(per["graph"]["fallbacks"])])
+                + [f"{row['once_per_run_s']:.2f} s", str(per["graph"]["fallbacks"]), str(per["graph"]["refined"])])
     print(markdown_table(["graph", "batch", "input nodes", "per-batch REG: plan / K step", "graph: plan / K step",
                           "K REG / graph", "redundancy REG", "redundancy graph", "peak MiB REG", "peak MiB graph",
-                          "graph partition once per run", "fallbacks"], lines))
+                          "graph partition once per run", "fallbacks", "refined"], lines))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
 

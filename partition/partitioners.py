@@ -180,6 +180,7 @@ class GraphPartition:
         self._structure = indptr.cpu().numpy(), indices.cpu().numpy()
         self._weights = None if balanced is None else balanced.cpu().numpy().astype(np.int64)
         self._parts: dict[tuple[int, int], np.ndarray] = {}
+        self._halves: dict[tuple[int, int], np.ndarray] = {}  # per (K, seed): (N,) int8 half, -1 until bisected
         self._all_nodes: GraphPartition | None = None  # of_all_nodes, once made
 
     @property
@@ -198,6 +199,46 @@ class GraphPartition:
         if (k, seed) not in self._parts:
             self._parts[k, seed] = metis_kway(self.graph, k, seed, self._weights)
         return self._parts[k, seed]
+
+    def halves(self, k: int, seed: int, part: int) -> np.ndarray:
+        """``(N,)`` int8: for the nodes of part ``part`` of the ``k``-way partition (:meth:`parts`), their half (0 or
+        1) in a METIS bisection of the subgraph they induce (symmetrised, balancing the ``balanced`` nodes of the part
+        where it has two or more, else all its nodes); -1 for nodes of parts not bisected yet. Each part is bisected
+        once per ``(k, seed)``, on its own edges only (``O`` of the part's in-edges, and an ``(N,)`` int64 map while
+        it runs), so the halves nest in the ``k`` parts, where a ``2k``-way partition of the graph would not: the
+        planner cuts a micro-batch that misses its budget in two this way
+        (:meth:`GraphSplitter.halves`, :func:`~partition.search.refine_split`).
+
+        Raises:
+            ValueError: ``part`` out of ``[0, k)``, or ``k`` out of ``[1, N]``.
+        """
+        if not 0 <= part < k:
+            raise ValueError(f"part {part} is not one of the {k} parts")
+        parts = self.parts(k, seed)
+        halves = self._halves.setdefault((k, seed), np.full(self.num_nodes, -1, dtype=np.int8))
+        nodes = np.flatnonzero(parts == part)
+        if nodes.size and halves[nodes[0]] < 0:
+            halves[nodes] = self._bisect(nodes, seed)
+        return halves
+
+    def _bisect(self, nodes: np.ndarray, seed: int) -> np.ndarray:
+        """``(n,)`` int64 half of each of ``nodes`` (sorted node ids) in a METIS bisection of the subgraph they
+        induce (:meth:`halves`)."""
+        if nodes.size < 2:
+            return np.zeros(nodes.size, dtype=np.int64)
+        indptr, indices = self._structure
+        local = np.full(self.num_nodes, -1, dtype=np.int64)
+        local[nodes] = np.arange(nodes.size)
+        starts, lengths = indptr[nodes], indptr[nodes + 1] - indptr[nodes]
+        # every in-edge of the nodes, node by node: edge j of node i at starts[i] + j
+        edges = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+        sources, owners = local[indices[edges]], np.repeat(np.arange(nodes.size), lengths)
+        inside = sources >= 0
+        sub_indptr = np.concatenate([[0], np.cumsum(np.bincount(owners[inside], minlength=nodes.size))])
+        weights = None if self._weights is None else self._weights[nodes]
+        if weights is not None and weights.sum() < 2:
+            weights = None
+        return metis_kway(symmetric_graph(sub_indptr, sources[inside]), 2, seed, weights)
 
     def of_all_nodes(self) -> "GraphPartition":
         """The same graph partitioned balancing every node, not only the ``balanced`` ones: what splits a layer's dst
@@ -245,6 +286,21 @@ class GraphSplitter:
         if k == 1:
             return [torch.arange(n)]
         return groups_of(self.partition.parts(k, seed)[self.output_nodes], k)
+
+    def halves(self, k: int, seed: int, group: Tensor) -> list[Tensor]:
+        """``group`` (``(m,)`` int64 sorted positions of outputs in one part of the ``k``-way split) in two, by the
+        METIS bisection of that part (:meth:`GraphPartition.halves`): ``[group]`` where all its outputs fall in one
+        half, else its two halves' sorted positions.
+
+        Raises:
+            ValueError: ``group`` is empty or spans two parts.
+        """
+        nodes = self.output_nodes[group.numpy()]
+        parts = self.partition.parts(k, seed)[nodes]
+        if not nodes.size or (parts != parts[0]).any():
+            raise ValueError("halving needs the outputs of one part of the graph's split")
+        half = self.partition.halves(k, seed, int(parts[0]))[nodes].astype(np.int64)
+        return [group[piece] for piece in groups_of(half, 2)]
 
 
 class Splitter(Protocol):

@@ -255,6 +255,40 @@ def make_split(
     return done(parts)
 
 
+def refine_split(blocks: Sequence[BlockStructure], split: Split, estimate: Estimate, budget: int,
+                 cut: Callable[[Tensor], list[Tensor]]) -> Split:
+    """``split`` with each micro-batch estimated over ``budget`` cut by ``cut`` (its sorted output positions → the
+    pieces' sorted positions, which partition them), the micro-batches that fit kept as they are, in order. Every
+    micro-batch is estimated again (which one is first, accumulating nothing, may change); ``tried`` gains
+    ``(refined K, largest estimate)``. The planner cuts a graph split's missed micro-batches in two this way
+    (:meth:`~partition.partitioners.GraphSplitter.halves`; ``betty_trainer.memory.planner``): where few miss, that
+    costs fewer micro-batches than a larger K for all.
+
+    Args:
+        blocks: the batch's blocks, input layer first.
+        split: a split of ``blocks``' outputs with its ``estimates``.
+        estimate: as :func:`make_split`'s.
+        budget: bytes; the refined split's ``budget``.
+        cut: splits one micro-batch's outputs.
+
+    Returns:
+        A :class:`Split` whose micro-batches partition the outputs; its estimates may still exceed the budget.
+
+    Raises:
+        ValueError: ``split`` has no estimates.
+    """
+    started = time.perf_counter()
+    if len(split.estimates) != split.k:
+        raise ValueError("refining a split needs its micro-batches' estimates")
+    groups = [piece for group, peak in zip(split.groups, split.estimates)
+              for piece in ([group] if peak <= budget else cut(group))]
+    sizes = count_layers(blocks, groups)
+    estimates = [estimate(layers, index > 0) for index, layers in enumerate(sizes)]
+    return Split(groups, sizes, estimates, budget, split.full_batch_estimate,
+                 split.tried + [(len(groups), max(estimates))], split.seconds + time.perf_counter() - started,
+                 split.stage_seconds)
+
+
 def _check_split_arguments(blocks: Sequence[BlockStructure], estimate: Estimate | None, budget: int | None,
                            k: int | None, splitter: Splitter | None, partitioner: str, search: str) -> None:
     """:func:`make_split`'s argument checks (its ``ValueError`` s)."""

@@ -373,6 +373,49 @@ def test_compiled_slicing_equals_tensor_slicing(cora, fanouts):
         assert_same_slices(compiled, slice_layers(batch.blocks, group))
 
 
+def copies_of_a_ring(copies: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSC of ``copies`` disjoint directed rings of ``size`` nodes (copy ``c``: nodes ``c·size …``), each node's one
+    in-edge from the node before it."""
+    nodes = torch.arange(copies * size)
+    sources = nodes - nodes % size + (nodes % size - 1) % size
+    return torch.arange(copies * size + 1), sources
+
+
+def test_a_part_s_halves_nest_in_it_and_cut_its_own_edges(cora):
+    """GraphPartition.halves bisects one part's nodes on the edges among them: two disjoint rings in one part are
+    cut apart exactly (no edge between them), a part of four rings into two pairs of whole rings; nodes of parts not
+    asked for stay -1; each part is bisected once; GraphSplitter.halves cuts a group of one part's outputs by it
+    (sorted positions that partition it) and refuses a group spanning two parts."""
+    indptr, indices = copies_of_a_ring(2, 50)
+    one_part = GraphPartition(indptr, indices)
+    halves = one_part.halves(1, 0, 0)
+    assert sorted(halves[:50].tolist()) == [halves[0]] * 50 and sorted(halves[50:].tolist()) == [halves[50]] * 50
+    assert halves[0] != halves[50]
+
+    indptr, indices = copies_of_a_ring(8, 40)
+    graph = GraphPartition(indptr, indices)
+    parts = graph.parts(2)
+    rings = parts.reshape(8, 40)
+    assert (rings == rings[:, :1]).all() and np.bincount(rings[:, 0]).tolist() == [4, 4]  # whole rings per part
+    halves = graph.halves(2, 0, 1)
+    assert halves is graph.halves(2, 0, 1)
+    assert (halves[parts == 0] == -1).all()
+    ring_halves = halves.reshape(8, 40)[rings[:, 0] == 1]
+    assert (ring_halves == ring_halves[:, :1]).all() and sorted(np.bincount(ring_halves[:, 0]).tolist()) == [2, 2]
+    with pytest.raises(ValueError, match="not one of the 2 parts"):
+        graph.halves(2, 0, 2)
+
+    outputs = torch.tensor([5, 45, 85, 125, 165, 205, 245, 285])  # one node of each ring
+    splitter = graph.splitter(outputs)
+    group = next(g for g in splitter.split(2) if parts[outputs[g[0]]] == 1)
+    pieces = splitter.halves(2, 0, group)
+    assert len(pieces) == 2 and torch.equal(torch.sort(torch.cat(pieces)).values, group)
+    assert all(torch.equal(piece, torch.sort(piece).values) for piece in pieces)
+    assert [set(halves[outputs[piece].numpy()].tolist()) for piece in pieces] in ([{0}, {1}], [{1}, {0}])
+    with pytest.raises(ValueError, match="one part"):
+        splitter.halves(2, 0, torch.arange(8))
+
+
 def test_a_graph_partition_is_made_once_per_k_and_splits_any_batch_by_its_nodes_parts(cora):
     """The run's graph partition: METIS once per (K, seed), each part table kept; a batch's outputs are grouped by
     their nodes' parts (a partition of the outputs), the training nodes balanced across parts; the K search takes

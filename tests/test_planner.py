@@ -25,6 +25,7 @@ from betty_trainer.training.checkpoint import load_checkpoint
 from betty_trainer.training.trainer import train
 from estimator.peaks import PeakEstimator
 from partition import GraphPartition, make_split
+from partition.partitioners import GraphSplitter
 from partition.slicing import count_layers
 from tests.conftest import REPO
 
@@ -521,10 +522,12 @@ def test_a_micro_batch_plan_estimates_and_reports_without_slicing(setting, monke
         assert row["estimate"] == {"peak_bytes": itemised.peak_bytes, "at_peak": itemised.at_peak}
 
 
-def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_back_where_it_misses(setting):
+def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_back_where_it_misses(setting,
+                                                                                                      monkeypatch):
     """Under a budget the run's first batch is planned per batch (REG), and its K is the graph's: a later batch
     whose graph split fits is split by the graph (its estimates those of its micro-batches as they run); one
-    whose graph split misses is planned per batch instead (within the budget), counted in ``fallbacks``."""
+    whose graph split misses, and whose missed micro-batches cut in two miss again (here a bisection that cuts
+    nothing), is planned per batch instead (within the budget), counted in ``fallbacks``."""
     graph, config, *_ = setting
     estimator = PeakEstimator(model_spec(config, graph))
     first, second = (sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(s)) for s in (0, 1))
@@ -546,6 +549,7 @@ def test_under_a_budget_the_graph_partition_takes_the_first_batch_s_k_and_falls_
                      torch.device("cpu"), graph_partition=two_copies(graph))
     assert misses.plan(first).pieces == misses.graph_k == 4
     assert len(misses.graph_partition.splitter(second.output_nodes).split(4)) == 2  # the premise: 2 parts per copy
+    monkeypatch.setattr(GraphSplitter, "halves", lambda self, k, seed, group: [group])
     plan = misses.plan(second)
     assert plan.partitioner == "reg" and max(plan.split.estimates) <= tighter and misses.fallbacks == 1
     # the graph's split at K = 4 missed (its micro-batches, halves of the batch, are about twice too large); the batch
@@ -709,18 +713,62 @@ def test_a_built_in_model_on_a_torch_the_recorder_is_not_tested_with_is_estimate
         make_planner(layerwise, graph, None, torch.device("cpu"), HostFeatureStore(graph.x, pin=False))
 
 
+def test_a_batch_whose_graph_split_misses_in_a_few_micro_batches_cuts_only_those_in_two(cora, caplog):
+    """Cora's training nodes (fanouts 5, 10) under 0.2 × their estimate, split by the graph: the first batch sets
+    the graph's K, the next batch's graph split at that K misses the budget in a few micro-batches, and cutting each
+    of those in two by a bisection of its part (GraphSplitter.halves) fits in fewer micro-batches than the K the
+    miss asks for. The batch takes that split: the micro-batches that fit as they were, each missed one in two
+    halves of it, every estimate within the budget and exact for the micro-batches as they run; the graph's K stays
+    (no move logged), counted in ``refined``, and can no longer drop to that K."""
+    config = load_config(None, ["model.hidden=16", "train.progress=false"])
+    estimator = PeakEstimator(model_spec(config, cora))
+    first, second = (sample_batch(cora, cora.train_idx, [5, 10], torch.Generator().manual_seed(s)) for s in (0, 1))
+    budget = int(estimator.peak(first.blocks) * 0.2)
+    by_graph = load_config(None, ["model.hidden=16", "train.progress=false", f"micro_batch.budget={budget}",
+                                  "micro_batch.assignment=graph"])
+    planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"), graph_partition=graph_partition(by_graph, cora))
+    k = planner.plan(first).pieces
+    splitter, resident = planner.graph_partition.splitter(second.output_nodes), estimator.resident_bytes
+    groups = splitter.split(k, planner.seed)
+    estimates = [estimator.peak(sizes, index > 0) for index, sizes in enumerate(count_layers(second.blocks, groups))]
+    missed = [group for group, estimate in zip(groups, estimates) if estimate > budget]
+    asked = max(k + 1, math.ceil(k * (max(estimates) - resident) / (budget - resident)))
+    assert planner.graph_k == k and 0 < len(missed) and k + len(missed) < asked  # the premise: a few missed
+
+    with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
+        plan = planner.plan(second)
+    assert plan.partitioner == "graph" and plan.pieces == k + len(missed)
+    assert planner.graph_k == k and planner.refined == 1 and planner.fallbacks == 0
+    assert "the graph partition's K" not in caplog.text
+    kept = [group.tolist() for group, estimate in zip(groups, estimates) if estimate <= budget]
+    pieces = [group.tolist() for group in plan.split.groups]
+    assert [piece for piece in pieces if piece in kept] == kept
+    for group in missed:
+        halves = [piece for piece in pieces if set(piece) <= set(group.tolist())]
+        assert len(halves) == 2 and sorted(halves[0] + halves[1]) == group.tolist()
+    assert max(plan.split.estimates) <= budget
+    assert plan.split.estimates == [estimator.peak(micro_batch.blocks, index > 0)
+                                    for index, micro_batch in enumerate(plan.micro_batches)]
+    for _ in range(GRAPH_K_SHRINK_AFTER):  # batches that would fit with one micro-batch: never to a K that was refined
+        planner._fits(planner.graph_k, resident + 1)
+    assert planner.graph_k == k
+
+
 def test_a_batch_whose_graph_split_misses_tries_the_k_its_miss_asks_for_before_the_per_batch_search(setting, caplog):
     """The graph's K set too low for the next batch (one above the first batch's): its graph split misses the
-    budget, the batch tries ⌈K · (largest − resident) / (budget − resident)⌉ (at least K + 1) on the graph, which
+    budget, and cutting its missed micro-batches in two would make more micro-batches than the K the miss asks for,
+    ⌈K · (largest − resident) / (budget − resident)⌉ (at least K + 1); the batch tries that K on the graph, which
     fits: split by the graph, no fallback, and that K is the graph's from then on (logged)."""
     graph, estimator, generator, budget, planner, k = graph_assigned_under_a_budget(setting)
     low = k + 1
     planner.graph_k = low
     second = sample_batch(graph, graph.train_idx, [5, 10], generator)
     splitter, resident = planner.graph_partition.splitter(second.output_nodes), estimator.resident_bytes
-    at_low = max(estimator.peak(sizes, index > 0)
-                 for index, sizes in enumerate(count_layers(second.blocks, splitter.split(low))))
+    estimates = [estimator.peak(sizes, index > 0)
+                 for index, sizes in enumerate(count_layers(second.blocks, splitter.split(low)))]
+    at_low = max(estimates)
     asked = max(low + 1, math.ceil(low * (at_low - resident) / (budget - resident)))
+    assert low + sum(estimate > budget for estimate in estimates) > asked  # halving the missed ones costs more
     with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
         plan = planner.plan(second)
     assert at_low > budget and plan.partitioner == "graph" and plan.pieces == asked == planner.graph_k

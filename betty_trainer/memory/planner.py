@@ -40,7 +40,7 @@ from estimator.recorder import RecordingRefused
 from partition import BudgetError, GraphPartition, OutputSplitter, Split, make_split
 from partition.chunks import search_chunks
 from partition.partitioners import GRAPHS
-from partition.search import Estimate, k_to_fit
+from partition.search import Estimate, k_to_fit, refine_split
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +77,19 @@ class Planner:
     estimates its micro-batches when asked: :attr:`MicroBatchPlan.estimate
     <betty_trainer.execution.micro_batches.MicroBatchPlan.estimate>`). Under a budget the first batch is planned
     per batch (the K search on its REG) and its K is the graph's; each later batch tries the graph's K, and
-    where its largest estimate misses the budget the graph's K grows to ``⌈K · (largest − resident) / (budget −
-    resident)⌉`` (a micro-batch's own bytes shrink about as 1/K), at least by one, and the batch tries that K;
-    where it misses again the batch is planned per batch instead (``fallbacks`` counts those batches) and the
-    graph's K becomes the larger of that K and the per-batch search's. After :data:`GRAPH_K_SHRINK_AFTER`
-    batches that fit at the graph's K, it drops to the largest K the same 1/K rule says they needed, where that
-    is lower, never to a K that missed (each new K is one METIS of the whole graph, made once; every move is
-    logged at INFO level). Where the peak falls much slower than 1/K (Amazon Computers' dense neighbourhoods:
-    the micro-batches share most input rows) the rule asks for too few in both directions, so the graph's K
-    still settles above the per-batch search's (``benchmarks/README.md`` › sampled_planning.py › Under a budget).
+    where its largest estimate misses the budget, each micro-batch that missed is cut in two by a METIS bisection
+    of its part of the graph (:meth:`GraphSplitter.halves <partition.partitioners.GraphSplitter.halves>`: made once
+    per part and K, on the part's own edges; :func:`~partition.search.refine_split`), and the batch takes that split
+    where it fits in no more micro-batches than the graph's K would grow to, ``⌈K · (largest − resident) / (budget −
+    resident)⌉`` (a micro-batch's own bytes shrink about as 1/K), at least K + 1 (``refined`` counts those batches;
+    the graph's K stays, as one K for every batch would need headroom for the worst); else the graph's K grows to
+    that K and the batch tries it; where it misses again the batch is planned per batch instead (``fallbacks``
+    counts those batches) and the graph's K becomes the larger of that K and the per-batch search's. After
+    :data:`GRAPH_K_SHRINK_AFTER` batches that fit at the graph's K, it drops to the largest K the same 1/K rule
+    says they needed, where that is lower, never to a K that missed, nor to one whose batch was refined (each new
+    K is one METIS of the whole graph, made once; every move is logged at INFO level). Where the peak falls much
+    slower than 1/K (Amazon Computers' dense neighbourhoods: the micro-batches share most input rows) the rule
+    asks for too few in both directions (``benchmarks/README.md`` › sampled_planning.py › Under a budget).
     ``graph_k`` is the K the next batch tries (``None`` before the first batch, and without a budget). Any
     assignment of the outputs gives the full batch's gradient (Betty §4.2.3); the estimate counts the
     micro-batches the assignment makes.
@@ -145,6 +149,7 @@ class Planner:
         self.plans_reused = 0
         self.graph_partition = graph_partition
         self.fallbacks = 0
+        self.refined = 0  # batches whose graph split's missed micro-batches were cut in two (GraphSplitter.halves)
         self.graph_k: int | None = None
         self._missed_k = 0  # the largest K whose graph split missed the budget: the graph's K stays above it
         self._needed_k, self._fitted = 0, 0  # since the graph's K last moved: the K its batches needed, how many
@@ -312,9 +317,11 @@ class Planner:
                      whole: Callable[[], int]) -> Split | None:
         """``batch``'s outputs split by the run's graph partition (see the class docstring; ``whole``: the batch's
         estimate in one micro-batch, as :meth:`_search`'s), or ``None``: no graph partition; under a budget, no K
-        yet (the run's first batch), or a split whose largest estimate misses the budget at the graph's K and again
-        at the K that miss asks for (counted in ``fallbacks``; the next batches try the first miss's K, or the
-        per-batch search's if more)."""
+        yet (the run's first batch), or a split whose largest estimate misses the budget at the graph's K, whose
+        missed micro-batches, each cut in two by a bisection of its part, miss again or make more micro-batches
+        than the K the miss asks for, and which misses again at that K (counted in ``fallbacks``; the next batches
+        try the first miss's K, or the per-batch search's if more). A split refined so (counted in ``refined``)
+        leaves the graph's K as it is."""
         if self.graph_partition is None or (self.budget is not None and self.graph_k is None):
             return None
         n = batch.output_nodes.numel()
@@ -334,7 +341,13 @@ class Planner:
                 break
             # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings
             # the largest under the budget, at least one more; the graph's K never drops on a miss
-            k = max(k + 1, k_to_fit(k, largest, self.resident, self.budget))
+            asked = max(k + 1, k_to_fit(k, largest, self.resident, self.budget))
+            refined = refine_split(batch.blocks, split, estimate, self.budget, functools.partial(
+                self.graph_partition.splitter(batch.output_nodes).halves, k, self.seed))
+            if refined.k <= asked and max(refined.estimates) <= self.budget:  # a few micro-batches missed
+                self.refined += 1
+                return refined
+            k = asked
             self._move_graph_k(max(k, self.graph_k), "its largest micro-batch missed the budget")
         self.fallbacks += 1
         return None
