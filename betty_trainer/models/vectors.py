@@ -81,6 +81,12 @@ else:
         return builder.bitcast(builder.gep(data, [builder.add(base, ir.Constant(base.type, j * LANES))]),
                                _VECTOR.as_pointer())
 
+    def _slots_and_row(context, builder, signature, arguments, count: int):
+        """Per vector ``j`` of an intrinsic ``(count, acc, array, base, …)``: the accumulator's slot and a pointer to
+        ``array[base + 16·j …]``."""
+        return [(slot, _vector_at(context, builder, signature.args[2], arguments[2], arguments[3], j))
+                for j, slot in enumerate(_slots(builder, arguments[1], count))]
+
     @intrinsic(prefer_literal=True)
     def vectors(typing_context, count):
         """A stack array of ``count`` ``<16 x float>`` vectors (its values undefined until :func:`zero_vectors`),
@@ -120,32 +126,30 @@ else:
             return context.get_dummy_value()
         return types.void(count, acc, flat, b0, b1, b2, b3, c0, c1, c2, c3), codegen
 
-    @intrinsic(prefer_literal=True)
-    def add_row(typing_context, count, acc, flat, b0, c0):
-        """``acc += c0·flat[b0 : b0 + 16·count]``."""
-        n = _count(count)
+    def _one_row_intrinsic(update, doc: str):
+        """An intrinsic ``(count, acc, array, base, factor)`` that runs ``update(builder, slot, row, factor)`` for each
+        of the ``count`` accumulator vectors, ``row`` pointing at ``array[base + 16·j …]``, ``factor`` in every
+        lane."""
+        @intrinsic(prefer_literal=True)
+        def one_row(typing_context, count, acc, array, base, factor):
+            n = _count(count)
 
-        def codegen(context, builder, signature, arguments):  # pragma: no cover - compiled
-            factor = _splat(builder, arguments[4])
-            for j, slot in enumerate(_slots(builder, arguments[1], n)):
-                x = builder.load(_vector_at(context, builder, signature.args[2], arguments[2], arguments[3], j),
-                                 align=4)
-                builder.store(builder.fadd(builder.load(slot), builder.fmul(factor, x)), slot)
-            return context.get_dummy_value()
-        return types.void(count, acc, flat, b0, c0), codegen
+            def codegen(context, builder, signature, arguments):  # pragma: no cover - compiled
+                lanes = _splat(builder, arguments[4])
+                for slot, row in _slots_and_row(context, builder, signature, arguments, n):
+                    update(builder, slot, row, lanes)
+                return context.get_dummy_value()
+            return types.void(count, acc, array, base, factor), codegen
+        one_row.__doc__ = doc
+        return one_row
 
-    @intrinsic(prefer_literal=True)
-    def store_vectors(typing_context, count, acc, out, base, scale):
-        """``out[base : base + 16·count] = acc · scale``."""
-        n = _count(count)
-
-        def codegen(context, builder, signature, arguments):  # pragma: no cover - compiled
-            factor = _splat(builder, arguments[4])
-            for j, slot in enumerate(_slots(builder, arguments[1], n)):
-                builder.store(builder.fmul(builder.load(slot), factor),
-                              _vector_at(context, builder, signature.args[2], arguments[2], arguments[3], j), align=4)
-            return context.get_dummy_value()
-        return types.void(count, acc, out, base, scale), codegen
+    add_row = _one_row_intrinsic(
+        lambda builder, slot, row, factor: builder.store(
+            builder.fadd(builder.load(slot), builder.fmul(factor, builder.load(row, align=4))), slot),
+        "``add_row(count, acc, flat, b0, c0)``: ``acc += c0·flat[b0 : b0 + 16·count]``.")
+    store_vectors = _one_row_intrinsic(
+        lambda builder, slot, row, factor: builder.store(builder.fmul(builder.load(slot), factor), row, align=4),
+        "``store_vectors(count, acc, out, base, scale)``: ``out[base : base + 16·count] = acc · scale``.")
 
     def _prefetch_intrinsic(write: int):
         """``llvm.prefetch`` of ``array``'s element ``index`` (C-contiguous), for a read (``write`` 0) or a write (1),
