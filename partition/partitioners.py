@@ -196,8 +196,9 @@ class GraphPartition:
         Raises:
             ValueError: ``k`` out of ``[1, N]``.
         """
-        if (k, seed) not in self._parts:
-            self._parts[k, seed] = metis_kway(self.graph, k, seed, self._weights)
+        if (k, seed) not in self._parts:  # one part needs no graph
+            self._parts[k, seed] = (metis_kway(self.graph, k, seed, self._weights) if k != 1 else
+                                    np.zeros(self.num_nodes, dtype=np.int64))
         return self._parts[k, seed]
 
     def halves(self, k: int, seed: int, part: int) -> np.ndarray:
@@ -226,6 +227,11 @@ class GraphPartition:
         induce (:meth:`halves`)."""
         if nodes.size < 2:
             return np.zeros(nodes.size, dtype=np.int64)
+        weights = None if self._weights is None else self._weights[nodes]
+        if weights is not None and weights.sum() < 2:
+            weights = None
+        if nodes.size == self.num_nodes:  # the whole graph (K = 1): its symmetric graph, without the edge lists
+            return metis_kway(self.graph, 2, seed, weights)
         indptr, indices = self._structure
         local = np.full(self.num_nodes, -1, dtype=np.int64)
         local[nodes] = np.arange(nodes.size)
@@ -235,9 +241,6 @@ class GraphPartition:
         sources, owners = local[indices[edges]], np.repeat(np.arange(nodes.size), lengths)
         inside = sources >= 0
         sub_indptr = np.concatenate([[0], np.cumsum(np.bincount(owners[inside], minlength=nodes.size))])
-        weights = None if self._weights is None else self._weights[nodes]
-        if weights is not None and weights.sum() < 2:
-            weights = None
         return metis_kway(symmetric_graph(sub_indptr, sources[inside]), 2, seed, weights)
 
     def of_all_nodes(self) -> "GraphPartition":

@@ -258,11 +258,12 @@ def make_split(
 def refine_split(blocks: Sequence[BlockStructure], split: Split, estimate: Estimate, budget: int,
                  cut: Callable[[Tensor], list[Tensor]]) -> Split:
     """``split`` with each micro-batch estimated over ``budget`` cut by ``cut`` (its sorted output positions → the
-    pieces' sorted positions, which partition them), the micro-batches that fit kept as they are, in order. Every
-    micro-batch is estimated again (which one is first, accumulating nothing, may change); ``tried`` gains
-    ``(refined K, largest estimate)``. The planner cuts a graph split's missed micro-batches in two this way
-    (:meth:`~partition.partitioners.GraphSplitter.halves`; ``betty_trainer.memory.planner``): where few miss, that
-    costs fewer micro-batches than a larger K for all.
+    pieces' sorted positions, which partition them), in its place; the micro-batches that fit are kept as they
+    are, with their sizes and estimates (each keeps its place or moves later, so whether it accumulates does not
+    change). The pieces are counted and estimated; ``tried`` gains ``(refined K, largest estimate)`` and
+    ``stage_seconds`` the cut (``"partition"``), the pieces' ``"counting"`` and ``"estimate"``. The planner cuts a
+    graph split's missed micro-batches in two this way (:meth:`~partition.partitioners.GraphSplitter.halves`;
+    ``betty_trainer.memory.planner``): where few miss, that costs fewer micro-batches than a larger K for all.
 
     Args:
         blocks: the batch's blocks, input layer first.
@@ -280,13 +281,31 @@ def refine_split(blocks: Sequence[BlockStructure], split: Split, estimate: Estim
     started = time.perf_counter()
     if len(split.estimates) != split.k:
         raise ValueError("refining a split needs its micro-batches' estimates")
-    groups = [piece for group, peak in zip(split.groups, split.estimates)
-              for piece in ([group] if peak <= budget else cut(group))]
-    sizes = count_layers(blocks, groups)
-    estimates = [estimate(layers, index > 0) for index, layers in enumerate(sizes)]
+    stage_seconds = dict(split.stage_seconds)
+
+    def timed(stage: str, fn: Callable[..., Any], *args: Any) -> Any:
+        stage_started = time.perf_counter()
+        result = fn(*args)
+        stage_seconds[stage] = stage_seconds.get(stage, 0.0) + time.perf_counter() - stage_started
+        return result
+
+    groups: list[Tensor] = []
+    sizes: list[list[SliceSize]] = []
+    estimates: list[int] = []
+    for group, layers, peak in zip(split.groups, split.sizes, split.estimates):
+        if peak <= budget:
+            groups.append(group)
+            sizes.append(layers)
+            estimates.append(peak)
+            continue
+        pieces = timed("partition", cut, group)
+        for piece, piece_layers in zip(pieces, timed("counting", count_layers, blocks, pieces), strict=True):
+            estimates.append(timed("estimate", estimate, piece_layers, bool(groups)))  # accumulating after the first
+            groups.append(piece)
+            sizes.append(piece_layers)
     return Split(groups, sizes, estimates, budget, split.full_batch_estimate,
                  split.tried + [(len(groups), max(estimates))], split.seconds + time.perf_counter() - started,
-                 split.stage_seconds)
+                 stage_seconds)
 
 
 def _check_split_arguments(blocks: Sequence[BlockStructure], estimate: Estimate | None, budget: int | None,

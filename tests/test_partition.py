@@ -381,14 +381,18 @@ def copies_of_a_ring(copies: int, size: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.arange(copies * size + 1), sources
 
 
-def test_a_part_s_halves_nest_in_it_and_cut_its_own_edges(cora):
+def test_a_part_s_halves_nest_in_it_and_cut_its_own_edges(monkeypatch):
     """GraphPartition.halves bisects one part's nodes on the edges among them: two disjoint rings in one part are
     cut apart exactly (no edge between them), a part of four rings into two pairs of whole rings; nodes of parts not
     asked for stay -1; each part is bisected once; GraphSplitter.halves cuts a group of one part's outputs by it
     (sorted positions that partition it) and refuses a group spanning two parts."""
+    bisected = []
+    bisect = GraphPartition._bisect
+    monkeypatch.setattr(GraphPartition, "_bisect", lambda self, nodes, seed: bisected.append(nodes.size) or
+                        bisect(self, nodes, seed))
     indptr, indices = copies_of_a_ring(2, 50)
     one_part = GraphPartition(indptr, indices)
-    halves = one_part.halves(1, 0, 0)
+    halves = one_part.halves(1, 0, 0)  # the whole graph
     assert sorted(halves[:50].tolist()) == [halves[0]] * 50 and sorted(halves[50:].tolist()) == [halves[50]] * 50
     assert halves[0] != halves[50]
 
@@ -398,7 +402,7 @@ def test_a_part_s_halves_nest_in_it_and_cut_its_own_edges(cora):
     rings = parts.reshape(8, 40)
     assert (rings == rings[:, :1]).all() and np.bincount(rings[:, 0]).tolist() == [4, 4]  # whole rings per part
     halves = graph.halves(2, 0, 1)
-    assert halves is graph.halves(2, 0, 1)
+    assert halves is graph.halves(2, 0, 1) and bisected == [100, 160]  # each part once
     assert (halves[parts == 0] == -1).all()
     ring_halves = halves.reshape(8, 40)[rings[:, 0] == 1]
     assert (ring_halves == ring_halves[:, :1]).all() and sorted(np.bincount(ring_halves[:, 0]).tolist()) == [2, 2]

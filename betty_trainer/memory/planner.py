@@ -342,11 +342,12 @@ class Planner:
             # a micro-batch's own bytes shrink about as 1/K (the K search's start, make_split): the K that brings
             # the largest under the budget, at least one more; the graph's K never drops on a miss
             asked = max(k + 1, k_to_fit(k, largest, self.resident, self.budget))
-            refined = refine_split(batch.blocks, split, estimate, self.budget, functools.partial(
-                self.graph_partition.splitter(batch.output_nodes).halves, k, self.seed))
-            if refined.k <= asked and max(refined.estimates) <= self.budget:  # a few micro-batches missed
-                self.refined += 1
-                return refined
+            if k + sum(peak > self.budget for peak in split.estimates) <= asked:  # a few missed: cut them in two
+                refined = refine_split(batch.blocks, split, estimate, self.budget, functools.partial(
+                    self.graph_partition.splitter(batch.output_nodes).halves, k, self.seed))
+                if refined.k <= asked and max(refined.estimates) <= self.budget:
+                    self.refined += 1
+                    return refined
             k = asked
             self._move_graph_k(max(k, self.graph_k), "its largest micro-batch missed the budget")
         self.fallbacks += 1
