@@ -61,6 +61,8 @@ def _set(state: dict, path: str, value) -> None:
     (LAST_NAME, "optimizer.param_groups", {}),
     (LAST_NAME, "optimizer.state", []),
     (LAST_NAME, "scheduler", 5),
+    (LAST_NAME, "unevaluated", "x"),
+    (LAST_NAME, "unevaluated", [0.5]),
     (LAST_NAME, "identity", []),
     (LAST_NAME, "identity.dataset", "synthetic"),
     (LAST_NAME, "identity.model", None),

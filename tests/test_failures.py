@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from betty_trainer.config import DatasetConfig, load_config
 from betty_trainer.data.graph import Graph
 from betty_trainer.datasets import load_dataset
 from betty_trainer.errors import ConfigError, DatasetError, TrainingError
-from betty_trainer.training.checkpoint import BEST_NAME, checksum_path, load_checkpoint
+from betty_trainer.training.checkpoint import BEST_NAME, LAST_NAME, checksum_path, load_checkpoint, save_checkpoint
 from betty_trainer.training.trainer import train
 from tests import test_runs
 from tests.conftest import REPO
@@ -272,6 +273,12 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     refused = betty_in_process(capsys, "train", "--resume", str(run), "optim.epochs=1")  # epoch 1 is past the end
     assert_one_line_error(refused, "already finished 1 epochs")
     assert {name: (run / name).read_bytes() for name in before} == before and not (run / "resumes.yaml").exists()
+    mismatched = tmp_path / "mismatched"  # a checkpoint whose unevaluated metrics are another epoch's
+    shutil.copytree(run, mismatched)
+    save_checkpoint(mismatched, {**state, "unevaluated": {**state["unevaluated"], "epoch": 0}}, LAST_NAME)
+    refused = betty_in_process(capsys, "train", "--resume", str(mismatched))
+    assert_one_line_error(refused, f"cannot resume {mismatched}", "holds epoch 1's training but unevaluated metrics "
+                          "of epoch 0; start a new run")
     calls.clear()  # evaluation works again: the resume evaluates epoch 1, the run's last, and trains nothing
     resumed = betty_in_process(capsys, "train", "--resume", str(run))
     assert resumed.returncode == 0, resumed.stderr

@@ -447,6 +447,9 @@ def _restore(config: Config, run: _Run, state: dict, path: Path) -> None:
         except TypeError as error:
             raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME}'s unevaluated epoch metrics do not fit "
                                 f"({error}); start a new run") from None
+        if run.unevaluated.epoch != state["epoch"]:
+            raise TrainingError(f"cannot resume {path}: {CHECKPOINT_NAME} holds epoch {state['epoch']}'s training but "
+                                f"unevaluated metrics of epoch {run.unevaluated.epoch!r}; start a new run")
         run.start_epoch, run.resumed_from = state["epoch"], state["epoch"] - 1
     apply_optim_config(config, run.optimizer, scheduler)
 
