@@ -90,14 +90,6 @@ def test_the_keyed_mask_operator_gives_its_kernel_s_bits(inplace):
     assert torch.equal(out.view(torch.int32), direct.view(torch.int32))
 
 
-SCATTERS = {  # kernel by column count, its generic compilation, arguments without the written buffer
-    "csr_scatter": (aggregate._scatter_kernels, aggregate._make_scatter_kernel, lambda b, v, g: (
-        b.indptr, b.indices, v[0], v[1], v[2], g)),
-    "rows_scatter": (aggregate._rows_scatter_kernels, aggregate._make_rows_scatter_kernel, lambda b, v, g: (
-        b.indptr, b.indices, v[0], 7, True, g[7:27].copy())),
-}
-
-
 def block_arrays(width: int, weighted: bool):
     """A random block, its optional edge values, row and column scales and ``(num_src, width)`` rows and
     ``(num_dst, width)`` gradient (numpy float32)."""
@@ -110,24 +102,58 @@ def block_arrays(width: int, weighted: bool):
     return block, values, h, g
 
 
+def self_loop_scales(indptr, edge_values, rows) -> np.ndarray:
+    """``1 / (Σ w_e + 1)`` per CSR row of ``rows``, its weights added one by one, then the self loop's 1: layer-wise
+    SAGE-gcn's row scale as the kernels compute it."""
+    totals = np.ones(len(rows), np.float32)
+    for i, r in enumerate(rows):
+        total = np.float32(0)
+        for e in range(indptr[r], indptr[r + 1]):
+            total += edge_values[e]
+        totals[i] = total + np.float32(1)
+    return np.float32(1) / totals
+
+
+def scattered_in_kernel_order(indptr, indices, coefficients, rows, grad, scales, num_src, self_loop=False):
+    """``out[indices[e]] += coefficient_e · scale_r · grad[i]`` for CSR row ``r = rows[i]``'s edges, rows in order,
+    edges in order, each row's own ``scale_r · grad[i]`` added to ``out[r]`` after them with ``self_loop``, in float32
+    numpy: the order the compiled scatters document."""
+    out = np.zeros((num_src, grad.shape[1]), np.float32)
+    for i, r in enumerate(rows):
+        scaled = grad[i] * scales[i]
+        for e in range(int(indptr[r]), int(indptr[r + 1])):
+            out[indices[e]] += coefficients[e] * scaled
+        if self_loop:
+            out[r] += scaled
+    return out
+
+
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-@pytest.mark.parametrize(("kernel", "width"), [(kernel, width) for kernel in SCATTERS for width in (64, 80, 192, 100)])
-def test_scatters_compiled_for_a_column_count_give_the_generic_kernel_s_bits(kernel, width, weighted):
-    """A scatter compiled for a column block of SPECIALISED_WIDTHS writes the same bits as the generic kernel, which
-    reads the count from the arrays: the same sums in the same order, only unrolled. The scatters are compiled for
-    their column block: the whole width (64, 80), three blocks of 64 columns (192), or a block of 64 and a last,
-    partial one of 36 that the compiled-for branch does not take (100, as on two threads)."""
-    by_width, make, arguments = SCATTERS[kernel]
-    assert {64, 80} <= aggregate.SPECIALISED_WIDTHS and not {100, 192} & aggregate.SPECIALISED_WIDTHS
-    block, values, h, g = block_arrays(width, weighted)
-    inputs = [a.numpy() if isinstance(a, torch.Tensor) else a for a in arguments(block, values, g)]
-    specialised, generic = np.zeros((block.num_src, width), np.float32), np.zeros((block.num_src, width), np.float32)
-    column_count = 64 if width in (100, 192) else width
-    assert by_width(column_count) is not by_width(0)
-    by_width(column_count)(*inputs, specialised, column_count)
-    make(0)(*inputs, generic, column_count)
-    assert np.any(specialised != 0)
-    assert np.array_equal(specialised.view(np.int32), generic.view(np.int32))
+@pytest.mark.parametrize(("width", "step"), [(3, 16), (16, 16), (47, 48), (47, 32), (64, 64), (100, 64), (192, 64)])
+def test_scatters_add_in_registers_with_the_bits_of_the_documented_order(width, step, weighted):
+    """The compiled scatters (the CSR product's transpose with row and column scales, and layer-wise rows with
+    SAGE-gcn's self loop) hold each dst row's scaled gradient in registers (betty_trainer.models.vectors), threads
+    taking blocks of ``step`` columns: their bits equal a numpy float32 sum in the order the kernels document, for
+    scalar columns only, whole vectors, vectors and scalar columns, and blocks of a partial last block."""
+    assert [aggregate._block_layout(w, s) for w, s in ((3, 16), (47, 32), (100, 64), (192, 64))] == [
+        (1, 3, 1, 0), (2, 15, 2, 0), (2, 36, 4, 2), (3, 64, 4, 4)]
+    block, (values, row_scale, col_scale), _, g = block_arrays(width, weighted)
+    indptr, indices = block.indptr.numpy(), block.indices.numpy()
+    edge_values = np.ones(block.num_edges, np.float32) if values is None else values
+
+    out = np.zeros((block.num_src, width), np.float32)
+    aggregate._scatter_kernel(indptr, indices, values, row_scale, col_scale, g, out, step)
+    expected = scattered_in_kernel_order(indptr, indices, edge_values, range(block.num_dst), g, row_scale,
+                                         block.num_src) * col_scale[:, None]
+    assert np.any(out != 0) and np.array_equal(out.view(np.int32), expected.view(np.int32))
+
+    begin, rows = 7, range(7, 27)
+    out = np.zeros((block.num_src, width), np.float32)
+    aggregate._rows_scatter_kernel(indptr, indices, values, begin, True, g[7:27].copy(), out, step)
+    expected = scattered_in_kernel_order(indptr, indices, edge_values, rows, g[7:27],
+                                         self_loop_scales(indptr, edge_values, rows),
+                                         block.num_src, self_loop=True)
+    assert np.array_equal(out.view(np.int32), expected.view(np.int32))
 
 
 def gathered_in_kernel_order(indptr, indices, coefficients, rows, h, scales) -> np.ndarray:
@@ -175,13 +201,7 @@ def test_gathers_sum_in_registers_with_the_bits_of_the_documented_order(width, w
     begin, rows = 7, range(7, 27)
     out = np.full((len(rows), width), np.nan, np.float32)
     aggregate._rows_gather_kernel(indptr, indices, values, begin, True, h, out)
-    totals = np.ones(len(rows), np.float32)  # the self loop's 1 after each row's weights, added one by one
-    for i, r in enumerate(rows):
-        total = np.float32(0)
-        for e in range(indptr[r], indptr[r + 1]):
-            total += edge_values[e]
-        totals[i] = total + np.float32(1)
-    scales = np.float32(1) / totals
+    scales = self_loop_scales(indptr, edge_values, rows)
     expected = gathered_in_kernel_order(indptr, indices, edge_values, rows, h, scales) + h[begin:27] * scales[:, None]
     assert np.array_equal(out.view(np.int32), expected.view(np.int32))
 

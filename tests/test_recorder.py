@@ -199,8 +199,9 @@ def test_a_model_recorded_under_no_grad_or_inference_mode_is_recorded_as_it_trai
     was refused: "element 0 of tensors does not require grad") or ``torch.inference_mode()``, a model of a width
     recorded nowhere else gets the estimate recorded outside them."""
     width = {torch.no_grad: 11, torch.inference_mode: 13}[mode]
+    model = ProjectedMeans(cora.num_features, width, cora.num_classes)  # a trainable model (not of inference tensors)
     with mode():
-        inside = record_model(ProjectedMeans(cora.num_features, width, cora.num_classes), cora, 2, adam)
+        inside = record_model(model, cora, 2, adam)
     layers = recording_sizes(2)[0]
     record_model.__globals__["_RECORDED"].clear()  # recorded again, outside
     outside = record_model(ProjectedMeans(cora.num_features, width, cora.num_classes), cora, 2, adam)

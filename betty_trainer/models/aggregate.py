@@ -20,7 +20,9 @@ from betty_trainer.models.vectors import (
     LANES,
     SOURCE_KEY,
     add_four_rows,
+    add_into_row,
     add_row,
+    load_vectors,
     prefetch,
     prefetch_for_write,
     store_vectors,
@@ -213,14 +215,6 @@ _sparse_product = tensor_operator(
     "Tensor(a!) out) -> ()", _sparse_csr_product)
 
 
-SPECIALISED_WIDTHS = frozenset(range(64, 129, 16))
-"""Column blocks the compiled scatters are compiled for as a constant (one compilation per count, cached on disk like
-the others), so that LLVM unrolls each row's columns into registers; any other block runs a kernel that reads its
-count from the arrays. The set was chosen when the gathers were compiled the same way (``benchmarks/README.md`` ›
-aggregation.py › Kernels compiled per column count, one thread, AMD EPYC znver3 with AVX2: the CSR gather 0.77–0.82×
-the generic kernel's time at 64 columns, 0.86× at 80, 0.97× at 96, 0.87–0.94× at 128, slower at 16–48); the scatter
-compiled for its 64-column block took 6.1 against 6.5 ms there."""
-
 VECTOR_TILE = 128
 """The columns of a row the compiled gathers sum at once in registers (:mod:`betty_trainer.models.vectors`): eight
 ``<16 x float>`` accumulators, eight AVX-512 registers (sixteen on AVX2) of the 32 (16); a wider row is summed one tile
@@ -246,14 +240,6 @@ at 47; in a stand-alone kernel 2 edges ahead gained less (0.92–0.98× at 256 a
 again."""
 
 
-def _by_width(make):
-    """``make(columns)`` → a compiled kernel for that many columns (0: read from the arrays). Returns
-    ``kernel(columns)``: the specialised kernel for a count of :data:`SPECIALISED_WIDTHS`, the generic one otherwise;
-    each compiled once per process, on first use."""
-    kernels = functools.cache(make)
-    return lambda columns: kernels(columns if columns in SPECIALISED_WIDTHS else 0)
-
-
 def _row_layout(width: int) -> tuple[int, int, int]:
     """How the compiled gathers sum a row of ``width`` columns: ``(tiles, vectors, tail)``, ``tiles`` whole tiles of
     :data:`VECTOR_TILE` columns, then a tile of ``vectors`` (0–7) vectors of :data:`LANES` columns, both in registers,
@@ -262,14 +248,22 @@ def _row_layout(width: int) -> tuple[int, int, int]:
     return tiles, rest // LANES, width - rest % LANES
 
 
-def _make_gather_kernel(width: int):
-    tiles, vectors_left, tail = _row_layout(width)
-    prefetch, vectors_source = width >= PREFETCH_MIN_COLUMNS, SOURCE_KEY
+def _gather_key(width: int) -> tuple[int, bool]:
+    """What a compiled gather over rows of ``width`` columns is compiled for: the vectors of its last, partial tile
+    (:func:`_row_layout`; the stack array's size, a constant) and whether it prefetches
+    (:data:`PREFETCH_MIN_COLUMNS`); the width itself is read from the arrays, so at most 16 gathers are compiled."""
+    return _row_layout(width)[1], width >= PREFETCH_MIN_COLUMNS
+
+
+def _make_gather_kernel(vectors_left: int, prefetch: bool):
+    vectors_source = SOURCE_KEY
 
     @jit(parallel=True)
     def gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out):  # pragma: no cover - compiled
         if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
             return
+        width = dense.shape[1]
+        tiles, tail = width // VECTOR_TILE, width - width % LANES
         flat, out_flat = dense.reshape(-1), out.reshape(-1)  # the rows as one array: the vectors' addresses
         for row in numba.prange(indptr.shape[0] - 1):
             scale = np.float32(1.0)
@@ -302,13 +296,13 @@ def _check_arrays(dense: np.ndarray, out: np.ndarray, **factors: np.ndarray | No
 
 def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out) -> None:
     """``out = diag(row_scale)·M·diag(col_scale)·dense`` (numpy arrays, ``dense`` and ``out`` C-contiguous;
-    :func:`_csr_matmul`), by the kernel compiled for ``dense``'s column count.
+    :func:`_csr_matmul`), by the kernel compiled for ``dense``'s column count's :func:`_gather_key`.
 
     Raises:
         ValueError: an array is not float32, or ``dense`` or ``out`` not C-contiguous (:func:`_check_arrays`).
     """
     _check_arrays(dense, out, values=values, row_scale=row_scale, col_scale=col_scale)
-    _gather_kernels(dense.shape[1])(indptr, indices, values, row_scale, col_scale, dense, out)
+    _gather_kernels(*_gather_key(dense.shape[1]))(indptr, indices, values, row_scale, col_scale, dense, out)
 
 
 _csr_gather = kernel_operator(
@@ -413,9 +407,10 @@ def _coefficient(values, col_scale, indices, edge):  # pragma: no cover - compil
 SCATTER_MAX_WIDTH = 128
 """The widest gradient the compiled backward scatters along the block's own CSR (:func:`_scatter_kernel`) where the
 block keeps no transpose; a wider one is gathered on ``Aᵀ``'s CSR, built for the call. Measured one thread each
-(``benchmarks/aggregation.py``): at width 64 the scatter takes 0.8× the transpose and gather on Amazon Computers and
-the same on a 30k-node SBM; at 256, 1.0–1.3× (the scatter's read-modify-write of every edge's src row costs more
-than a transpose then). A gather on a kept transpose beats both (``benchmarks/README.md`` › aggregation.py)."""
+(``benchmarks/aggregation.py``, both kernels in scalar code then): at width 64 the scatter takes 0.8× the transpose and
+gather on Amazon Computers and the same on a 30k-node SBM; at 256, 1.0–1.3× (the scatter's read-modify-write of every
+edge's src row costs more than a transpose then). A gather on a kept transpose beats both (``benchmarks/README.md`` ›
+aggregation.py). Building nothing, the scatter also keeps the step's memory at the block's own."""
 
 SCATTER_PREFETCH_EDGES = 8
 """How many edges ahead the compiled scatter asks the CPU to fetch the src rows of the gradient it will add into (the
@@ -437,27 +432,62 @@ def _column_step(width: int) -> int:
     return max(SCATTER_COLUMNS, -(-share // SCATTER_COLUMNS) * SCATTER_COLUMNS)
 
 
-def _make_scatter_kernel(columns: int):
+def _block_layout(width: int, step: int) -> tuple[int, int, int, int]:
+    """How the compiled scatters share ``width`` columns among threads: ``(blocks, last, vectors, last_vectors)``,
+    ``blocks`` column blocks of ``step`` columns but the last, of ``last``; each block's first ``vectors`` (the last
+    block's ``last_vectors``) vectors of :data:`LANES` columns held in registers, the rest (fewer than 16) by the
+    scalar loop."""
+    blocks = -(-width // step)
+    last = width - (blocks - 1) * step
+    return blocks, last, step // LANES, last // LANES
+
+
+def _make_scatter_kernel(step_vectors: int, last_vectors: int):
+    vectors_source = SOURCE_KEY
+
     @jit(parallel=True)
     def scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step):  # pragma: no cover
-        width = grad.shape[1]
-        for block in numba.prange(-(-width // step)):
-            first = block * step
-            if columns and first + columns <= width:  # a whole block of the compiled-for columns
-                _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, columns)
+        if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
+            return
+        blocks = -(-grad.shape[1] // step)
+        last = grad.shape[1] - (blocks - 1) * step
+        for block in numba.prange(blocks):  # each vector count a constant of its call (the stack array's size)
+            if block < blocks - 1:
+                _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, block * step, step,
+                                 step_vectors)
             else:
-                _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first,
-                                 min(width, first + step) - first)
+                _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, block * step, last,
+                                 last_vectors)
     return scatter_kernel
 
 
-_scatter_kernels = _by_width(_make_scatter_kernel)
+_scatter_kernels = functools.cache(_make_scatter_kernel)
+
+
+def _check_scatter_arrays(grad: np.ndarray, out: np.ndarray, **factors: np.ndarray | None) -> None:
+    """:func:`_check_arrays` for a scatter (``grad`` read, ``out`` added into), and ``out`` as wide as ``grad``.
+
+    Raises:
+        ValueError: as :func:`_check_arrays`; ``out`` of another width.
+    """
+    _check_arrays(grad, out, **factors)
+    if out.ndim != 2 or out.shape[1] != grad.shape[1]:
+        raise ValueError(f"the compiled scatters add rows of {grad.shape[1]} columns into rows as wide, not "
+                         f"{out.shape[1:]}")
 
 
 def _scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step) -> None:
-    """``out += diag(col_scale)·Mᵀ·diag(row_scale)·grad`` (numpy arrays; :func:`_transposed_matmul`), threads taking
-    blocks of ``step`` columns, by the kernel compiled for ``step`` columns where one is (:data:`SPECIALISED_WIDTHS`)."""
-    _scatter_kernels(step)(indptr, indices, values, row_scale, col_scale, grad, out, step)
+    """``out += diag(col_scale)·Mᵀ·diag(row_scale)·grad`` (numpy arrays, ``grad`` and ``out`` C-contiguous;
+    :func:`_transposed_matmul`), threads taking blocks of ``step`` columns, by the kernel compiled for the blocks' vector
+    counts (:func:`_block_layout`).
+
+    Raises:
+        ValueError: an array is not float32 or not C-contiguous, or ``out`` of another width
+            (:func:`_check_scatter_arrays`).
+    """
+    _check_scatter_arrays(grad, out, values=values, row_scale=row_scale, col_scale=col_scale)
+    _scatter_kernels(*_block_layout(grad.shape[1], step)[2:])(indptr, indices, values, row_scale, col_scale, grad,
+                                                            out, step)
 
 
 _csr_scatter = kernel_operator(
@@ -466,28 +496,45 @@ _csr_scatter = kernel_operator(
 
 
 @jit(inline="always")
-def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, count):  # pragma: no cover
+def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, first, count,
+                     vector_count):  # pragma: no cover - compiled
     """Columns ``[first, first + count)`` of :func:`_scatter_kernel`: every dst row's (scaled) gradient added to its
-    edges' src rows (``out``, zeros), in edge order, then the src rows scaled."""
-    last = first + count
-    scaled = np.empty(count, dtype=grad.dtype)
-    flat = out.reshape(-1)  # the rows as one array, for the prefetch's addresses
+    edges' src rows (``out``, zeros), in edge order, then the src rows scaled; the first ``vector_count`` vectors of
+    the block in registers (:func:`_add_along_row`), the rest by the scalar loop (:func:`_scatter_row`)."""
+    width, last = out.shape[1], first + count
+    tail = first + vector_count * LANES
+    acc, scaled = vectors(vector_count), np.empty(last - tail, dtype=grad.dtype)
+    flat, grad_flat = out.reshape(-1), grad.reshape(-1)  # the rows as one array: the vectors' addresses
     for d in range(indptr.shape[0] - 1):
-        row = grad[d, first:last]
-        if row_scale is None:
-            for f in range(count):
-                scaled[f] = row[f]
-        else:
+        scale = np.float32(1.0)
+        if row_scale is not None:
             scale = row_scale[d]
-            for f in range(count):
-                scaled[f] = row[f] * scale
-        _scatter_row(indptr, indices, values, d, scaled, out, flat, first, count)
+        if vector_count:
+            load_vectors(vector_count, acc, grad_flat, d * width + first, scale)
+            _add_along_row(indptr, indices, values, d, acc, flat, width, first, vector_count)
+        if tail < last:
+            for f in range(last - tail):
+                scaled[f] = grad[d, tail + f] * scale
+            _scatter_row(indptr, indices, values, d, scaled, out, flat, tail, last - tail)
     if col_scale is not None:
         for s in range(out.shape[0]):
             target = out[s, first:last]
             scale = col_scale[s]
             for f in range(count):
                 target[f] *= scale
+
+
+@jit(inline="always")
+def _add_along_row(indptr, indices, values, d, acc, flat, width, first, count):  # pragma: no cover - compiled
+    """``out[indices[e], first : first + 16·count] += value_e · acc`` along CSR row ``d``'s edges, in edge order
+    (``flat``: ``out`` as one array; ``acc``: the row's scaled gradient in ``count`` registers), asking for the rows
+    :data:`SCATTER_PREFETCH_EDGES` edges ahead, four at a time."""
+    e, end = indptr[d], indptr[d + 1]
+    while e < end:
+        if (e - indptr[d]) % 4 == 0:
+            _prefetch_rows(indices, e + SCATTER_PREFETCH_EDGES, flat, width, first, count * LANES >= 64)
+        add_into_row(count, acc, flat, np.int64(indices[e]) * width + first, _coefficient(values, None, indices, e))
+        e += 1
 
 
 @jit(inline="always")
@@ -587,14 +634,15 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
     return np.float32(1.0) / total if total != 0 else np.float32(0.0)
 
 
-def _make_rows_gather_kernel(width: int):
-    tiles, vectors_left, tail = _row_layout(width)
-    prefetch, vectors_source = width >= PREFETCH_MIN_COLUMNS, SOURCE_KEY
+def _make_rows_gather_kernel(vectors_left: int, prefetch: bool):
+    vectors_source = SOURCE_KEY
 
     @jit(parallel=True)
     def rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out):  # pragma: no cover - compiled
         if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
             return
+        width = dense.shape[1]
+        tiles, tail = width // VECTOR_TILE, width - width % LANES
         flat, out_flat = dense.reshape(-1), out.reshape(-1)  # the rows as one array: the vectors' addresses
         for i in numba.prange(out.shape[0]):
             row = begin + i
@@ -613,13 +661,13 @@ _rows_gather_kernels = functools.cache(_make_rows_gather_kernel)
 
 def _rows_gather_kernel(indptr, indices, values, begin, self_loop, dense, out) -> None:
     """:func:`aggregate_rows` on numpy arrays (``dense`` and ``out`` C-contiguous), by the kernel compiled for
-    ``dense``'s column count.
+    ``dense``'s column count's :func:`_gather_key`.
 
     Raises:
         ValueError: an array is not float32, or ``dense`` or ``out`` not C-contiguous (:func:`_check_arrays`).
     """
     _check_arrays(dense, out, values=values)
-    _rows_gather_kernels(dense.shape[1])(indptr, indices, values, begin, self_loop, dense, out)
+    _rows_gather_kernels(*_gather_key(dense.shape[1]))(indptr, indices, values, begin, self_loop, dense, out)
 
 
 _rows_gather = kernel_operator(
@@ -627,44 +675,65 @@ _rows_gather = kernel_operator(
     "Tensor(a!) out) -> ()", _rows_gather_kernel)
 
 
-def _make_rows_scatter_kernel(columns: int):
+def _make_rows_scatter_kernel(step_vectors: int, last_vectors: int):
+    vectors_source = SOURCE_KEY
+
     @jit(parallel=True)
     def rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step):  # pragma: no cover
-        width = grad.shape[1]
-        for block in numba.prange(-(-width // step)):
-            first = block * step
-            if columns and first + columns <= width:  # a whole block of the compiled-for columns
-                _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, first, columns)
+        if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
+            return
+        blocks = -(-grad.shape[1] // step)
+        last = grad.shape[1] - (blocks - 1) * step
+        for block in numba.prange(blocks):
+            if block < blocks - 1:
+                _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, block * step, step,
+                                      step_vectors)
             else:
-                _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, first,
-                                      min(width, first + step) - first)
+                _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, block * step, last,
+                                      last_vectors)
     return rows_scatter_kernel
 
 
-_rows_scatter_kernels = _by_width(_make_rows_scatter_kernel)
+_rows_scatter_kernels = functools.cache(_make_rows_scatter_kernel)
 
 
 def _rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step) -> None:
-    """:func:`aggregate_rows_transpose_` on numpy arrays, threads taking blocks of ``step`` columns, by the kernel
-    compiled for ``step`` columns where one is."""
-    _rows_scatter_kernels(step)(indptr, indices, values, begin, self_loop, grad, out, step)
+    """:func:`aggregate_rows_transpose_` on numpy arrays (``grad`` and ``out`` C-contiguous), threads taking blocks of
+    ``step`` columns, by the kernel compiled for the blocks' vector counts (:func:`_block_layout`).
+
+    Raises:
+        ValueError: as :func:`_check_scatter_arrays`.
+    """
+    _check_scatter_arrays(grad, out, values=values)
+    _rows_scatter_kernels(*_block_layout(grad.shape[1], step)[2:])(indptr, indices, values, begin, self_loop,
+                                                                 grad, out, step)
 
 
 @jit(inline="always")
-def _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, first, count):  # pragma: no cover
-    """Columns ``[first, first + count)`` of :func:`_rows_scatter_kernel`."""
-    scaled = np.empty(count, dtype=grad.dtype)
-    flat = out.reshape(-1)  # the rows as one array, for the prefetch's addresses
+def _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, first, count,
+                          vector_count):  # pragma: no cover - compiled
+    """Columns ``[first, first + count)`` of :func:`_rows_scatter_kernel`, the first ``vector_count`` vectors in
+    registers (as :func:`_scatter_columns`)."""
+    width, last = out.shape[1], first + count
+    tail = first + vector_count * LANES
+    acc, scaled = vectors(vector_count), np.empty(last - tail, dtype=grad.dtype)
+    flat, grad_flat = out.reshape(-1), grad.reshape(-1)  # the rows as one array: the vectors' addresses
     for i in range(grad.shape[0]):
         row = begin + i
         scale = _rows_scale(indptr, values, row, self_loop)
-        for f in range(count):
-            scaled[f] = grad[i, first + f] * scale
-        _scatter_row(indptr, indices, values, row, scaled, out, flat, first, count)
-        if self_loop:
-            own = out[row, first:first + count]
-            for f in range(count):
-                own[f] += scaled[f]
+        if vector_count:
+            load_vectors(vector_count, acc, grad_flat, i * width + first, scale)
+            _add_along_row(indptr, indices, values, row, acc, flat, width, first, vector_count)
+            if self_loop:
+                add_into_row(vector_count, acc, flat, row * width + first, np.float32(1.0))
+        if tail < last:
+            for f in range(last - tail):
+                scaled[f] = grad[i, tail + f] * scale
+            _scatter_row(indptr, indices, values, row, scaled, out, flat, tail, last - tail)
+            if self_loop:
+                own = out[row, tail:last]
+                for f in range(last - tail):
+                    own[f] += scaled[f]
 
 
 _rows_scatter = kernel_operator(

@@ -43,6 +43,12 @@ if numba is None:  # pragma: no cover - numba is a declared dependency
     def store_vectors(count, acc, out, base, scale):
         out[base:base + count * LANES] = acc[:count * LANES] * scale
 
+    def load_vectors(count, acc, rows, base, scale):
+        acc[:count * LANES] = rows[base:base + count * LANES] * scale
+
+    def add_into_row(count, acc, out, base, c0):
+        out[base:base + count * LANES] += c0 * acc[:count * LANES]
+
     def prefetch(array, index):
         """Nothing: a hint only the compiled kernels give."""
 
@@ -150,6 +156,13 @@ else:
     store_vectors = _one_row_intrinsic(
         lambda builder, slot, row, factor: builder.store(builder.fmul(builder.load(slot), factor), row, align=4),
         "``store_vectors(count, acc, out, base, scale)``: ``out[base : base + 16·count] = acc · scale``.")
+    load_vectors = _one_row_intrinsic(
+        lambda builder, slot, row, factor: builder.store(builder.fmul(builder.load(row, align=4), factor), slot),
+        "``load_vectors(count, acc, rows, base, scale)``: ``acc = rows[base : base + 16·count] · scale``.")
+    add_into_row = _one_row_intrinsic(
+        lambda builder, slot, row, factor: builder.store(
+            builder.fadd(builder.load(row, align=4), builder.fmul(factor, builder.load(slot))), row, align=4),
+        "``add_into_row(count, acc, out, base, c0)``: ``out[base : base + 16·count] += c0·acc``.")
 
     def _prefetch_intrinsic(write: int):
         """``llvm.prefetch`` of ``array``'s element ``index`` (C-contiguous), for a read (``write`` 0) or a write (1),
