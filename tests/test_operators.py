@@ -129,14 +129,16 @@ def scattered_in_kernel_order(indptr, indices, coefficients, rows, grad, scales,
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-@pytest.mark.parametrize(("width", "step"), [(3, 16), (16, 16), (47, 48), (47, 32), (64, 64), (100, 64), (192, 64)])
+@pytest.mark.parametrize(("width", "step"), [(3, 16), (16, 16), (47, 48), (47, 32), (45, 24), (64, 64), (100, 64),
+                                            (192, 64)])
 def test_scatters_add_in_registers_with_the_bits_of_the_documented_order(width, step, weighted):
     """The compiled scatters (the CSR product's transpose with row and column scales, and layer-wise rows with
     SAGE-gcn's self loop) hold each dst row's scaled gradient in registers (betty_trainer.models.vectors), threads
     taking blocks of ``step`` columns: their bits equal a numpy float32 sum in the order the kernels document, for
-    scalar columns only, whole vectors, vectors and scalar columns, and blocks of a partial last block."""
+    scalar columns only, whole vectors, vectors and scalar columns, blocks of a partial last block, a step of no
+    whole vectors' width (24), and widths that share a compiled kernel (47 and 45 at steps 32 and 24)."""
     assert [aggregate._block_layout(w, s) for w, s in ((3, 16), (47, 32), (100, 64), (192, 64))] == [
-        (1, 3, 1, 0), (2, 15, 2, 0), (2, 36, 4, 2), (3, 64, 4, 4)]
+        (1, 3, 0, 0), (2, 15, 2, 0), (2, 36, 4, 2), (3, 64, 4, 4)]
     block, (values, row_scale, col_scale), _, g = block_arrays(width, weighted)
     indptr, indices = block.indptr.numpy(), block.indices.numpy()
     edge_values = np.ones(block.num_edges, np.float32) if values is None else values

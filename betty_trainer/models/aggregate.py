@@ -278,8 +278,9 @@ _gather_kernels = functools.cache(_make_gather_kernel)
 
 
 def _check_arrays(dense: np.ndarray, out: np.ndarray, **factors: np.ndarray | None) -> None:
-    """What the compiled gathers address as raw float32 vectors (:mod:`betty_trainer.models.vectors`): ``dense`` and
-    ``out`` C-contiguous float32 (``out`` writable), every given factor array (by name) float32.
+    """What the compiled gathers (and scatters: ``dense`` their gradient) address as raw float32 vectors
+    (:mod:`betty_trainer.models.vectors`): ``dense`` and ``out`` C-contiguous float32 (``out`` writable), every given
+    factor array (by name) float32.
 
     Raises:
         ValueError: any of these does not hold (the vectors would read the bytes as float32 rows all the same).
@@ -287,11 +288,11 @@ def _check_arrays(dense: np.ndarray, out: np.ndarray, **factors: np.ndarray | No
     arrays = {"dense": dense, "out": out} | {name: a for name, a in factors.items() if a is not None}
     wrong = [name for name, a in arrays.items() if a.dtype != np.float32]
     if wrong:
-        raise ValueError(f"the compiled gathers sum float32 arrays; {', '.join(wrong)} "
+        raise ValueError(f"the compiled aggregation kernels take float32 arrays; {', '.join(wrong)} "
                          f"{'is' if len(wrong) == 1 else 'are'} not")
     if not (dense.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("the compiled gathers read a C-contiguous dense and write a C-contiguous, writable out (their "
-                         "rows addressed as one array)")
+        raise ValueError("the compiled aggregation kernels read C-contiguous rows and write a C-contiguous, writable "
+                         "out (their rows addressed as one array)")
 
 
 def _gather_kernel(indptr, indices, values, row_scale, col_scale, dense, out) -> None:
@@ -419,7 +420,9 @@ Measured (``benchmarks/README.md`` › aggregation.py, a scatter of whole rows, 
 interleaved): 0.80–0.88× the time at 64 and 128 columns on the 30k-node SBM and Amazon Computers, 0.86–0.94× at 16
 and 32 columns on the SBM and 0.87–1.04× on Amazon Computers; 4 edges ahead gained less at 32 and 128 columns. Blocks
 of 64 columns or more are asked for to be written (the rows are added into): 0.91–0.94× the read hint's time at 64
-columns, 0.97–1.00× at 128; at 32 columns the write hint took 1.01–1.07×, so narrower blocks keep the read hint."""
+columns, 0.97–1.00× at 128; at 32 columns the write hint took 1.01–1.07×, so narrower blocks keep the read hint (the
+vectors of a block count; its scalar columns, fewer than 16, keep the read hint). Measured on the scalar kernel, before
+the row was held in registers."""
 
 SCATTER_COLUMNS = 16
 """The narrowest column block a thread of the compiled backward scatters (64 bytes of float32: a cache line)."""
@@ -436,10 +439,10 @@ def _block_layout(width: int, step: int) -> tuple[int, int, int, int]:
     """How the compiled scatters share ``width`` columns among threads: ``(blocks, last, vectors, last_vectors)``,
     ``blocks`` column blocks of ``step`` columns but the last, of ``last``; each block's first ``vectors`` (the last
     block's ``last_vectors``) vectors of :data:`LANES` columns held in registers, the rest (fewer than 16) by the
-    scalar loop."""
+    scalar loop. With one block ``vectors`` is ``last_vectors`` (no full block runs), so that widths share kernels."""
     blocks = -(-width // step)
     last = width - (blocks - 1) * step
-    return blocks, last, step // LANES, last // LANES
+    return blocks, last, step // LANES if blocks > 1 else last // LANES, last // LANES
 
 
 def _make_scatter_kernel(step_vectors: int, last_vectors: int):

@@ -5,7 +5,8 @@ numba compiles a row's sum ``acc[f] += x[f]`` over an output row in memory, whic
 across a row's edges (the output may alias the rows read), so every pass over the edges loads and stores the sum.
 The accumulator here is a stack array of ``<16 x float>`` vectors that nothing else can address: LLVM promotes it to
 registers for the whole row, as a hand-written SpMM keeps its accumulators (libxsmm's, in DGL's CPU ``copy_u_sum``).
-Each lane adds the same products in the same order as the scalar loop, so the bits do not change.
+Each lane adds the same products in the same order as the scalar loop, so the bits do not change. The scatters hold
+a dst row's scaled gradient the same way while they add it into each of its edges' src rows.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ else:
 
     @intrinsic(prefer_literal=True)
     def vectors(typing_context, count):
-        """A stack array of ``count`` ``<16 x float>`` vectors (its values undefined until :func:`zero_vectors`),
+        """A stack array of ``count`` ``<16 x float>`` vectors (its values undefined until :func:`zero_vectors` or
+        :func:`load_vectors`),
         allocated once in the calling function's entry block: a thread's accumulator for one row tile, reused for
         every row it sums."""
         n = _count(count)
