@@ -113,6 +113,14 @@ def k_to_fit(k: int, peak: float, resident: float, budget: float) -> int:
     return math.ceil(k * (peak - resident) / (budget - resident))
 
 
+def _timed(stage_seconds: dict[str, float], stage: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its wall seconds added to ``stage_seconds[stage]`` (a :class:`Split`'s ``stage_seconds``)."""
+    started = time.perf_counter()
+    result = fn(*args)
+    stage_seconds[stage] = stage_seconds.get(stage, 0.0) + time.perf_counter() - started
+    return result
+
+
 def make_split(
     blocks: Sequence[BlockStructure],
     estimate: Estimate | None = None,
@@ -198,11 +206,7 @@ def make_split(
 
     stage_seconds = {"weights": 0.0, "partition": 0.0, "counting": 0.0, "estimate": 0.0}
 
-    def timed(stage: str, fn: Callable[..., Any], *args: Any) -> Any:
-        started = time.perf_counter()
-        result = fn(*args)
-        stage_seconds[stage] += time.perf_counter() - started
-        return result
+    timed = functools.partial(_timed, stage_seconds)
 
     def split(parts: int) -> tuple[list[Tensor], list[list[SliceSize]], list[int]]:
         if parts == 1:  # the whole batch: no partitioning, no slicing; its estimate is the full batch's
@@ -283,11 +287,7 @@ def refine_split(blocks: Sequence[BlockStructure], split: Split, estimate: Estim
         raise ValueError("refining a split needs its micro-batches' estimates")
     stage_seconds = dict(split.stage_seconds)
 
-    def timed(stage: str, fn: Callable[..., Any], *args: Any) -> Any:
-        stage_started = time.perf_counter()
-        result = fn(*args)
-        stage_seconds[stage] = stage_seconds.get(stage, 0.0) + time.perf_counter() - stage_started
-        return result
+    timed = functools.partial(_timed, stage_seconds)
 
     groups: list[Tensor] = []
     sizes: list[list[SliceSize]] = []
