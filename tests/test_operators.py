@@ -179,7 +179,8 @@ def gathered_in_kernel_order(indptr, indices, coefficients, rows, h, scales) -> 
 
 LAYOUT_WIDTHS = (3, 16, 47, 128, 256, 300)
 """Row widths of every part of the gathers' layout: scalar columns only, one vector, two vectors and 15 scalar
-columns (prefetched from 33 columns), one tile, two tiles, and two tiles, two vectors and 12 scalar columns."""
+columns (prefetched from 33 columns), one tile, two tiles, and two tiles, two vectors and 12 scalar columns (their tiles
+asked for into L2 from 65 columns)."""
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])

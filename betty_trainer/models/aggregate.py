@@ -25,6 +25,7 @@ from betty_trainer.models.vectors import (
     load_vectors,
     prefetch,
     prefetch_for_write,
+    prefetch_to_l2,
     store_vectors,
     vectors,
     zero_vectors,
@@ -239,6 +240,21 @@ Computers): 0.92× and 0.90× the time at 64 columns, 0.88× and 0.87× at 128, 
 at 47; in a stand-alone kernel 2 edges ahead gained less (0.92–0.98× at 256 and 64 columns) and 8 or 16 less
 again."""
 
+FAR_PREFETCH_EDGES = 16
+"""How many edges ahead the compiled gather also asks for every cache line of the src rows' tile into L2 (a hint of
+low temporal locality, :func:`~betty_trainer.models.vectors.prefetch_to_l2`), on rows of
+:data:`FAR_PREFETCH_MIN_COLUMNS` columns or more, so that more rows are on their way from memory at once than the
+L1's miss buffers hold. Measured (``benchmarks/README.md`` › aggregation.py › Tiles asked for into L2, the raw
+unweighted CSR gather, one thread, interleaved in one process, against the gather with :data:`PREFETCH_EDGES` alone):
+0.81–0.84× the time at 128 and 256 columns on the 30k-node SBM, 0.88–0.93× on Amazon Computers; 12, 24 or 32 edges
+ahead, or the hint of locality 2 (``prefetcht1``), gained about as much, and the hint that bypasses the caches
+(``prefetchnta``) lost (1.03–1.29×)."""
+
+FAR_PREFETCH_MIN_COLUMNS = 65
+"""The narrowest rows the compiled gathers ask for into L2 (:data:`FAR_PREFETCH_EDGES`): wider than four cache lines.
+At 64 columns the hint took 0.91–0.99× the time on the 30k-node SBM but 1.05–1.16× on Amazon Computers, whose
+neighbourhoods' rows are mostly in the caches already; at 16 and 32 columns it took 1.3–2.1×."""
+
 
 def _row_layout(width: int) -> tuple[int, int, int]:
     """How the compiled gathers sum a row of ``width`` columns: ``(tiles, vectors, tail)``, ``tiles`` whole tiles of
@@ -248,14 +264,15 @@ def _row_layout(width: int) -> tuple[int, int, int]:
     return tiles, rest // LANES, width - rest % LANES
 
 
-def _gather_key(width: int) -> tuple[int, bool]:
+def _gather_key(width: int) -> tuple[int, bool, bool]:
     """What a compiled gather over rows of ``width`` columns is compiled for: the vectors of its last, partial tile
-    (:func:`_row_layout`; the stack array's size, a constant) and whether it prefetches
-    (:data:`PREFETCH_MIN_COLUMNS`); the width itself is read from the arrays, so at most 16 gathers are compiled."""
-    return _row_layout(width)[1], width >= PREFETCH_MIN_COLUMNS
+    (:func:`_row_layout`; the stack array's size, a constant), whether it prefetches (:data:`PREFETCH_MIN_COLUMNS`)
+    and whether it also asks for the tiles into L2 (:data:`FAR_PREFETCH_MIN_COLUMNS`); the width itself is read from
+    the arrays, so at most 17 gathers are compiled."""
+    return _row_layout(width)[1], width >= PREFETCH_MIN_COLUMNS, width >= FAR_PREFETCH_MIN_COLUMNS
 
 
-def _make_gather_kernel(vectors_left: int, prefetch: bool):
+def _make_gather_kernel(vectors_left: int, prefetch: bool, far: bool):
     vectors_source = SOURCE_KEY
 
     @jit(parallel=True)
@@ -270,7 +287,7 @@ def _make_gather_kernel(vectors_left: int, prefetch: bool):
             if row_scale is not None:
                 scale = row_scale[row]
             _scaled_row_sum(indptr, indices, values, col_scale, dense, flat, row, out_flat, row * width, scale, width,
-                            tiles, vectors_left, tail, prefetch)
+                            tiles, vectors_left, tail, prefetch, far)
     return gather_kernel
 
 
@@ -329,20 +346,33 @@ def _prefetch_rows(indices, edge, flat, width, first, write=False):  # pragma: n
 
 
 @jit(inline="always")
+def _prefetch_tiles(indices, edge, flat, width, first, count):  # pragma: no cover - compiled
+    """Ask the CPU to bring into L2 (:func:`~betty_trainer.models.vectors.prefetch_to_l2`) the ``count`` cache lines
+    (vectors of :data:`LANES` columns) from column ``first`` of the rows ``indices[edge … edge + 3]`` (those that
+    exist) of a C-contiguous matrix of ``width`` columns flattened to ``flat``: a hint, as :func:`_prefetch_rows`."""
+    for q in range(4):
+        if edge + q < indices.shape[0]:
+            base = indices[edge + q] * width + first
+            for line in range(count):
+                prefetch_to_l2(flat, base + line * LANES)
+
+
+@jit(inline="always")
 def _scaled_row_sum(indptr, indices, values, col_scale, dense, flat, row, out, base, scale, width, tiles, vectors_left,
-                    tail, prefetch):  # pragma: no cover - compiled
+                    tail, prefetch, far):  # pragma: no cover - compiled
     """``out[base + f] = scale · Σ_{e in row} coefficient_e · dense[indices[e], f]`` for ``f < width`` over CSR row
     ``row`` (``flat``, ``out``: ``dense`` and the output as one array each), in edge order, four edges at a time:
-    the row's tiles in registers (:func:`_tile_sum`, by :func:`_row_layout`'s ``tiles, vectors_left, tail``,
-    constants of the kernel), its last ``width − tail`` columns by the scalar loop (:func:`_columns_sum`)."""
+    the row's tiles in registers (:func:`_tile_sum`, by :func:`_row_layout`'s ``tiles, vectors_left, tail``, and
+    the prefetch flags, constants of the kernel), its last ``width − tail`` columns by the scalar loop
+    (:func:`_columns_sum`)."""
     acc = vectors(TILE_VECTORS)
     for tile in range(tiles):
         first = tile * VECTOR_TILE
-        _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, TILE_VECTORS, prefetch)
+        _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, TILE_VECTORS, prefetch, far)
         store_vectors(TILE_VECTORS, acc, out, base + first, scale)
     if vectors_left:
         first = tiles * VECTOR_TILE
-        _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, vectors_left, prefetch)
+        _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, vectors_left, prefetch, far)
         store_vectors(vectors_left, acc, out, base + first, scale)
     if tail < width:
         out_row = out[base:base + width]
@@ -352,15 +382,18 @@ def _scaled_row_sum(indptr, indices, values, col_scale, dense, flat, row, out, b
 
 
 @jit(inline="always")
-def _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, count, prefetch):  # pragma: no cover
+def _tile_sum(indptr, indices, values, col_scale, flat, width, row, acc, first, count, prefetch,
+              far):  # pragma: no cover - compiled
     """``acc = Σ_{e in row} coefficient_e · dense[indices[e], first : first + 16·count]`` in registers (``count``
     vectors of :data:`LANES`, a constant), four edges a pass, asking for the src rows :data:`PREFETCH_EDGES` edges
-    ahead with ``prefetch``."""
+    ahead with ``prefetch``, and with ``far`` for their tiles into L2 :data:`FAR_PREFETCH_EDGES` edges ahead."""
     zero_vectors(count, acc)
     e, end = indptr[row], indptr[row + 1]
     while e + 3 < end:
         if prefetch:
             _prefetch_rows(indices, e + PREFETCH_EDGES, flat, width, first)
+        if far:
+            _prefetch_tiles(indices, e + FAR_PREFETCH_EDGES, flat, width, first, count)
         add_four_rows(count, acc, flat, np.int64(indices[e]) * width + first,
                       np.int64(indices[e + 1]) * width + first, np.int64(indices[e + 2]) * width + first,
                       np.int64(indices[e + 3]) * width + first, _coefficient(values, col_scale, indices, e),
@@ -423,6 +456,18 @@ of 64 columns or more are asked for to be written (the rows are added into): 0.9
 columns, 0.97–1.00× at 128; at 32 columns the write hint took 1.01–1.07×, so narrower blocks keep the read hint (the
 vectors of a block count; its scalar columns, fewer than 16, keep the read hint). Measured on the scalar kernel, before
 the row was held in registers."""
+
+SCATTER_FAR_PREFETCH_EDGES = 32
+"""How many edges ahead the compiled scatter also asks for every cache line of the src rows' column block into L2
+(:func:`_prefetch_tiles`, as the gather's :data:`FAR_PREFETCH_EDGES`), for blocks of :data:`SCATTER_FAR_MIN_COLUMNS`
+columns or more. Measured (``benchmarks/README.md`` › aggregation.py › Tiles asked for into L2, a scatter of whole rows,
+one thread, interleaved in one process, against the scatter with :data:`SCATTER_PREFETCH_EDGES` alone): 0.57–0.78×
+the time at 64 and 128 columns on the 30k-node SBM, 0.83–0.89× at 128 on Amazon Computers and 0.86–1.08× at 64; 24
+edges ahead gained less, 48 and 64 as much."""
+
+SCATTER_FAR_MIN_COLUMNS = 64
+"""The narrowest column block the compiled scatter asks for into L2 (:data:`SCATTER_FAR_PREFETCH_EDGES`): four cache
+lines; at 16 and 32 columns the hint took 1.07–1.7× the time."""
 
 SCATTER_COLUMNS = 16
 """The narrowest column block a thread of the compiled backward scatters (64 bytes of float32: a cache line)."""
@@ -531,11 +576,14 @@ def _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, f
 def _add_along_row(indptr, indices, values, d, acc, flat, width, first, count):  # pragma: no cover - compiled
     """``out[indices[e], first : first + 16·count] += value_e · acc`` along CSR row ``d``'s edges, in edge order
     (``flat``: ``out`` as one array; ``acc``: the row's scaled gradient in ``count`` registers), asking for the rows
-    :data:`SCATTER_PREFETCH_EDGES` edges ahead, four at a time."""
+    :data:`SCATTER_PREFETCH_EDGES` edges ahead, four at a time, and from :data:`SCATTER_FAR_MIN_COLUMNS` columns for
+    their blocks into L2 :data:`SCATTER_FAR_PREFETCH_EDGES` edges ahead."""
     e, end = indptr[d], indptr[d + 1]
     while e < end:
         if (e - indptr[d]) % 4 == 0:
             _prefetch_rows(indices, e + SCATTER_PREFETCH_EDGES, flat, width, first, count * LANES >= 64)
+            if count * LANES >= SCATTER_FAR_MIN_COLUMNS:
+                _prefetch_tiles(indices, e + SCATTER_FAR_PREFETCH_EDGES, flat, width, first, count)
         add_into_row(count, acc, flat, np.int64(indices[e]) * width + first, _coefficient(values, None, indices, e))
         e += 1
 
@@ -637,7 +685,7 @@ def _rows_scale(indptr, values, row, self_loop):  # pragma: no cover - compiled
     return np.float32(1.0) / total if total != 0 else np.float32(0.0)
 
 
-def _make_rows_gather_kernel(vectors_left: int, prefetch: bool):
+def _make_rows_gather_kernel(vectors_left: int, prefetch: bool, far: bool):
     vectors_source = SOURCE_KEY
 
     @jit(parallel=True)
@@ -651,7 +699,7 @@ def _make_rows_gather_kernel(vectors_left: int, prefetch: bool):
             row = begin + i
             scale = _rows_scale(indptr, values, row, self_loop)
             _scaled_row_sum(indptr, indices, values, None, dense, flat, row, out_flat, i * width, scale, width, tiles,
-                            vectors_left, tail, prefetch)
+                            vectors_left, tail, prefetch, far)
             if self_loop:
                 acc, own = out[i], dense[row]
                 for f in range(width):

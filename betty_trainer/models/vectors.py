@@ -1,5 +1,5 @@
 """Register-held row sums for the compiled aggregation kernels (``betty_trainer.models.aggregate``): LLVM vector
-intrinsics that numba kernels call, and the CPU's prefetch hint.
+intrinsics that numba kernels call, and the CPU's prefetch hints.
 
 numba compiles a row's sum ``acc[f] += x[f]`` over an output row in memory, which LLVM cannot keep in registers
 across a row's edges (the output may alias the rows read), so every pass over the edges loads and stores the sum.
@@ -53,7 +53,7 @@ if numba is None:  # pragma: no cover - numba is a declared dependency
     def prefetch(array, index):
         """Nothing: a hint only the compiled kernels give."""
 
-    prefetch_for_write = prefetch
+    prefetch_for_write = prefetch_to_l2 = prefetch
 else:
     from llvmlite import ir
     from numba import types
@@ -166,9 +166,10 @@ else:
             builder.fadd(builder.load(row, align=4), builder.fmul(factor, builder.load(slot))), row, align=4),
         "``add_into_row(count, acc, out, base, c0)``: ``out[base : base + 16·count] += c0·acc``.")
 
-    def _prefetch_intrinsic(write: int):
+    def _prefetch_intrinsic(write: int, locality: int):
         """``llvm.prefetch`` of ``array``'s element ``index`` (C-contiguous), for a read (``write`` 0) or a write (1),
-        high locality, data cache."""
+        of temporal ``locality`` 3 (high: into L1, x86 ``prefetcht0``) or 1 (low: ``prefetcht2``, which x86 cores
+        bring into L2, not L1), data cache."""
         @intrinsic
         def prefetch(typing_context, array, index):
             def codegen(context, builder, signature, arguments):  # pragma: no cover - compiled
@@ -177,9 +178,10 @@ else:
                 function = builder.module.declare_intrinsic(
                     "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, _I32, _I32, _I32]))
                 address = builder.bitcast(builder.gep(data, [arguments[1]]), byte_pointer)
-                builder.call(function, [address, _I32(write), _I32(3), _I32(1)])
+                builder.call(function, [address, _I32(write), _I32(locality), _I32(1)])
                 return context.get_dummy_value()
             return types.void(array, index), codegen
         return prefetch
 
-    prefetch, prefetch_for_write = _prefetch_intrinsic(0), _prefetch_intrinsic(1)
+    prefetch, prefetch_for_write = _prefetch_intrinsic(0, 3), _prefetch_intrinsic(1, 3)
+    prefetch_to_l2 = _prefetch_intrinsic(0, 1)
