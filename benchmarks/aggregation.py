@@ -21,7 +21,10 @@ Blocks: every node of the graph as a dst node with its full neighbourhood (what 
 aggregates): Amazon Computers and ``sbm-30k`` (``benchmarks/versus_dgl.py``'s 30k-node SBM), hidden widths
 ``--hidden``. The two sides read the same arrays (CSC structure, features, output gradient, weights, norms) and
 check each other's results. Each side calls ``torch.set_num_threads(1)`` (ours also numba's); times are CPU time
-(``time.process_time``) of one forward + backward, rounds interleaved (ours kept, ours per call, DGL, …), medians.
+(``time.process_time``) of one forward + backward, rounds interleaved (ours kept, ours per call, DGL, …), medians
+over ``--processes`` process pairs (DGL's side restarted, ours reloading its arrays, the rounds shared among them): a
+process's memory placement alone moved one side's time by up to 15% at 256 columns on the SBM, whose 30 MiB of rows
+about fill this machine's 32 MiB L3, so one pair's ratio can land either side of 1.
 DGL builds its out-edge (CSR) format in the warm-up call and keeps it on the graph. Ours runs twice: "kept", the
 block keeping its transpose (``keep_transposes``: what a full batch trained every step keeps, planned in one
 micro-batch), so the backward gathers on it; "per call", keeping nothing between calls (a sampled batch's blocks),
@@ -232,6 +235,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--weightings", type=name_list, default=list(WEIGHTINGS))
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (ours, DGL) per case")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per side per round")
+    parser.add_argument("--processes", type=int, default=3,
+                        help="process pairs per graph and width (DGL's side restarted, ours reloading its arrays), "
+                             "the rounds shared among them")
     parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON))
     parser.add_argument("--device", default="cpu",
                         help="cpu (against DGL), or cuda: ours against PyG's spmm on torch.sparse, wall time, peaks")
@@ -251,36 +257,45 @@ def main(argv=None) -> None:
     import numba
 
     numba.set_num_threads(1)
-    rows = []
+    rows, header = [], ""
     with tempfile.TemporaryDirectory(prefix="aggregation-") as tmp:
         tmp = Path(tmp)
-        dgl = DGLProcess(args.dgl_python, Path(__file__).resolve(), ["--serve"], 1, tmp / "dgl-side.log")
-        try:
-            hello = dgl("hello")
-            print(f"ours (torch {torch.__version__}, {torch.get_num_threads()} thread, numba {numba.get_num_threads()}) "
-                  f"vs DGL {hello['dgl']} (torch {hello['torch']}, {hello['threads']} thread); CPU ms of one "
-                  f"forward + backward, median of {args.rounds} interleaved rounds × {args.repeat} calls")
-            for name in args.graphs:
-                for hidden in args.hidden:
-                    key = f"{name}-{hidden}"
-                    export(name, hidden, tmp / key)
-                    dgl("load", key=key, folder=str(tmp / key))
-                    sides = {"kept": OurSide(load_arrays(tmp / key), kept=True),
-                             "per call": OurSide(load_arrays(tmp / key))}
-                    for weighting in args.weightings:
-                        theirs = dgl("run", key=key, weighting=weighting, repeat=1)
-                        checked = all(agree(side.run(weighting, 1), theirs) for side in sides.values())
-                        ms = {"kept": [], "per call": [], "dgl": []}
-                        for _ in range(args.rounds):
-                            for arm, side in sides.items():
-                                ms[arm] += side.run(weighting, args.repeat)["ms"]
-                            ms["dgl"] += dgl("run", key=key, weighting=weighting, repeat=args.repeat)["ms"]
-                        kept, per_call, b = (statistics.median(ms[arm]) for arm in ("kept", "per call", "dgl"))
-                        rows.append([name, str(hidden), weighting, f"{kept:.2f}", f"{per_call:.2f}", f"{b:.2f}",
-                                     f"{kept / b:.2f}", f"{per_call / b:.2f}", "yes" if checked else "NO"])
-                        print(" | ".join(rows[-1]), flush=True)
-        finally:
-            dgl.close()
+        for name in args.graphs:
+            for hidden in args.hidden:
+                key = f"{name}-{hidden}"
+                export(name, hidden, tmp / key)
+                ms = {weighting: {"kept": [], "per call": [], "dgl": []} for weighting in args.weightings}
+                checked = dict.fromkeys(args.weightings, True)
+                for pair in range(args.processes):  # fresh processes and arrays: another memory placement each
+                    rounds = len(range(pair, args.rounds, args.processes))
+                    dgl = DGLProcess(args.dgl_python, Path(__file__).resolve(), ["--serve"], 1, tmp / "dgl-side.log")
+                    try:
+                        hello = dgl("hello")
+                        if not header:
+                            header = (f"ours (torch {torch.__version__}, {torch.get_num_threads()} thread, numba "
+                                      f"{numba.get_num_threads()}) vs DGL {hello['dgl']} (torch {hello['torch']}, "
+                                      f"{hello['threads']} thread); CPU ms of one forward + backward, median of "
+                                      f"{args.rounds} interleaved rounds × {args.repeat} calls over "
+                                      f"{args.processes} process pairs")
+                            print(header)
+                        dgl("load", key=key, folder=str(tmp / key))
+                        sides = {"kept": OurSide(load_arrays(tmp / key), kept=True),
+                                 "per call": OurSide(load_arrays(tmp / key))}
+                        for weighting in args.weightings:
+                            theirs = dgl("run", key=key, weighting=weighting, repeat=1)
+                            checked[weighting] &= all(agree(side.run(weighting, 1), theirs) for side in sides.values())
+                            for _ in range(rounds):
+                                for arm, side in sides.items():
+                                    ms[weighting][arm] += side.run(weighting, args.repeat)["ms"]
+                                ms[weighting]["dgl"] += dgl("run", key=key, weighting=weighting,
+                                                            repeat=args.repeat)["ms"]
+                    finally:
+                        dgl.close()
+                for weighting in args.weightings:
+                    kept, per_call, b = (statistics.median(ms[weighting][arm]) for arm in ("kept", "per call", "dgl"))
+                    rows.append([name, str(hidden), weighting, f"{kept:.2f}", f"{per_call:.2f}", f"{b:.2f}",
+                                 f"{kept / b:.2f}", f"{per_call / b:.2f}", "yes" if checked[weighting] else "NO"])
+                    print(" | ".join(rows[-1]), flush=True)
     print()
     print(markdown_table(["graph", "hidden", "weighting", "ours kept ms", "ours per call ms", "DGL ms",
                           "kept/DGL", "per call/DGL", "same result"], rows))
