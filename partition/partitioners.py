@@ -181,6 +181,7 @@ class GraphPartition:
         self._weights = None if balanced is None else balanced.cpu().numpy().astype(np.int64)
         self._parts: dict[tuple[int, int], np.ndarray] = {}
         self._halves: dict[tuple[int, int], np.ndarray] = {}  # per (K, seed): (N,) int8 half, -1 until bisected
+        self._bisected: dict[tuple[int, int], set[int]] = {}  # per (K, seed): the parts bisected
         self._all_nodes: GraphPartition | None = None  # of_all_nodes, once made
 
     @property
@@ -217,9 +218,11 @@ class GraphPartition:
             raise ValueError(f"part {part} is not one of the {k} parts")
         parts = self.parts(k, seed)
         halves = self._halves.setdefault((k, seed), np.full(self.num_nodes, -1, dtype=np.int8))
-        nodes = np.flatnonzero(parts == part)
-        if nodes.size and halves[nodes[0]] < 0:
+        bisected = self._bisected.setdefault((k, seed), set())
+        if part not in bisected:  # a part's nodes are looked up (O(N)) once, when it is bisected
+            nodes = np.flatnonzero(parts == part)
             halves[nodes] = self._bisect(nodes, seed)
+            bisected.add(part)
         return halves
 
     def _bisect(self, nodes: np.ndarray, seed: int) -> np.ndarray:
