@@ -252,7 +252,7 @@ ahead, or the hint of locality 2 (``prefetcht1``), gained about as much, and the
 
 FAR_PREFETCH_MIN_COLUMNS = 65
 """The narrowest rows the compiled gathers ask for into L2 (:data:`FAR_PREFETCH_EDGES`): wider than four cache lines.
-At 64 columns the hint took 0.91–0.99× the time on the 30k-node SBM but 1.05–1.16× on Amazon Computers, whose
+At 64 columns the hint took 0.82–0.99× the time on the 30k-node SBM but 1.05–1.16× on Amazon Computers, whose
 neighbourhoods' rows are mostly in the caches already; at 16 and 32 columns it took 1.3–2.1×."""
 
 
