@@ -22,9 +22,10 @@ aggregates): Amazon Computers and ``sbm-30k`` (``benchmarks/versus_dgl.py``'s 30
 ``--hidden``. The two sides read the same arrays (CSC structure, features, output gradient, weights, norms) and
 check each other's results. Each side calls ``torch.set_num_threads(1)`` (ours also numba's); times are CPU time
 (``time.process_time``) of one forward + backward, rounds interleaved (ours kept, ours per call, DGL, …), medians
-over ``--processes`` process pairs (DGL's side restarted, ours reloading its arrays, the rounds shared among them): a
-process's memory placement alone moved one side's time by up to 15% at 256 columns on the SBM, whose 30 MiB of rows
-about fill this machine's 32 MiB L3, so one pair's ratio can land either side of 1.
+over ``--processes`` runs of DGL's side (restarted each time, ours reloading its arrays; the rounds shared among
+them): the memory placement alone took the same kernel on the same arrays 12.1–16.7 ms from one process to the next
+at 256 columns on the SBM, whose 30 MiB of rows about fill this machine's 32 MiB L3, so one run's ratio can land
+either side of 1.
 DGL builds its out-edge (CSR) format in the warm-up call and keeps it on the graph. Ours runs twice: "kept", the
 block keeping its transpose (``keep_transposes``: what a full batch trained every step keeps, planned in one
 micro-batch), so the backward gathers on it; "per call", keeping nothing between calls (a sampled batch's blocks),
@@ -236,13 +237,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (ours, DGL) per case")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per side per round")
     parser.add_argument("--processes", type=int, default=3,
-                        help="process pairs per graph and width (DGL's side restarted, ours reloading its arrays), "
-                             "the rounds shared among them")
+                        help="runs per graph and width, DGL's side restarted and ours reloading its arrays, the "
+                             "rounds shared among them (1 to --rounds)")
     parser.add_argument("--dgl-python", default=str(DEFAULT_DGL_PYTHON))
     parser.add_argument("--device", default="cpu",
                         help="cpu (against DGL), or cuda: ours against PyG's spmm on torch.sparse, wall time, peaks")
     parser.add_argument("--serve", action="store_true", help="serve DGL's side (run with DGL's Python)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 1 <= args.processes <= args.rounds:
+        parser.error(f"--processes must be 1 to --rounds ({args.rounds}), got {args.processes}")
+    return args
 
 
 def main(argv=None) -> None:
@@ -266,7 +270,7 @@ def main(argv=None) -> None:
                 export(name, hidden, tmp / key)
                 ms = {weighting: {"kept": [], "per call": [], "dgl": []} for weighting in args.weightings}
                 checked = dict.fromkeys(args.weightings, True)
-                for pair in range(args.processes):  # fresh processes and arrays: another memory placement each
+                for pair in range(args.processes):  # DGL restarted, ours reloading: another memory placement each
                     rounds = len(range(pair, args.rounds, args.processes))
                     dgl = DGLProcess(args.dgl_python, Path(__file__).resolve(), ["--serve"], 1, tmp / "dgl-side.log")
                     try:
@@ -276,9 +280,10 @@ def main(argv=None) -> None:
                                       f"{numba.get_num_threads()}) vs DGL {hello['dgl']} (torch {hello['torch']}, "
                                       f"{hello['threads']} thread); CPU ms of one forward + backward, median of "
                                       f"{args.rounds} interleaved rounds × {args.repeat} calls over "
-                                      f"{args.processes} process pairs")
+                                      f"{args.processes} runs of DGL's side")
                             print(header)
                         dgl("load", key=key, folder=str(tmp / key))
+                        sides = None  # the last run's arrays freed before these load
                         sides = {"kept": OurSide(load_arrays(tmp / key), kept=True),
                                  "per call": OurSide(load_arrays(tmp / key))}
                         for weighting in args.weightings:

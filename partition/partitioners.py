@@ -180,8 +180,8 @@ class GraphPartition:
         self._structure = indptr.cpu().numpy(), indices.cpu().numpy()
         self._weights = None if balanced is None else balanced.cpu().numpy().astype(np.int64)
         self._parts: dict[tuple[int, int], np.ndarray] = {}
-        self._halves: dict[tuple[int, int], np.ndarray] = {}  # per (K, seed): (N,) int8 half, -1 until bisected
-        self._bisected: dict[tuple[int, int], set[int]] = {}  # per (K, seed): the parts bisected
+        # per (K, seed): the (N,) int8 halves (-1 until bisected) and the parts bisected so far
+        self._halves: dict[tuple[int, int], tuple[np.ndarray, set[int]]] = {}
         self._all_nodes: GraphPartition | None = None  # of_all_nodes, once made
 
     @property
@@ -217,8 +217,9 @@ class GraphPartition:
         if not 0 <= part < k:
             raise ValueError(f"part {part} is not one of the {k} parts")
         parts = self.parts(k, seed)
-        halves = self._halves.setdefault((k, seed), np.full(self.num_nodes, -1, dtype=np.int8))
-        bisected = self._bisected.setdefault((k, seed), set())
+        if (k, seed) not in self._halves:
+            self._halves[k, seed] = np.full(self.num_nodes, -1, dtype=np.int8), set()
+        halves, bisected = self._halves[k, seed]
         if part not in bisected:  # a part's nodes are looked up (O(N)) once, when it is bisected
             nodes = np.flatnonzero(parts == part)
             halves[nodes] = self._bisect(nodes, seed)

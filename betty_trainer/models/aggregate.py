@@ -241,7 +241,7 @@ at 47; in a stand-alone kernel 2 edges ahead gained less (0.92–0.98× at 256 a
 again."""
 
 FAR_PREFETCH_EDGES = 16
-"""How many edges ahead the compiled gather also asks for every cache line of the src rows' tile into L2 (a hint of
+"""How many edges ahead the compiled gather also asks for the src rows' tile into L2 (its vectors' lines; a hint of
 low temporal locality, :func:`~betty_trainer.models.vectors.prefetch_to_l2`), on rows of
 :data:`FAR_PREFETCH_MIN_COLUMNS` columns or more, so that more rows are on their way from memory at once than the
 L1's miss buffers hold. Measured (``benchmarks/README.md`` › aggregation.py › Tiles asked for into L2, the raw
@@ -268,7 +268,7 @@ def _gather_key(width: int) -> tuple[int, bool, bool]:
     """What a compiled gather over rows of ``width`` columns is compiled for: the vectors of its last, partial tile
     (:func:`_row_layout`; the stack array's size, a constant), whether it prefetches (:data:`PREFETCH_MIN_COLUMNS`)
     and whether it also asks for the tiles into L2 (:data:`FAR_PREFETCH_MIN_COLUMNS`); the width itself is read from
-    the arrays, so at most 17 gathers are compiled."""
+    the arrays, so at most 14 gathers are compiled."""
     return _row_layout(width)[1], width >= PREFETCH_MIN_COLUMNS, width >= FAR_PREFETCH_MIN_COLUMNS
 
 
@@ -347,8 +347,9 @@ def _prefetch_rows(indices, edge, flat, width, first, write=False):  # pragma: n
 
 @jit(inline="always")
 def _prefetch_tiles(indices, edge, flat, width, first, count):  # pragma: no cover - compiled
-    """Ask the CPU to bring into L2 (:func:`~betty_trainer.models.vectors.prefetch_to_l2`) the ``count`` cache lines
-    (vectors of :data:`LANES` columns) from column ``first`` of the rows ``indices[edge … edge + 3]`` (those that
+    """Ask the CPU to bring into L2 (:func:`~betty_trainer.models.vectors.prefetch_to_l2`) the cache lines where the
+    ``count`` vectors of :data:`LANES` columns from column ``first`` start (every line of them where rows are 64-byte
+    aligned, ``width`` a multiple of 16; else all but one), in the rows ``indices[edge … edge + 3]`` (those that
     exist) of a C-contiguous matrix of ``width`` columns flattened to ``flat``: a hint, as :func:`_prefetch_rows`."""
     for q in range(4):
         if edge + q < indices.shape[0]:
@@ -458,16 +459,17 @@ vectors of a block count; its scalar columns, fewer than 16, keep the read hint)
 the row was held in registers."""
 
 SCATTER_FAR_PREFETCH_EDGES = 32
-"""How many edges ahead the compiled scatter also asks for every cache line of the src rows' column block into L2
-(:func:`_prefetch_tiles`, as the gather's :data:`FAR_PREFETCH_EDGES`), for blocks of :data:`SCATTER_FAR_MIN_COLUMNS`
+"""How many edges ahead the compiled scatter also asks for the src rows' column block into L2 (its vectors' lines:
+:func:`_prefetch_tiles`, as the gather's :data:`FAR_PREFETCH_EDGES`), for blocks of :data:`SCATTER_FAR_MIN_COLUMNS`
 columns or more. Measured (``benchmarks/README.md`` › aggregation.py › Tiles asked for into L2, a scatter of whole rows,
 one thread, interleaved in one process, against the scatter with :data:`SCATTER_PREFETCH_EDGES` alone): 0.57–0.78×
-the time at 64 and 128 columns on the 30k-node SBM, 0.83–0.89× at 128 on Amazon Computers and 0.86–1.08× at 64; 24
-edges ahead gained less, 48 and 64 as much."""
+the time at 64 and 128 columns on the 30k-node SBM (0.67–0.68× at 256, layer-wise's rows scattering any width),
+0.83–0.89× at 128 on Amazon Computers, 0.86–1.08× at 64 and 0.96–1.02× at 256; 24 edges ahead gained less, 48 and 64
+as much."""
 
 SCATTER_FAR_MIN_COLUMNS = 64
 """The narrowest column block the compiled scatter asks for into L2 (:data:`SCATTER_FAR_PREFETCH_EDGES`): four cache
-lines; at 16 and 32 columns the hint took 1.07–1.7× the time."""
+lines; at 16 and 32 columns the hint took 1.07–1.56× the time."""
 
 SCATTER_COLUMNS = 16
 """The narrowest column block a thread of the compiled backward scatters (64 bytes of float32: a cache line)."""
