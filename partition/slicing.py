@@ -342,7 +342,7 @@ def _count_kernel(indptr, indices, num_src, member, k):  # pragma: no cover - co
             if bits == 0:
                 continue
             for edge in range(indptr[v], indptr[v + 1]):
-                src[indices[edge], word] |= bits
+                src[np.uint64(indices[edge]), word] |= bits  # unsigned: no check for a negative index
             while bits:
                 lowest = bits & (~bits + one)
                 group = 64 * word + _BIT_INDEX[(lowest * _DE_BRUIJN) >> shift]
