@@ -8,6 +8,8 @@ import logging
 import re
 import shutil
 import time
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,6 +244,17 @@ def test_plan_hides_components_the_model_lacks_and_writes_plan_json_only_with_ou
     assert "written to mine.json" in betty_in_process(capsys, *plan, "--output", "mine.json").stdout
 
 
+def board_points(run: Path) -> Counter:
+    """How many times each ``(tag, step)`` scalar was written to the run's TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    points = Counter()
+    for file in sorted((run / "tensorboard").glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(file)).Load():
+            points.update((value.tag, event.step) for value in event.summary.value)
+    return points
+
+
 NO_HOST_MEMORY = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
                   "allocate 400000000000 bytes. Error code 12 (Cannot allocate memory)")
 
@@ -261,7 +274,7 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     monkeypatch.setattr(evaluation, "sample_block", failing_after_one_evaluation)
     run = tmp_path / "new"
     trained = betty_in_process(capsys, "train", "--config", QUICKSTART, *SMALL, "optim.epochs=2", "model.num_layers=2",
-                               f"train.run_dir={run}")
+                               f"train.run_dir={run}", "train.tensorboard=true")
     assert_one_line_error(trained, "epoch 1, evaluation: out of host memory (", "can't allocate memory",
                           "num_nodes × model.hidden", f"epoch 1's training is saved in {run / 'last.pt'}, not evaluated; "
                           f"continue with betty-train train --resume {run}, which evaluates it first")
@@ -289,6 +302,9 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     assert after["epoch"] == 1 and "unevaluated" not in after
     assert all(torch.equal(after["model"][name], tensor) for name, tensor in trained_1.items())
     assert "final test accuracy" in resumed.stdout
+    points = board_points(run)  # epoch 1's training logged when it was saved, its accuracies by the resume: once each
+    assert {tag for tag, step in points if step == 1} == {tag for tag, step in points if step == 0} >= {"loss", "val_acc"}
+    assert set(points.values()) == {1}, points
     calls.append(None)  # from now on every evaluation fails
     evaluated = betty_in_process(capsys, "evaluate", "--run", str(run_copy))
     assert_one_line_error(evaluated, f"evaluating {run_copy / 'best.pt'}: out of host memory (",

@@ -215,14 +215,16 @@ def train(
         with EpochProgress(console, f"{graph.name} · {config.micro_batch.partitioner}", config.optim.epochs,
                            run.start_epoch, live=config.train.progress) as progress:
             for epoch in range(run.start_epoch, config.optim.epochs):
+                scalars = BOARD_SCALARS
                 if run.unevaluated is not None:  # trained before the resume, whose evaluation failed then
                     unevaluated, run.unevaluated, run.start_epoch = run.unevaluated, None, epoch + 1
+                    scalars = EVALUATION_SCALARS  # its training's are on the board already
                 else:
                     unevaluated, warned = _train_epoch(config, run, epoch, directory, console, path, warned)
                 diverging = _check_divergence(config, graph, unevaluated, path, diverging)  # its loss alone
                 accuracy = _evaluate_or_save(config, run, epoch, path, directory, unevaluated, best, board)
                 last = replace(unevaluated, val_acc=accuracy.get("val"), test_acc=accuracy.get("test"))
-                best = _end_epoch(directory, run, last, best, board)
+                best = _end_epoch(directory, run, last, best, board, scalars=scalars)
                 progress.advance(epoch, epoch_status(last, best))
                 if _patience_exhausted(config, epoch, best) and last.val_acc is not None:
                     stopped_early = True
@@ -652,12 +654,19 @@ def _evaluate(config: Config, run: _Run, epoch: int, device: torch.device) -> di
     return result
 
 
+EVALUATION_SCALARS = ("val_acc", "test_acc")
+"""The metrics an epoch's evaluation gives (``None`` where it did not run)."""
+BOARD_SCALARS = ("loss", "train_acc", *EVALUATION_SCALARS, "lr", "micro_batches", "input_redundancy", "seconds")
+"""The metrics ``train.tensorboard=true`` logs per epoch, at the epoch's number as the step."""
+
+
 def _end_epoch(directory: RunDirectory | None, run: _Run, last: EpochMetrics, best: dict, board,
-               evaluated: bool = True) -> dict:
-    """Append the epoch's metrics, save ``best.pt`` when validation accuracy improved and ``last.pt`` always, log to
-    TensorBoard; returns the best-so-far. A rank other than 0 (``directory`` ``None``) only follows the best. Not
-    ``evaluated`` (its evaluation failed), ``last.pt`` also holds the metrics line as ``unevaluated``: a resume
-    evaluates that epoch before training the next (:func:`_restore`)."""
+               evaluated: bool = True, scalars: Sequence[str] = BOARD_SCALARS) -> dict:
+    """Append the epoch's metrics, save ``best.pt`` when validation accuracy improved and ``last.pt`` always, log
+    ``scalars`` to TensorBoard; returns the best-so-far. A rank other than 0
+    (``directory`` ``None``) only follows the best. Not ``evaluated`` (its evaluation failed), ``last.pt`` also holds
+    the metrics line as ``unevaluated``: a resume evaluates that epoch before training the next (:func:`_restore`),
+    and logs only its :data:`EVALUATION_SCALARS`, so that no step has two points on the board."""
     improved = last.val_acc is not None and last.val_acc > best["val_acc"]
     if improved:
         best = {"epoch": last.epoch, "val_acc": last.val_acc, "test_acc": last.test_acc}
@@ -674,7 +683,7 @@ def _end_epoch(directory: RunDirectory | None, run: _Run, last: EpochMetrics, be
                                "best": best, "identity": run.identity,
                                **({} if evaluated else {"unevaluated": asdict(last)})}, LAST_NAME)
     if board is not None:
-        _log_tensorboard(board, last)
+        _log_tensorboard(board, last, scalars)
     return best
 
 
@@ -902,8 +911,9 @@ def _tensorboard(config: Config, path: Path):
     return SummaryWriter(log_dir=str(path / TENSORBOARD_DIR))
 
 
-def _log_tensorboard(board, metrics: EpochMetrics) -> None:
-    for name in ("loss", "train_acc", "val_acc", "test_acc", "lr", "micro_batches", "input_redundancy", "seconds"):
+def _log_tensorboard(board, metrics: EpochMetrics, scalars: Sequence[str]) -> None:
+    """Add each of ``scalars`` (names of :class:`EpochMetrics` fields) that is not ``None`` at ``metrics.epoch``."""
+    for name in scalars:
         value = getattr(metrics, name)
         if value is not None:
             board.add_scalar(name, value, metrics.epoch)
