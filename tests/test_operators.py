@@ -191,6 +191,8 @@ def test_gathers_sum_in_registers_with_the_bits_of_the_documented_order(width, w
     sum in the order the kernels document, for each part of the row layout."""
     assert [aggregate._row_layout(w) for w in LAYOUT_WIDTHS] == [
         (0, 0, 0), (0, 1, 16), (0, 2, 32), (1, 0, 128), (2, 0, 256), (2, 2, 288)]
+    assert [aggregate._gather_key(w)[1:] for w in LAYOUT_WIDTHS] == [  # (near prefetch, tiles asked into L2)
+        (False, False), (False, False), (True, False), (True, True), (True, True), (True, True)]
     block, (values, row_scale, col_scale), h, _ = block_arrays(width, weighted)
     indptr, indices = block.indptr.numpy(), block.indices.numpy()
     edge_values = np.ones(block.num_edges, np.float32) if values is None else values
