@@ -292,6 +292,9 @@ def test_evaluation_out_of_host_memory_is_one_line_in_train_evaluate_and_predict
     refused = betty_in_process(capsys, "train", "--resume", str(mismatched))
     assert_one_line_error(refused, f"cannot resume {mismatched}", "holds epoch 1's training but unevaluated metrics "
                           "of epoch 0; start a new run")
+    failed_again = betty_in_process(capsys, "train", "--resume", str(run))  # epoch 1's evaluation fails once more
+    assert_one_line_error(failed_again, "epoch 1, evaluation: out of host memory (")
+    assert load_checkpoint(run)["unevaluated"]["epoch"] == 1
     calls.clear()  # evaluation works again: the resume evaluates epoch 1, the run's last, and trains nothing
     resumed = betty_in_process(capsys, "train", "--resume", str(run))
     assert resumed.returncode == 0, resumed.stderr

@@ -222,7 +222,7 @@ def train(
                 else:
                     unevaluated, warned = _train_epoch(config, run, epoch, directory, console, path, warned)
                 diverging = _check_divergence(config, graph, unevaluated, path, diverging)  # its loss alone
-                accuracy = _evaluate_or_save(config, run, epoch, path, directory, unevaluated, best, board)
+                accuracy = _evaluate_or_save(config, run, epoch, path, directory, unevaluated, best, board, scalars)
                 last = replace(unevaluated, val_acc=accuracy.get("val"), test_acc=accuracy.get("test"))
                 best = _end_epoch(directory, run, last, best, board, scalars=scalars)
                 progress.advance(epoch, epoch_status(last, best))
@@ -603,9 +603,10 @@ def _train_epoch(config: Config, run: _Run, epoch: int, directory: RunDirectory 
 
 
 def _evaluate_or_save(config: Config, run: _Run, epoch: int, path: Path, directory: RunDirectory | None,
-                      unevaluated: EpochMetrics, best: dict, board) -> dict[str, float]:
+                      unevaluated: EpochMetrics, best: dict, board, scalars: Sequence[str]) -> dict[str, float]:
     """:func:`_evaluate`; where it fails, the epoch's training is saved first, not evaluated (its metrics line, and
-    ``last.pt`` marked so that ``--resume`` evaluates this epoch before training the next: :func:`_end_epoch`), and
+    ``last.pt`` marked so that ``--resume`` evaluates this epoch before training the next: :func:`_end_epoch`, logging
+    those of ``scalars`` that are not :data:`EVALUATION_SCALARS`, none for an epoch the resume evaluates again), and
     the error names that ``last.pt``; where the save fails too, the error says so and names the last good one.
 
     Raises:
@@ -624,7 +625,8 @@ def _evaluate_or_save(config: Config, run: _Run, epoch: int, path: Path, directo
             if link is not None and link.__traceback__ is not None:
                 traceback.clear_frames(link.__traceback__)
     try:
-        _end_epoch(directory, run, unevaluated, best, board, evaluated=False)
+        _end_epoch(directory, run, unevaluated, best, board, evaluated=False,
+                   scalars=[name for name in scalars if name not in EVALUATION_SCALARS])
     except Exception as error:  # noqa: BLE001 - the save's own failure is named with the evaluation's
         saved = f"epoch {epoch}'s training could not be saved ({type(error).__name__}: {error}); {_last_good(path, epoch)}"
     else:
@@ -663,10 +665,11 @@ BOARD_SCALARS = ("loss", "train_acc", *EVALUATION_SCALARS, "lr", "micro_batches"
 def _end_epoch(directory: RunDirectory | None, run: _Run, last: EpochMetrics, best: dict, board,
                evaluated: bool = True, scalars: Sequence[str] = BOARD_SCALARS) -> dict:
     """Append the epoch's metrics, save ``best.pt`` when validation accuracy improved and ``last.pt`` always, log
-    ``scalars`` to TensorBoard; returns the best-so-far. A rank other than 0
-    (``directory`` ``None``) only follows the best. Not ``evaluated`` (its evaluation failed), ``last.pt`` also holds
-    the metrics line as ``unevaluated``: a resume evaluates that epoch before training the next (:func:`_restore`),
-    and logs only its :data:`EVALUATION_SCALARS`, so that no step has two points on the board."""
+    ``scalars`` to TensorBoard; returns the best-so-far. A rank other than 0 (``directory`` ``None``) only follows the
+    best. Not ``evaluated`` (its evaluation failed), ``last.pt`` also holds the metrics line as ``unevaluated``: a
+    resume evaluates that epoch before training the next (:func:`_restore`), and its caller passes
+    :data:`EVALUATION_SCALARS` for it then, so that no step has two points on the board (a run whose first part had
+    ``train.tensorboard`` off has none of that epoch's training scalars)."""
     improved = last.val_acc is not None and last.val_acc > best["val_acc"]
     if improved:
         best = {"epoch": last.epoch, "val_acc": last.val_acc, "test_acc": last.test_acc}
