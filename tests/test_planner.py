@@ -737,7 +737,7 @@ def test_a_batch_whose_graph_split_misses_in_a_few_micro_batches_cuts_only_those
 
     with caplog.at_level(logging.INFO, logger="betty_trainer.memory.planner"):
         plan = planner.plan(second)
-    assert plan.partitioner == "graph" and plan.pieces == k + len(missed)
+    assert plan.partitioner == "graph+halves" and plan.pieces == k + len(missed)  # as plan.json names it
     assert planner.graph_k == k and planner.refined == 1 and planner.fallbacks == 0
     assert "the graph partition's K" not in caplog.text
     kept = [group.tolist() for group, estimate in zip(groups, estimates) if estimate <= budget]

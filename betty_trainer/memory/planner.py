@@ -277,7 +277,7 @@ class Planner:
         if kind == "micro_batches":
             weighted = edge_weighted(batch)
             estimate = functools.partial(estimator.peak, weighted=weighted) if estimator is not None else None
-            split, partitioner = self._graph_split(batch, estimate, min_pieces, whole), GraphPartition.method
+            split, partitioner = self._graph_split(batch, estimate, min_pieces, whole) or (None, "")
             if split is None:
                 if self._splitter is None:
                     self._splitter = OutputSplitter(batch.blocks[-1], config.partitioner)
@@ -314,9 +314,11 @@ class Planner:
                              search.seconds, self.feature_store_bytes)
 
     def _graph_split(self, batch: Batch, estimate: Estimate | None, min_pieces: int,
-                     whole: Callable[[], int]) -> Split | None:
+                     whole: Callable[[], int]) -> tuple[Split, str] | None:
         """``batch``'s outputs split by the run's graph partition (see the class docstring; ``whole``: the batch's
-        estimate in one micro-batch, as :meth:`_search`'s), or ``None``: no graph partition; under a budget, no K
+        estimate in one micro-batch, as :meth:`_search`'s) and what split them (:data:`GraphPartition.method
+        <partition.GraphPartition.method>`, or :data:`REFINED_METHOD` for a split whose missed micro-batches were cut
+        in two), or ``None``: no graph partition; under a budget, no K
         yet (the run's first batch), or a split whose largest estimate misses the budget at the graph's K, whose
         missed micro-batches, each cut in two by a bisection of its part, miss again or make more micro-batches
         than the K the miss asks for, and which misses again at that K (counted in ``fallbacks``; the next batches
@@ -326,7 +328,8 @@ class Planner:
             return None
         n = batch.output_nodes.numel()
         if self.budget is None:  # nothing is decided by the estimates: the plan estimates its micro-batches when asked
-            return self._split_by_graph(batch, None, min(max(self.config.num_micro_batches, min_pieces), n), whole)
+            k = min(max(self.config.num_micro_batches, min_pieces), n)
+            return self._split_by_graph(batch, None, k, whole), GraphPartition.method
         k = self.graph_k
         for attempt in range(2):  # the graph's K, then once the K its miss asks for
             k = min(max(k, min_pieces), n)  # a re-plan's pieces, a batch of fewer outputs
@@ -335,7 +338,7 @@ class Planner:
             if largest <= self.budget:
                 if k == self.graph_k:  # only the graph's own K tells whether a lower one would do
                     self._fits(k, largest)
-                return split
+                return split, GraphPartition.method
             self._missed_k = max(self._missed_k, k)
             if attempt or k >= n:  # planned per batch; the next batches try the K the first miss asked for
                 break
@@ -347,7 +350,7 @@ class Planner:
                     self.graph_partition.splitter(batch.output_nodes).halves, k, self.seed))
                 if refined.k <= asked and max(refined.estimates) <= self.budget:
                     self.refined += 1
-                    return refined
+                    return refined, REFINED_METHOD
             k = asked
             self._move_graph_k(max(k, self.graph_k), "its largest micro-batch missed the budget")
         self.fallbacks += 1
@@ -375,6 +378,11 @@ class Planner:
         logger.info("the graph partition's K: %s → %d (%s)", self.graph_k, k, why)
         self.graph_k, self._needed_k, self._fitted = k, 0, 0
 
+
+REFINED_METHOD = f"{GraphPartition.method}+halves"
+"""What split a batch whose graph split's missed micro-batches were cut in two (:meth:`Planner._graph_split`), as
+its plan's ``partitioner`` (``plan.json``, ``betty-train plan``) says: the graph's K-way partition, then a METIS
+bisection of some of its parts (:meth:`GraphSplitter.halves <partition.partitioners.GraphSplitter.halves>`)."""
 
 GRAPH_K_SHRINK_AFTER = 8
 """Batches a graph split must fit the budget at one K before the planner tries the graph's K lower
