@@ -256,10 +256,12 @@ At 64 columns the hint took 0.82–0.99× the time on the 30k-node SBM but 1.05�
 neighbourhoods' rows are mostly in the caches already; at 16 and 32 columns it took 1.3–2.1×."""
 
 
+@jit(inline="always")
 def _row_layout(width: int) -> tuple[int, int, int]:
     """How the compiled gathers sum a row of ``width`` columns: ``(tiles, vectors, tail)``, ``tiles`` whole tiles of
     :data:`VECTOR_TILE` columns, then a tile of ``vectors`` (0–7) vectors of :data:`LANES` columns, both in registers,
-    and columns ``tail … width − 1`` (fewer than :data:`LANES`) by the scalar loop."""
+    and columns ``tail … width − 1`` (fewer than :data:`LANES`) by the scalar loop. Read by the kernels
+    (:func:`_scaled_row_sum`) and, for their key, in Python (:func:`_gather_key`)."""
     tiles, rest = divmod(width, VECTOR_TILE)
     return tiles, rest // LANES, width - rest % LANES
 
@@ -280,14 +282,13 @@ def _make_gather_kernel(vectors_left: int, prefetch: bool, far: bool):
         if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
             return
         width = dense.shape[1]
-        tiles, tail = width // VECTOR_TILE, width - width % LANES
         flat, out_flat = dense.reshape(-1), out.reshape(-1)  # the rows as one array: the vectors' addresses
         for row in numba.prange(indptr.shape[0] - 1):
             scale = np.float32(1.0)
             if row_scale is not None:
                 scale = row_scale[row]
             _scaled_row_sum(indptr, indices, values, col_scale, dense, flat, row, out_flat, row * width, scale, width,
-                            tiles, vectors_left, tail, prefetch, far)
+                            vectors_left, prefetch, far)
     return gather_kernel
 
 
@@ -359,13 +360,14 @@ def _prefetch_tiles(indices, edge, flat, width, first, count):  # pragma: no cov
 
 
 @jit(inline="always")
-def _scaled_row_sum(indptr, indices, values, col_scale, dense, flat, row, out, base, scale, width, tiles, vectors_left,
-                    tail, prefetch, far):  # pragma: no cover - compiled
+def _scaled_row_sum(indptr, indices, values, col_scale, dense, flat, row, out, base, scale, width, vectors_left,
+                    prefetch, far):  # pragma: no cover - compiled
     """``out[base + f] = scale · Σ_{e in row} coefficient_e · dense[indices[e], f]`` for ``f < width`` over CSR row
     ``row`` (``flat``, ``out``: ``dense`` and the output as one array each), in edge order, four edges at a time:
-    the row's tiles in registers (:func:`_tile_sum`, by :func:`_row_layout`'s ``tiles, vectors_left, tail``, and
-    the prefetch flags, constants of the kernel), its last ``width − tail`` columns by the scalar loop
-    (:func:`_columns_sum`)."""
+    the row's tiles in registers (:func:`_tile_sum`, by :func:`_row_layout` of ``width``; ``vectors_left``, its
+    partial tile's vectors, and the prefetch flags are constants of the kernel), its last ``width − tail`` columns by
+    the scalar loop (:func:`_columns_sum`)."""
+    tiles, _, tail = _row_layout(width)
     acc = vectors(TILE_VECTORS)
     for tile in range(tiles):
         first = tile * VECTOR_TILE
@@ -482,13 +484,20 @@ def _column_step(width: int) -> int:
     return max(SCATTER_COLUMNS, -(-share // SCATTER_COLUMNS) * SCATTER_COLUMNS)
 
 
+@jit(inline="always")
+def _column_blocks(width: int, step: int) -> tuple[int, int]:
+    """``(blocks, last)``: ``width`` columns in ``blocks`` blocks of ``step`` columns but the last, of ``last``
+    (:func:`_block_layout`; the scatter kernels' threads take one block each)."""
+    blocks = -(-width // step)
+    return blocks, width - (blocks - 1) * step
+
+
 def _block_layout(width: int, step: int) -> tuple[int, int, int, int]:
     """How the compiled scatters share ``width`` columns among threads: ``(blocks, last, vectors, last_vectors)``,
     ``blocks`` column blocks of ``step`` columns but the last, of ``last``; each block's first ``vectors`` (the last
     block's ``last_vectors``) vectors of :data:`LANES` columns held in registers, the rest (fewer than 16) by the
     scalar loop. With one block ``vectors`` is ``last_vectors`` (no full block runs), so that widths share kernels."""
-    blocks = -(-width // step)
-    last = width - (blocks - 1) * step
+    blocks, last = _column_blocks(width, step)
     return blocks, last, step // LANES if blocks > 1 else last // LANES, last // LANES
 
 
@@ -499,8 +508,7 @@ def _make_scatter_kernel(step_vectors: int, last_vectors: int):
     def scatter_kernel(indptr, indices, values, row_scale, col_scale, grad, out, step):  # pragma: no cover
         if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
             return
-        blocks = -(-grad.shape[1] // step)
-        last = grad.shape[1] - (blocks - 1) * step
+        blocks, last = _column_blocks(grad.shape[1], step)
         for block in numba.prange(blocks):  # each vector count a constant of its call (the stack array's size)
             if block < blocks - 1:
                 _scatter_columns(indptr, indices, values, row_scale, col_scale, grad, out, block * step, step,
@@ -695,13 +703,12 @@ def _make_rows_gather_kernel(vectors_left: int, prefetch: bool, far: bool):
         if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
             return
         width = dense.shape[1]
-        tiles, tail = width // VECTOR_TILE, width - width % LANES
         flat, out_flat = dense.reshape(-1), out.reshape(-1)  # the rows as one array: the vectors' addresses
         for i in numba.prange(out.shape[0]):
             row = begin + i
             scale = _rows_scale(indptr, values, row, self_loop)
-            _scaled_row_sum(indptr, indices, values, None, dense, flat, row, out_flat, i * width, scale, width, tiles,
-                            vectors_left, tail, prefetch, far)
+            _scaled_row_sum(indptr, indices, values, None, dense, flat, row, out_flat, i * width, scale, width,
+                            vectors_left, prefetch, far)
             if self_loop:
                 acc, own = out[i], dense[row]
                 for f in range(width):
@@ -735,8 +742,7 @@ def _make_rows_scatter_kernel(step_vectors: int, last_vectors: int):
     def rows_scatter_kernel(indptr, indices, values, begin, self_loop, grad, out, step):  # pragma: no cover
         if vectors_source < 0:  # never (a crc32): held so that a change to the vector intrinsics recompiles
             return
-        blocks = -(-grad.shape[1] // step)
-        last = grad.shape[1] - (blocks - 1) * step
+        blocks, last = _column_blocks(grad.shape[1], step)
         for block in numba.prange(blocks):
             if block < blocks - 1:
                 _rows_scatter_columns(indptr, indices, values, begin, self_loop, grad, out, block * step, step,
