@@ -3,20 +3,21 @@
 Every sampled mini-batch is a new batch, so a per-batch plan (``micro_batch.assignment=batch``: the batch's
 REG, METIS, the micro-batches' sizes and estimates; Betty §4.3–4.4) is paid at every step. With
 ``micro_batch.assignment=graph`` METIS cuts the whole graph once per K for the run and each batch's outputs
-take their nodes' parts, so a batch's plan is a look-up and one count of its micro-batches' sizes
-(``partition.slicing.count_layers``); under a budget (``--budget``) also their estimates, and the run's first
-batch, or one whose graph split misses the budget, gets the per-batch REG search (``fallbacks``).
+take their nodes' parts, so a batch's plan is a look-up; its micro-batches' sizes are not counted
+(``partition.slicing.count_layers``): their redundancy comes from the micro-batches the step builds. Under a budget
+(``--budget``) they are counted and estimated, and the run's first batch, or one whose graph split misses the
+budget, gets the per-batch REG search (``fallbacks``).
 
-For each graph and batch size, the same sampled mini-batches (fanouts ``--fanouts``, input layer first; seeds:
-every node, shuffled) are planned and trained by both arms in turn (per-batch, graph, per-batch, …), each arm
-with its own 2-layer GraphSAGE-mean (hidden 64, dropout 0.5, Adam, the same initial weights), K = ``--k``
-micro-batches. Per arm: CPU seconds (``time.process_time``; one thread: ``torch.set_num_threads(1)`` and
-``NUMBA_NUM_THREADS=1``, so other processes on the machine do not enter the figure) of ``Planner.plan`` and of
-the K-micro-batch step (forward and backward of every micro-batch, one Adam step), medians over the measured
-batches, planning's share of the step (the medians' ratio) and, in brackets, Σ plan / Σ step over the measured
-batches (which holds what happens once: a fallback, METIS of the graph at a new K). The warm-up batch of each
-arm (two under a budget) is not measured; the graph arm's warm-up plans hold the run's graph partition (graph
-build + METIS; under a budget also the first batch's REG search), reported apart as "once per run".
+For each graph and batch size, the same sampled mini-batches (fanouts ``--fanouts``, input layer first; seeds: every
+node, shuffled) are planned and trained by both arms in turn (per-batch, graph, per-batch, …), each arm with its own
+2-layer GraphSAGE-mean (hidden 64, dropout 0.5, Adam, the same initial weights), K = ``--k`` micro-batches. Per arm:
+CPU seconds (``time.process_time``; one thread: ``torch.set_num_threads(1)`` and ``NUMBA_NUM_THREADS=1``, so other
+processes on the machine do not enter the figure) of ``Planner.plan`` (with reading the plan's redundancy after the
+step, as training does) and of the K-micro-batch step (forward and backward of every micro-batch, one Adam step),
+medians over the measured batches, planning's share of the step (the medians' ratio) and, in brackets, Σ plan / Σ step
+over the measured batches (which holds what happens once: a fallback, METIS of the graph at a new K). The warm-up
+batch of each arm (two under a budget) is not measured; the graph arm's warm-up plans hold the run's graph partition
+(graph build + METIS; under a budget also the first batch's REG search), reported apart as "once per run".
 Redundancy is Σ_k input nodes of micro-batch k / input nodes of the batch (Betty Fig. 16's measure, the mean
 over batches); the peak is the largest micro-batch's estimated peak (the closed form, exact for the micro-batches
 the plan makes; the mean over batches of each batch's largest). "K" is the mean number of micro-batches.
@@ -82,7 +83,9 @@ def arms(graph: Any, k: int, seed: int, budget_fraction: float | None, first: An
 
 
 def step(arm: dict[str, Any], batch: Any, graph: Any, store: HostFeatureStore) -> dict[str, Any]:
-    """Plan and train one batch with ``arm``: CPU seconds of each, redundancy and largest estimated peak."""
+    """Plan and train one batch with ``arm``: CPU seconds of each, redundancy and largest estimated peak. The plan's
+    seconds include reading its redundancy after the step, as the training loop does after every step (a split not
+    counted while planning takes it from the micro-batches the step built)."""
     started = time.process_time()
     plan = arm["planner"].plan(batch)
     planned = time.process_time()
@@ -90,8 +93,10 @@ def step(arm: dict[str, Any], batch: Any, graph: Any, store: HostFeatureStore) -
     plan.run(arm["model"], store, graph.y, torch.device("cpu"))
     arm["optimizer"].step()
     done = time.process_time()
-    return {"plan_s": planned - started, "step_s": done - planned, "k": plan.pieces, "partitioner": plan.partitioner,
-            "redundancy": plan.redundancy()[0], "peak_bytes": plan.estimate,
+    redundancy = plan.redundancy()[0]
+    read = time.process_time()
+    return {"plan_s": planned - started + read - done, "step_s": done - planned, "k": plan.pieces,
+            "partitioner": plan.partitioner, "redundancy": redundancy, "peak_bytes": plan.estimate,
             "input_nodes": batch.blocks[0].num_src}
 
 

@@ -40,31 +40,51 @@ class Split:
     (``O(its edges)``) are sliced again when it runs (:func:`~partition.slicing.slice_layers` of its group), so
     the split holds ``8 · outputs`` bytes of tensors at any K, not every micro-batch's slices.
 
+    The sizes are counted (:func:`~partition.slicing.count_layers`) while planning only where the search estimates
+    the micro-batches; a split of a given K made without an estimate counts them when :attr:`sizes` is first read
+    (issue 23: for a sampled mini-batch at a fixed K, the count was most of its plan, and a step that slices the
+    micro-batches anyway gives their sizes as it runs:
+    :class:`~betty_trainer.execution.micro_batches.MicroBatchPlan`).
+
     Attributes:
         groups: per micro-batch, ``(m_k,)`` int64 sorted positions among the batch's output nodes (they
             partition them).
-        sizes: per micro-batch, its :class:`~partition.slicing.SliceSize` per layer (input layer first).
-        estimates: per micro-batch, estimated peak bytes.
+        blocks: the batch's block structures the groups split, input layer first (what :attr:`sizes` counts).
+        estimates: per micro-batch, estimated peak bytes (empty: made without an estimate).
         budget: the budget in bytes (``None``: K was given, not searched).
         full_batch_estimate: estimated peak of the unsplit batch, bytes; 0 where it was not estimated (no
             estimate, or a given K above 1).
         tried: ``(K, largest estimate)`` for every K evaluated, in order.
-        seconds: wall time of planning.
+        seconds: wall time of planning (a count made when :attr:`sizes` is first read is not in it).
         stage_seconds: wall seconds of planning by stage, summed over every K tried: ``"weights"`` (the
             METIS vertex weights, :func:`output_costs`), ``"partition"`` (splitting the outputs: METIS,
             and building the REG when the splitter had not built it yet; for a graph splitter, the look-up, and
             the graph's METIS for a K the run had not partitioned yet), ``"counting"`` (the micro-batches'
-            layer sizes, :func:`~partition.slicing.count_layers`), ``"estimate"``.
+            layer sizes, :func:`~partition.slicing.count_layers`; a count made when :attr:`sizes` is first read
+            adds to it), ``"estimate"``.
+        counted: per micro-batch, its :class:`~partition.slicing.SliceSize` per layer (input layer first), or
+            ``None`` until :attr:`sizes` is first read.
     """
 
     groups: list[Tensor]
-    sizes: list[list[SliceSize]]
+    blocks: Sequence[BlockStructure]
     estimates: list[int]
     budget: int | None
     full_batch_estimate: int
     tried: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    counted: list[list[SliceSize]] | None = None
+
+    @property
+    def sizes(self) -> list[list[SliceSize]]:
+        """Per micro-batch, its :class:`~partition.slicing.SliceSize` per layer (input layer first, degree histograms
+        included; at ``K = 1`` the whole blocks' sizes, without a histogram): :attr:`counted`, counted now
+        (:func:`~partition.slicing.count_layers`, ``O(E + K · S / 64)``) where it was not yet."""
+        if self.counted is None:
+            self.counted = [[SliceSize.of(block) for block in self.blocks]] if self.k == 1 else \
+                _timed(self.stage_seconds, "counting", count_layers, self.blocks, self.groups)
+        return self.counted
 
     @property
     def k(self) -> int:
@@ -202,22 +222,24 @@ def make_split(
     costs = functools.cache(lambda: output_costs(blocks))
     weights = functools.cache(lambda: integer_weights(costs()) if weighted else None)
     tried: list[tuple[int, int]] = []
-    splits: dict[int, tuple[list[Tensor], list[list[SliceSize]], list[int]]] = {}
+    splits: dict[int, tuple[list[Tensor], list[list[SliceSize]] | None, list[int]]] = {}
 
     stage_seconds = {"weights": 0.0, "partition": 0.0, "counting": 0.0, "estimate": 0.0}
 
     timed = functools.partial(_timed, stage_seconds)
 
-    def split(parts: int) -> tuple[list[Tensor], list[list[SliceSize]], list[int]]:
+    def split(parts: int) -> tuple[list[Tensor], list[list[SliceSize]] | None, list[int]]:
+        sizes, estimates = None, []  # counted here only to be estimated (else when the split's sizes are first read)
         if parts == 1:  # the whole batch: no partitioning, no slicing; its estimate is the full batch's
-            groups, sizes = [torch.arange(num_outputs)], [[SliceSize.of(b) for b in blocks]]
-            estimates = [full()] if estimate is not None else []
+            groups = [torch.arange(num_outputs)]
+            if estimate is not None:
+                estimates = [full()]
         else:
             vertex_weights = timed("weights", weights)
             groups = timed("partition", splitter.split, parts, seed, vertex_weights)
-            sizes = timed("counting", count_layers, blocks, groups)  # every micro-batch's sizes, none sliced
-            estimates = [timed("estimate", estimate, layers, index > 0)
-                         for index, layers in enumerate(sizes)] if estimate is not None else []
+            if estimate is not None:
+                sizes = timed("counting", count_layers, blocks, groups)  # every micro-batch's sizes, none sliced
+                estimates = [timed("estimate", estimate, layers, index > 0) for index, layers in enumerate(sizes)]
         tried.append((parts, max(estimates, default=0)))
         splits[parts] = groups, sizes, estimates
         return splits[parts]
@@ -225,7 +247,8 @@ def make_split(
     def done(parts: int) -> Split:
         groups, sizes, estimates = splits[parts]
         full_batch = full() if budget is not None or parts == 1 else 0
-        return Split(groups, sizes, estimates, budget, full_batch, tried, time.perf_counter() - started, stage_seconds)
+        return Split(groups, blocks, estimates, budget, full_batch, tried, time.perf_counter() - started, stage_seconds,
+                     sizes)
 
     if budget is None:
         split(min(max(k, min_k), num_outputs))
@@ -259,8 +282,7 @@ def make_split(
     return done(parts)
 
 
-def refine_split(blocks: Sequence[BlockStructure], split: Split, estimate: Estimate, budget: int,
-                 cut: Callable[[Tensor], list[Tensor]]) -> Split:
+def refine_split(split: Split, estimate: Estimate, budget: int, cut: Callable[[Tensor], list[Tensor]]) -> Split:
     """``split`` with each micro-batch estimated over ``budget`` cut by ``cut`` (its sorted output positions → the
     pieces' sorted positions, which partition them), in its place; the micro-batches that fit are kept as they
     are, with their sizes and estimates (each keeps its place or moves later, so whether it accumulates does not
@@ -270,8 +292,7 @@ def refine_split(blocks: Sequence[BlockStructure], split: Split, estimate: Estim
     ``betty_trainer.memory.planner``): where few miss, that costs fewer micro-batches than a larger K for all.
 
     Args:
-        blocks: the batch's blocks, input layer first.
-        split: a split of ``blocks``' outputs with its ``estimates``.
+        split: a split of a batch's outputs with its ``estimates``.
         estimate: as :func:`make_split`'s.
         budget: bytes; the refined split's ``budget``.
         cut: splits one micro-batch's outputs.
@@ -299,13 +320,13 @@ def refine_split(blocks: Sequence[BlockStructure], split: Split, estimate: Estim
             estimates.append(peak)
             continue
         pieces = timed("partition", cut, group)
-        for piece, piece_layers in zip(pieces, timed("counting", count_layers, blocks, pieces), strict=True):
+        for piece, piece_layers in zip(pieces, timed("counting", count_layers, split.blocks, pieces), strict=True):
             estimates.append(timed("estimate", estimate, piece_layers, bool(groups)))  # accumulating after the first
             groups.append(piece)
             sizes.append(piece_layers)
-    return Split(groups, sizes, estimates, budget, split.full_batch_estimate,
+    return Split(groups, split.blocks, estimates, budget, split.full_batch_estimate,
                  split.tried + [(len(groups), max(estimates))], split.seconds + time.perf_counter() - started,
-                 stage_seconds)
+                 stage_seconds, sizes)
 
 
 def _check_split_arguments(blocks: Sequence[BlockStructure], estimate: Estimate | None, budget: int | None,

@@ -304,13 +304,14 @@ def sliced_sizes(blocks, group) -> list[tuple]:
 @pytest.mark.parametrize("fanouts", [[None, None], [5, 10]])
 def test_a_split_keeps_the_sizes_its_micro_batches_are_sliced_to(cora, fanouts):
     """A split keeps each micro-batch's outputs and its layers' sizes, not its slices: slicing a group again gives
-    those sizes, the degree histogram the estimate reads included (counted, not sliced, for K > 1). At K = 1 the
-    micro-batch is the batch itself, which is what slicing every output gives on sampled blocks (every src node
-    beyond the dst nodes is touched by an edge)."""
+    those sizes, the degree histogram the estimate reads included (counted, not sliced, for K > 1; made without an
+    estimate, counted when first read, not while planning). At K = 1 the micro-batch is the batch itself, which is
+    what slicing every output gives on sampled blocks (every src node beyond the dst nodes is touched by an edge)."""
     batch = sample_batch(cora, cora.train_idx, fanouts, torch.Generator().manual_seed(0))
     for k in (1, 4):
         split = make_split(batch.blocks, k=k, partitioner="reg")
-        assert len(split.groups) == len(split.sizes) == k
+        assert split.counted is None and split.stage_seconds["counting"] == 0
+        assert len(split.groups) == len(split.sizes) == k and split.counted is split.sizes
         for group, sizes in zip(split.groups, split.sizes):
             expected = sliced_sizes(batch.blocks, group)
             assert [(s.num_src, s.num_dst, s.num_edges) for s in sizes] == [e[:3] for e in expected]

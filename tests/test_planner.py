@@ -24,7 +24,8 @@ from betty_trainer.models import aggregate, build_model, set_dropout_key
 from betty_trainer.training.checkpoint import load_checkpoint
 from betty_trainer.training.trainer import train
 from estimator.peaks import PeakEstimator
-from partition import GraphPartition, make_split
+from partition import GraphPartition, make_split, redundancy
+from partition import search as search_module
 from partition.partitioners import GraphSplitter
 from partition.slicing import count_layers
 from tests.conftest import REPO
@@ -380,7 +381,7 @@ def test_every_plan_is_a_step_plan_that_runs_the_full_batch_s_gradient(setting, 
     assert isinstance(plan, StepPlan) and plan.method == mode and plan.pieces == 3
     gradients = {}
     for name, run in {"plan": plan.run, "full batch": micro_batches_module.MicroBatchPlan(
-            batch, make_split(batch.blocks, k=1), 0.0, "range").run}.items():
+            batch, make_split(batch.blocks, k=1), None, "range").run}.items():
         torch.manual_seed(0)
         model = build_model(config.model.model_copy(update={"dropout": 0.0}), graph)
         result = run(model, HostFeatureStore(graph.x, pin=False), graph.y, torch.device("cpu"))
@@ -488,6 +489,29 @@ def test_sampled_batches_are_split_by_the_graph_partition_with_exact_estimates(s
         assert plan.estimate == max(estimator.peak(micro_batch.blocks, index > 0)
                                     for index, micro_batch in enumerate(plan.micro_batches))
     assert planner.plans_made == 2 and planner.fallbacks == 0
+
+
+def test_a_sampled_batch_split_by_the_graph_at_a_fixed_k_counts_no_micro_batch_per_step(setting, monkeypatch):
+    """micro_batch.assignment=graph at a fixed K (issue 23: counting was most of such a plan): planning, the step and
+    the redundancy the training loop reads after it count no micro-batch's sizes; that redundancy, from the
+    micro-batches the step built, is exactly the counted one, and the work, counted when first read, is the counted
+    sizes' work."""
+    graph, config, *_ = setting
+    by_graph = load_config(None, OVERRIDES + ["micro_batch.assignment=graph", "micro_batch.num_micro_batches=4"])
+    estimator = PeakEstimator(model_spec(config, graph))
+    planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"), graph_partition=graph_partition(by_graph, graph))
+    counts = []
+    count = search_module.count_layers
+    monkeypatch.setattr(search_module, "count_layers", lambda *args: counts.append(args) or count(*args))
+    batch = sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(0))
+    plan = planner.plan(batch)
+    plan.run(build_model(config.model, graph), HostFeatureStore(graph.x, pin=False), graph.y, torch.device("cpu"))
+    ran = plan.redundancy()
+    assert not counts and plan.split.counted is None and plan.pieces == 4
+    counted = count_layers(batch.blocks, plan.split.groups)
+    assert ran == redundancy(batch.blocks, counted) and ran[0] > 1
+    assert plan.work == estimator.micro_batch_work(counted) and len(counts) == 1  # counted now, once
+    assert plan.redundancy() == ran
 
 
 @pytest.mark.parametrize("k", [1, 4])

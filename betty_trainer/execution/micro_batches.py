@@ -8,7 +8,7 @@ GPU, the profiler's allocation records on CPU, via :func:`estimator.measure.meas
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, overload
 
@@ -26,7 +26,7 @@ from betty_trainer.models.stack import LayerStack
 from betty_trainer.phases import GATHER
 from estimator.estimate import MemoryEstimate
 from estimator.measure import MeasuredPeak, measure_peak
-from partition import Split, redundancy
+from partition import SliceSize, Split, redundancy
 
 
 class MicroBatches(Sequence[Batch]):
@@ -36,17 +36,23 @@ class MicroBatches(Sequence[Batch]):
     (:func:`partition.slice_layers`; ``O(its edges)``, a few per cent of its step on the CPU) and builds its
     blocks (global src ids, CSC structure, edge weights); the slices' src positions and edge ids are dropped
     once the blocks are built. A loop over this sequence keeps one micro-batch alive at a time, not ``K``, and
-    nothing of the micro-batches lives between steps. A group of every output is the batch itself (``K = 1``:
-    no slicing, no copy).
+    nothing of the micro-batches lives between steps but their sizes (:attr:`built_sizes`). A group of every output
+    is the batch itself (``K = 1``: no slicing, no copy).
 
     Args:
         batch: the full batch (or mini-batch) the micro-batches slice.
         groups: per micro-batch, ``(m_k,)`` int64 sorted positions among the batch's output nodes
             (:attr:`partition.Split.groups`).
+
+    Attributes:
+        built_sizes: per micro-batch, the :class:`~partition.SliceSize` of each of its blocks (input layer first, no
+            degree histogram) once it has been read, else ``None``: what a plan whose split was not counted takes
+            its redundancy from (:meth:`MicroBatchPlan.redundancy`).
     """
 
     def __init__(self, batch: Batch, groups: Sequence[Tensor]):
         self.batch, self.groups = batch, groups
+        self.built_sizes: list[list[SliceSize] | None] = [None] * len(groups)
 
     @property
     def num_outputs(self) -> int:
@@ -56,10 +62,11 @@ class MicroBatches(Sequence[Batch]):
     def __len__(self) -> int:
         return len(self.groups)
 
-    def _build(self, group: Tensor) -> Batch:
-        if group.numel() == self.batch.output_nodes.numel():
-            return self.batch
-        return self.batch.micro_batch(group)
+    def _build(self, index: int) -> Batch:
+        group = self.groups[index]
+        built = self.batch if group.numel() == self.batch.output_nodes.numel() else self.batch.micro_batch(group)
+        self.built_sizes[index] = [SliceSize.of(block) for block in built.blocks]
+        return built
 
     @overload
     def __getitem__(self, index: int) -> Batch: ...
@@ -69,12 +76,12 @@ class MicroBatches(Sequence[Batch]):
 
     def __getitem__(self, index: int | slice) -> Batch | list[Batch]:
         if isinstance(index, slice):
-            return [self._build(group) for group in self.groups[index]]
-        return self._build(self.groups[index])
+            return [self._build(position) for position in range(len(self))[index]]
+        return self._build(range(len(self))[index])  # a negative index counts from the end, as a list's
 
     def __iter__(self) -> Iterator[Batch]:
-        for group in self.groups:
-            yield self._build(group)
+        for index in range(len(self)):
+            yield self._build(index)
 
     def __repr__(self) -> str:
         return f"MicroBatches(k={len(self)}, outputs={self.num_outputs})"
@@ -191,7 +198,9 @@ class MicroBatchPlan:
         batch: the batch the micro-batches slice.
         split: the micro-batches' output groups, their layers' sizes, estimates and search (:func:`partition.make_split`);
             each micro-batch is sliced when it runs (:class:`MicroBatches`).
-        work: the estimated cost the planner compared (see the protocol).
+        work_of: the estimated cost of the micro-batches from their layers' sizes (a built-in model's multiply-adds:
+            :meth:`PeakEstimator.micro_batch_work <estimator.peaks.PeakEstimator.micro_batch_work>`), or ``None`` for
+            :attr:`partition.Split.work` (rows and edges): :attr:`work` is made of it when first read.
         partitioner: what split the outputs (``micro_batch.partitioner``).
         feature_store_bytes: device bytes the feature store holds beside the step (taken off the budget).
         itemise: the estimate by component of a micro-batch (the closed form of a built-in model) from its layers
@@ -199,18 +208,22 @@ class MicroBatchPlan:
             ``None``.
         kept_transpose_bytes: bytes of the transposes the batch's blocks keep for the run (``K = 1`` only:
             ``betty_trainer.memory.planner.Planner``'s kept transposes; counted in the estimate's block structure).
+        ran_sizes: each micro-batch's layers' sizes as the last :meth:`run` built them (``None`` before one ends).
 
     Its estimate and report count each micro-batch's layers from the split (:meth:`counted_layers`), slicing none;
-    a micro-batch is sliced only when it runs or is measured.
+    a micro-batch is sliced only when it runs or is measured. A split made without estimates (a fixed ``K``
+    assigned by the graph) is counted only when something reads its sizes: the estimate, the report, the work; the
+    redundancy the training loop reads after every step comes from the micro-batches the step built.
     """
 
     batch: Batch
     split: Split
-    work: float
+    work_of: Callable[[list[list[SliceSize]]], float] | None
     partitioner: str
     feature_store_bytes: int = 0
     itemise: Itemise | None = None
     kept_transpose_bytes: int = 0
+    ran_sizes: list[list[SliceSize]] | None = field(default=None, init=False, repr=False)
     method: ClassVar[str] = "micro_batches"
 
     @property
@@ -233,6 +246,12 @@ class MicroBatchPlan:
         blocks (the whole batch, whose sizes the split keeps without a histogram)."""
         return self.batch.blocks if self.split.k == 1 else self.split.sizes[index]
 
+    @cached_property
+    def work(self) -> float:
+        """The estimated cost the planner compares (see the protocol): :attr:`work_of` the split's sizes, or
+        :attr:`partition.Split.work`; made when first read (counting the split's sizes where it was not)."""
+        return self.work_of(self.split.sizes) if self.work_of is not None else float(self.split.work)
+
     @property
     def summary(self) -> str:
         return f"{self.pieces} micro-batch{'es' if self.pieces > 1 else ''}"
@@ -248,10 +267,19 @@ class MicroBatchPlan:
         return MicroBatches(self.batch, self.split.groups)
 
     def redundancy(self) -> list[float]:
-        return redundancy(self.batch.blocks, self.split.sizes)
+        """Per layer, ``Σ_k src rows of micro-batch k / the batch's src rows`` (:func:`partition.redundancy`): from the
+        split's sizes where it has counted them, else from :attr:`ran_sizes` where a run has ended (slicing and
+        counting give the same sizes: ``count_layers``' contract), else counted now."""
+        counted = self.split.counted is not None or self.ran_sizes is None
+        return redundancy(self.batch.blocks, self.split.sizes if counted else self.ran_sizes)
 
     def run(self, model: nn.Module, features: FeatureStore, labels: Tensor, device: torch.device) -> StepResult:
-        return accumulate_gradients(model, self.micro_batches, features, labels, device)
+        """The micro-batches' forward and backward (:func:`accumulate_gradients`), each built when it runs; their
+        sizes are kept (:attr:`ran_sizes`)."""
+        micro_batches = self.micro_batches
+        result = accumulate_gradients(model, micro_batches, features, labels, device)
+        self.ran_sizes = micro_batches.built_sizes
+        return result
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer, features: FeatureStore, labels: Tensor,
                 device: torch.device) -> list[int]:

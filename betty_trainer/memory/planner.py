@@ -72,27 +72,28 @@ class Planner:
             :func:`samples_batches` is false), so a plan of it in one micro-batch may keep its blocks' transposes.
 
     Assignment by the graph: with a ``graph_partition``, a batch's micro-batches are its outputs grouped by their
-    nodes' parts in the graph's K-way partition (made once per K for the run) and counted; no REG and no METIS
-    per batch. Without a budget K is ``num_micro_batches`` and nothing is estimated per batch (the plan
-    estimates its micro-batches when asked: :attr:`MicroBatchPlan.estimate
-    <betty_trainer.execution.micro_batches.MicroBatchPlan.estimate>`). Under a budget the first batch is planned
-    per batch (the K search on its REG) and its K is the graph's; each later batch tries the graph's K, and
-    where its largest estimate misses the budget, each micro-batch that missed is cut in two by a METIS bisection
-    of its part of the graph (:meth:`GraphSplitter.halves <partition.partitioners.GraphSplitter.halves>`: made once
-    per part and K, on the part's own edges; :func:`~partition.search.refine_split`), and the batch takes that split
-    where it fits in no more micro-batches than the graph's K would grow to, ``⌈K · (largest − resident) / (budget −
-    resident)⌉`` (a micro-batch's own bytes shrink about as 1/K), at least K + 1 (``refined`` counts those batches;
-    the graph's K stays, as one K for every batch would need headroom for the worst); else the graph's K grows to
-    that K and the batch tries it; where it misses again the batch is planned per batch instead (``fallbacks``
-    counts those batches) and the graph's K becomes the larger of that K and the per-batch search's. After
-    :data:`GRAPH_K_SHRINK_AFTER` batches that fit at the graph's K, it drops to the largest K the same 1/K rule
-    says they needed, where that is lower, never to a K that missed, nor to one whose batch was refined (each new
-    K is one METIS of the whole graph, made once; every move is logged at INFO level). Where the peak falls much
-    slower than 1/K (Amazon Computers' dense neighbourhoods: the micro-batches share most input rows) the rule
-    asks for too few in both directions (``benchmarks/README.md`` › sampled_planning.py › Under a budget).
-    ``graph_k`` is the K the next batch tries (``None`` before the first batch, and without a budget). Any
-    assignment of the outputs gives the full batch's gradient (Betty §4.2.3); the estimate counts the
-    micro-batches the assignment makes.
+    nodes' parts in the graph's K-way partition (made once per K for the run); no REG and no METIS per batch. Without
+    a budget K is ``num_micro_batches`` and nothing is counted or estimated per batch (the plan counts and estimates
+    its micro-batches when asked: :attr:`MicroBatchPlan.estimate
+    <betty_trainer.execution.micro_batches.MicroBatchPlan.estimate>`; the redundancy read after each step comes from
+    the micro-batches the step built; ``micro_batch.mode=auto``, comparing two plans' work, counts them). Under a
+    budget the micro-batches are counted and estimated: the first batch is planned per batch (the K search on its REG)
+    and its K is the graph's; each later batch tries the graph's K, and where its largest estimate misses the budget,
+    each micro-batch that missed is cut in two by a METIS bisection of its part of the graph
+    (:meth:`GraphSplitter.halves <partition.partitioners.GraphSplitter.halves>`: made once per part and K, on the
+    part's own edges; :func:`~partition.search.refine_split`), and the batch takes that split where it fits in no more
+    micro-batches than the graph's K would grow to, ``⌈K · (largest − resident) / (budget − resident)⌉`` (a
+    micro-batch's own bytes shrink about as 1/K), at least K + 1 (``refined`` counts those batches; the graph's K
+    stays, as one K for every batch would need headroom for the worst); else the graph's K grows to that K and the
+    batch tries it; where it misses again the batch is planned per batch instead (``fallbacks`` counts those batches)
+    and the graph's K becomes the larger of that K and the per-batch search's. After :data:`GRAPH_K_SHRINK_AFTER`
+    batches that fit at the graph's K, it drops to the largest K the same 1/K rule says they needed, where that is
+    lower, never to a K that missed, nor to one whose batch was refined (each new K is one METIS of the whole graph,
+    made once; every move is logged at INFO level). Where the peak falls much slower than 1/K (Amazon Computers' dense
+    neighbourhoods: the micro-batches share most input rows) the rule asks for too few in both directions
+    (``benchmarks/README.md`` › sampled_planning.py › Under a budget). ``graph_k`` is the K the next batch tries
+    (``None`` before the first batch, and without a budget). Any assignment of the outputs gives the full batch's
+    gradient (Betty §4.2.3); the estimate counts the micro-batches the assignment makes.
 
     Layer-wise chunks by the graph: with a ``graph_partition`` and no budget (K chunks per layer, fixed), a layer's
     chunks are its dst nodes grouped by their nodes' parts in a K-way partition of the same graph that balances every
@@ -223,7 +224,9 @@ class Planner:
                             " some of the graph's parts)" if "graph" in short.partitioner else
                             f" (it left parts empty; micro_batch.partitioner=range or random give exactly min(K, {limit}))"),
                            short.pieces)
-        plan = self._keep_transposes(min(candidates, key=lambda candidate: candidate.work))
+        # one candidate's work is not read (a micro-batch plan's is its split's sizes, counted when first read)
+        chosen = min(candidates, key=lambda candidate: candidate.work) if len(candidates) > 1 else candidates[0]
+        plan = self._keep_transposes(chosen)
         self.plans_made += 1
         self._last = _LastPlan(min_pieces, self._splitter, plan)
         if len(candidates) > 1:
@@ -289,8 +292,8 @@ class Planner:
                 if self.graph_partition is not None and budget is not None and (self.graph_k or 0) < split.k:
                     self._move_graph_k(split.k, "the per-batch search needed as many")  # the first batch's: the graph's
             itemise = functools.partial(estimator.itemised, weighted=weighted) if closed_form else None
-            return MicroBatchPlan(batch, split, estimator.micro_batch_work(split.sizes) if closed_form else float(split.work),
-                                  partitioner, self.feature_store_bytes, itemise)
+            return MicroBatchPlan(batch, split, estimator.micro_batch_work if closed_form else None, partitioner,
+                                  self.feature_store_bytes, itemise)
         layerwise = estimator.layerwise(batch.blocks) if closed_form else None
         # the whole batch in one micro-batch: less work, so no chunking above it
         ceiling = whole() if closed_form else None
@@ -346,7 +349,7 @@ class Planner:
             # the largest under the budget, at least one more; the graph's K never drops on a miss
             asked = max(k + 1, k_to_fit(k, largest, self.resident, self.budget))
             if k + sum(peak > self.budget for peak in split.estimates) <= asked:  # a few missed: cut them in two
-                refined = refine_split(batch.blocks, split, estimate, self.budget, functools.partial(
+                refined = refine_split(split, estimate, self.budget, functools.partial(
                     self.graph_partition.splitter(batch.output_nodes).halves, k, self.seed))
                 if refined.k <= asked and max(refined.estimates) <= self.budget:
                     self.refined += 1
