@@ -38,7 +38,8 @@ class Split:
     A split keeps what makes a micro-batch, not the micro-batch: its output positions, and the sizes of its
     layers (for the work, the redundancy and the report). A micro-batch's :class:`~partition.slicing.LayerSlice` s
     (``O(its edges)``) are sliced again when it runs (:func:`~partition.slicing.slice_layers` of its group), so
-    the split holds ``8 · outputs`` bytes of tensors at any K, not every micro-batch's slices.
+    the split holds ``8 · outputs`` bytes of tensors of its own at any K (and the batch's blocks, which a plan of the
+    batch holds anyway), not every micro-batch's slices.
 
     The sizes are counted (:func:`~partition.slicing.count_layers`) while planning only where the search estimates
     the micro-batches; a split of a given K made without an estimate counts them when :attr:`sizes` is first read
@@ -61,7 +62,7 @@ class Split:
             and building the REG when the splitter had not built it yet; for a graph splitter, the look-up, and
             the graph's METIS for a K the run had not partitioned yet), ``"counting"`` (the micro-batches'
             layer sizes, :func:`~partition.slicing.count_layers`; a count made when :attr:`sizes` is first read
-            adds to it), ``"estimate"``.
+            adds to it; K = 1's sizes are the whole blocks', read, not counted), ``"estimate"``.
         counted: per micro-batch, its :class:`~partition.slicing.SliceSize` per layer (input layer first), or
             ``None`` until :attr:`sizes` is first read.
     """

@@ -514,6 +514,21 @@ def test_a_sampled_batch_split_by_the_graph_at_a_fixed_k_counts_no_micro_batch_p
     assert plan.redundancy() == ran
 
 
+def test_a_run_of_sampled_batches_split_by_the_graph_counts_only_the_first_batch_it_shows(tmp_path, monkeypatch):
+    """``train()`` on sampled mini-batches split by the graph at a fixed K counts micro-batches once: the first
+    batch's plan it shows and writes (``plan.json``: estimate and sizes); every later batch and epoch, and the
+    redundancy logged after each step, count nothing."""
+    counts = []
+    count = search_module.count_layers
+    monkeypatch.setattr(search_module, "count_layers", lambda *args: counts.append(args) or count(*args))
+    train(load_config(None, OVERRIDES + ["sampling.fanouts=5,10", "sampling.batch_size=50", "optim.epochs=2",
+                                         "micro_batch.assignment=graph", "micro_batch.num_micro_batches=4"]),
+          run_dir=tmp_path)
+    epochs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(counts) == 1 and len(epochs) == 2 and all(epoch["input_redundancy"] > 1 for epoch in epochs)
+    assert json.loads((tmp_path / "plan.json").read_text())["partitioner"] == "graph"
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_a_micro_batch_plan_estimates_and_reports_without_slicing(setting, monkeypatch, k):
     """A plan's estimate and report count each micro-batch from its split (``count_layers``' sizes, the batch's edge

@@ -51,8 +51,10 @@ class StepPlan(Protocol):
             for more.
         estimate: the estimated peak of the step in bytes (its largest piece's; ``None`` without an
             estimate, e.g. an uncalibrated custom model at a fixed ``K``).
-        work: the estimated cost the planner compared plans by (multiply-adds of a built-in model, rows and
-            edges processed otherwise); only ratios between plans of one batch are meaningful.
+        work: the estimated cost the planner compares plans by (multiply-adds of a built-in model, rows and
+            edges processed otherwise); only ratios between plans of one batch are meaningful. A plan may make it when
+            first read (a micro-batch plan counting its micro-batches' sizes), and the planner reads it only where it
+            compares two plans.
         host_bytes: bytes of the tensors the plan itself holds beside its batch, between steps as during them
             (``plan.json``'s ``plan_host_bytes``): what keeping the plan costs in host memory, outside every step's
             estimated peak.
