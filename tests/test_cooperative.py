@@ -3,7 +3,9 @@ P gloo processes on loopback equal to one process computing the same global batc
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -15,6 +17,7 @@ import torch.multiprocessing as mp
 
 from betty_trainer import GraphSAGE, HostFeatureStore, accumulate_gradients, load_dataset
 from betty_trainer.config import DatasetConfig, load_config
+from betty_trainer.distributed import exchange as exchange_module
 from betty_trainer.distributed.ownership import _symmetric_adjacency, load_owners, vertex_owners
 from betty_trainer.errors import ConfigError, TrainingError
 from betty_trainer.execution.cooperative import CooperativePlan, cooperative_step
@@ -247,3 +250,33 @@ def test_cooperative_mode_refuses_the_samplers_whose_sample_is_per_process_or_pe
     else:
         with pytest.raises(ConfigError, match=refused):
             check_cooperative(config)
+
+
+def test_a_cpu_exchange_returns_once_the_backend_lets_go_of_views_of_its_buffers(monkeypatch, caplog):
+    """``_all_to_all`` on the CPU returns only after the backend's worker thread has dropped what it held of the
+    tensors, views of them included (seen only in their storages' reference counts), so the send buffer is freed
+    where the code says, as the cooperative estimate counts it; past ``RELEASE_WAIT_S`` it returns with a warning
+    instead of waiting on."""
+    released = threading.Event()
+
+    def backend(output, input, output_counts, input_counts, group=None):  # a worker thread holding on after it is done
+        output.copy_(input)
+        kept = [output.view(-1), input[:]]
+
+        def worker():
+            time.sleep(0.2)
+            kept.clear()
+            released.set()
+
+        threading.Thread(target=worker).start()
+
+    monkeypatch.setattr(exchange_module.dist, "all_to_all_single", backend)
+    exchange_module._all_to_all(torch.empty(4), torch.arange(4.0), [4], [4], None)
+    assert released.is_set()
+
+    released.clear()
+    monkeypatch.setattr(exchange_module, "RELEASE_WAIT_S", 0.01)
+    with caplog.at_level(logging.WARNING, logger=exchange_module.__name__):
+        exchange_module._all_to_all(torch.empty(4), torch.arange(4.0), [4], [4], None)
+    assert not released.is_set() and "still held an all-to-all's buffers" in caplog.text
+    released.wait(5)

@@ -12,6 +12,7 @@ sums them at the owner, so autograd runs through it.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from betty_trainer.errors import TrainingError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,8 +144,15 @@ def plan_exchange(requested: Tensor, owners: Tensor, group: dist.ProcessGroup | 
     return Exchange(order, send_counts, recv_counts, serve_index, owned, group, row_group, traffic)
 
 
-RELEASE_WAIT_S = 1.0
-"""Longest a CPU exchange waits for gloo's worker thread to let go of its buffers (it does within microseconds)."""
+RELEASE_WAIT_S = 10.0
+"""Longest a CPU exchange waits for gloo's worker thread to let go of its buffers (it does within microseconds; a
+machine loaded far past its cores can hold that thread off for longer)."""
+
+
+def _references(tensor: Tensor) -> tuple[int, int]:
+    """Reference counts of ``tensor``'s TensorImpl and of its storage (private but stable APIs): a holder of the
+    tensor raises the first, a holder of a view of it (or of its storage) only the second."""
+    return tensor._use_count(), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 def _all_to_all(output: Tensor, input: Tensor, output_counts: list[int], input_counts: list[int],
@@ -151,16 +161,21 @@ def _all_to_all(output: Tensor, input: Tensor, output_counts: list[int], input_c
 
     gloo's worker thread holds both tensors until it drops its work item, a moment after the collective completes;
     under load that moment can come after the caller has moved on, so a buffer the caller frees would die later
-    than the caller (and the memory estimate, ``estimator.cooperative``) says. Waiting for the tensors' reference
-    counts to fall back (at most :data:`RELEASE_WAIT_S`) makes every free happen where the code says. On CUDA, NCCL
-    keeps the tensors until its stream is done with them and the caching allocator orders the reuse: no wait.
+    than the caller (and the memory estimate, ``estimator.cooperative``) says. Waiting for the tensors' and their
+    storages' reference counts to fall back (at most :data:`RELEASE_WAIT_S`; past it a warning says the step's
+    memory may exceed its estimate) makes every free happen where the code says. On CUDA, NCCL keeps the tensors
+    until its stream is done with them and the caching allocator orders the reuse: no wait.
     """
-    held = (output._use_count(), input._use_count())  # private but stable API: the TensorImpl's reference count
+    held = _references(output) + _references(input)
     dist.all_to_all_single(output, input, output_counts, input_counts, group=group)
     if output.device.type != "cpu":
         return
     deadline = time.monotonic() + RELEASE_WAIT_S
-    while (output._use_count() > held[0] or input._use_count() > held[1]) and time.monotonic() < deadline:
+    while any(now > before for now, before in zip(_references(output) + _references(input), held, strict=True)):
+        if time.monotonic() >= deadline:
+            logger.warning("the backend still held an all-to-all's buffers %.0f s after it completed: this step's "
+                           "host memory may exceed its estimate until it lets go", RELEASE_WAIT_S)
+            return
         time.sleep(0)  # yield to the worker thread
 
 
