@@ -491,7 +491,16 @@ def test_sampled_batches_are_split_by_the_graph_partition_with_exact_estimates(s
     assert planner.plans_made == 2 and planner.fallbacks == 0
 
 
-def test_a_sampled_batch_split_by_the_graph_at_a_fixed_k_counts_no_micro_batch_per_step(setting, monkeypatch):
+@pytest.fixture
+def counts(monkeypatch) -> list[tuple]:
+    """The arguments of every :func:`partition.slicing.count_layers` call a split makes, in order."""
+    calls = []
+    count = search_module.count_layers
+    monkeypatch.setattr(search_module, "count_layers", lambda *args: calls.append(args) or count(*args))
+    return calls
+
+
+def test_a_sampled_batch_split_by_the_graph_at_a_fixed_k_counts_no_micro_batch_per_step(setting, counts):
     """micro_batch.assignment=graph at a fixed K (issue 23: counting was most of such a plan): planning, the step and
     the redundancy the training loop reads after it count no micro-batch's sizes; that redundancy, from the
     micro-batches the step built, is exactly the counted one, and the work, counted when first read, is the counted
@@ -500,9 +509,6 @@ def test_a_sampled_batch_split_by_the_graph_at_a_fixed_k_counts_no_micro_batch_p
     by_graph = load_config(None, OVERRIDES + ["micro_batch.assignment=graph", "micro_batch.num_micro_batches=4"])
     estimator = PeakEstimator(model_spec(config, graph))
     planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"), graph_partition=graph_partition(by_graph, graph))
-    counts = []
-    count = search_module.count_layers
-    monkeypatch.setattr(search_module, "count_layers", lambda *args: counts.append(args) or count(*args))
     batch = sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(0))
     plan = planner.plan(batch)
     plan.run(build_model(config.model, graph), HostFeatureStore(graph.x, pin=False), graph.y, torch.device("cpu"))
@@ -514,13 +520,10 @@ def test_a_sampled_batch_split_by_the_graph_at_a_fixed_k_counts_no_micro_batch_p
     assert plan.redundancy() == ran
 
 
-def test_a_run_of_sampled_batches_split_by_the_graph_counts_only_the_first_batch_it_shows(tmp_path, monkeypatch):
+def test_a_run_of_sampled_batches_split_by_the_graph_counts_only_the_first_batch_it_shows(tmp_path, counts):
     """``train()`` on sampled mini-batches split by the graph at a fixed K counts micro-batches once: the first
     batch's plan it shows and writes (``plan.json``: estimate and sizes); every later batch and epoch, and the
     redundancy logged after each step, count nothing."""
-    counts = []
-    count = search_module.count_layers
-    monkeypatch.setattr(search_module, "count_layers", lambda *args: counts.append(args) or count(*args))
     train(load_config(None, OVERRIDES + ["sampling.fanouts=5,10", "sampling.batch_size=50", "optim.epochs=2",
                                          "micro_batch.assignment=graph", "micro_batch.num_micro_batches=4"]),
           run_dir=tmp_path)

@@ -267,11 +267,10 @@ class MicroBatchPlan:
         return MicroBatches(self.batch, self.split.groups)
 
     def redundancy(self) -> list[float]:
-        """Per layer, ``Σ_k src rows of micro-batch k / the batch's src rows`` (:func:`partition.redundancy`): from the
-        split's sizes where it has counted them, else from :attr:`ran_sizes` where a run has ended (slicing and
-        counting give the same sizes: ``count_layers``' contract), else counted now."""
-        counted = self.split.counted is not None or self.ran_sizes is None
-        return redundancy(self.batch.blocks, self.split.sizes if counted else self.ran_sizes)
+        """Per layer, ``Σ_k src rows of micro-batch k / the batch's src rows`` (:func:`partition.redundancy`): from
+        :attr:`ran_sizes` where a run has ended, else from the split's sizes (counted now where they were not;
+        slicing and counting give the same sizes: ``count_layers``' contract)."""
+        return redundancy(self.batch.blocks, self.ran_sizes if self.ran_sizes is not None else self.split.sizes)
 
     def run(self, model: nn.Module, features: FeatureStore, labels: Tensor, device: torch.device) -> StepResult:
         """The micro-batches' forward and backward (:func:`accumulate_gradients`), each built when it runs; their
