@@ -254,29 +254,32 @@ def test_cooperative_mode_refuses_the_samplers_whose_sample_is_per_process_or_pe
 
 def test_a_cpu_exchange_returns_once_the_backend_lets_go_of_views_of_its_buffers(monkeypatch, caplog):
     """``_all_to_all`` on the CPU returns only after the backend's worker thread has dropped what it held of the
-    tensors, views of them included (seen only in their storages' reference counts), so the send buffer is freed
+    tensors, tensors sharing their storages included (seen only in the storages' reference counts), so the send buffer is freed
     where the code says, as the cooperative estimate counts it; past ``RELEASE_WAIT_S`` it returns with a warning
     instead of waiting on."""
-    released = threading.Event()
+    let_go, released = threading.Event(), threading.Event()
 
     def backend(output, input, output_counts, input_counts, group=None):  # a worker thread holding on after it is done
         output.copy_(input)
-        kept = [output.view(-1), input[:]]
+        kept = [output.detach(), input.detach()]  # share the storages, not the TensorImpls
 
         def worker():
-            time.sleep(0.2)
+            let_go.wait()
+            released.set()  # before the views go, so a return that waited for them always finds it set
             kept.clear()
-            released.set()
 
         threading.Thread(target=worker).start()
 
     monkeypatch.setattr(exchange_module.dist, "all_to_all_single", backend)
+    threading.Timer(0.2, let_go.set).start()
     exchange_module._all_to_all(torch.empty(4), torch.arange(4.0), [4], [4], None)
     assert released.is_set()
 
+    let_go.clear()
     released.clear()
     monkeypatch.setattr(exchange_module, "RELEASE_WAIT_S", 0.01)
     with caplog.at_level(logging.WARNING, logger=exchange_module.__name__):
         exchange_module._all_to_all(torch.empty(4), torch.arange(4.0), [4], [4], None)
     assert not released.is_set() and "still held an all-to-all's buffers" in caplog.text
-    released.wait(5)
+    let_go.set()
+    assert released.wait(5)
