@@ -17,7 +17,7 @@ from betty_trainer.config import load_config
 from betty_trainer.data.feature_store import HostFeatureStore
 from betty_trainer.execution.micro_batches import measure_training_step
 from betty_trainer.memory.spec import model_spec, spec_of
-from betty_trainer.models import build_model, set_dropout_key
+from betty_trainer.models import build_model, recorded_terms, set_dropout_key
 from betty_trainer.models.recorded_terms import RecordedLayer, RecordedStack, model_terms
 from betty_trainer.models.stack import LayerStack
 from betty_trainer.rng import tensor_path
@@ -105,6 +105,24 @@ def test_model_terms_are_recorded_once_per_model_structure():
     frozen.layers[0].requires_grad_(False)
     assert model_terms(first) is not model_terms(frozen)
     assert all(p.device.type == "meta" for p in model_terms(first).model.parameters())
+
+
+def test_model_terms_keep_the_most_recently_used_configurations(monkeypatch):
+    """A process keeps the recordings of at most ``STACKS_KEPT`` configurations, dropping the least recently used:
+    a configuration used again stays, one not used since is recorded anew."""
+    recorded = []
+    monkeypatch.setattr(recorded_terms, "_STACKS", {})
+    monkeypatch.setattr(recorded_terms, "STACKS_KEPT", 2)
+    monkeypatch.setattr(recorded_terms, "RecordedStack", lambda model: recorded.append(model) or RecordedStack(model))
+    first, second, third = (built("gcn", width, 0.5)[0] for width in (8, 12, 16))
+    kept = model_terms(first)
+    model_terms(second)
+    assert model_terms(first) is kept and len(recorded) == 2  # used again: now the most recent
+    model_terms(third)  # drops second's, the least recently used
+    assert model_terms(first) is kept and len(recorded) == 3 and len(recorded_terms._STACKS) == 2
+    model_terms(second)  # recorded anew, in place of third's
+    model_terms(third)  # recorded anew, in place of first's
+    assert len(recorded) == 5 and model_terms(first) is not kept and len(recorded) == 6
 
 
 @pytest.mark.parametrize(("mode", "width"), [(torch.no_grad, 23), (torch.inference_mode, 21)],

@@ -694,13 +694,17 @@ class RecordedStack:
         return self.layers[index].layer_memory_terms(tape, counts, h, h_grad, consume_input)
 
 
-_STACKS: dict[tuple, RecordedStack] = {}
+STACKS_KEPT = 64
+"""Model configurations whose recordings a process keeps (:func:`model_terms`), the least recently used dropped
+first: a sweep over many configurations in one process holds at most this many."""
+
+_STACKS: dict[tuple, RecordedStack] = {}  # in order of use, the most recent last
 
 
 def model_terms(model: LayerStack) -> RecordedStack:
     """The :class:`RecordedStack` of ``model``, one per process for models of the same module classes, configuration
     (``repr``), and parameter shapes, dtypes and ``requires_grad``: recorded on a meta-device copy (no parameter or
-    buffer is kept), each configuration once.
+    buffer is kept), each configuration once while it is among the :data:`STACKS_KEPT` most recently used.
 
     Raises:
         RecordingRefused: as :class:`RecordedStack`.
@@ -708,8 +712,12 @@ def model_terms(model: LayerStack) -> RecordedStack:
     check_torch()  # on every call, cached or not
     key = (tuple(type(module) for module in model.modules()), repr(model),
            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()))
-    if key not in _STACKS:
+    stack = _STACKS.pop(key, None)
+    if stack is None:
         memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in model.parameters()}
         memo.update({id(buffer): torch.empty_like(buffer, device="meta") for buffer in model.buffers()})
-        _STACKS[key] = RecordedStack(copy.deepcopy(model, memo))
-    return _STACKS[key]
+        stack = RecordedStack(copy.deepcopy(model, memo))
+        while len(_STACKS) >= STACKS_KEPT:
+            del _STACKS[next(iter(_STACKS))]  # the least recently used
+    _STACKS[key] = stack  # now the most recent
+    return stack
