@@ -71,9 +71,9 @@ def test_planned_micro_batches_fit_the_budget_with_the_smallest_k(setting, fract
 
 def test_balanced_weights_keep_the_largest_micro_batch_near_the_mean(setting):
     graph, config, batch, *_ = setting
-    planner = Planner(config.micro_batch, PeakEstimator(model_spec(config, graph)), torch.device("cpu"))
-    plan = planner.plan(batch)
-    dynamic = [e - planner.resident for e in plan.split.estimates]
+    estimator = PeakEstimator(model_spec(config, graph))
+    plan = Planner(config.micro_batch, estimator, torch.device("cpu")).plan(batch)
+    dynamic = [estimator.peak(layers, index > 0) - estimator.resident_bytes for index, layers in enumerate(plan.split.sizes)]
     # METIS balances the output-cost weights only up to its imbalance factor, and the weights are the
     # estimator's per-output costs, not its exact per-micro-batch bytes (shared inputs): 25% over the mean
     assert max(dynamic) <= 1.25 * sum(dynamic) / len(dynamic)
@@ -500,36 +500,45 @@ def counts(monkeypatch) -> list[tuple]:
     return calls
 
 
-def test_a_sampled_batch_split_by_the_graph_at_a_fixed_k_counts_no_micro_batch_per_step(setting, counts):
-    """micro_batch.assignment=graph at a fixed K (issue 23: counting was most of such a plan): planning, the step and
-    the redundancy the training loop reads after it count no micro-batch's sizes; that redundancy, from the
-    micro-batches the step built, is exactly the counted one, and the work, counted when first read, is the counted
-    sizes' work."""
+@pytest.mark.parametrize("assignment", ["graph", "batch"])
+def test_a_sampled_batch_split_at_a_fixed_k_counts_no_micro_batch_per_step(setting, counts, assignment):
+    """A fixed K (issue 23: counting was most of such a plan), its outputs assigned by the run's graph partition or
+    by the partitioner per batch: planning, the step and the redundancy the training loop reads after it count no
+    micro-batch's sizes; that redundancy, from the micro-batches the step built, is exactly the counted one, and the
+    work and the estimate, counted once when first read, are the counted sizes' (the estimate: each micro-batch's
+    closed-form peak, as a search under a budget has it)."""
     graph, config, *_ = setting
-    by_graph = load_config(None, OVERRIDES + ["micro_batch.assignment=graph", "micro_batch.num_micro_batches=4"])
+    fixed = load_config(None, OVERRIDES + [f"micro_batch.assignment={assignment}", "micro_batch.num_micro_batches=4"])
     estimator = PeakEstimator(model_spec(config, graph))
-    planner = Planner(by_graph.micro_batch, estimator, torch.device("cpu"), graph_partition=graph_partition(by_graph, graph))
+    planner = Planner(fixed.micro_batch, estimator, torch.device("cpu"),
+                      graph_partition=graph_partition(fixed, graph) if assignment == "graph" else None)
     batch = sample_batch(graph, graph.train_idx, [5, 10], torch.Generator().manual_seed(0))
     plan = planner.plan(batch)
     plan.run(build_model(config.model, graph), HostFeatureStore(graph.x, pin=False), graph.y, torch.device("cpu"))
     ran = plan.redundancy()
-    assert not counts and plan.split.counted is None and plan.pieces == 4
+    assert not counts and plan.split.counted is None and plan.pieces == 4 and not plan.split.estimates
+    assert plan.partitioner == ("graph" if assignment == "graph" else fixed.micro_batch.partitioner)
     counted = count_layers(batch.blocks, plan.split.groups)
     assert ran == redundancy(batch.blocks, counted) and ran[0] > 1
     assert plan.work == estimator.micro_batch_work(counted) and len(counts) == 1  # counted now, once
-    assert plan.redundancy() == ran
+    assert plan.estimate == max(estimator.peak(layers, index > 0) for index, layers in enumerate(counted))
+    assert plan.redundancy() == ran and len(counts) == 1
 
 
-def test_a_run_of_sampled_batches_split_by_the_graph_counts_only_the_first_batch_it_shows(tmp_path, counts):
-    """``train()`` on sampled mini-batches split by the graph at a fixed K counts micro-batches once: the first
-    batch's plan it shows and writes (``plan.json``: estimate and sizes); every later batch and epoch, and the
-    redundancy logged after each step, count nothing."""
+@pytest.mark.parametrize("assignment", ["graph", "batch"])
+def test_a_run_of_sampled_batches_at_a_fixed_k_counts_only_the_first_batch_it_shows(tmp_path, counts, assignment):
+    """``train()`` on sampled mini-batches split at a fixed K (by the graph, or by REG per batch) counts micro-batches
+    once: the first batch's plan it shows and writes (``plan.json``: estimate and sizes); every later batch and
+    epoch, and the redundancy logged after each step, count nothing."""
     train(load_config(None, OVERRIDES + ["sampling.fanouts=5,10", "sampling.batch_size=50", "optim.epochs=2",
-                                         "micro_batch.assignment=graph", "micro_batch.num_micro_batches=4"]),
+                                         f"micro_batch.assignment={assignment}", "micro_batch.num_micro_batches=4"]),
           run_dir=tmp_path)
     epochs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(counts) == 1 and len(epochs) == 2 and all(epoch["input_redundancy"] > 1 for epoch in epochs)
-    assert json.loads((tmp_path / "plan.json").read_text())["partitioner"] == "graph"
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["partitioner"] == ("graph" if assignment == "graph" else "reg") and plan["pieces"][0]["estimate"]
+    assert plan["tried"] == [{"k": 4, "largest_estimate_bytes": None}]  # the split estimated nothing; the plan did
+    assert plan["estimate_peak_bytes"] == max(piece["estimate"]["peak_bytes"] for piece in plan["pieces"])
 
 
 @pytest.mark.parametrize("k", [1, 4])

@@ -145,7 +145,8 @@ def plan_report(plan: StepPlan, rows: list[dict], *, budget: int | None, partiti
         rows: one row per piece (:func:`piece_row`), each with, where the plan estimates or measures a piece on
             its own, ``estimate`` (``peak_bytes`` and the components ``at_peak``), ``measured_peak_bytes`` and
             ``error``.
-        budget, partitioner, tried, seconds, feature_store_bytes: what the search was given and did.
+        budget, partitioner, tried, seconds, feature_store_bytes: what the search was given and did (``tried``:
+            each K and its largest estimate, 0 where the search estimated nothing, written ``null``: a fixed K).
         full_batch_estimate: the estimated peak of the unsplit batch, bytes, where the search made one.
         measured_step: the measured peak of the whole step, bytes (the largest piece's, or the one layer-wise
             step's).
@@ -165,7 +166,7 @@ def plan_report(plan: StepPlan, rows: list[dict], *, budget: int | None, partiti
         "work": plan.work,
         "plan_host_bytes": plan.host_bytes,
         "redundancy_per_layer": plan.redundancy(),
-        "tried": [{"k": k, "largest_estimate_bytes": peak} for k, peak in tried],
+        "tried": [{"k": k, "largest_estimate_bytes": peak or None} for k, peak in tried],  # 0: not estimated
         "planning_seconds": seconds,
         **extra,
         "pieces": rows,

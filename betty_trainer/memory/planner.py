@@ -93,7 +93,10 @@ class Planner:
     neighbourhoods: the micro-batches share most input rows) the rule asks for too few in both directions
     (``benchmarks/README.md`` › sampled_planning.py › Under a budget). ``graph_k`` is the K the next batch tries
     (``None`` before the first batch, and without a budget). Any assignment of the outputs gives the full batch's
-    gradient (Betty §4.2.3); the estimate counts the micro-batches the assignment makes.
+    gradient (Betty §4.2.3); the estimate counts the micro-batches the assignment makes. Without a graph partition
+    and without a budget, a batch split by its own partitioner is likewise not counted or estimated where the
+    estimator has a closed form (the plan does that when asked); a calibrated custom model's estimates are made
+    with the split, which is all that reports them.
 
     Layer-wise chunks by the graph: with a ``graph_partition`` and no budget (K chunks per layer, fixed), a layer's
     chunks are its dst nodes grouped by their nodes' parts in a K-way partition of the same graph that balances every
@@ -284,8 +287,9 @@ class Planner:
             if split is None:
                 if self._splitter is None:
                     self._splitter = OutputSplitter(batch.blocks[-1], config.partitioner)
+                # a fixed K decides nothing by the estimates: a closed form estimates the plan when asked
                 split, partitioner = make_split(
-                    batch.blocks, estimate, budget=budget,
+                    batch.blocks, None if budget is None and closed_form else estimate, budget=budget,
                     k=None if budget is not None else min(config.num_micro_batches, batch.output_nodes.numel()),
                     resident_bytes=self.resident, min_k=min_pieces, partitioner=config.partitioner, seed=self.seed,
                     balance=config.balance, splitter=self._splitter, full_batch_estimate=whole), config.partitioner
