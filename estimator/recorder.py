@@ -51,10 +51,11 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -456,6 +457,52 @@ def distinct_storage_bytes(tensors: Sequence[Tensor]) -> int:
     storage identity, not by address: every fake storage is at address 0)."""
     storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+
+RECORDINGS_KEPT = 64
+"""Recordings a process keeps per cache (:class:`KeptRecordings`): a sweep over many model configurations in one
+process holds at most this many of each kind."""
+
+R = TypeVar("R")
+
+
+class KeptRecordings(Generic[R]):
+    """Recordings kept for the process by key, each made once while it is among the ``kept`` most recently used
+    (the least recently used dropped first), so that a long process that meets many configurations keeps a bounded
+    number: the cache of ``betty_trainer.memory.recorded.record_model`` and of
+    ``betty_trainer.models.recorded_terms.model_terms``.
+
+    Args:
+        kept: the most recordings kept, ≥ 1.
+
+    Raises:
+        ValueError: ``kept < 1``.
+    """
+
+    def __init__(self, kept: int = RECORDINGS_KEPT) -> None:
+        if kept < 1:
+            raise ValueError(f"kept must be at least 1, got {kept}")
+        self.kept = kept
+        self._items: OrderedDict[Hashable, R] = OrderedDict()  # in order of use, the most recent last
+
+    def get(self, key: Hashable, record: Callable[[], R]) -> R:
+        """The recording of ``key``, made by ``record()`` where it is not kept (dropping the least recently used
+        where ``kept`` are); now the most recently used. Whatever ``record`` raises propagates, nothing kept."""
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        recording = record()
+        while len(self._items) >= self.kept:
+            self._items.popitem(last=False)
+        self._items[key] = recording
+        return recording
+
+    def clear(self) -> None:
+        """Drop every recording (the next :meth:`get` of any key records)."""
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def counts_vector(layers: Sequence[LayerCounts]) -> tuple[int, ...]:

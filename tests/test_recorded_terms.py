@@ -23,7 +23,7 @@ from betty_trainer.models.stack import LayerStack
 from betty_trainer.rng import tensor_path
 from estimator.counts import LayerCounts, counts_of
 from estimator.estimate import estimate_micro_batch
-from estimator.recorder import RecordingRefused
+from estimator.recorder import KeptRecordings, RecordingRefused
 from estimator.tape import Replay, StepTape
 
 MODELS = {"sage-mean": ["model.arch=sage", "model.aggregator=mean"],
@@ -108,11 +108,10 @@ def test_model_terms_are_recorded_once_per_model_structure():
 
 
 def test_model_terms_keep_the_most_recently_used_configurations(monkeypatch):
-    """A process keeps the recordings of at most ``STACKS_KEPT`` configurations, dropping the least recently used:
-    a configuration used again stays, one not used since is recorded anew."""
+    """A process keeps the recordings of at most ``KeptRecordings.kept`` configurations, dropping the least recently
+    used: a configuration used again stays, one not used since is recorded anew."""
     recorded = []
-    monkeypatch.setattr(recorded_terms, "_STACKS", {})
-    monkeypatch.setattr(recorded_terms, "STACKS_KEPT", 2)
+    monkeypatch.setattr(recorded_terms, "_STACKS", KeptRecordings(2))
     monkeypatch.setattr(recorded_terms, "RecordedStack", lambda model: recorded.append(model) or RecordedStack(model))
     first, second, third = (built("gcn", width, 0.5)[0] for width in (8, 12, 16))
     kept = model_terms(first)
@@ -123,6 +122,8 @@ def test_model_terms_keep_the_most_recently_used_configurations(monkeypatch):
     model_terms(second)  # recorded anew, in place of third's
     model_terms(third)  # recorded anew, in place of first's
     assert len(recorded) == 5 and model_terms(first) is not kept and len(recorded) == 6
+    with pytest.raises(ValueError, match="at least 1"):
+        KeptRecordings(0)
 
 
 @pytest.mark.parametrize(("mode", "width"), [(torch.no_grad, 23), (torch.inference_mode, 21)],

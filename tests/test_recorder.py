@@ -27,7 +27,15 @@ from betty_trainer.models.aggregate import mean_neighbours
 from betty_trainer.training.dry_run import dry_run
 from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts, block_structure_bytes, counts_of
-from estimator.recorder import RecordedModel, Recorder, Recording, RecordingRefused, recording_sizes, solve
+from estimator.recorder import (
+    KeptRecordings,
+    RecordedModel,
+    Recorder,
+    Recording,
+    RecordingRefused,
+    recording_sizes,
+    solve,
+)
 from tests.test_calibration import LR, WEIGHT_DECAY, adam, train_under_half_its_peak
 
 
@@ -102,7 +110,7 @@ def test_the_engine_s_sum_of_two_gradients_is_recorded_in_place_as_it_runs(cora,
     for k in (1, 4):
         assert_recorded_within_1_percent(model, record_model(model, cora, 2, adam), cora, k, exact=True)
     monkeypatch.setattr("estimator.recorder._Recording._sums_in_place", lambda *args: False)
-    monkeypatch.setattr("betty_trainer.memory.recorded._RECORDED", {})
+    monkeypatch.setattr("betty_trainer.memory.recorded._RECORDED", KeptRecordings())
     out_of_place = record_model(model, cora, 2, adam)
     with pytest.raises(AssertionError):
         assert_recorded_within_1_percent(model, out_of_place, cora, 1, exact=True)

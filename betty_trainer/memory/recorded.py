@@ -26,6 +26,7 @@ from betty_trainer.models.recorded_terms import fake_block
 from estimator.calibrate import CalibratedModel
 from estimator.counts import LayerCounts
 from estimator.recorder import (
+    KeptRecordings,
     RecordedModel,
     Recorder,
     Recording,
@@ -49,7 +50,8 @@ def record_model(
 ) -> RecordedModel:
     """The exact closed form of ``model``'s training step on ``graph`` with ``optimizer_factory``'s optimizer,
     recorded once per process for each key of :func:`recording_key` (a later call with an equal key returns the
-    same :class:`~estimator.recorder.RecordedModel`).
+    same :class:`~estimator.recorder.RecordedModel` while it is among the most recently used:
+    :class:`~estimator.recorder.KeptRecordings`).
 
     A fake copy of the model (:meth:`~estimator.recorder.Recorder.fake_module`: no real tensor is copied or
     allocated) takes one unrecorded step, so the optimizer's state exists as in training; then the step is
@@ -86,12 +88,10 @@ def record_model(
         raise RecordingRefused(f"{type(model).__name__} has no parameters to train")
     pattern = tuple(weighted) or (False,) * num_layers
     key = (*recording_key(model, graph, num_layers, optimizer_factory(parameters), device), pattern)  # no state yet
-    if key not in _RECORDED:
-        _RECORDED[key] = _record(model, graph, num_layers, optimizer_factory, device, pattern)
-    return _RECORDED[key]
+    return _RECORDED.get(key, lambda: _record(model, graph, num_layers, optimizer_factory, device, pattern))
 
 
-_RECORDED: dict[tuple, RecordedModel] = {}
+_RECORDED: KeptRecordings[RecordedModel] = KeptRecordings()
 
 
 class WeightedEstimates:

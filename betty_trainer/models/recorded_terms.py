@@ -57,6 +57,7 @@ from betty_trainer.models.stack import LayerStack
 from betty_trainer.rng import tensor_path
 from estimator.counts import LayerCounts
 from estimator.recorder import (
+    KeptRecordings,
     PieceScope,
     Recorder,
     Recording,
@@ -694,17 +695,14 @@ class RecordedStack:
         return self.layers[index].layer_memory_terms(tape, counts, h, h_grad, consume_input)
 
 
-STACKS_KEPT = 64
-"""Model configurations whose recordings a process keeps (:func:`model_terms`), the least recently used dropped
-first: a sweep over many configurations in one process holds at most this many."""
-
-_STACKS: dict[tuple, RecordedStack] = {}  # in order of use, the most recent last
+_STACKS: KeptRecordings[RecordedStack] = KeptRecordings()
 
 
 def model_terms(model: LayerStack) -> RecordedStack:
     """The :class:`RecordedStack` of ``model``, one per process for models of the same module classes, configuration
     (``repr``), and parameter shapes, dtypes and ``requires_grad``: recorded on a meta-device copy (no parameter or
-    buffer is kept), each configuration once while it is among the :data:`STACKS_KEPT` most recently used.
+    buffer is kept), each configuration once while it is among the most recently used
+    (:class:`~estimator.recorder.KeptRecordings`).
 
     Raises:
         RecordingRefused: as :class:`RecordedStack`.
@@ -712,12 +710,10 @@ def model_terms(model: LayerStack) -> RecordedStack:
     check_torch()  # on every call, cached or not
     key = (tuple(type(module) for module in model.modules()), repr(model),
            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()))
-    stack = _STACKS.pop(key, None)
-    if stack is None:
+
+    def record() -> RecordedStack:
         memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in model.parameters()}
         memo.update({id(buffer): torch.empty_like(buffer, device="meta") for buffer in model.buffers()})
-        stack = RecordedStack(copy.deepcopy(model, memo))
-        while len(_STACKS) >= STACKS_KEPT:
-            del _STACKS[next(iter(_STACKS))]  # the least recently used
-    _STACKS[key] = stack  # now the most recent
-    return stack
+        return RecordedStack(copy.deepcopy(model, memo))
+
+    return _STACKS.get(key, record)
