@@ -254,9 +254,9 @@ def test_cooperative_mode_refuses_the_samplers_whose_sample_is_per_process_or_pe
 
 def test_a_cpu_exchange_returns_once_the_backend_lets_go_of_views_of_its_buffers(monkeypatch, caplog):
     """``_all_to_all`` on the CPU returns only after the backend's worker thread has dropped what it held of the
-    tensors, tensors sharing their storages included (seen only in the storages' reference counts), so the send buffer is freed
-    where the code says, as the cooperative estimate counts it; past ``RELEASE_WAIT_S`` it returns with a warning
-    instead of waiting on."""
+    tensors, tensors sharing their storages included (seen only in the storages' reference counts), so the send
+    buffer is freed where the code says, as the cooperative estimate counts it; past ``RELEASE_WAIT_S`` it returns
+    with a warning instead of waiting on."""
     let_go, released = threading.Event(), threading.Event()
 
     def backend(output, input, output_counts, input_counts, group=None):  # a worker thread holding on after it is done
@@ -265,7 +265,7 @@ def test_a_cpu_exchange_returns_once_the_backend_lets_go_of_views_of_its_buffers
 
         def worker():
             let_go.wait()
-            released.set()  # before the views go, so a return that waited for them always finds it set
+            released.set()  # before the tensors go, so a return that waited for them always finds it set
             kept.clear()
 
         threading.Thread(target=worker).start()

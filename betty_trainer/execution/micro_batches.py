@@ -213,8 +213,8 @@ class MicroBatchPlan:
     Its estimate and report count each micro-batch's layers from the split (:meth:`counted_layers`), slicing none;
     a micro-batch is sliced only when it runs or is measured. A split made without estimates (a fixed ``K``: each
     batch assigned by the graph, or split by the partitioner for a closed-form estimator) is counted only when
-    something reads its sizes: the estimate, the report, the work; the
-    redundancy the training loop reads after every step comes from the micro-batches the step built.
+    something reads its sizes: the estimate, the report, the work; the redundancy the training loop reads after
+    every step comes from the micro-batches the step built.
     """
 
     batch: Batch
@@ -235,8 +235,8 @@ class MicroBatchPlan:
     def estimate(self) -> int | None:
         """The largest micro-batch's estimated peak, bytes: the search's (:attr:`partition.Split.estimates`), or,
         for a split made without estimates (a fixed ``K``: :class:`~betty_trainer.memory.planner.Planner`), the
-        closed form of each micro-batch's counted layers
-        (:meth:`counted_layers`, none sliced) when asked (``None`` without a closed form)."""
+        closed form of each micro-batch's counted layers (:meth:`counted_layers`, none sliced) when asked (``None``
+        without a closed form)."""
         if self.split.estimates or self.itemise is None:
             return max(self.split.estimates, default=0) or None
         return max(self.itemise(self.counted_layers(index), index > 0).peak_bytes for index in range(self.pieces))
